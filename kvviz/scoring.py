@@ -1,0 +1,135 @@
+"""Last-query attention scores captured beside SDPA, without switching the model to eager attention.
+
+The model keeps running `sdpa`; we register a thin wrapper (``kvviz_sdpa``) with
+``transformers.AttentionInterface`` that calls the stock SDPA function and, only while a *sink* is active
+on the current thread, hands each layer's tensors to it.  The sink (the engine's eviction controller)
+decides whether to compute anything; scores are computed lazily by :class:`LayerView` so policies that
+only look at keys or values pay nothing for attention.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_IMPLEMENTATION = "kvviz_sdpa"
+
+
+@dataclass
+class LayerView:
+    """One attention layer's view of the current decode step, handed to a policy.
+
+    Parameters
+    ----------
+    layer : int
+        Layer index in the model.
+    query : torch.Tensor
+        Post-RoPE query of the newest token, shape ``(num_heads, head_dim)``.
+    keys, values : torch.Tensor
+        The cached (post-RoPE) keys and values in slot order, including the newest token,
+        shape ``(num_kv_heads, n, head_dim)``.  Views into the cache: do not modify.
+    scaling : float
+        The softmax scale the model uses.
+    """
+
+    layer: int
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scaling: float
+    _attn: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_groups(self) -> int:
+        return self.query.shape[0] // self.keys.shape[0]
+
+    @property
+    def attn(self) -> torch.Tensor:
+        """Float32 softmax of the newest query over every cached slot, shape ``(num_heads, n)``.
+
+        GQA-aware: query heads are grouped by their KV head and multiplied against that head's keys
+        directly (no ``repeat_kv`` copy of the cache).
+        """
+        if self._attn is None:
+            num_kv, n, dim = self.keys.shape
+            grouped_q = self.query.float().view(num_kv, self.num_groups, dim)
+            logits = torch.matmul(grouped_q, self.keys.float().transpose(1, 2)) * self.scaling
+            self._attn = torch.softmax(logits, dim=-1).reshape(num_kv * self.num_groups, n)
+        return self._attn
+
+    def value_norms(self) -> torch.Tensor:
+        """L2 norm of each cached value, per query head (the KV head's norm repeated over its group), ``(num_heads, n)``."""
+        norms = self.values.float().norm(dim=-1)
+        return norms.repeat_interleave(self.num_groups, dim=0)
+
+
+class ScoreSink(Protocol):
+    """What the attention wrapper talks to: the engine's controller during a decode step."""
+
+    def wants_layer(self, layer: int) -> bool: ...
+
+    def on_layer(self, view: LayerView) -> None: ...
+
+
+_active = threading.local()
+
+
+def active_sink() -> ScoreSink | None:
+    return getattr(_active, "sink", None)
+
+
+@contextmanager
+def scoring(sink: ScoreSink | None):
+    """Route this thread's attention calls to ``sink`` for the duration of the block (``None``: no scoring)."""
+    previous = active_sink()
+    _active.sink = sink
+    try:
+        yield
+    finally:
+        _active.sink = previous
+
+
+def set_active_sink(sink: ScoreSink | None) -> None:
+    """Non-scoped variant of :func:`scoring`, for the ``model.generate`` integration (the cache drives it)."""
+    _active.sink = sink
+
+
+def kvviz_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
+    """SDPA, plus a hand-off of the newest query and the cache to the active sink (batch size 1)."""
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    sink = active_sink()
+    if sink is not None and query.shape[2] == 1:
+        layer = getattr(module, "layer_idx", None)
+        if layer is not None and sink.wants_layer(layer):
+            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            sink.on_layer(LayerView(layer, query[0, :, -1], key[0], value[0], float(scaling)))
+    return out
+
+
+_registered = False
+
+
+def install(model) -> None:
+    """Switch ``model`` from SDPA to the score-capturing SDPA wrapper (numerically identical outputs)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, kvviz_sdpa_forward)
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        _registered = True
+    current = model.config._attn_implementation
+    if current == ATTN_IMPLEMENTATION:
+        return
+    if current != "sdpa":
+        raise ValueError(
+            f"kvviz captures scores beside SDPA, but this model uses attn_implementation={current!r}; "
+            "load it with attn_implementation='sdpa'."
+        )
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+

@@ -1,0 +1,116 @@
+"""Per-step events and the trace they make up (save to / load from parquet)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@dataclass
+class StepEvent:
+    """What happened at one decode step.
+
+    Step ``k >= 1`` is the forward pass that consumes generated token ``k`` (``token_id``) and produces
+    token ``k + 1`` (``new_token_id``, text ``text``).  Step 0 is the prefill, which produces token 1.
+
+    Attributes
+    ----------
+    kept : np.ndarray
+        Sorted absolute positions in the cache after this step's eviction (what step ``k + 1`` attends to).
+    evicted : np.ndarray
+        Positions dropped at this step, sorted.
+    utility : np.ndarray or None
+        The policy's utility for each position in ``kept`` (same order), if the policy has one.
+    scored : bool
+        Whether this step computed attention scores.
+    t_forward, t_score, t_evict : float
+        Seconds in the model forward (scoring excluded), in scoring, and in choosing and applying evictions.
+    """
+
+    step: int
+    token_id: int
+    new_token_id: int
+    text: str
+    kept: np.ndarray
+    evicted: np.ndarray
+    utility: np.ndarray | None = None
+    scored: bool = False
+    t_forward: float = 0.0
+    t_score: float = 0.0
+    t_evict: float = 0.0
+
+    @property
+    def cache_size(self) -> int:
+        return int(self.kept.size)
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step,
+            "token_id": self.token_id,
+            "new_token_id": self.new_token_id,
+            "text": self.text,
+            "kept": self.kept.tolist(),
+            "evicted": self.evicted.tolist(),
+            "cache_size": self.cache_size,
+            "scored": self.scored,
+            "t_forward": self.t_forward,
+            "t_score": self.t_score,
+            "t_evict": self.t_evict,
+        }
+
+
+@dataclass
+class Trace:
+    """A whole run: its settings and every step's event (``events[0]`` is the prefill)."""
+
+    prompt_ids: list[int]
+    budget: int
+    policy: str
+    params: dict = field(default_factory=dict)
+    model: str = ""
+    events: list[StepEvent] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated token ids (token 1 comes out of the prefill)."""
+        return [e.new_token_id for e in self.events if e.new_token_id >= 0]
+
+    @property
+    def decode_steps(self) -> list[StepEvent]:
+        return [e for e in self.events if e.step >= 1]
+
+    def meta(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "budget": self.budget, "policy": self.policy,
+                "params": self.params, "model": self.model}
+
+    def save(self, path: str | Path) -> None:
+        rows = [asdict(e) for e in self.events]
+        for row in rows:
+            for key in ("kept", "evicted", "utility"):
+                row[key] = None if row[key] is None else row[key].tolist()
+        table = pa.Table.from_pandas(pd.DataFrame(rows), preserve_index=False)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"kvviz": json.dumps(self.meta())})
+        pq.write_table(table, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        table = pq.read_table(path)
+        meta = json.loads(table.schema.metadata[b"kvviz"])
+        events = []
+        for row in table.to_pylist():
+            row["kept"] = np.asarray(row["kept"], dtype=np.int64)
+            row["evicted"] = np.asarray(row["evicted"] or [], dtype=np.int64)
+            if row["utility"] is not None:
+                row["utility"] = np.asarray(row["utility"], dtype=np.float32)
+            events.append(StepEvent(**row))
+        return cls(events=events, **meta)
