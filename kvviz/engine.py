@@ -188,14 +188,15 @@ def cache_kwarg(model) -> str:
 @torch.inference_mode()
 def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: int | None = None,
            compression: float | None = None, max_new_tokens: int = 64,
-           sampler: Sampler | None = None) -> Iterator[StepEvent]:
+           sampler: Sampler | None = None, ignore_eos: bool = False) -> Iterator[StepEvent]:
     """Generate up to ``max_new_tokens`` tokens, evicting with ``policy``; yield one event per step.
 
-    The first event (step 0) is the prefill; each later event is one decode step.  Stops after an EOS.
+    The first event (step 0) is the prefill; each later event is one decode step.  Stops after an EOS
+    unless ``ignore_eos`` (benchmarks that need a fixed length).
     """
     sampler = sampler or Sampler()
     device, prompt_len = model.device, len(prompt_ids)
-    eos, cache_arg = eos_ids(model, tokenizer), cache_kwarg(model)
+    eos, cache_arg = set() if ignore_eos else eos_ids(model, tokenizer), cache_kwarg(model)
     bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression))
     total = prompt_len + max_new_tokens
     capacity = total if bound is None else min(total, max(prompt_len, bound) + 1)
@@ -210,7 +211,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     generated = [token]
     kept, utility = cache.kept_and_utility()
     yield StepEvent(0, -1, token, _piece(tokenizer, generated), kept, np.empty(0, np.int64), utility,
-                    t_forward=time.perf_counter() - start)
+                    t_forward=time.perf_counter() - start, cache_bytes=cache.nbytes())
 
     for step in range(1, max_new_tokens):
         if token in eos:
@@ -227,7 +228,8 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         generated.append(token)
         kept, utility = cache.kept_and_utility()
         yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility,
-                        scored=scores, t_forward=t_forward, t_score=cache.score_seconds, t_evict=t_evict)
+                        scored=scores, t_forward=t_forward, t_score=cache.score_seconds, t_evict=t_evict,
+                        cache_bytes=cache.nbytes())
 
 
 def _piece(tokenizer, generated: list[int]) -> str:
@@ -292,7 +294,7 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     events = list(stream(model, tokenizer, prompt_ids, policy_obj, **run_kwargs))
     budget = resolve_budget(len(prompt_ids), compression=run_kwargs.get("compression"), budget=run_kwargs.get("budget"))
     name = policy if isinstance(policy, str) else type(policy).__name__
-    trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model, "name_or_path", ""), events)
+    trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events)
     text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
     return Result(text, trace)
 

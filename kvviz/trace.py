@@ -31,6 +31,8 @@ class StepEvent:
         Whether this step computed attention scores.
     t_forward, t_score, t_evict : float
         Seconds in the model forward (scoring excluded), in scoring, and in choosing and applying evictions.
+    cache_bytes : int
+        Bytes the cache's key/value buffers hold after this step (allocated slots, all layers).
     """
 
     step: int
@@ -44,6 +46,7 @@ class StepEvent:
     t_forward: float = 0.0
     t_score: float = 0.0
     t_evict: float = 0.0
+    cache_bytes: int = 0
 
     @property
     def cache_size(self) -> int:
@@ -62,6 +65,7 @@ class StepEvent:
             "t_forward": self.t_forward,
             "t_score": self.t_score,
             "t_evict": self.t_evict,
+            "cache_bytes": self.cache_bytes,
         }
 
 

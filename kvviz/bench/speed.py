@@ -1,0 +1,189 @@
+"""``kvviz bench speed``: decode speed of plain ``model.generate`` vs the engine's policies, in one run.
+
+CPU default: the default model, a ~2k-token prompt, 64 new tokens, 90% compression.  With ``--config``
+the model is built from a config with random weights (``llama-3.1-8b``, ``qwen2.5-7b``, or ``tiny`` to try
+the script quickly) and the prompt is random token ids at each ``--contexts`` length; this is the mode for
+a GPU machine, which cannot download weights.
+
+Every figure is measured in the same process and reported next to the ``generate`` baseline as a ratio.
+Each configuration runs ``--repeats`` times, interleaved, and the best run is kept (least disturbed).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import datetime, timezone
+
+import torch
+
+CONFIGS = {
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       rope_theta=1000000.0, max_position_embeddings=131072, sliding_window=None),
+    "tiny": dict(model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192),
+}
+POLICIES = ("full", "inertia", "inertia-lazy", "score-free")
+
+
+def add_arguments(parser) -> None:
+    from ..models import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--config", choices=sorted(CONFIGS), help="random-weight model built from a config")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default model)")
+    parser.add_argument("--contexts", default="16384,32768,65536", help="prompt lengths with --config")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--compression", type=float, default=0.9)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="also write the JSON lines to this file")
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def haystack_prompt(tokenizer, tokens: int) -> list[int]:
+    """A deterministic ~``tokens``-token chat prompt: varied filler sentences around a passkey question."""
+    subjects = ["The river", "A lantern", "The old map", "Our neighbour", "The committee", "A small boat"]
+    verbs = ["drifted past", "lit up", "pointed toward", "argued about", "waited near", "circled"]
+    objects = ["the quiet harbour", "a row of houses", "the northern hills", "the last train", "an empty field"]
+    sentences, i = [], 0
+    from ..engine import encode_prompt
+
+    while True:
+        sentences.append(f"{subjects[i % 6]} {verbs[(i * 7) % 6]} {objects[(i * 5) % 5]} on day {i}.")
+        if i == 40:
+            sentences.append("The passkey is 7342519. Remember it.")
+        i += 1
+        if i % 20 == 0:
+            ids = encode_prompt(tokenizer, " ".join(sentences) + " What is the passkey? Then summarise the text.")
+            if len(ids) >= tokens:
+                return ids[:tokens]
+
+
+def build_from_config(name: str, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .. import scoring
+
+    spec = dict(CONFIGS[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    scoring.install(model)
+    return model
+
+
+def time_generate(model, prompt_ids: list[int], new_tokens: int, device) -> dict:
+    """Plain ``model.generate`` with HF's default dynamic cache (the baseline)."""
+    ids = torch.tensor([prompt_ids], device=device)
+    timings = {}
+    for count in (1, new_tokens):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0)
+        _sync(device)
+        timings[count] = time.perf_counter() - start
+    decode = timings[new_tokens] - timings[1]
+    return {"prefill_s": timings[1], "decode_s": decode, "decode_tok_s": (new_tokens - 1) / decode}
+
+
+def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
+                device) -> dict:
+    from ..engine import decode
+    from ..policies import make_policy
+
+    policy = make_policy(policy_name)
+    _sync(device)
+    start = time.perf_counter()
+    prefill_done, score, evict, steps = None, 0.0, 0.0, 0
+    for event in decode(model, tokenizer, prompt_ids, policy, budget=None if policy_name == "full" else budget,
+                        max_new_tokens=new_tokens, ignore_eos=True):
+        if event.step == 0:
+            _sync(device)
+            prefill_done = time.perf_counter()
+        else:
+            score, evict, steps = score + event.t_score, evict + event.t_evict, steps + 1
+    _sync(device)
+    decode_s = time.perf_counter() - prefill_done
+    return {"prefill_s": prefill_done - start, "decode_s": decode_s, "decode_tok_s": steps / decode_s,
+            "score_share": score / decode_s, "evict_share": evict / decode_s,
+            "final_cache": int(event.cache_size)}
+
+
+def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
+    from ..engine import resolve_budget
+
+    budget = resolve_budget(len(prompt_ids), compression=args.compression)
+    device = args.device
+    best: dict[str, dict] = {}
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.repeats):  # interleaved repeats: drift on a shared machine hits every row alike
+        runs = {"generate": time_generate(model, prompt_ids, args.new_tokens, device)}
+        for name in POLICIES:
+            runs[name] = time_engine(model, tokenizer, prompt_ids, name, args.new_tokens, budget, device)
+        for name, result in runs.items():
+            if name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]:
+                best[name] = result
+    base = best["generate"]["decode_tok_s"]
+    rows = []
+    for name, result in best.items():
+        rows.append({"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
+                     ("generate", "full") else len(prompt_ids) + args.new_tokens,
+                     "new_tokens": args.new_tokens, **{k: round(v, 5) for k, v in result.items()},
+                     "vs_generate": round(result["decode_tok_s"] / base, 3)})
+    if torch.device(device).type == "cuda":
+        rows[-1]["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return rows
+
+
+def main(args) -> int:
+    from ..models import load_model
+
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
+            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "device": args.device}
+    if args.device.startswith("cuda"):
+        meta["gpu"] = torch.cuda.get_device_name()
+    if args.config:
+        model = build_from_config(args.config, args.device)
+        tokenizer = _NullTokenizer()
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, model.config.vocab_size, (int(n),), generator=generator).tolist()
+                   for n in args.contexts.split(",")]
+        meta["model"] = f"{args.config} (random weights)"
+    else:
+        model, tokenizer = load_model(args.model, device=args.device)
+        prompts = [haystack_prompt(tokenizer, args.prompt_tokens)]
+        meta["model"] = args.model
+    lines = [json.dumps({"meta": meta})]
+    print(lines[0], flush=True)
+    for prompt_ids in prompts:
+        for row in measure(model, tokenizer, prompt_ids, args):
+            lines.append(json.dumps(row))
+            print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+    return 0
+
+
+class _NullTokenizer:
+    """Random-weight models have no tokenizer; the engine only needs ``decode`` for text pieces."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""

@@ -1,0 +1,201 @@
+"""The ``kvviz`` command: generate with a policy, list policies, run benchmarks, serve the app."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _policy_params(args) -> dict:
+    params = {}
+    if args.alpha is not None:
+        params["alpha"] = args.alpha
+    if args.refresh is not None:
+        params["refresh"] = args.refresh
+    for item in args.param or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param takes NAME=VALUE, got {item!r}")
+        params[key] = _parse_value(value)
+    return params
+
+
+def _validate_generate(args) -> None:
+    if args.compression is not None and not 0.0 <= args.compression < 1.0:
+        raise ValueError(f"--compression must be in [0, 1), got {args.compression}")
+    if args.budget is not None and args.budget < 1:
+        raise ValueError(f"--budget must be at least 1, got {args.budget}")
+    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"--alpha must be in [0, 1], got {args.alpha}")
+    if args.refresh is not None and args.refresh < 1:
+        raise ValueError(f"--refresh must be at least 1, got {args.refresh}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+
+
+def cmd_generate(args) -> int:
+    from . import engine
+    from .models import load_model
+    from .policies import make_policy
+    from .trace import Trace
+
+    _validate_generate(args)
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as error:
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {error.strerror}") from None
+    else:
+        prompt = args.prompt
+    if not prompt or not prompt.strip():
+        raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text")
+    policy = make_policy(args.policy, **_policy_params(args))
+    compression = args.compression if args.budget is None and args.compression is not None else None
+    if args.budget is None and args.compression is None and args.policy != "full":
+        compression = 0.9  # the papers' aggressive regime
+    model, tokenizer = load_model(args.model, device=args.device)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
+    engine.check_prompt(model, prompt_ids, args.max_new_tokens)
+    budget = engine.resolve_budget(len(prompt_ids), compression=compression, budget=args.budget)
+
+    events = []
+    start = time.perf_counter()
+    for event in engine.decode(model, tokenizer, prompt_ids, policy, budget=budget,
+                               max_new_tokens=args.max_new_tokens,
+                               sampler=engine.Sampler(args.temperature, args.top_p, args.seed)):
+        events.append(event)
+        if not args.json:
+            print(event.text, end="", flush=True)
+    elapsed = time.perf_counter() - start
+    trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events)
+    decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in trace.decode_steps)
+    summary = {
+        "prompt_len": len(prompt_ids),
+        "budget": budget,
+        "final_cache_size": events[-1].cache_size,
+        "new_tokens": len(trace.token_ids),
+        "tok_per_s": len(trace.token_ids) / elapsed,
+        "decode_tok_per_s": len(trace.decode_steps) / decode_seconds if decode_seconds else None,
+    }
+    if args.trace:
+        trace.save(args.trace)
+    if args.json:
+        out = {
+            "text": tokenizer.decode(trace.token_ids, skip_special_tokens=True),
+            "token_ids": trace.token_ids,
+            "policy": args.policy,
+            "params": policy.params(),
+            "model": args.model,
+            **summary,
+            "steps": [e.to_json() for e in trace.decode_steps],
+        }
+        print(json.dumps(out))
+    else:
+        print(f"\n\n-- prompt {summary['prompt_len']} tokens, budget {budget}, final cache "
+              f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_policies(args) -> int:
+    from .policies import REGISTRY
+
+    if args.json:
+        print(json.dumps([{"name": s.name, "display": s.display, "family": s.family, "description": s.description,
+                           "paper": s.paper, "parameters": s.parameters()} for s in REGISTRY.values()], default=str))
+        return 0
+    for spec in REGISTRY.values():
+        print(f"{spec.name:<14} {spec.family:<20} {spec.description}")
+        for p in spec.parameters():
+            bounds = f"choices {list(p['choices'])}" if p.get("choices") else (
+                f"range [{p['low']}, {p['high']}]" if p.get("low") is not None else "")
+            print(f"{'':<16}--param {p['name']}={p['default']}  {bounds}  {p.get('help', '')}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import speed
+
+    if args.bench == "speed":
+        return speed.main(args)
+    raise ValueError(f"unknown benchmark {args.bench!r}")
+
+
+def cmd_serve(args) -> int:
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parent.parent / "app.py"), run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .models import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="kvviz", description="Explore decoding-time KV-cache eviction.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with an eviction policy")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="default model, HF hub id, local dir, or tiny-random-llama")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--policy", default="inertia", help="a name from `kvviz policies`")
+    budget = gen.add_mutually_exclusive_group()
+    budget.add_argument("--compression", type=float, help="rho in [0, 1): budget = floor((1 - rho) * prompt length)")
+    budget.add_argument("--budget", type=int, help="absolute cache budget in tokens")
+    gen.add_argument("--alpha", type=float, help="EMA coefficient (InertiaKV family)")
+    gen.add_argument("--refresh", type=int, help="score refresh interval r (inertia-lazy)")
+    gen.add_argument("--param", action="append", metavar="NAME=VALUE", help="any other policy parameter")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap the prompt in the chat template (--no-chat: tokenise as is, no special tokens)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--trace", help="save the per-step trace to this parquet file")
+    gen.set_defaults(func=cmd_generate)
+
+    pol = sub.add_parser("policies", help="list the policy registry")
+    pol.add_argument("--json", action="store_true")
+    pol.set_defaults(func=cmd_policies)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from .bench import speed
+
+    speed.add_arguments(bench_sub.add_parser("speed", help="decode speed: generate vs engine policies"))
+    bench.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="start the Gradio app (same as python app.py)")
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"kvviz: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

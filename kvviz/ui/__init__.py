@@ -1,0 +1,1 @@
+"""The Gradio app: figures built from the engine's step events, and the Blocks layout."""

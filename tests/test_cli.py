@@ -1,0 +1,104 @@
+"""The kvviz command: JSON output contract, streamed output, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TEXT
+
+TINY = ["--model", "tiny-random-llama"]
+
+
+def kvviz_cli(*args, timeout=300):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "kvviz.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_json_contract(tmp_path):
+    trace_file = tmp_path / "trace.parquet"
+    proc = kvviz_cli("generate", *TINY, "--prompt", TEXT, "--no-chat", "--policy", "inertia",
+                     "--compression", "0.5", "--max-new-tokens", "12", "--json", "--trace", str(trace_file))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    prompt_len, budget = out["prompt_len"], out["budget"]
+    assert budget == prompt_len // 2
+    assert len(out["token_ids"]) == 12 and len(out["steps"]) == 11
+    kept_before = set(range(prompt_len))
+    for k, step in enumerate(out["steps"], start=1):
+        assert step["step"] == k
+        assert step["token_id"] == out["token_ids"][k - 1]  # step k consumes generated token k
+        assert step["kept"] == sorted(step["kept"]) and len(step["kept"]) <= budget
+        new = prompt_len + k - 1
+        assert set(step["kept"]) == (kept_before | {new}) - set(step["evicted"])
+        kept_before = set(step["kept"])
+    import kvviz
+
+    assert kvviz.Trace.load(trace_file).token_ids == out["token_ids"]
+
+
+def test_no_chat_tokenises_the_prompt_as_is():
+    proc = kvviz_cli("generate", *TINY, "--prompt", TEXT, "--no-chat", "--policy", "full",
+                     "--max-new-tokens", "2", "--json")
+    import kvviz
+
+    _, tokenizer = kvviz.load_model("tiny-random-llama")
+    assert json.loads(proc.stdout)["prompt_len"] == len(tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+    chat = json.loads(kvviz_cli("generate", *TINY, "--prompt", TEXT, "--policy", "full", "--max-new-tokens", "2",
+                                "--json").stdout)
+    assert chat["prompt_len"] > json.loads(proc.stdout)["prompt_len"]  # the template adds role markers
+
+
+def test_plain_output_streams_text_and_summary():
+    proc = kvviz_cli("generate", *TINY, "--prompt", TEXT, "--policy", "inertia-lazy", "--budget", "20",
+                     "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "budget 20" in proc.stderr and "final cache 20" in proc.stderr and "tok/s" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "   "], "prompt is empty"),
+        (["--prompt", TEXT, "--compression", "1.0"], "--compression"),
+        (["--prompt", TEXT, "--compression", "-0.2"], "--compression"),
+        (["--prompt", TEXT, "--alpha", "1.5"], "--alpha"),
+        (["--prompt", TEXT, "--refresh", "0"], "--refresh"),
+        (["--prompt", TEXT, "--budget", "0"], "--budget"),
+        (["--prompt", TEXT, "--policy", "nope"], "unknown policy"),
+        (["--prompt", TEXT, "--policy", "full", "--alpha", "0.5"], "no parameter"),
+        (["--prompt", TEXT * 200, "--max-new-tokens", "10"], "context"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
+    ],
+)
+def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
+    from kvviz.cli import main
+
+    code = main(["generate", *TINY, *args])  # in-process: same code path as the command, without its start-up
+    stderr = capsys.readouterr().err
+    assert code != 0
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
+
+
+def test_unknown_model_fails_with_one_clear_line(tmp_path):
+    proc = kvviz_cli("generate", "--model", str(tmp_path / "no-such-model"), "--prompt", "hi")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and "no-such-model" in lines[-1] and len(lines) == 1
+
+
+def test_policies_lists_the_registry():
+    proc = kvviz_cli("policies", "--json")
+    listed = {p["name"]: p for p in json.loads(proc.stdout)}
+    from kvviz.policies import REGISTRY
+
+    assert set(listed) == set(REGISTRY)
+    lazy = {p["name"]: p for p in listed["inertia-lazy"]["parameters"]}
+    assert lazy["refresh"]["default"] == 4 and lazy["alpha"]["low"] == 0.0 and lazy["alpha"]["high"] == 1.0

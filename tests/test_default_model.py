@@ -1,0 +1,39 @@
+"""The real default model (SmolLM2-135M-Instruct): exactness against generate and eviction end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvviz
+from test_engine import masked_reference
+
+pytestmark = pytest.mark.default_model
+
+PROMPT = ("Here is a list of facts. The passkey is 7342519. The capital of Peru is Lima. Cats sleep a lot. "
+          "Water boils at 100 degrees Celsius at sea level. What is the passkey? Answer briefly.")
+
+
+def test_full_equals_generate_on_default_model(default_model):
+    model, tokenizer = default_model
+    ids = kvviz.encode_prompt(tokenizer, PROMPT)
+    result = kvviz.run(model, tokenizer, ids, "full", max_new_tokens=32)
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    assert result.token_ids == expected
+
+
+@pytest.mark.parametrize("policy", ["inertia", "inertia-lazy"])
+def test_eviction_on_default_model_matches_masked_reference(default_model, policy):
+    model, tokenizer = default_model
+    ids = kvviz.encode_prompt(tokenizer, PROMPT)
+    result = kvviz.run(model, tokenizer, ids, policy, compression=0.5, max_new_tokens=24)
+    assert all(e.cache_size <= result.trace.budget for e in result.trace.decode_steps)
+    assert result.token_ids == masked_reference(model, ids, result.trace)
+
+
+def test_default_model_is_smollm2(default_model):
+    model, tokenizer = default_model
+    config = model.config
+    assert (config.model_type, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.hidden_size) == ("llama", 30, 9, 3, 576)
+    assert "Paris" in kvviz.run(model, tokenizer, "What is the capital of France?", "full", max_new_tokens=12).text

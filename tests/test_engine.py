@@ -1,0 +1,219 @@
+"""The engine against independent references: plain generate, a masked full cache, eager attention."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvviz
+from kvviz.cache import SlotCache
+from kvviz.engine import resolve_budget
+from kvviz.policies import REGISTRY
+
+
+def generate_ids(model, prompt_ids, new_tokens):
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_full_policy_equals_generate(family, tiny_prompt):
+    model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
+    result = kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=24)
+    assert result.token_ids == generate_ids(model, tiny_prompt, 24)
+    assert len(result.token_ids) == 24
+
+
+def test_stops_after_eos_like_generate(tiny_prompt):
+    model, tokenizer = kvviz.load_model("tiny-random-llama")
+    free_run = kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=12).token_ids
+    model.generation_config.eos_token_id = [free_run[4]]  # make the fifth greedy token an EOS
+    result = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=200, max_new_tokens=12)
+    assert result.token_ids == free_run[: free_run.index(free_run[4]) + 1]
+    assert result.token_ids == generate_ids(model, tiny_prompt, 12)
+
+
+def test_budget_above_everything_equals_generate(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    budget = len(tiny_prompt) + 24
+    result = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=budget, max_new_tokens=24)
+    assert result.token_ids == generate_ids(model, tiny_prompt, 24)
+    assert all(e.evicted.size == 0 for e in result.trace.events)
+
+
+def masked_reference(model, prompt_ids, trace):
+    """Replay with HF's own DynamicCache holding every token, hiding the positions the engine evicted through
+    an ordinary 2D attention mask.  Physical eviction must give the same tokens."""
+    prompt_len = len(prompt_ids)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt_ids]), cache=cache).logits
+        tokens = [int(logits[0, -1].argmax())]
+        for event in trace.decode_steps:
+            position = prompt_len + event.step - 1
+            mask = torch.zeros(1, position + 1, dtype=torch.long)
+            mask[0, trace.events[event.step - 1].kept] = 1  # what the previous step kept ...
+            mask[0, position] = 1  # ... plus the token being fed
+            logits = model(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask,
+                           position_ids=torch.tensor([[position]]), cache=cache).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("policy", ["inertia", "inertia-lazy", "cumulative"])
+def test_physical_eviction_equals_masked_full_cache(tiny, tiny_prompt, policy):
+    model, tokenizer = tiny
+    result = kvviz.run(model, tokenizer, tiny_prompt, policy, compression=0.75, max_new_tokens=40)
+    assert result.trace.budget == len(tiny_prompt) // 4
+    assert result.token_ids == masked_reference(model, tiny_prompt, result.trace)
+    # The comparison means something only if eviction changed the output.
+    assert result.token_ids != generate_ids(model, tiny_prompt, 40)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_policy_respects_its_bound_and_reports_consistent_sets(tiny, tiny_prompt, name):
+    model, tokenizer = tiny
+    budget = 20
+    result = kvviz.run(model, tokenizer, tiny_prompt, name, budget=budget, max_new_tokens=30)
+    events = result.trace.events
+    bound = kvviz.make_policy(name).cache_bound(budget)
+    prompt_len = len(tiny_prompt)
+    assert events[0].kept.tolist() == list(range(prompt_len))  # never evicts during prefill
+    for previous, event in zip(events, events[1:]):
+        new = prompt_len + event.step - 1
+        before = set(previous.kept.tolist()) | {new}
+        assert set(event.evicted.tolist()) <= before
+        assert set(event.kept.tolist()) == before - set(event.evicted.tolist())
+        assert np.all(np.diff(event.kept) > 0)
+        if bound is not None:
+            assert event.cache_size <= bound
+        if event.utility is not None:
+            assert event.utility.shape == event.kept.shape
+
+
+def test_cache_memory_is_physically_reduced(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    config = model.config
+    per_slot = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # float32 K and V
+    result = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=16, max_new_tokens=8)
+    prefill, steps = result.trace.events[0], result.trace.decode_steps
+    assert prefill.cache_bytes == (len(tiny_prompt) + 1) * per_slot
+    assert all(e.cache_bytes == 17 * per_slot for e in steps)  # B slots + one for the incoming token
+
+
+@pytest.mark.parametrize("policy", ["inertia", "inertia-lazy", "score-free"])
+def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
+    model, tokenizer = tiny
+    result = kvviz.run(model, tokenizer, tiny_prompt, policy, compression=0.5, max_new_tokens=20)
+    with kvviz.attach(model, policy, compression=0.5) as cache:
+        out = model.generate(torch.tensor([tiny_prompt]), cache=cache, max_new_tokens=20, do_sample=False)
+    assert out[0, len(tiny_prompt):].tolist() == result.token_ids
+    assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.decode_steps]
+
+
+class Recorder:
+    def __init__(self):
+        self.attn = {}
+
+    def wants_layer(self, layer):
+        return True
+
+    def on_layer(self, view):
+        self.attn[view.layer] = view.attn.clone()
+
+
+def test_captured_scores_equal_eager_attention(tiny, tiny_prompt):
+    """The SDPA-side capture (grouped queries, no repeat_kv) equals eager attention's own weights."""
+    model, _ = tiny
+    cache = SlotCache(model.config.num_hidden_layers)
+    recorder = Recorder()
+    ids = tiny_prompt + [17]
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([tiny_prompt]), cache=cache)
+        with kvviz.scoring.scoring(recorder):
+            model(input_ids=torch.tensor([[17]]), position_ids=torch.tensor([[len(tiny_prompt)]]), cache=cache)
+        eager = copy.deepcopy(model)
+        eager.set_attn_implementation("eager")
+        attentions = eager(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    assert sorted(recorder.attn) == list(range(model.config.num_hidden_layers))
+    for layer, weights in enumerate(attentions):
+        torch.testing.assert_close(recorder.attn[layer], weights[0, :, -1, :].float(), rtol=1e-4, atol=1e-6)
+
+
+def test_slot_cache_compaction_moves_survivors_into_holes():
+    cache = SlotCache(num_layers=2, capacity=8)
+    keys = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)  # key value == position, easy to follow
+    for layer in range(2):
+        cache.update(keys, keys + 100, layer)
+    cache.evict(torch.tensor([1, 4]))  # drop positions 1 and 4: slot 1 is refilled from slot 5
+    assert cache.live_positions().tolist() == [0, 5, 2, 3]
+    for layer in cache.layers:
+        assert layer.keys[0, 0, :4, 0].tolist() == [0, 5, 2, 3]
+        assert layer.values[0, 0, :4, 0].tolist() == [100, 105, 102, 103]
+    new = torch.tensor([[[[6.0]]]])
+    for layer in range(2):
+        k, v = cache.update(new, new + 100, layer)
+    assert cache.live_positions().tolist() == [0, 5, 2, 3, 6] and k[0, 0, :, 0].tolist() == [0, 5, 2, 3, 6]
+    assert cache.get_seq_length() == 5
+
+
+@pytest.mark.parametrize(
+    "prompt_len, kwargs, expected",
+    [(100, dict(compression=0.9), 10), (1000, dict(compression=0.9), 100), (57, dict(compression=0.5), 28),
+     (10, dict(budget=3), 3), (10, {}, 10), (30, dict(compression=0.0), 30)],
+)
+def test_resolve_budget(prompt_len, kwargs, expected):
+    assert resolve_budget(prompt_len, **kwargs) == expected
+
+
+@pytest.mark.parametrize("kwargs", [dict(compression=1.0), dict(compression=-0.1), dict(budget=0),
+                                    dict(compression=0.99)])
+def test_resolve_budget_rejects(kwargs):
+    with pytest.raises(ValueError):
+        resolve_budget(50, **kwargs)
+
+
+def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    sample = lambda seed, top_p=1.0: kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=16,
+                                                temperature=1.0, top_p=top_p, seed=seed).token_ids
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+    assert sample(3, top_p=1e-6) == kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=16).token_ids
+
+
+def test_trace_round_trips_through_parquet(tiny, tiny_prompt, tmp_path):
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=8).trace
+    trace.save(tmp_path / "t.parquet")
+    loaded = kvviz.Trace.load(tmp_path / "t.parquet")
+    assert loaded.meta() == trace.meta()
+    assert loaded.token_ids == trace.token_ids
+    for a, b in zip(loaded.events, trace.events):
+        assert a.kept.tolist() == b.kept.tolist() and a.evicted.tolist() == b.evicted.tolist()
+        assert np.allclose(a.utility, b.utility) and a.text == b.text and a.step == b.step
+
+
+def test_step_k_consumes_token_k(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=6).trace
+    tokens = trace.token_ids
+    assert [e.token_id for e in trace.decode_steps] == tokens[:-1]
+    assert [e.step for e in trace.events] == list(range(6))
+
+
+def test_text_pieces_concatenate_to_the_decoded_text(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    result = kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=20)
+    assert "".join(e.text for e in result.trace.events) == result.text
+
+
+def test_prompt_over_context_is_refused(tiny):
+    model, tokenizer = tiny
+    too_long = [5] * (model.config.max_position_embeddings)
+    with pytest.raises(ValueError, match="context"):
+        kvviz.run(model, tokenizer, too_long, "full", max_new_tokens=4)
