@@ -26,6 +26,11 @@ class SlotLayer(CacheLayerMixin):
         self.n = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"kvviz evicts per sequence and supports batch size 1, got a batch of {key_states.shape[0]}; "
+                "run the prompts one at a time"
+            )
         self.device, self.dtype = key_states.device, key_states.dtype
         self._allocate(max(self.capacity, key_states.shape[-2]), key_states, value_states)
         self.is_initialized = True

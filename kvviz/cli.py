@@ -140,11 +140,18 @@ def cmd_serve(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line (what to change), not a usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="kvviz", description="Explore decoding-time KV-cache eviction.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvviz", description="Explore decoding-time KV-cache eviction.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text with an eviction policy")
     src = gen.add_mutually_exclusive_group(required=True)

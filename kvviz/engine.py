@@ -62,6 +62,10 @@ class EvictingCache(SlotCache):
         self.events: list[StepEvent] = []
 
     # -- score sink -----------------------------------------------------------------------------------
+    @property
+    def prefill_window(self) -> int:
+        return self.policy.prefill_window
+
     def wants_layer(self, layer: int) -> bool:
         return self.policy.wants_layer(layer)
 
@@ -70,11 +74,20 @@ class EvictingCache(SlotCache):
         self.policy.observe(view, self.live_positions())
         self.score_seconds += time.perf_counter() - start
 
+    def on_prefill_layer(self, view) -> None:
+        start = time.perf_counter()
+        self.policy.observe_prefill(view, self.live_positions())
+        self.score_seconds += time.perf_counter() - start
+
     # -- step protocol --------------------------------------------------------------------------------
-    def start_prefill(self, prompt_len: int) -> None:
+    def start_prefill(self, prompt_len: int, max_new_tokens: int | None = None) -> bool:
+        """Reset the policy for a prompt; True if the prefill itself must be scored (prefill-time policy)."""
         self.budget = resolve_budget(prompt_len, **self._budget_args)
-        self.policy.reset(prompt_len, self.budget)
+        self.policy.reset(prompt_len, self.budget, len(self.layers))
         self.step = 0
+        self.score_seconds = 0.0
+        self.final_bound = None if max_new_tokens is None else self.policy.cache_bound(self.budget, max_new_tokens)
+        return self.policy.prefill_window > 0
 
     def start_step(self, step: int) -> bool:
         """Announce decode step ``step`` (its token enters at position ``self.seen``); True if it scores."""
@@ -84,17 +97,24 @@ class EvictingCache(SlotCache):
         self.policy.begin_step(step, self.live_positions(), self.seen)
         return scores
 
-    def finish_step(self) -> tuple[np.ndarray, float]:
-        """Apply the policy's evictions for the current step; return (evicted positions, seconds)."""
+    def finish_step(self) -> tuple[np.ndarray, np.ndarray | None, float]:
+        """Apply the policy's evictions for the current step.
+
+        Returns the evicted positions, the policy's raw scores of this step for every position present
+        before eviction (sorted by position; ``None`` if it computed none) and the seconds it took.
+        """
         start = time.perf_counter()
         positions = self.live_positions()
+        raw = self.policy.raw_scores(positions)
+        if raw is not None:
+            raw = raw[torch.argsort(positions)].float().numpy().copy()
         slots = self.policy.select_evictions(self.step, positions, self.budget)
         evicted = positions[slots].sort().values.numpy().copy()
         self.evict(slots)
-        bound = self.policy.cache_bound(self.budget)
+        bound = self.final_bound if self.final_bound is not None else self.policy.cache_bound(self.budget, self.step)
         if bound is not None and slots.numel() and self.layers[0].capacity > bound + 1:
             self.resize(bound + 1)  # the prompt no longer fits the budget: hand its memory back once
-        return evicted, time.perf_counter() - start
+        return evicted, raw, time.perf_counter() - start
 
     def kept_and_utility(self) -> tuple[np.ndarray, np.ndarray | None]:
         positions = self.live_positions()
@@ -107,8 +127,7 @@ class EvictingCache(SlotCache):
     def begin_forward(self, count: int) -> None:
         if self.auto:
             if self.step < 0:
-                self.start_prefill(count)
-                scoring.set_active_sink(None)
+                scoring.set_active_sink(self if self.start_prefill(count) else None)
             else:
                 self.close_step()
                 scores = self.start_step(self.step + 1)
@@ -117,10 +136,14 @@ class EvictingCache(SlotCache):
 
     def close_step(self) -> None:
         """Finish the step in flight (generate mode) and record its event (token fields unknown: -1)."""
-        if self.step >= 1 and (not self.events or self.events[-1].step < self.step):
-            evicted, seconds = self.finish_step()
-            kept, utility = self.kept_and_utility()
-            self.events.append(StepEvent(self.step, -1, -1, "", kept, evicted, utility, t_evict=seconds))
+        if self.step < 0 or (self.events and self.events[-1].step >= self.step):
+            return
+        if self.step == 0 and self.policy.prefill_window == 0:
+            evicted, raw, seconds = np.empty(0, np.int64), None, 0.0  # decode-time: never evicts at prefill
+        else:
+            evicted, raw, seconds = self.finish_step()
+        kept, utility = self.kept_and_utility()
+        self.events.append(StepEvent(self.step, -1, -1, "", kept, evicted, utility, raw, t_evict=seconds))
 
 
 @contextmanager
@@ -197,21 +220,23 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     sampler = sampler or Sampler()
     device, prompt_len = model.device, len(prompt_ids)
     eos, cache_arg = set() if ignore_eos else eos_ids(model, tokenizer), cache_kwarg(model)
-    bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression))
+    bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression), max_new_tokens)
     total = prompt_len + max_new_tokens
     capacity = total if bound is None else min(total, max(prompt_len, bound) + 1)
     cache = EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
-    cache.start_prefill(prompt_len)
+    prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
 
     start = time.perf_counter()
-    with scoring.scoring(None):  # decode-time policies never score or evict during prefill
+    with scoring.scoring(cache if prefill_scores else None):  # only prefill-time policies look at the prefill
         logits = model(input_ids=torch.tensor([prompt_ids], device=device),
                        position_ids=torch.arange(prompt_len, device=device)[None], **{cache_arg: cache}).logits
+    t_forward = time.perf_counter() - start - cache.score_seconds
+    evicted, raw, t_evict = cache.finish_step() if prefill_scores else (np.empty(0, np.int64), None, 0.0)
     token = sampler(logits[0, -1])
     generated = [token]
     kept, utility = cache.kept_and_utility()
-    yield StepEvent(0, -1, token, _piece(tokenizer, generated), kept, np.empty(0, np.int64), utility,
-                    t_forward=time.perf_counter() - start, cache_bytes=cache.nbytes())
+    yield StepEvent(0, -1, token, _piece(tokenizer, generated), kept, evicted, utility, raw, prefill_scores,
+                    t_forward, cache.score_seconds, t_evict, cache.nbytes())
 
     for step in range(1, max_new_tokens):
         if token in eos:
@@ -223,13 +248,12 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
             logits = model(input_ids=torch.tensor([[token]], device=device),
                            position_ids=torch.tensor([[position]], device=device), **{cache_arg: cache}).logits
         t_forward = time.perf_counter() - start - cache.score_seconds
-        evicted, t_evict = cache.finish_step()
+        evicted, raw, t_evict = cache.finish_step()
         consumed, token = token, sampler(logits[0, -1])
         generated.append(token)
         kept, utility = cache.kept_and_utility()
-        yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility,
-                        scored=scores, t_forward=t_forward, t_score=cache.score_seconds, t_evict=t_evict,
-                        cache_bytes=cache.nbytes())
+        yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility, raw, scores,
+                        t_forward, cache.score_seconds, t_evict, cache.nbytes())
 
 
 def _piece(tokenizer, generated: list[int]) -> str:

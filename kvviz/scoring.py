@@ -70,12 +70,46 @@ class LayerView:
         return norms.repeat_interleave(self.num_groups, dim=0)
 
 
+@dataclass
+class PrefillView:
+    """One layer at prefill, for prefill-time policies (SnapKV): the last ``window`` prompt queries.
+
+    Parameters
+    ----------
+    queries : torch.Tensor
+        Post-RoPE queries of the last ``w`` prompt tokens, shape ``(num_heads, w, head_dim)``.
+    keys, values : torch.Tensor
+        The whole prompt's keys and values, ``(num_kv_heads, n, head_dim)``.
+    """
+
+    layer: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scaling: float
+
+    @property
+    def attn(self) -> torch.Tensor:
+        """Causal float32 softmax of each window query over the prompt, ``(num_heads, w, n)``."""
+        num_kv, n, dim = self.keys.shape
+        heads, window, _ = self.queries.shape
+        grouped = self.queries.float().reshape(num_kv, heads // num_kv * window, dim)
+        logits = torch.matmul(grouped, self.keys.float().transpose(1, 2)).view(heads, window, n) * self.scaling
+        query_pos = torch.arange(n - window, n, device=logits.device)[:, None]
+        logits = logits.masked_fill(torch.arange(n, device=logits.device)[None] > query_pos, float("-inf"))
+        return torch.softmax(logits, dim=-1)
+
+
 class ScoreSink(Protocol):
     """What the attention wrapper talks to: the engine's controller during a decode step."""
+
+    prefill_window: int  # > 0: hand the last `prefill_window` prompt queries over at prefill
 
     def wants_layer(self, layer: int) -> bool: ...
 
     def on_layer(self, view: LayerView) -> None: ...
+
+    def on_prefill_layer(self, view: PrefillView) -> None: ...
 
 
 _active = threading.local()
@@ -105,11 +139,15 @@ def kvviz_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     """SDPA, plus a hand-off of the newest query and the cache to the active sink (batch size 1)."""
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     sink = active_sink()
-    if sink is not None and query.shape[2] == 1:
-        layer = getattr(module, "layer_idx", None)
-        if layer is not None and sink.wants_layer(layer):
-            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-            sink.on_layer(LayerView(layer, query[0, :, -1], key[0], value[0], float(scaling)))
+    layer = getattr(module, "layer_idx", None)
+    if sink is None or layer is None or not sink.wants_layer(layer):
+        return out
+    scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
+    if query.shape[2] == 1:
+        sink.on_layer(LayerView(layer, query[0, :, -1], key[0], value[0], scaling))
+    elif sink.prefill_window > 0:
+        window = min(sink.prefill_window, query.shape[2])
+        sink.on_prefill_layer(PrefillView(layer, query[0, :, -window:], key[0], value[0], scaling))
     return out
 
 

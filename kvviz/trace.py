@@ -27,6 +27,9 @@ class StepEvent:
         Positions dropped at this step, sorted.
     utility : np.ndarray or None
         The policy's utility for each position in ``kept`` (same order), if the policy has one.
+    raw : np.ndarray or None
+        The policy's un-aggregated score of this step (e.g. layer-mean attention) for every position present
+        before eviction, i.e. ``union(kept, evicted)`` in position order; ``None`` if it computed none.
     scored : bool
         Whether this step computed attention scores.
     t_forward, t_score, t_evict : float
@@ -42,6 +45,7 @@ class StepEvent:
     kept: np.ndarray
     evicted: np.ndarray
     utility: np.ndarray | None = None
+    raw: np.ndarray | None = None
     scored: bool = False
     t_forward: float = 0.0
     t_score: float = 0.0
@@ -51,6 +55,11 @@ class StepEvent:
     @property
     def cache_size(self) -> int:
         return int(self.kept.size)
+
+    @property
+    def present(self) -> np.ndarray:
+        """Positions in the cache during this step, before its eviction (what ``raw`` is aligned with)."""
+        return np.union1d(self.kept, self.evicted)
 
     def to_json(self) -> dict:
         return {
@@ -100,7 +109,7 @@ class Trace:
     def save(self, path: str | Path) -> None:
         rows = [asdict(e) for e in self.events]
         for row in rows:
-            for key in ("kept", "evicted", "utility"):
+            for key in ("kept", "evicted", "utility", "raw"):
                 row[key] = None if row[key] is None else row[key].tolist()
         table = pa.Table.from_pandas(pd.DataFrame(rows), preserve_index=False)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"kvviz": json.dumps(self.meta())})
@@ -114,7 +123,8 @@ class Trace:
         for row in table.to_pylist():
             row["kept"] = np.asarray(row["kept"], dtype=np.int64)
             row["evicted"] = np.asarray(row["evicted"] or [], dtype=np.int64)
-            if row["utility"] is not None:
-                row["utility"] = np.asarray(row["utility"], dtype=np.float32)
+            for key in ("utility", "raw"):
+                if row[key] is not None:
+                    row[key] = np.asarray(row[key], dtype=np.float32)
             events.append(StepEvent(**row))
         return cls(events=events, **meta)

@@ -87,6 +87,27 @@ def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
 
 
+def test_argument_errors_are_one_line(capsys):
+    from kvviz.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--compression", "0.5"])  # neither --prompt nor --prompt-file
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--prompt" in lines[0]
+
+
+def test_batches_are_refused_with_a_clear_error(tiny):
+    import torch
+
+    import kvviz
+
+    model, _ = tiny
+    with kvviz.attach(model, "inertia", compression=0.5) as cache:
+        with pytest.raises(ValueError, match="batch size 1"):
+            model.generate(torch.ones(2, 8, dtype=torch.long), cache=cache, max_new_tokens=2)
+
+
 def test_unknown_model_fails_with_one_clear_line(tmp_path):
     proc = kvviz_cli("generate", "--model", str(tmp_path / "no-such-model"), "--prompt", "hi")
     assert proc.returncode != 0

@@ -77,22 +77,29 @@ def test_physical_eviction_equals_masked_full_cache(tiny, tiny_prompt, policy):
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_policy_respects_its_bound_and_reports_consistent_sets(tiny, tiny_prompt, name):
     model, tokenizer = tiny
-    budget = 20
-    result = kvviz.run(model, tokenizer, tiny_prompt, name, budget=budget, max_new_tokens=30)
+    budget = 40  # above SnapKV's window (32) and AvoKV-E's protected tail + sinks (32 + 4)
+    policy = kvviz.make_policy(name, **({"interval": 16} if name in ("avokv", "rkv") else {}))
+    result = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=40)
     events = result.trace.events
-    bound = kvviz.make_policy(name).cache_bound(budget)
     prompt_len = len(tiny_prompt)
-    assert events[0].kept.tolist() == list(range(prompt_len))  # never evicts during prefill
+    prefill = events[0]
+    if policy.prefill_window == 0:
+        assert prefill.kept.tolist() == list(range(prompt_len))  # decode-time: never evicts during prefill
+    assert set(prefill.kept.tolist()) | set(prefill.evicted.tolist()) == set(range(prompt_len))
     for previous, event in zip(events, events[1:]):
         new = prompt_len + event.step - 1
         before = set(previous.kept.tolist()) | {new}
         assert set(event.evicted.tolist()) <= before
         assert set(event.kept.tolist()) == before - set(event.evicted.tolist())
         assert np.all(np.diff(event.kept) > 0)
-        if bound is not None:
+    for event in events:
+        bound = policy.cache_bound(budget, event.step)
+        if bound is not None and (event.step >= 1 or policy.prefill_window):
             assert event.cache_size <= bound
         if event.utility is not None:
             assert event.utility.shape == event.kept.shape
+        if event.raw is not None:
+            assert event.raw.shape == event.present.shape
 
 
 def test_cache_memory_is_physically_reduced(tiny, tiny_prompt):
@@ -112,10 +119,12 @@ def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     with kvviz.attach(model, policy, compression=0.5) as cache:
         out = model.generate(torch.tensor([tiny_prompt]), cache=cache, max_new_tokens=20, do_sample=False)
     assert out[0, len(tiny_prompt):].tolist() == result.token_ids
-    assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.decode_steps]
+    assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
 
 class Recorder:
+    prefill_window = 0
+
     def __init__(self):
         self.attn = {}
 

@@ -133,13 +133,13 @@ def test_vnorm_weights_heads_by_normalised_value_norm():
     # One KV head shared by two query heads; value norms [1, 3] normalise to [0.5, 1.5].
     # Heads [.5, .5] and [.2, .8] become [.25, .75] and [.1, 1.2]; head mean [.175, .975].
     values = torch.tensor([[[1.0, 0.0], [0.0, 3.0]]])
-    score = vnorm_score(view(0, [[0.5, 0.5], [0.2, 0.8]], values))
+    score = vnorm_score(view(0, [[0.5, 0.5], [0.2, 0.8]], values), torch.tensor([0, 1]))
     assert score.tolist() == pytest.approx([0.175, 0.975])
 
 
 def test_entropy_weights_layer_by_normalised_entropy():
     # Head entropies / ln 2: [.5, .5] -> 1, [1, 0] -> 0; mean 0.5.  Head-mean attention [.75, .25] -> [.375, .125].
-    score = entropy_score(view(0, [[0.5, 0.5], [1.0, 0.0]]))
+    score = entropy_score(view(0, [[0.5, 0.5], [1.0, 0.0]]), torch.tensor([0, 1]))
     assert score.tolist() == pytest.approx([0.375, 0.125])
 
 

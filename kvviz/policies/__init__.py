@@ -9,11 +9,24 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from .avokv import AvoKVE
 from .base import Policy
 from .full import FullCache
+from .h2o import H2O
 from .inertia import InertiaKV
+from .inertia_decoupled import DecoupledInertiaKV
+from .keydiff import KeyDiff
+from .knorm import KNorm
+from .random_keep import RandomEviction
+from .recency import Recency
+from .rkv import RKV
+from .snapkv import SnapKV
+from .streaming import StreamingLLM
+from .tova import TOVA
 
 INERTIA = "InertiaKV (inertiakv.txt)"
+AVOKV = "AvoKV-E (avokv-e.txt)"
+EMA_MEMORY = "Previous-step weight alpha**K for K scoring layers (0.8**30 ~ 1e-3 on SmolLM2-135M)."
 
 
 @dataclass(frozen=True)
@@ -54,19 +67,47 @@ REGISTRY: dict[str, PolicySpec] = {
     for spec in [
         PolicySpec("full", FullCache, "Full cache", "reference", "No eviction; equals model.generate."),
         PolicySpec("inertia", InertiaKV, "InertiaKV", "InertiaKV",
-                   "Layer-sequential EMA of last-query attention, scored every step.", f"{INERTIA} §3.1, App. E"),
+                   f"Layer-sequential EMA of last-query attention, scored every step. {EMA_MEMORY}",
+                   f"{INERTIA} §3.1, App. E"),
         PolicySpec("inertia-lazy", InertiaKV, "InertiaKV-Lazy", "InertiaKV",
-                   "InertiaKV scoring only on steps 1, 1+r, 1+2r, ...; stale utility in between.",
+                   f"InertiaKV scoring only on steps 1, 1+r, 1+2r, ...; stale utility in between. {EMA_MEMORY}",
                    f"{INERTIA} §3.2", {"refresh": 4}),
         PolicySpec("score-free", InertiaKV, "Score-Free", "InertiaKV",
                    "Score once at the first decode step, then freeze the ranking.", f"{INERTIA} §3.2",
                    {"refresh": 0}),
         PolicySpec("single-step", InertiaKV, "Single-step", "InertiaKV ablation",
-                   "alpha = 0: the last eligible layer's scores of the current step.", f"{INERTIA} Eq. 2",
-                   {"alpha": 0.0}),
+                   "alpha = 0: the last eligible layer's scores of the current step (previous-step weight 0).",
+                   f"{INERTIA} Eq. 2", {"alpha": 0.0}),
         PolicySpec("cumulative", InertiaKV, "Cumulative", "InertiaKV ablation",
-                   "m <- m + s for every layer and step (no decay, H2O-style).", f"{INERTIA} Eq. 3",
-                   {"aggregation": "sum"}),
+                   "m <- m + s for every layer and step (no decay, H2O-style; previous-step weight 1).",
+                   f"{INERTIA} Eq. 3", {"aggregation": "sum"}),
+        *[PolicySpec(f"inertia-{scorer}", InertiaKV, f"InertiaKV ({scorer})", "InertiaKV scorer ablation",
+                     f"InertiaKV's EMA over the {scorer} scorer instead of attention.", f"{INERTIA} §5.1",
+                     {"scorer": scorer}) for scorer in ("vnorm", "entropy", "keydiff", "knorm", "recency")],
+        PolicySpec("inertia-decoupled", DecoupledInertiaKV, "InertiaKV (decoupled)", "InertiaKV extension",
+                   "Layers averaged first (all, or the last k), then one EMA per step: previous-step weight alpha.",
+                   "kvviz; addresses the coupling named in InertiaKV §6"),
+        PolicySpec("avokv", AvoKVE, "AvoKV-E", "AvoKV-E",
+                   "Delayed eligibility + payload-aware, rank-normalised risk at checkpoints every 128 tokens.",
+                   f"{AVOKV} §4"),
+        PolicySpec("rkv", RKV, "R-KV", "baseline",
+                   "Pooled attention of the last 8 queries minus key redundancy, at checkpoints every 128 tokens.",
+                   f"Cai et al. 2025, as compared in {AVOKV}"),
+        PolicySpec("tova", TOVA, "TOVA", "baseline",
+                   "Every step, evict the entry with the lowest current last-query attention.",
+                   f"Oren et al. 2024, as compared in {INERTIA}"),
+        PolicySpec("h2o", H2O, "H2O", "baseline", "Accumulated attention (heavy hitters) plus a recent window.",
+                   "Zhang et al. 2023"),
+        PolicySpec("streaming", StreamingLLM, "StreamingLLM", "baseline",
+                   "4 attention-sink tokens plus the most recent B - 4.", "Xiao et al. 2024"),
+        PolicySpec("snapkv", SnapKV, "SnapKV", "baseline",
+                   "Prefill-time: prompt positions voted by the last 32 prompt queries; no decode-time eviction.",
+                   f"Li et al. 2024, as compared in {INERTIA}"),
+        PolicySpec("keydiff", KeyDiff, "KeyDiff", "baseline", "Keep keys least similar to the mean key direction.",
+                   f"Park et al. 2025, as compared in {INERTIA}"),
+        PolicySpec("knorm", KNorm, "K-norm", "baseline", "Keep low-norm keys.", "Devoto et al. 2024"),
+        PolicySpec("recency", Recency, "Recency", "baseline", "Keep the most recent B tokens.", ""),
+        PolicySpec("random", RandomEviction, "Random", "baseline", "Evict uniformly at random (seeded).", ""),
     ]
 }
 

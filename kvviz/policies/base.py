@@ -3,6 +3,8 @@
 A decode step ``k`` (k = 1, 2, ...) is the forward pass that consumes generated token ``k``.  For each step
 the engine calls, in order:
 
+0. prefill-time policies only (``prefill_window > 0``): ``observe_prefill(view, positions)`` per layer
+   during the prefill, then ``select_evictions(0, ...)`` right after it;
 1. ``wants_scores(k)`` -- should the attention wrapper hand this step's layers to the policy?
 2. ``begin_step(k, cached, new_position)`` -- a new token (absolute position ``new_position``) is about to
    enter a cache currently holding ``cached`` (absolute positions, slot order);
@@ -16,10 +18,11 @@ slots.  They see tensors only: nothing here knows about the UI, the CLI or the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 
-from ..scoring import LayerView
+from ..scoring import LayerView, PrefillView
 
 NO_SLOTS = torch.empty(0, dtype=torch.long)
 
@@ -33,9 +36,11 @@ def param(default, *, low=None, high=None, choices=None, help=""):
 class Policy:
     """Base class: keeps everything (the ``full`` reference)."""
 
-    def reset(self, prompt_len: int, budget: int) -> None:
-        """Start a new sequence whose prompt (positions ``0 .. prompt_len-1``) was prefilled."""
-        self.prompt_len = prompt_len
+    prefill_window: ClassVar[int] = 0  # > 0 for prefill-time policies: prompt queries they score with
+
+    def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
+        """Start a new sequence whose prompt (positions ``0 .. prompt_len-1``) is about to be prefilled."""
+        self.prompt_len, self.budget, self.num_layers = prompt_len, budget, num_layers
 
     def wants_scores(self, step: int) -> bool:
         return False
@@ -49,6 +54,9 @@ class Policy:
     def observe(self, view: LayerView, positions: torch.Tensor) -> None:
         """One eligible layer of a scoring step; ``positions[slot]`` maps ``view``'s slots to positions."""
 
+    def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
+        """One layer of the prefill (prefill-time policies only)."""
+
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
         """Slot indices to drop after step ``step``'s forward pass (``positions``: live slots)."""
         return NO_SLOTS
@@ -57,8 +65,19 @@ class Policy:
         """The policy's current per-entry utility for ``positions`` (higher = kept longer), if it has one."""
         return None
 
-    def cache_bound(self, budget: int) -> int | None:
-        """Most live entries after any step's eviction; ``None`` means unbounded (no eviction)."""
+    def raw_scores(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """This step's un-aggregated score (e.g. layer-mean attention) for ``positions``, if it computed one."""
+        return None
+
+    def cache_bound(self, budget: int, step: int) -> int | None:
+        """Most live entries after step ``step``'s eviction; ``None`` means unbounded (no eviction).
+
+        Non-decreasing in ``step``; the engine sizes the cache with the bound at the last step.
+        """
+        return None
+
+    def previous_step_weight(self, num_layers: int) -> float | None:
+        """Weight the utility of the previous step keeps after one scoring step, if the rule has one."""
         return None
 
     def params(self) -> dict:
@@ -90,3 +109,32 @@ def lowest(utility: torch.Tensor, positions: torch.Tensor, count: int) -> torch.
 
 def over_budget(positions: torch.Tensor, budget: int) -> int:
     return max(0, positions.numel() - budget)
+
+
+def grown(state: torch.Tensor, position: int, fill: float = 0.0) -> torch.Tensor:
+    """``state`` (indexed by absolute position) with room for ``position`` (doubling, amortised O(1))."""
+    if position < state.numel():
+        return state
+    extra = torch.full((max(state.numel(), position + 1 - state.numel()),), fill, dtype=state.dtype)
+    return torch.cat([state, extra])
+
+
+class StepMean:
+    """Per-position mean of the layer scores seen during one step (layer-averaged token-level score)."""
+
+    def __init__(self) -> None:
+        self.total = torch.zeros(0)
+        self.layers = 0
+
+    def clear(self) -> None:
+        self.total.zero_()
+        self.layers = 0
+
+    def add(self, score: torch.Tensor, positions: torch.Tensor) -> None:
+        self.total = grown(self.total, int(positions.max()))
+        self.total[positions] += score.to("cpu", torch.float32)
+        self.layers += 1
+
+    def mean(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Layer-mean score of ``positions`` this step; ``None`` before any layer was seen."""
+        return self.total[positions] / self.layers if self.layers else None

@@ -24,21 +24,21 @@ from dataclasses import dataclass
 import torch
 
 from ..scoring import LayerView
-from .base import Policy, lowest, over_budget, param
+from .base import Policy, StepMean, grown, lowest, over_budget, param
 
 
-def attention_score(view: LayerView) -> torch.Tensor:
+def attention_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
     """Head-mean last-query attention, ``(n,)``."""
     return view.attn.mean(0)
 
 
-def vnorm_score(view: LayerView) -> torch.Tensor:
+def vnorm_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
     """Each head's attention times its value norms normalised to mean 1 over the cache, then head-mean."""
     norms = view.value_norms()
     return (view.attn * norms / norms.mean(-1, keepdim=True)).mean(0)
 
 
-def entropy_score(view: LayerView) -> torch.Tensor:
+def entropy_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
     """Head-mean attention weighted by the layer's normalised entropy (mean over heads of H / log n)."""
     attn = view.attn
     n = attn.shape[-1]
@@ -48,7 +48,27 @@ def entropy_score(view: LayerView) -> torch.Tensor:
     return entropy.mean() * attn.mean(0)
 
 
-SCORERS = {"attention": attention_score, "vnorm": vnorm_score, "entropy": entropy_score}
+def keydiff_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
+    """Minus the cosine of each key to the mean normalised key (distinctive keys score high), head-mean."""
+    unit = torch.nn.functional.normalize(view.keys.float(), dim=-1)
+    anchor = torch.nn.functional.normalize(unit.mean(1, keepdim=True), dim=-1)
+    return -(unit * anchor).sum(-1).mean(0)
+
+
+def knorm_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
+    """Minus the key L2 norm over its mean (low-norm keys score high), head-mean."""
+    norms = view.keys.float().norm(dim=-1)
+    return -(norms / norms.mean(-1, keepdim=True)).mean(0)
+
+
+def recency_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
+    """Position over the newest position: 1 for the newest token, decreasing with age."""
+    positions = positions.float()
+    return (positions + 1) / (positions.max() + 1)
+
+
+SCORERS = {"attention": attention_score, "vnorm": vnorm_score, "entropy": entropy_score,
+           "keydiff": keydiff_score, "knorm": knorm_score, "recency": recency_score}
 
 
 @dataclass
@@ -72,9 +92,10 @@ class InertiaKV(Policy):
             raise ValueError(f"scorer must be one of {sorted(SCORERS)}, got {self.scorer!r}")
         self._eligible = None if self.layers == "all" else {int(i) for i in str(self.layers).split(",")}
 
-    def reset(self, prompt_len: int, budget: int) -> None:
-        super().reset(prompt_len, budget)
+    def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
+        super().reset(prompt_len, budget, num_layers)
         self.m = torch.zeros(prompt_len + 64, dtype=torch.float32)
+        self.raw = StepMean()
 
     def wants_scores(self, step: int) -> bool:
         if self.refresh == 0:
@@ -85,13 +106,14 @@ class InertiaKV(Policy):
         return self._eligible is None or layer in self._eligible
 
     def begin_step(self, step: int, cached: torch.Tensor, new_position: int) -> None:
-        if new_position >= self.m.numel():
-            self.m = torch.cat([self.m, torch.zeros(self.m.numel(), dtype=torch.float32)])
+        self.m = grown(self.m, new_position)
+        self.raw.clear()
         entering = 0.0 if self.wants_scores(step) or cached.numel() == 0 else self.m[cached].mean()
         self.m[new_position] = entering
 
     def observe(self, view: LayerView, positions: torch.Tensor) -> None:
-        score = SCORERS[self.scorer](view).to("cpu")
+        score = SCORERS[self.scorer](view, positions).to("cpu")
+        self.raw.add(score, positions)
         if self.aggregation == "sum":
             self.m[positions] += score
         else:
@@ -103,5 +125,14 @@ class InertiaKV(Policy):
     def utility(self, positions: torch.Tensor) -> torch.Tensor:
         return self.m[positions]
 
-    def cache_bound(self, budget: int) -> int:
+    def raw_scores(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return self.raw.mean(positions)
+
+    def cache_bound(self, budget: int, step: int) -> int:
         return budget
+
+    def previous_step_weight(self, num_layers: int) -> float:
+        if self.aggregation == "sum":
+            return 1.0
+        layers = num_layers if self._eligible is None else len(self._eligible)
+        return self.alpha ** layers

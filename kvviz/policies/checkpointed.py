@@ -1,0 +1,137 @@
+"""Shared machinery of checkpointed policies (R-KV, AvoKV-E): a buffer of recent queries and a schedule.
+
+Between checkpoints nothing is evicted; the newest query of every layer is buffered each step (a copy of
+``num_heads x head_dim`` floats, no attention computed).  At a checkpoint the subclass scores candidates
+from the buffered queries and the cache as it is then -- only what the prefix provides, so every
+quantity is causal.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..scoring import LayerView
+from .base import NO_SLOTS, Policy, lowest, param
+
+
+def window_attention(queries: torch.Tensor, query_positions: torch.Tensor, view: LayerView,
+                     key_positions: torch.Tensor) -> torch.Tensor:
+    """Softmax of buffered queries over the current cache, each seeing only keys not newer than itself.
+
+    Parameters
+    ----------
+    queries : torch.Tensor
+        ``(w, num_heads, head_dim)`` post-RoPE queries of the last ``w`` steps.
+    query_positions : torch.Tensor
+        ``(w,)`` absolute positions of those queries.
+    view : LayerView
+        The layer's keys, ``(num_kv_heads, n, head_dim)``.
+    key_positions : torch.Tensor
+        ``(n,)`` absolute position of each cached slot.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(num_heads, w, n)`` float32 attention probabilities.
+    """
+    window, heads, dim = queries.shape
+    num_kv, n, _ = view.keys.shape
+    grouped = queries.float().permute(1, 0, 2).reshape(num_kv, heads // num_kv * window, dim)
+    logits = torch.matmul(grouped, view.keys.float().transpose(1, 2)).view(heads, window, n) * view.scaling
+    future = key_positions.to(logits.device)[None, :] > query_positions.to(logits.device)[:, None]
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+def percentile_rank(values: torch.Tensor) -> torch.Tensor:
+    """(rank - 1) / (n - 1) with ascending ranks, ties sharing their average rank; 0 for a single value."""
+    n = values.numel()
+    if n < 2:
+        return torch.zeros_like(values, dtype=torch.float32)
+    order = torch.argsort(values, stable=True)
+    ranks = torch.empty(n, dtype=torch.float64)
+    ranks[order] = torch.arange(1, n + 1, dtype=torch.float64)
+    _, groups = torch.unique(values, return_inverse=True)
+    mean_rank = torch.zeros(int(groups.max()) + 1, dtype=torch.float64).index_add_(0, groups, ranks)
+    mean_rank = mean_rank / torch.bincount(groups).double()
+    return ((mean_rank[groups] - 1) / (n - 1)).float()
+
+
+@dataclass
+class CheckpointPolicy(Policy):
+    """Base of checkpointed policies; subclasses implement ``protected``, ``layer_features`` and ``risk``."""
+
+    interval: int = param(128, low=1, high=4096, help="generated tokens between compression checkpoints")
+    observe_window: int = param(8, low=1, high=128, help="W_obs: recent decode queries that measure attention")
+
+    def __post_init__(self):
+        if self.interval < 1 or self.observe_window < 1:
+            raise ValueError(f"interval and observe_window must be >= 1, got {self.interval} and {self.observe_window}")
+
+    def protected(self, budget: int) -> int:
+        """How many of the most recent entries are never candidates."""
+        raise NotImplementedError
+
+    def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
+        super().reset(prompt_len, budget, num_layers)
+        self.queries: dict[int, deque] = {}
+        self.checkpoint = False
+
+    def wants_scores(self, step: int) -> bool:
+        return True  # to buffer each step's queries; attention itself is only computed at checkpoints
+
+    def begin_step(self, step: int, cached: torch.Tensor, new_position: int) -> None:
+        size = cached.numel() + 1
+        # Checkpoints every `interval` tokens; also whenever the cache would exceed B + interval - 1, which
+        # only happens when the prompt alone is over budget, so the documented bound holds at every step.
+        self.checkpoint = size > self.budget and (step % self.interval == 0 or size > self.budget + self.interval - 1)
+        self.new_position = new_position
+        self.features: dict[str, torch.Tensor] = {}
+        self.layers_seen = 0
+
+    def reset_budget_check(self, budget: int, reserved: int, name: str) -> None:
+        if budget < self.prompt_len + 1 and budget <= reserved:
+            raise ValueError(f"budget {budget} must exceed the {reserved} entries {name} always protects")
+
+    def observe_query(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
+        buffer.append((self.new_position, view.query.detach().clone()))
+        positions = torch.tensor([p for p, _ in buffer])
+        return torch.stack([q for _, q in buffer]), positions
+
+    def observe(self, view: LayerView, positions: torch.Tensor) -> None:
+        queries, query_positions = self.observe_query(view)
+        if not self.checkpoint:
+            return
+        newest = int(positions.max())
+        self.candidates = torch.nonzero(positions <= newest - self.protected(self.budget)).flatten()
+        for name, value in self.layer_features(view, positions, queries, query_positions).items():
+            self.features[name] = self.features.get(name, 0) + value.to("cpu", torch.float32)
+        self.layers_seen += 1
+
+    def layer_features(self, view, positions, queries, query_positions) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def risk(self, features: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+        """Per-candidate score, higher = keep."""
+        raise NotImplementedError
+
+    def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
+        if not self.checkpoint or not self.layers_seen:
+            return NO_SLOTS
+        features = {name: total / self.layers_seen for name, total in self.features.items()}
+        candidates = self.candidates
+        score = self.risk(features, positions[candidates])
+        self.last_score = dict(zip(positions[candidates].tolist(), score.tolist()))
+        keep = max(budget - (positions.numel() - candidates.numel()), 0)
+        return candidates[lowest(score, positions[candidates], candidates.numel() - keep)]
+
+    def utility(self, positions: torch.Tensor) -> torch.Tensor | None:
+        if not hasattr(self, "last_score"):
+            return None
+        return torch.tensor([self.last_score.get(p, float("inf")) for p in positions.tolist()])
+
+    def cache_bound(self, budget: int, step: int) -> int:
+        return budget + self.interval - 1

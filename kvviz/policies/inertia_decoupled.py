@@ -1,0 +1,53 @@
+"""Decoupled InertiaKV: layer weighting and temporal memory as two separate knobs.
+
+InertiaKV's layer-sequential EMA gives the previous step weight ``alpha**K`` for ``K`` scoring layers
+(0.8**30 ~ 0.001 on a 30-layer model): at the default alpha there is almost no memory across steps, a
+coupling the paper names as a limitation.  Here each scoring step first combines its layers into one
+score ``s_t`` (uniform mean, or the mean of the last ``last_k`` layers), then applies one temporal EMA,
+``m_t = alpha * m_(t-1) + (1 - alpha) * s_t``, so the previous step keeps exactly ``alpha``.  Entry of new
+tokens, refresh schedule, scorers and eviction follow InertiaKV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..scoring import LayerView
+from .base import param
+from .inertia import SCORERS, InertiaKV
+
+
+@dataclass
+class DecoupledInertiaKV(InertiaKV):
+    """One EMA per step over a layer-averaged score; previous-step weight = alpha."""
+
+    layer_weighting: str = param("mean", choices=("mean", "last"), help="mean of all layers, or of the last k")
+    last_k: int = param(8, low=1, high=128, help="layers averaged when layer_weighting='last'")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.aggregation != "ema":
+            raise ValueError("inertia-decoupled is an EMA; use 'cumulative' for a sum")
+        if self.layer_weighting not in ("mean", "last"):
+            raise ValueError(f"layer_weighting must be 'mean' or 'last', got {self.layer_weighting!r}")
+        if self.last_k < 1:
+            raise ValueError(f"last_k must be >= 1, got {self.last_k}")
+
+    def wants_layer(self, layer: int) -> bool:
+        if self.layer_weighting == "last" and self.num_layers:
+            return layer >= self.num_layers - self.last_k
+        return super().wants_layer(layer)
+
+    def observe(self, view: LayerView, positions: torch.Tensor) -> None:
+        self.raw.add(SCORERS[self.scorer](view, positions), positions)  # the EMA waits for all layers
+
+    def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
+        # Called once per step, after every layer was seen: the step's single EMA update happens here.
+        if self.raw.layers:
+            self.m[positions] = self.alpha * self.m[positions] + (1.0 - self.alpha) * self.raw.mean(positions)
+        return super().select_evictions(step, positions, budget)
+
+    def previous_step_weight(self, num_layers: int) -> float:
+        return self.alpha

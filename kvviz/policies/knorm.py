@@ -1,0 +1,22 @@
+"""K-norm: keep low-norm keys, which tend to draw attention (no attention needed).
+
+Recomputed from the cached keys every step and averaged over KV heads and layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..scoring import LayerView
+from .inertia import knorm_score
+from .keydiff import KeyDiff
+
+
+@dataclass
+class KNorm(KeyDiff):
+    """Keep low-norm keys (they tend to draw attention): score = -||k_i|| / mean ||k||."""
+
+    def score(self, view: LayerView, positions: torch.Tensor) -> torch.Tensor:
+        return knorm_score(view, positions)
