@@ -1,0 +1,256 @@
+"""Keep rules of the baselines and AvoKV-E against hand-computed examples (worked out in comments)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvviz.policies import REGISTRY, make_policy
+from kvviz.policies.avokv import eviction_risk, max_cosine_to_others
+from kvviz.policies.checkpointed import percentile_rank, window_attention
+from kvviz.scoring import LayerView, PrefillView
+from test_policies_inertia import drive
+
+# -------------------------------------------------------------------------------------------- AvoKV-E
+
+
+def test_avokv_worked_example_appendix_a_table_5():
+    # Raw features of the four candidates ("I", "cook", "dinner", "myself").
+    p = torch.tensor([0.04, 0.81, 0.02, 0.05])
+    r = torch.tensor([0.55, 0.41, 0.55, 0.92])
+    b = torch.tensor([0.55, 0.62, 2.10, 1.20])
+    # Percentile ranks: N(p) = (1/3, 1, 0, 2/3); N(r) = (1/2, 0, 1/2, 1) (tie averaged); N(b) = (0, 1/3, 1, 2/3).
+    assert percentile_rank(p).tolist() == pytest.approx([1 / 3, 1, 0, 2 / 3])
+    assert percentile_rank(r).tolist() == pytest.approx([0.5, 0, 0.5, 1])
+    assert percentile_rank(b).tolist() == pytest.approx([0, 1 / 3, 1, 2 / 3])
+    score = eviction_risk(p, r, b, 0.1, 0.9, 0.05)
+    assert [round(s, 2) for s in score.tolist()] == [-0.42, 0.12, -0.40, -0.80]
+    keep = set((torch.topk(score, 2).indices + 1).tolist())  # two free slots; entries numbered from 1
+    assert keep == {2, 3}
+    routing = eviction_risk(p, r, b, 0.1, 0.9, 0.0)  # lambda_b = 0
+    assert [round(s, 2) for s in routing.tolist()] == [-0.42, 0.10, -0.45, -0.83]
+    assert set((torch.topk(routing, 2).indices + 1).tolist()) == {2, 1}
+
+
+def test_avokv_raw_scores_ablation_skips_normalisation():
+    p, r, b = torch.tensor([0.2, 0.4]), torch.tensor([0.5, 0.1]), torch.tensor([1.0, 3.0])
+    # 0.1*0.2 - 0.9*0.5 + 0.05*1 = -0.38 ;  0.1*0.4 - 0.9*0.1 + 0.05*3 = 0.10
+    assert eviction_risk(p, r, b, 0.1, 0.9, 0.05, normalise=False).tolist() == pytest.approx([-0.38, 0.10])
+
+
+def test_max_cosine_to_others():
+    keys = torch.tensor([[[1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]])
+    # (1,0) and (2,0) are parallel -> 1; (0,1) is orthogonal to all -> 0; (-1,0) best matches (0,1) -> 0.
+    assert max_cosine_to_others(keys).tolist() == [[1.0, 1.0, 0.0, 0.0]]
+
+
+def test_window_attention_is_causal():
+    # Two buffered queries at positions 5 and 6, zero vectors -> uniform over the keys each may see.
+    view = LayerView(0, torch.zeros(1, 2), torch.randn(1, 4, 2), torch.randn(1, 4, 2), 1.0)
+    key_positions = torch.tensor([0, 3, 6, 5])
+    attn = window_attention(torch.zeros(2, 1, 2), torch.tensor([5, 6]), view, key_positions)
+    assert attn[0, 0].tolist() == pytest.approx([1 / 3, 1 / 3, 0.0, 1 / 3])  # position 6 is in its future
+    assert attn[0, 1].tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25])
+
+
+def avokv_view(query):
+    """Seven cached entries (positions 0..6) of one head.  Keys: 0,1 point along x; 2,3 along y; 4 along -x.
+    Value norms: 1 except entry 2 (norm 4)."""
+    keys = torch.tensor([[[1.0, 0], [1, 0], [0, 1], [0, 2], [-1, 0], [1, 1], [1, -1]]])
+    values = torch.tensor([[[1.0, 0], [0, 1], [4, 0], [1, 0], [0, 1], [1, 0], [0, 1]]])
+    return LayerView(0, query, keys, values, 1.0)
+
+
+def run_avokv_step(policy):
+    policy.reset(6, 4, 1)  # prompt 0..5, budget 4, one layer
+    assert policy.wants_scores(1)
+    policy.begin_step(1, torch.arange(6), 6)
+    positions = torch.arange(7)
+    policy.observe(avokv_view(torch.zeros(1, 2)), positions)
+    drop = policy.select_evictions(1, positions, 4)
+    return set(range(7)) - set(positions[drop].tolist())
+
+
+def test_avokv_keep_rule_on_a_hand_made_cache():
+    # delay 2 protects P = {5, 6}; candidates C = {0..4}; entry 0 is a sink (S = +inf); B - |P| = 2 slots.
+    # Zero query -> uniform attention: N(p) = 0.5 for all.  Max cosine within C: 0,1 -> 1; 2,3 -> 1; 4 -> 0,
+    # so N(r) = 0.625 for 0..3 and 0 for 4.  Payload b = (1,1,4,1,1)/median 1: N(b) = .375, .375, 1, .375, .375.
+    # S = .05 - .9 N(r) + .05 N(b): 1 -> -.494, 2 -> -.4625, 3 -> -.494, 4 -> +.069.  Keep 0 (sink) and 4.
+    policy = make_policy("avokv", interval=1, delay=2, observe_window=2, sinks=1)
+    assert run_avokv_step(policy) == {0, 4, 5, 6}
+    # With lambda_r = 0 the payload decides: 2 has the largest value norm.
+    policy = make_policy("avokv", interval=1, delay=2, observe_window=2, sinks=1, lambda_r=0.0)
+    assert run_avokv_step(policy) == {0, 2, 5, 6}
+
+
+def test_avokv_evicts_only_at_checkpoints():
+    # Budget 3, prompt 2, interval 4: the cache grows 3, 4, 5, 6 and is cut back to 3 at step 4 (a checkpoint);
+    # it never exceeds B + interval - 1 = 6.
+    policy = make_policy("avokv", interval=4, delay=1, observe_window=1, sinks=0)
+    policy.reset(2, 3, 1)
+    cached, sizes = list(range(2)), []
+    for step in range(1, 9):
+        new = 1 + step
+        policy.begin_step(step, torch.tensor(cached), new)
+        cached.append(new)
+        positions = torch.tensor(cached)
+        n = len(cached)
+        view = LayerView(0, torch.zeros(1, 2), torch.randn(1, n, 2), torch.randn(1, n, 2), 1.0)
+        policy.observe(view, positions)
+        drop = set(positions[policy.select_evictions(step, positions, 3)].tolist())
+        cached = [p for p in cached if p not in drop]
+        sizes.append(len(cached))
+    assert sizes == [3, 4, 5, 3, 4, 5, 6, 3]
+    assert max(sizes) <= policy.cache_bound(3, 8) == 6
+
+
+def test_avokv_delay_rule_follows_the_budget():
+    policy = make_policy("avokv")
+    assert policy.protected(1024) == 8 and policy.protected(768) == 8
+    assert policy.protected(767) == 32 and policy.protected(512) == 32 and policy.protected(100) == 32
+    assert make_policy("avokv", delay=8).protected(100) == 8  # the W_delay = W_obs ablation
+    with pytest.raises(ValueError, match="protects"):
+        make_policy("avokv").reset(500, 30, 1)
+
+
+# -------------------------------------------------------------------------------------------- R-KV
+
+
+def test_rkv_keep_rule_on_a_hand_made_cache():
+    # window 2 protects {5, 6}; candidates {0..4}; kernel 1 (no pooling); zero query -> equal importance 1/7.
+    # Mean cosine to the other candidates: 0 -> (1 + 0 + 0 - 1)/4 = 0, 1 -> 0, 2 -> .25, 3 -> .25, 4 -> -.5;
+    # softmax -> redundancy highest for 2, 3, then 0, 1, lowest for 4.  score = .1/7 - .9 * redundancy.
+    # Keep B - |P| = 2: 4, then one of the tied 0/1 (the older, 0, is evicted first).
+    policy = make_policy("rkv", interval=1, window=2, kernel=1, observe_window=2)
+    policy.reset(6, 4, 1)
+    policy.begin_step(1, torch.arange(6), 6)
+    positions = torch.arange(7)
+    policy.observe(avokv_view(torch.zeros(1, 2)), positions)
+    drop = policy.select_evictions(1, positions, 4)
+    assert set(range(7)) - set(positions[drop].tolist()) == {1, 4, 5, 6}
+
+
+# -------------------------------------------------------------------------------------------- per-step rules
+
+
+def test_tova_keeps_top_current_attention_layer_mean():
+    # Step 1 over [0, 1, 2]: layer mean of [.2,.3,.5] and [.6,.1,.3] = [.4, .2, .4] -> evict 1.
+    # Step 2 over [0, 2, 3]: mean of [.1,.5,.4] and [.5,.1,.4] = [.3, .3, .4] -> tie 0/2, evict the older, 0.
+    steps = [[[[0.2, 0.3, 0.5]], [[0.6, 0.1, 0.3]]], [[[0.1, 0.5, 0.4]], [[0.5, 0.1, 0.4]]]]
+    kept, _ = drive(make_policy("tova"), 2, 2, steps)
+    assert kept == [{0, 2}, {2, 3}]
+
+
+def test_h2o_accumulates_and_protects_the_recent_window():
+    # Budget 4, recent 0.5 -> the 2 newest positions are always kept.  Prompt [0, 1, 2, 3].
+    # Step 1 over [0..4]: acc = [.1, .4, .1, .2, .2]; candidates (<= 4 - 2 = 2): 0, 1, 2 -> evict 0 (tie with 2, older).
+    # Step 2 over [1, 2, 3, 4, 5]: acc += [.0, .3, .0, .0, .7] -> 1: .4, 2: .4, 3: .2; candidates <= 3:
+    #   1, 2, 3 -> evict 3 (.2), although it is newer than 1 and 2.
+    steps = [[[[0.1, 0.4, 0.1, 0.2, 0.2]]], [[[0.0, 0.3, 0.0, 0.0, 0.7]]]]
+    kept, _ = drive(make_policy("h2o"), 4, 4, steps)
+    assert kept == [{1, 2, 3, 4}, {1, 2, 4, 5}]
+
+
+def test_streaming_keeps_sinks_and_recent():
+    kept, scored = drive(make_policy("streaming", sinks=2), 6, 4, [[[[0.0] * 7]]] * 3)
+    # B = 4: sinks {0, 1} + the 2 newest.
+    assert kept == [{0, 1, 5, 6}, {0, 1, 6, 7}, {0, 1, 7, 8}]
+    assert scored == [False] * 3
+
+
+def test_recency_keeps_the_newest():
+    kept, _ = drive(make_policy("recency"), 4, 3, [[[[0.0] * 5]]] * 2)
+    assert kept == [{2, 3, 4}, {3, 4, 5}]
+
+
+def test_random_is_seeded_and_respects_budget():
+    def kept_sets(seed):
+        return drive(make_policy("random", seed=seed), 20, 10, [[[[0.0]]]] * 5)[0]
+
+    assert kept_sets(1) == kept_sets(1)
+    assert kept_sets(1) != kept_sets(2)
+    assert all(len(k) == 10 for k in kept_sets(3))
+
+
+def key_view(keys):
+    keys = torch.tensor(keys, dtype=torch.float32)[None]
+    return LayerView(0, torch.zeros(1, 2), keys, torch.ones_like(keys), 1.0)
+
+
+def run_key_policy(name, keys, budget):
+    policy = make_policy(name)
+    n = len(keys)
+    policy.reset(n - 1, budget, 1)
+    policy.begin_step(1, torch.arange(n - 1), n - 1)
+    positions = torch.arange(n)
+    policy.observe(key_view(keys), positions)
+    return set(range(n)) - set(positions[policy.select_evictions(1, positions, budget)].tolist())
+
+
+def test_keydiff_keeps_distinctive_keys():
+    # Keys (1,0), (0,1), (1,0), (2,0): mean unit key (3,1)/4 -> direction (.949, .316).
+    # cos = .949 for 0, 2, 3 and .316 for 1; -cos keeps 1 best; three-way tie: evict the oldest (0) for B = 3.
+    assert run_key_policy("keydiff", [[1, 0], [0, 1], [1, 0], [2, 0]], 3) == {1, 2, 3}
+
+
+def test_knorm_keeps_low_norm_keys():
+    # Norms 1, 2, 3, .5: the norm-3 key (position 2) goes first, then the norm-2 key.
+    assert run_key_policy("knorm", [[1, 0], [0, 2], [3, 0], [0.5, 0]], 3) == {0, 1, 3}
+    assert run_key_policy("knorm", [[1, 0], [0, 2], [3, 0], [0.5, 0]], 2) == {0, 3}
+
+
+def test_snapkv_votes_with_the_prompt_window_then_never_evicts():
+    # Prompt of 6 tokens; window 2 (positions 4, 5), kernel 1.  One head, keys along x with sizes
+    # [3, 0, 1, 2, 0, 0]; queries (1, 0).  Query at 4 sees keys 0..4: softmax of [3, 0, 1, 2, 0];
+    # query at 5 sees 0..5.  The votes are the mean of the two rows (numpy reference below).
+    keys = torch.tensor([[[3.0, 0], [0, 0], [1, 0], [2, 0], [0, 0], [0, 0]]])
+    queries = torch.tensor([[[1.0, 0], [1, 0]]])
+    view = PrefillView(0, queries, keys, torch.ones_like(keys), 1.0)
+    row4 = np.exp([3, 0, 1, 2, 0]) / np.exp([3, 0, 1, 2, 0]).sum()
+    row5 = np.exp([3, 0, 1, 2, 0, 0]) / np.exp([3, 0, 1, 2, 0, 0]).sum()
+    votes = (np.append(row4, 0) + row5) / 2
+    assert view.attn.mean((0, 1)).tolist() == pytest.approx(votes.tolist(), rel=1e-5)
+    policy = make_policy("snapkv", window=2, kernel=1)
+    assert policy.prefill_window == 2
+    policy.reset(6, 4, 1)
+    positions = torch.arange(6)
+    policy.observe_prefill(view, positions)
+    drop = policy.select_evictions(0, positions, 4)
+    # Window {4, 5} stays; of 0..3 the two best voted are 0 (key 3) and 3 (key 2).
+    assert set(range(6)) - set(positions[drop].tolist()) == {0, 3, 4, 5}
+    assert policy.select_evictions(1, torch.arange(7), 4).numel() == 0  # decoding: nothing evicted
+    assert policy.cache_bound(4, 3) == 7
+
+
+def test_decoupled_inertia_averages_layers_then_one_ema():
+    # alpha = .5.  Step 1 over [0, 1, 2]: layer mean of [.2,.3,.5] and [.6,.1,.3] = [.4, .2, .4]
+    #   -> m = .5 * 0 + .5 * s = [.2, .1, .2]; evict 1.
+    # (InertiaKV's layer-sequential rule would give [.35, .125, .275] here.)
+    policy = make_policy("inertia-decoupled", alpha=0.5)
+    kept, _ = drive(policy, 2, 2, [[[[0.2, 0.3, 0.5]], [[0.6, 0.1, 0.3]]]])
+    assert kept == [{0, 2}]
+    assert policy.utility(torch.tensor([0, 2])).tolist() == pytest.approx([0.2, 0.2])
+
+
+def test_decoupled_last_k_layers():
+    policy = make_policy("inertia-decoupled", layer_weighting="last", last_k=2)
+    policy.reset(4, 4, 5)
+    assert [policy.wants_layer(layer) for layer in range(5)] == [False, False, False, True, True]
+
+
+def test_previous_step_weight_says_how_much_memory_each_rule_keeps():
+    assert make_policy("inertia").previous_step_weight(30) == pytest.approx(0.8 ** 30)
+    assert make_policy("inertia", layers="0,1").previous_step_weight(30) == pytest.approx(0.64)
+    assert make_policy("inertia-decoupled").previous_step_weight(30) == 0.8
+    assert make_policy("cumulative").previous_step_weight(30) == 1.0
+    assert make_policy("single-step").previous_step_weight(30) == 0.0
+
+
+def test_registry_describes_every_policy():
+    for spec in REGISTRY.values():
+        assert spec.display and spec.family and spec.description
+        for parameter in spec.parameters():
+            assert {"name", "type", "default"} <= set(parameter)
+    for scorer in ("vnorm", "entropy", "keydiff", "knorm", "recency"):
+        assert make_policy(f"inertia-{scorer}").scorer == scorer
