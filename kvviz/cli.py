@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+import numpy as np
 import time
 from pathlib import Path
 
@@ -52,15 +54,7 @@ def cmd_generate(args) -> int:
     from .trace import Trace
 
     _validate_generate(args)
-    if args.prompt_file:
-        try:
-            prompt = Path(args.prompt_file).read_text()
-        except OSError as error:
-            raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {error.strerror}") from None
-    else:
-        prompt = args.prompt
-    if not prompt or not prompt.strip():
-        raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text")
+    prompt = _read_prompt(args)
     policy = make_policy(args.policy, **_policy_params(args))
     compression = args.compression if args.budget is None and args.compression is not None else None
     if args.budget is None and args.compression is None and args.policy != "full":
@@ -109,6 +103,53 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _read_prompt(args) -> str:
+    if getattr(args, "prompt_file", None):
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as error:
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {error.strerror}") from None
+    else:
+        prompt = args.prompt
+    if not prompt or not prompt.strip():
+        raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text")
+    return prompt
+
+
+def cmd_probe(args) -> int:
+    from . import engine, probe
+    from .models import load_model
+    from .policies import REGISTRY, make_policy
+
+    if args.step < 1:
+        raise ValueError(f"--step must be >= 1, got {args.step}")
+    if args.future < 1 or args.batch < 1:
+        raise ValueError("--future and --batch must be >= 1")
+    names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
+    policies = {name: make_policy(name) for name in names}
+    prompt = _read_prompt(args)
+    model, tokenizer = load_model(args.model, device=args.device)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
+    engine.check_prompt(model, prompt_ids, args.step + args.future)
+    result = probe.probe(model, tokenizer, prompt_ids, args.step, policies=policies, sample=args.sample,
+                         seed=args.seed, future=args.future, batch=args.batch)
+    quality = {name: probe.ranking_quality(u, result.damage) for name, u in result.utilities.items()}
+    if args.json:
+        print(json.dumps({"step": args.step, "prompt_len": len(prompt_ids), "future": args.future,
+                          "candidates": result.candidates.tolist(), "damage": result.damage.tolist(),
+                          "candidates_per_second": result.candidates_per_second, "ranking": quality}))
+        return 0
+    print(f"probe at step {args.step}: {len(result.candidates)} candidates, {args.future} future tokens, "
+          f"{result.candidates_per_second:.1f} candidates/s")
+    print(f"{'policy':<20}{'AUROC':>8}{'AP':>8}{'top-k rec':>11}{'Spearman':>10}")
+    for name, q in sorted(quality.items(), key=lambda item: -np.nan_to_num(item[1]["auroc"])):
+        print(f"{name:<20}{q['auroc']:>8.3f}{q['average_precision']:>8.3f}{q['topk_recall']:>11.3f}{q['spearman']:>10.3f}")
+    skipped = sorted(set(names) - set(quality))
+    if skipped:
+        print(f"(no per-entry utility to rank: {', '.join(skipped)})")
+    return 0
+
+
 def cmd_policies(args) -> int:
     from .policies import REGISTRY
 
@@ -126,11 +167,9 @@ def cmd_policies(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import speed
+    from .bench import probe_cost, speed
 
-    if args.bench == "speed":
-        return speed.main(args)
-    raise ValueError(f"unknown benchmark {args.bench!r}")
+    return {"speed": speed.main, "probe": probe_cost.main}[args.bench](args)
 
 
 def cmd_serve(args) -> int:
@@ -180,11 +219,29 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--json", action="store_true")
     pol.set_defaults(func=cmd_policies)
 
+    probe = sub.add_parser("probe", help="oracle damage probe: which entries hurt to remove, and who ranks them")
+    src = probe.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    probe.add_argument("--model", default=DEFAULT_MODEL)
+    probe.add_argument("--device", default="cpu")
+    probe.add_argument("--step", type=int, default=8, help="decode step to probe (>= 1)")
+    probe.add_argument("--sample", type=int, help="probe a seeded sample of this many entries (default: all)")
+    probe.add_argument("--seed", type=int, default=0)
+    probe.add_argument("--future", type=int, default=8, help="W_fut: teacher-forced tokens replayed")
+    probe.add_argument("--batch", type=int, default=16, help="candidates per forward pass")
+    probe.add_argument("--policies", default="inertia,inertia-lazy,tova,h2o,rkv,avokv,keydiff,knorm,recency",
+                       help="comma-separated registry names, or 'all'")
+    probe.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    probe.add_argument("--json", action="store_true")
+    probe.set_defaults(func=cmd_probe)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from .bench import speed
+    from .bench import probe_cost, speed
 
     speed.add_arguments(bench_sub.add_parser("speed", help="decode speed: generate vs engine policies"))
+    probe_cost.add_arguments(bench_sub.add_parser("probe", help="damage-probe cost: batched vs one at a time"))
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="start the Gradio app (same as python app.py)")

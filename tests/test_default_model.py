@@ -37,3 +37,20 @@ def test_default_model_is_smollm2(default_model):
     assert (config.model_type, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads, config.hidden_size) == ("llama", 30, 9, 3, 576)
     assert "Paris" in kvviz.run(model, tokenizer, "What is the capital of France?", "full", max_new_tokens=12).text
+
+
+@pytest.mark.parametrize("name", sorted(kvviz.REGISTRY))
+def test_every_policy_runs_from_the_cli_on_the_default_model(name, capsys, default_model):
+    import json
+
+    from kvviz.cli import main
+
+    budget = 48
+    assert main(["generate", "--prompt", PROMPT * 2, "--policy", name, "--budget", str(budget),
+                 "--max-new-tokens", "10", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    policy = kvviz.make_policy(name)
+    assert out["budget"] == budget and len(out["token_ids"]) >= 1
+    for step in out["steps"]:
+        bound = policy.cache_bound(budget, step["step"])
+        assert bound is None or len(step["kept"]) <= bound

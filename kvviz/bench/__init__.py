@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvviz bench``; each prints JSON lines with its baseline measured in the same run."""

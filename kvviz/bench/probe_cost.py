@@ -1,0 +1,63 @@
+"""``kvviz bench probe``: candidates per second of the damage probe, batched vs one candidate at a time.
+
+Both run in the same process on the same prompt, step and candidates; the ratio is what batching buys.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import datetime, timezone
+
+import torch
+
+
+def add_arguments(parser) -> None:
+    from ..models import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--step", type=int, default=8)
+    parser.add_argument("--sample", type=int, default=64, help="candidates probed")
+    parser.add_argument("--future", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--out", help="also write the JSON lines to this file")
+
+
+def main(args) -> int:
+    import numpy as np
+
+    from ..engine import decode
+    from ..models import load_model
+    from ..policies.full import FullCache
+    from ..probe import damage
+    from .speed import haystack_prompt
+
+    model, tokenizer = load_model(args.model, device=args.device)
+    prompt_ids = haystack_prompt(tokenizer, args.prompt_tokens)
+    full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=args.step + args.future,
+                       ignore_eos=True))
+    sequence = prompt_ids + [e.new_token_id for e in full]
+    prefix_len = len(prompt_ids) + args.step - 1
+    candidates = np.sort(np.random.default_rng(0).choice(prefix_len, args.sample, replace=False)).tolist()
+    rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
+                      "machine": platform.node(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "prompt_len": len(prompt_ids), "step": args.step, "future": args.future}}]
+    results = {}
+    for label, batch in (("one at a time", 1), (f"batched ({args.batch})", args.batch)):
+        start = time.perf_counter()
+        results[label] = damage(model, sequence, prefix_len, candidates, future=args.future, batch=batch)
+        seconds = time.perf_counter() - start
+        rows.append({"what": label, "candidates": len(candidates), "seconds": round(seconds, 3),
+                     "candidates_per_s": round(len(candidates) / seconds, 2)})
+    rows[-1]["vs_one_at_a_time"] = round(rows[-1]["candidates_per_s"] / rows[-2]["candidates_per_s"], 2)
+    first, second = results.values()
+    rows[-1]["max_abs_diff_vs_one_at_a_time"] = float(np.abs(first - second).max())
+    lines = [json.dumps(row) for row in rows]
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+    return 0

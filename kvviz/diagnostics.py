@@ -1,0 +1,136 @@
+"""Diagnostics computed from traces (InertiaKV Appendix I and §5.1).
+
+* churn: how much a top-k set changes from one step to the next, ``1 - |A_t ∩ A_(t-1)| / k``;
+* raw/EMA Jaccard: agreement of this step's raw top-k (``event.raw``) with the policy's top-k utility;
+* raw-top evicted rate: share of this step's raw top-k that the step evicted;
+* Spearman correlation and top-k Jaccard between two scorers on the same step;
+* mean pairwise Jaccard of the keep sets of several policies run on the same prompt.
+
+Raw scores are the policy's un-aggregated score of the step over every position present before eviction
+(``event.present``); utilities are over the positions kept after it (``event.kept``).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import numpy as np
+
+from .trace import StepEvent, Trace
+
+
+def top_k(positions: np.ndarray, scores: np.ndarray, k: int) -> set[int]:
+    """The ``k`` highest-scoring positions (ties: the newer position ranks higher, as eviction drops older first)."""
+    order = np.lexsort((-positions, -scores))  # primary: score desc, secondary: position desc
+    return set(positions[order[:k]].tolist())
+
+
+def jaccard(a: set, b: set) -> float:
+    return len(a & b) / len(a | b) if a or b else 1.0
+
+
+def churn(previous: set, current: set, k: int) -> float:
+    return 1.0 - len(previous & current) / k if k else 0.0
+
+
+def ranks(values: np.ndarray) -> np.ndarray:
+    """Ascending ranks from 1, ties sharing their average rank."""
+    values = np.asarray(values, dtype=np.float64)
+    order = np.argsort(values, kind="stable")
+    ranked = np.empty(values.size)
+    ranked[order] = np.arange(1, values.size + 1)
+    _, groups = np.unique(values, return_inverse=True)
+    sums = np.bincount(groups, weights=ranked)
+    return (sums / np.bincount(groups))[groups]
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (Pearson on tie-averaged ranks); NaN when either side is constant."""
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = np.sqrt((ra ** 2).sum() * (rb ** 2).sum())
+    return float((ra * rb).sum() / denominator) if denominator else float("nan")
+
+
+def topk_jaccard(a: np.ndarray, b: np.ndarray, k: int) -> float:
+    """Jaccard of the top-``k`` index sets of two score vectors over the same positions."""
+    index = np.arange(len(a))
+    return jaccard(top_k(index, np.asarray(a), k), top_k(index, np.asarray(b), k))
+
+
+def _raw_top(event: StepEvent, k: int) -> set[int] | None:
+    return None if event.raw is None else top_k(event.present, event.raw, k)
+
+
+def _utility_top(event: StepEvent, k: int) -> set[int] | None:
+    return None if event.utility is None else top_k(event.kept, event.utility, k)
+
+
+def _consecutive_churn(sets: list[tuple[int, set | None]], k: int) -> list[tuple[int, float]]:
+    out = []
+    for (step_a, a), (step_b, b) in zip(sets, sets[1:]):
+        if a is not None and b is not None and step_b == step_a + 1:
+            out.append((step_b, churn(a, b, k)))
+    return out
+
+
+def raw_churn(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
+    """(step, churn of the raw top-k against the previous step), for consecutive scored steps."""
+    k = k or trace.budget
+    return _consecutive_churn([(e.step, _raw_top(e, k)) for e in trace.decode_steps], k)
+
+
+def utility_churn(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
+    """(step, churn of the top-k by the policy's utility (the EMA for InertiaKV) against the previous step)."""
+    k = k or trace.budget
+    return _consecutive_churn([(e.step, _utility_top(e, k)) for e in trace.decode_steps], k)
+
+
+def raw_utility_jaccard(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
+    """(step, Jaccard of the raw top-k and the utility top-k) for steps that have both."""
+    k = k or trace.budget
+    out = []
+    for event in trace.decode_steps:
+        raw, utility = _raw_top(event, k), _utility_top(event, k)
+        if raw is not None and utility is not None:
+            out.append((event.step, jaccard(raw, utility)))
+    return out
+
+
+def raw_top_evicted_rate(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
+    """(step, share of the step's raw top-k that the step evicted)."""
+    k = k or trace.budget
+    out = []
+    for event in trace.decode_steps:
+        raw = _raw_top(event, k)
+        if raw is not None and raw:
+            out.append((event.step, len(raw & set(event.evicted.tolist())) / len(raw)))
+    return out
+
+
+def mean_pairwise_jaccard(traces: list[Trace]) -> float:
+    """Mean over steps and policy pairs of the Jaccard of their keep sets (same prompt; common steps)."""
+    values = []
+    for a, b in combinations(traces, 2):
+        for ea, eb in zip(a.decode_steps, b.decode_steps):
+            values.append(jaccard(set(ea.kept.tolist()), set(eb.kept.tolist())))
+    return float(np.mean(values)) if values else float("nan")
+
+
+def keep_set_jaccard_over_time(a: Trace, b: Trace) -> list[tuple[int, float]]:
+    """(step, Jaccard of two runs' keep sets) -- for the side-by-side comparison."""
+    return [(ea.step, jaccard(set(ea.kept.tolist()), set(eb.kept.tolist())))
+            for ea, eb in zip(a.events, b.events)]
+
+
+def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
+    """Means of each diagnostic over the run (NaN where the policy records no raw scores or utility)."""
+    def mean(pairs):
+        return float(np.mean([v for _, v in pairs])) if pairs else float("nan")
+
+    return {
+        "raw_churn": mean(raw_churn(trace, k)),
+        "utility_churn": mean(utility_churn(trace, k)),
+        "raw_utility_jaccard": mean(raw_utility_jaccard(trace, k)),
+        "raw_top_evicted_rate": mean(raw_top_evicted_rate(trace, k)),
+    }

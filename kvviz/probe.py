@@ -1,0 +1,168 @@
+"""Oracle damage probe (AvoKV-E Appendix D): what does removing one cache entry cost the next tokens?
+
+At decode step ``s`` the cache holds positions ``0 .. P-1`` (``P = prompt_len + s - 1``).  For each
+candidate entry ``i`` we remove it and replay the next ``future`` tokens of the full-cache continuation
+teacher-forced, recording ``mean_t KL(p_full,t || p_without_i,t)``.  Candidates go through the model in
+batches: the prefix cache is prefilled once, repeated over the batch, and row ``j`` of the batch hides
+its candidate with the attention mask -- the same tokens a physically evicted cache would see.
+
+:func:`ranking_quality` then asks how well a policy's utility at that step ranks the damage: AUROC and
+average precision against the top-decile-damage label, top-k recall and Spearman correlation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from .diagnostics import ranks, spearman
+from .engine import cache_kwarg, decode
+from .policies import Policy
+from .policies.checkpointed import CheckpointPolicy
+from .policies.full import FullCache
+
+
+@dataclass
+class ProbeResult:
+    step: int
+    candidates: np.ndarray  # absolute positions probed
+    damage: np.ndarray  # mean KL per candidate, same order
+    seconds: float
+    utilities: dict[str, np.ndarray] = field(default_factory=dict)  # policy -> utility per candidate
+
+    @property
+    def candidates_per_second(self) -> float:
+        return len(self.candidates) / self.seconds if self.seconds else float("inf")
+
+
+def _kl(full_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(p_full || p), shapes (batch, future, vocab) -> (batch,)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return (full_logprobs.exp() * (full_logprobs - logprobs)).sum(-1).mean(-1)
+
+
+@torch.inference_mode()
+def damage(model, sequence: list[int], prefix_len: int, candidates: list[int], *, future: int = 8,
+           batch: int = 16) -> np.ndarray:
+    """Mean KL over the ``future`` tokens after ``prefix_len`` when each candidate is removed from the cache.
+
+    Parameters
+    ----------
+    sequence : list[int]
+        Prompt plus the full-cache continuation, at least ``prefix_len + future`` tokens.
+    prefix_len : int
+        Cache length at the probed step (``P``); the replay feeds ``sequence[P : P + future]``.
+    candidates : list[int]
+        Positions ``< prefix_len`` to remove, one at a time.
+    """
+    if len(sequence) < prefix_len + future:
+        raise ValueError(f"need {prefix_len + future} tokens to replay {future} steps, have {len(sequence)}")
+    device, cache_arg = model.device, cache_kwarg(model)
+    prefix = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([sequence[:prefix_len]], device=device), **{cache_arg: prefix})
+    replay = torch.tensor([sequence[prefix_len:prefix_len + future]], device=device)
+    positions = torch.arange(prefix_len, prefix_len + future, device=device)[None]
+
+    def replay_logits(hidden: list[int]) -> torch.Tensor:
+        rows = max(len(hidden), 1)
+        cache = DynamicCache(config=model.config)
+        for layer, source in enumerate(prefix.layers):
+            cache.update(source.keys.expand(rows, -1, -1, -1).contiguous(),
+                         source.values.expand(rows, -1, -1, -1).contiguous(), layer)
+        mask = torch.ones(rows, prefix_len + future, dtype=torch.long, device=device)
+        for row, position in enumerate(hidden):
+            mask[row, position] = 0
+        return model(input_ids=replay.expand(rows, -1), attention_mask=mask, position_ids=positions.expand(rows, -1),
+                     **{cache_arg: cache}).logits
+
+    full = torch.log_softmax(replay_logits([]).float(), dim=-1)
+    out = []
+    for start in range(0, len(candidates), batch):
+        chunk = candidates[start:start + batch]
+        out.append(_kl(full, replay_logits(chunk)).cpu())
+    return torch.cat(out).numpy() if out else np.empty(0)
+
+
+def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy, step: int) -> np.ndarray | None:
+    """A policy's utility for positions ``0 .. P-1`` at decode step ``step`` of the full-cache run.
+
+    The budget leaves the cache whole up to that step.  Checkpointed policies (R-KV, AvoKV-E) only score at
+    a checkpoint, so one is placed at ``step`` with a budget one below the cache size there: the scores
+    are read before anything it evicts could matter.
+    """
+    prefix_len = len(prompt_ids) + step - 1
+    budget = prefix_len + 1
+    if isinstance(policy, CheckpointPolicy):
+        policy, budget = replace(policy, interval=step), prefix_len
+    for _ in decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=step + 1, ignore_eos=True):
+        pass
+    utility = policy.utility(torch.arange(prefix_len))
+    return None if utility is None else utility.float().numpy()
+
+
+def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[str, Policy] | None = None,
+          sample: int | None = None, seed: int = 0, future: int = 8, batch: int = 16) -> ProbeResult:
+    """Run the damage probe at decode step ``step`` (>= 1) and collect each policy's utility there."""
+    if step < 1:
+        raise ValueError(f"the probe step must be >= 1 (a decode step), got {step}")
+    full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=step + future, ignore_eos=True))
+    generated = [e.new_token_id for e in full]
+    sequence = list(prompt_ids) + generated
+    prefix_len = len(prompt_ids) + step - 1
+    candidates = np.arange(prefix_len)
+    if sample is not None and sample < prefix_len:
+        candidates = np.sort(np.random.default_rng(seed).choice(prefix_len, size=sample, replace=False))
+    start = time.perf_counter()
+    harm = damage(model, sequence, prefix_len, candidates.tolist(), future=future, batch=batch)
+    seconds = time.perf_counter() - start
+    result = ProbeResult(step, candidates, harm, seconds)
+    for name, policy in (policies or {}).items():
+        utility = policy_utility_at(model, tokenizer, prompt_ids, policy, step)
+        if utility is not None:
+            result.utilities[name] = utility[candidates]
+    return result
+
+
+# ------------------------------------------------------------------------------------------ ranking quality
+
+def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Probability that a random positive outscores a random negative (ties count half)."""
+    labels = np.asarray(labels, dtype=bool)
+    positives, negatives = labels.sum(), (~labels).sum()
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    rank_sum = ranks(scores)[labels].sum()
+    return float((rank_sum - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Mean of the precision at each positive, ranking by score descending (ties: stable order)."""
+    labels = np.asarray(labels, dtype=bool)
+    if not labels.any():
+        return float("nan")
+    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+    hits = labels[order]
+    precision = np.cumsum(hits) / np.arange(1, hits.size + 1)
+    return float(precision[hits].mean())
+
+
+def top_decile(damage_values: np.ndarray) -> np.ndarray:
+    """Label: damage at or above the 90th percentile."""
+    return damage_values >= np.quantile(damage_values, 0.9)
+
+
+def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str, float]:
+    """How well a utility (higher = keep) ranks the probe's damage."""
+    labels = top_decile(damage_values)
+    k = int(labels.sum())
+    top = np.argsort(-utility, kind="stable")[:k]
+    return {
+        "auroc": auroc(utility, labels),
+        "average_precision": average_precision(utility, labels),
+        "topk_recall": float(labels[top].sum() / k) if k else float("nan"),
+        "spearman": spearman(utility, damage_values),
+    }

@@ -1,0 +1,127 @@
+"""Diagnostics on hand-made traces and the damage probe against one-at-a-time and physical eviction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvviz
+from kvviz import diagnostics as dx
+from kvviz.cache import SlotCache
+from kvviz.probe import auroc, average_precision, damage, probe, ranking_quality
+from kvviz.trace import StepEvent, Trace
+
+
+def event(step, kept, evicted, raw=None, utility=None):
+    kept, evicted = np.array(kept), np.array(evicted, dtype=np.int64)
+    return StepEvent(step, 0, 0, "", kept, evicted, None if utility is None else np.array(utility, np.float32),
+                     None if raw is None else np.array(raw, np.float32))
+
+
+def hand_trace():
+    # Budget 2.  Step 1: present [0, 1, 2], raw [.5, .1, .4] -> raw top-2 {0, 2}; it evicts 2, keeping
+    #   {0, 1} with utility [.6, .3] -> utility top-2 {0, 1}.
+    # Step 2: present [0, 1, 3], raw [.1, .6, .3] -> raw top-2 {1, 3}; it evicts 0, keeping {1, 3}.
+    events = [event(0, [0, 1], []),
+              event(1, [0, 1], [2], raw=[0.5, 0.1, 0.4], utility=[0.6, 0.3]),
+              event(2, [1, 3], [0], raw=[0.1, 0.6, 0.3], utility=[0.5, 0.2])]
+    return Trace([7, 8], 2, "test", events=events)
+
+
+def test_churn_jaccard_and_evicted_rate_on_a_hand_trace():
+    trace = hand_trace()
+    # Raw churn at step 2: top sets {0, 2} -> {1, 3}: nothing shared, churn 1.
+    assert dx.raw_churn(trace) == [(2, 1.0)]
+    # Utility churn: {0, 1} -> {1, 3}: one of two shared, churn .5.
+    assert dx.utility_churn(trace) == [(2, 0.5)]
+    # Raw/utility Jaccard: step 1 {0,2} vs {0,1} = 1/3; step 2 {1,3} vs {1,3} = 1.
+    assert dx.raw_utility_jaccard(trace) == [(1, pytest.approx(1 / 3)), (2, 1.0)]
+    # Raw-top evicted: step 1 evicts 2, which is in the raw top-2 -> 1/2; step 2 evicts 0, not in {1, 3} -> 0.
+    assert dx.raw_top_evicted_rate(trace) == [(1, 0.5), (2, 0.0)]
+    summary = dx.summary(trace)
+    assert summary["raw_top_evicted_rate"] == pytest.approx(0.25)
+    assert summary["raw_utility_jaccard"] == pytest.approx(2 / 3)
+
+
+def test_spearman_and_topk_jaccard():
+    # Ranks of a: [1, 2, 3, 4]; of b: [2, 1, 4, 3] -> d^2 = 1+1+1+1 = 4; rho = 1 - 6*4/(4*15) = 0.6.
+    assert dx.spearman(np.array([1, 2, 3, 4]), np.array([20, 10, 40, 30])) == pytest.approx(0.6)
+    assert dx.spearman(np.array([1, 2, 3]), np.array([3, 2, 1])) == pytest.approx(-1.0)
+    # Ties averaged: a ranks [1.5, 1.5, 3]; b ranks [1, 2, 3] -> Pearson of centred ranks
+    # [-.5, -.5, 1] . [-1, 0, 1] = 1.5 over sqrt(1.5 * 2) -> 0.866.
+    assert dx.spearman(np.array([5, 5, 9]), np.array([1, 2, 3])) == pytest.approx(0.8660254)
+    # Top-2 of a: indices {2, 3}; of b: {2, 0}: Jaccard 1/3.
+    assert dx.topk_jaccard(np.array([0.1, 0.2, 0.9, 0.8]), np.array([0.7, 0.1, 0.9, 0.3]), 2) == pytest.approx(1 / 3)
+
+
+def test_mean_pairwise_jaccard_of_retention_sets():
+    a = Trace([0], 2, "a", events=[event(0, [0], []), event(1, [0, 1], [])])
+    b = Trace([0], 2, "b", events=[event(0, [0], []), event(1, [1, 2], [])])
+    c = Trace([0], 2, "c", events=[event(0, [0], []), event(1, [0, 1], [])])
+    # Step 1 pairs: a-b {0,1} vs {1,2} = 1/3; a-c = 1; b-c = 1/3 -> mean 5/9.
+    assert dx.mean_pairwise_jaccard([a, b, c]) == pytest.approx(5 / 9)
+
+
+def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=20, max_new_tokens=12).trace
+    values = dx.summary(trace)
+    assert all(0.0 <= v <= 1.0 for v in values.values())
+    lazy = kvviz.run(model, tokenizer, tiny_prompt, "inertia-lazy", budget=20, max_new_tokens=12).trace
+    assert len(dx.raw_churn(lazy)) == 0  # no two consecutive scored steps with r = 4
+
+
+def test_auroc_and_average_precision_by_hand():
+    scores, labels = np.array([0.9, 0.8, 0.3, 0.1]), np.array([1, 0, 1, 0])
+    # Positive/negative pairs won: (.9>.8), (.9>.1), (.3>.1); lost: (.3<.8) -> 3/4.
+    assert auroc(scores, labels) == pytest.approx(0.75)
+    # Ranked: hit, miss, hit, miss -> precisions at hits 1/1 and 2/3 -> AP = 5/6.
+    assert average_precision(scores, labels) == pytest.approx(5 / 6)
+    quality = ranking_quality(np.array([4.0, 3, 2, 1, 0, -1, -2, -3, -4, -5]),
+                              np.array([9.0, 1, 1, 1, 1, 1, 1, 1, 1, 1]))
+    assert quality["auroc"] == 1.0 and quality["topk_recall"] == 1.0
+
+
+def test_batched_probe_equals_one_at_a_time_and_physical_eviction(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    step, future = 3, 4
+    full = kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=step + future)
+    sequence = tiny_prompt + full.token_ids
+    prefix_len = len(tiny_prompt) + step - 1
+    candidates = [0, 5, 17, prefix_len - 1]
+    batched = damage(model, sequence, prefix_len, candidates, future=future, batch=3)
+    single = damage(model, sequence, prefix_len, candidates, future=future, batch=1)
+    np.testing.assert_allclose(batched, single, rtol=1e-4, atol=1e-7)
+    assert (batched >= 0).all() and batched.max() > 0
+
+    # Independent route: physically evict the entry from a SlotCache and replay token by token.
+    def replay(removed):
+        cache = SlotCache(model.config.num_hidden_layers)
+        logits = []
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([sequence[:prefix_len]]), cache=cache)
+            if removed is not None:
+                cache.evict(torch.tensor([removed]))
+            for offset in range(future):
+                out = model(input_ids=torch.tensor([[sequence[prefix_len + offset]]]),
+                            position_ids=torch.tensor([[prefix_len + offset]]), cache=cache)
+                logits.append(torch.log_softmax(out.logits[0, -1].float(), -1))
+        return torch.stack(logits)
+
+    reference = replay(None)
+    for candidate, value in zip(candidates, batched):
+        ablated = replay(candidate)
+        kl = (reference.exp() * (reference - ablated)).sum(-1).mean()
+        assert float(kl) == pytest.approx(float(value), rel=1e-3, abs=1e-6)
+
+
+def test_probe_reports_rankings_for_policies_with_utilities(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    policies = {n: kvviz.make_policy(n) for n in ("inertia", "avokv", "streaming")}
+    result = probe(model, tokenizer, tiny_prompt, 4, policies=policies, sample=24, seed=1, future=4)
+    assert len(result.candidates) == 24 == len(set(result.candidates.tolist()))
+    assert set(result.utilities) == {"inertia", "avokv"}  # streaming has no per-entry utility
+    assert all(np.isfinite(u).sum() > 0 for u in result.utilities.values())
+    with pytest.raises(ValueError):
+        probe(model, tokenizer, tiny_prompt, 0)
