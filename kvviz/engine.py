@@ -208,14 +208,37 @@ def cache_kwarg(model) -> str:
 
 # --------------------------------------------------------------------------------------------- the loop
 
+@dataclass
+class Prefill:
+    """A prompt's full-cache prefill, shared by several decode-time policies (copied, never modified)."""
+
+    prompt_ids: list[int]
+    cache: SlotCache
+    logits: torch.Tensor  # last position's logits
+    seconds: float
+
+
+@torch.inference_mode()
+def prefill(model, prompt_ids: list[int]) -> Prefill:
+    cache = SlotCache(model.config.num_hidden_layers, len(prompt_ids))
+    start = time.perf_counter()
+    with scoring.scoring(None):
+        logits = model(input_ids=torch.tensor([prompt_ids], device=model.device),
+                       position_ids=torch.arange(len(prompt_ids), device=model.device)[None],
+                       logits_to_keep=1, **{cache_kwarg(model): cache}).logits[0, -1]
+    return Prefill(list(prompt_ids), cache, logits, time.perf_counter() - start)
+
+
 @torch.inference_mode()
 def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: int | None = None,
            compression: float | None = None, max_new_tokens: int = 64,
-           sampler: Sampler | None = None, ignore_eos: bool = False) -> Iterator[StepEvent]:
+           sampler: Sampler | None = None, ignore_eos: bool = False,
+           shared: Prefill | None = None) -> Iterator[StepEvent]:
     """Generate up to ``max_new_tokens`` tokens, evicting with ``policy``; yield one event per step.
 
     The first event (step 0) is the prefill; each later event is one decode step.  Stops after an EOS
-    unless ``ignore_eos`` (benchmarks that need a fixed length).
+    unless ``ignore_eos`` (benchmarks that need a fixed length).  With ``shared``, a decode-time policy
+    starts from a copy of that prefill instead of running its own (its step 0 then reports 0 s forward).
     """
     sampler = sampler or Sampler()
     device, prompt_len = model.device, len(prompt_ids)
@@ -227,12 +250,19 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
 
     start = time.perf_counter()
-    with scoring.scoring(cache if prefill_scores else None):  # only prefill-time policies look at the prefill
-        logits = model(input_ids=torch.tensor([prompt_ids], device=device),
-                       position_ids=torch.arange(prompt_len, device=device)[None], **{cache_arg: cache}).logits
-    t_forward = time.perf_counter() - start - cache.score_seconds
+    if shared is not None and not prefill_scores:
+        if shared.prompt_ids != list(prompt_ids):
+            raise ValueError("the shared prefill was made for another prompt")
+        cache.copy_from(shared.cache)
+        last_logits = shared.logits
+    else:
+        with scoring.scoring(cache if prefill_scores else None):  # only prefill-time policies look at it
+            last_logits = model(input_ids=torch.tensor([prompt_ids], device=device),
+                                position_ids=torch.arange(prompt_len, device=device)[None],
+                                logits_to_keep=1, **{cache_arg: cache}).logits[0, -1]
+    t_forward = 0.0 if shared is not None and not prefill_scores else time.perf_counter() - start - cache.score_seconds
     evicted, raw, t_evict = cache.finish_step() if prefill_scores else (np.empty(0, np.int64), None, 0.0)
-    token = sampler(logits[0, -1])
+    token = sampler(last_logits)
     generated = [token]
     kept, utility = cache.kept_and_utility()
     yield StepEvent(0, -1, token, _piece(tokenizer, generated), kept, evicted, utility, raw, prefill_scores,
@@ -254,6 +284,25 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         kept, utility = cache.kept_and_utility()
         yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility, raw, scores,
                         t_forward, cache.score_seconds, t_evict, cache.nbytes())
+
+
+def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Policy], *,
+                sampler_args: dict | None = None, **kwargs) -> Iterator[tuple[str, StepEvent]]:
+    """Run several policies on one prompt with one shared prefill, interleaved step by step.
+
+    Yields ``(policy name, event)``; a policy that reaches EOS drops out while the others go on.
+    Prefill-time policies (SnapKV) run their own prefill, since they score it.
+    """
+    shared = prefill(model, prompt_ids)
+    streams = {name: decode(model, tokenizer, prompt_ids, policy, shared=shared,
+                            sampler=Sampler(**(sampler_args or {})), **kwargs)
+               for name, policy in policies.items()}
+    while streams:
+        for name in list(streams):
+            try:
+                yield name, next(streams[name])
+            except StopIteration:
+                del streams[name]
 
 
 def _piece(tokenizer, generated: list[int]) -> str:

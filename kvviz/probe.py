@@ -63,7 +63,7 @@ def damage(model, sequence: list[int], prefix_len: int, candidates: list[int], *
         raise ValueError(f"need {prefix_len + future} tokens to replay {future} steps, have {len(sequence)}")
     device, cache_arg = model.device, cache_kwarg(model)
     prefix = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([sequence[:prefix_len]], device=device), **{cache_arg: prefix})
+    model(input_ids=torch.tensor([sequence[:prefix_len]], device=device), logits_to_keep=1, **{cache_arg: prefix})
     replay = torch.tensor([sequence[prefix_len:prefix_len + future]], device=device)
     positions = torch.arange(prefix_len, prefix_len + future, device=device)[None]
 

@@ -226,3 +226,18 @@ def test_prompt_over_context_is_refused(tiny):
     too_long = [5] * (model.config.max_position_embeddings)
     with pytest.raises(ValueError, match="context"):
         kvviz.run(model, tokenizer, too_long, "full", max_new_tokens=4)
+
+
+def test_shared_prefill_gives_the_same_runs_as_separate_prefills(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    names = ["inertia", "tova", "snapkv", "full"]
+    policies = {name: kvviz.make_policy(name, **({"window": 8} if name == "snapkv" else {})) for name in names}
+    together: dict[str, list] = {name: [] for name in names}
+    for name, event in kvviz.engine.decode_many(model, tokenizer, tiny_prompt, policies, budget=24,
+                                                max_new_tokens=16):
+        together[name].append(event)
+    for name in names:
+        policy = kvviz.make_policy(name, **({"window": 8} if name == "snapkv" else {}))
+        alone = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=24, max_new_tokens=16).trace.events
+        assert [e.new_token_id for e in together[name]] == [e.new_token_id for e in alone]
+        assert [e.kept.tolist() for e in together[name]] == [e.kept.tolist() for e in alone]

@@ -1,141 +1,475 @@
-"""The Gradio Blocks app: a Live tab that streams text next to the retention and utility-rank heatmaps.
+"""The Gradio app: Live (stream one policy), Compare (2-4 policies on one shared prefill), Results.
 
-It consumes the engine's step events and nothing else; validation happens before any work starts and
-every error reaches the user as a message, never as a traceback.
+Handlers consume the engine's step events and nothing else.  Every input is validated before any model
+work starts, and every problem reaches the user as a message (``gr.Error``), never as a traceback; a run
+that fails or is stopped drops its state and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import gc
-import os
+import json
+from collections.abc import Iterator
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
+import numpy as np
+import plotly.graph_objects as go
 
-from .. import engine
-from ..models import DEFAULT_MODEL, load_model
-from ..policies import REGISTRY
-from . import figures
+from .. import diagnostics, engine
+from ..models import load_model
+from ..policies import REGISTRY, Policy
+from ..trace import Trace
+from .config import Limits
+from .figures import RunView
 
-EXAMPLES = [
-    ["The passkey is 7342519. Remember it. " + "The grass is green. The sky is blue. The sun is bright. " * 60
-     + "What is the passkey?", "inertia", 0.9, 32],
-    ["Write a long story about a lighthouse keeper who finds a message in a bottle.", "inertia-lazy", 0.5, 128],
-    ["If Anna has 3 apples and buys 5 more, then gives 2 away, how many does she have? Think step by step.",
-     "score-free", 0.5, 96],
-]
-UPDATE_EVERY_S = 0.2  # figures refresh at most 5 times a second; text on every token
+FIGURE_EVERY_S = 0.2  # figures refresh at most 5 times a second; text goes out on every token
+EXAMPLES = {
+    "Passkey in a haystack": "There is a passkey hidden in this text. Memorise it. "
+    + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 25
+    + "The passkey is 7342519. Remember it. 7342519 is the passkey. "
+    + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 25
+    + "What is the passkey?",
+    "Four-key needle": "Remember these numbers. " + " ".join(
+        f"The special number for {key} is {value}. " + "Filler sentence about nothing in particular. " * 12
+        for key, value in [("apple", 4821937), ("river", 1560382), ("candle", 9074615), ("mirror", 3318270)])
+    + "What is the special number for candle?",
+    "Long free-form answer": "Write a detailed story, several paragraphs long, about a lighthouse keeper who "
+    "finds a message in a bottle and decides to follow its instructions.",
+    "Short reasoning": "A farmer has 17 sheep. All but 9 run away. Then he buys twice as many as he has left. "
+    "How many sheep does he have now? Think step by step.",
+}
 
 _models: dict[str, tuple] = {}
-_model_lock = threading.Lock()
+_models_lock = threading.Lock()
 
 
 def get_model(name: str):
-    with _model_lock:
+    with _models_lock:
         if name not in _models:
             _models[name] = load_model(name)
         return _models[name]
 
 
-def allowed_models() -> list[str]:
-    extra = [m.strip() for m in os.environ.get("KVVIZ_MODELS", "").split(",") if m.strip()]
-    return [os.environ.get("KVVIZ_DEFAULT_MODEL", DEFAULT_MODEL), *extra]
+# ----------------------------------------------------------------------------------------- validation
+
+PARAMETERS: dict[str, dict] = {}  # every policy parameter in the registry, by name (first definition wins)
+for _spec in REGISTRY.values():
+    for _p in _spec.parameters():
+        PARAMETERS.setdefault(_p["name"], _p)
+PARAM_NAMES = sorted(PARAMETERS)
 
 
-def max_prompt_tokens() -> int:
-    return int(os.environ.get("KVVIZ_MAX_PROMPT_TOKENS", "4096"))
+def policy_from_inputs(name: str, values: dict) -> Policy:
+    """Build the policy from the parameter widgets that belong to it (others are hidden and ignored)."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(REGISTRY)}")
+    spec = REGISTRY[name]
+    params = {}
+    for p in spec.parameters():
+        value = values.get(p["name"], p["default"])
+        if value is None:
+            continue
+        if isinstance(p["default"], bool):
+            value = bool(value)
+        elif isinstance(p["default"], int):
+            value = int(round(float(value)))
+        elif isinstance(p["default"], float):
+            value = float(value)
+        if p.get("low") is not None and not p["low"] <= value <= p["high"]:
+            raise ValueError(f"{p['name']} must be between {p['low']} and {p['high']}, got {value}")
+        params[p["name"]] = value
+    return spec.build(**params)
 
 
-def live_run(prompt, model_name, policy, compression, max_new_tokens, chat):
-    """Generator behind the Run button: yields (text, retention fig, rank fig, stats markdown)."""
-    try:
-        if model_name not in allowed_models():
-            raise ValueError(f"model {model_name!r} is not allowed here; choose one of {allowed_models()}")
-        model, tokenizer = get_model(model_name)
-        prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
-        if len(prompt_ids) > max_prompt_tokens():
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {max_prompt_tokens()}")
-        engine.check_prompt(model, prompt_ids, int(max_new_tokens))
-        budget = engine.resolve_budget(len(prompt_ids), compression=None if policy == "full" else compression)
-        policy_obj = REGISTRY[policy].build()
-    except (ValueError, KeyError) as error:
-        raise gr.Error(str(error)) from None
-
-    events, text, last = [], "", 0.0
-    start = time.perf_counter()
-    try:
-        for event in engine.decode(model, tokenizer, prompt_ids, policy_obj, budget=budget,
-                                   max_new_tokens=int(max_new_tokens)):
-            events.append(event)
-            text += event.text
-            now = time.perf_counter()
-            if now - last >= UPDATE_EVERY_S:
-                last = now
-                yield text, *_figures(events, len(prompt_ids), budget), _stats(events, len(prompt_ids), budget, now - start)
-            else:
-                yield text, gr.skip(), gr.skip(), gr.skip()
-        yield text, *_figures(events, len(prompt_ids), budget), _stats(events, len(prompt_ids), budget,
-                                                                       time.perf_counter() - start)
-    except Exception as error:  # a failed run reports and frees; the server keeps serving
-        raise gr.Error(f"generation failed: {error}") from None
-    finally:
-        del events
-        gc.collect()
+@dataclass
+class Request:
+    model: object
+    tokenizer: object
+    prompt_ids: list[int]
+    budget: int
+    max_new_tokens: int
 
 
-def _figures(events, prompt_len, budget):
-    return figures.retention_figure(events, prompt_len, budget), figures.rank_figure(events, prompt_len)
+def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
+             max_new_tokens: float, chat: bool, policies: list[Policy]) -> Request:
+    """Check everything before any work; raise ValueError with what to change."""
+    if model_name not in limits.models:
+        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
+    if not prompt or not prompt.strip():
+        raise ValueError("the prompt is empty; type some text or pick an example")
+    max_new = int(max_new_tokens)
+    if not 1 <= max_new <= limits.max_new_tokens:
+        raise ValueError(f"max new tokens must be between 1 and {limits.max_new_tokens}, got {max_new}")
+    model, tokenizer = get_model(model_name)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
+                         "shorten it")
+    engine.check_prompt(model, prompt_ids, max_new)
+    if budget_mode == "budget":
+        value = int(budget or 0)
+        if value < 1:
+            raise ValueError(f"the budget must be at least 1 token, got {value}")
+        if value >= len(prompt_ids):
+            raise ValueError(f"a budget of {value} holds the whole {len(prompt_ids)}-token prompt, so nothing would be "
+                             "evicted; choose a smaller budget")
+        resolved = value
+    else:
+        resolved = engine.resolve_budget(len(prompt_ids), compression=float(compression))
+    for policy in policies:
+        policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
+    return Request(model, tokenizer, prompt_ids, resolved, max_new)
 
 
-def _stats(events, prompt_len, budget, elapsed):
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([i]) for i in ids]
+
+
+def stats_markdown(view: RunView, elapsed: float) -> str:
+    events = view.events
     last = events[-1]
-    steps = [e for e in events if e.step >= 1]
-    forward = sum(e.t_forward for e in steps)
-    score = sum(e.t_score for e in steps)
-    evict = sum(e.t_evict for e in steps)
-    total = forward + score + evict or 1e-9
-    return (f"**prompt** {prompt_len} tokens · **budget** {budget} · **cache now** {last.cache_size} "
-            f"({last.cache_bytes / 2**20:.1f} MiB) · **evicted this step** {last.evicted.size} · "
-            f"**decode** {len(steps) / total if steps else 0:.1f} tok/s · **time split** forward "
-            f"{forward / total:.0%} / scoring {score / total:.0%} / eviction {evict / total:.0%} · "
-            f"{elapsed:.1f} s")
+    steps = events[1:]
+    forward, score, evict = (sum(getattr(e, f) for e in steps) for f in ("t_forward", "t_score", "t_evict"))
+    decode_time = forward + score + evict
+    rate = len(steps) / decode_time if decode_time else 0.0
+    share = (lambda x: f"{x / decode_time:.0%}") if decode_time else (lambda x: "-")
+    return (f"**prompt** {view.prompt_len} tokens · **budget** {view.budget} · **cache** {last.cache_size} entries "
+            f"({last.cache_bytes / 2**20:.2f} MiB) · **evicted this step** {last.evicted.size} · **decode** {rate:.1f} tok/s"
+            f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)} · {elapsed:.1f} s")
 
 
-def build_app() -> gr.Blocks:
+def diagnostics_markdown(trace: Trace) -> str:
+    values = diagnostics.summary(trace)
+    rows = "\n".join(f"| {name.replace('_', ' ')} | {'n/a' if np.isnan(v) else f'{v:.4f}'} |" for name, v in values.items())
+    return ("| diagnostic (mean over steps, k = budget) | value |\n|---|---|\n" + rows +
+            "\n\n*n/a: this policy records no raw per-step score (or no utility) to compare.*")
+
+
+# ----------------------------------------------------------------------------------------- handlers
+
+def make_live_handler(limits: Limits):
+    def live_run(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat, *param_values):
+        try:
+            policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
+            request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
+                               [policy])
+            policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))  # fresh state
+        except ValueError as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        view = RunView(len(request.prompt_ids), request.max_new_tokens, request.budget,
+                       token_texts(request.tokenizer, request.prompt_ids))
+        text, last_figure, start = "", 0.0, time.perf_counter()
+        try:
+            for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
+                                       budget=request.budget, max_new_tokens=request.max_new_tokens):
+                view.add(event, event.text)
+                text += event.text
+                now = time.perf_counter()
+                if now - last_figure >= FIGURE_EVERY_S:
+                    last_figure = now
+                    yield (text, stats_markdown(view, now - start), view.retention_figure(), view.rank_figure(),
+                           view.timeline_figure(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                else:
+                    yield (text, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                           gr.skip(), gr.skip())
+            trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events)
+            path = Path(tempfile.mkdtemp(prefix="kvviz-")) / f"trace-{policy_name}.parquet"
+            trace.save(path)
+            last_step = view.steps - 1
+            yield (text, stats_markdown(view, time.perf_counter() - start), view.retention_figure(),
+                   view.rank_figure(), view.timeline_figure(), view.fate_html(),
+                   gr.update(maximum=max(last_step, 1), value=last_step, visible=True, interactive=True),
+                   gr.update(value=str(path), visible=True), diagnostics_markdown(trace), view)
+        except Exception as error:  # the run failed: say so, keep serving
+            raise gr.Error(f"generation failed: {error}", print_exception=False) from None
+        finally:
+            gc.collect()
+
+    return live_run
+
+
+def scrub(view: RunView | None, step):
+    if view is None or not view.events:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    step = int(step)
+    return (view.retention_figure(step), view.rank_figure(step), view.step_detail_figure(step),
+            view.fate_html(step, prompt_only=False))
+
+
+def make_compare_handler(limits: Limits):
+    def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
+        names = list(dict.fromkeys(names or []))
+        if not 2 <= len(names) <= 4:
+            raise gr.Error("choose two to four policies to compare", print_exception=False)
+        try:
+            policies = {name: REGISTRY[name].build() for name in names}
+            request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
+                               list(policies.values()))
+            policies = {name: REGISTRY[name].build() for name in names}
+        except (ValueError, KeyError) as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        tokens = token_texts(request.tokenizer, request.prompt_ids)
+        views = {name: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens) for name in names}
+        texts = {name: "" for name in names}
+        last_figure = 0.0
+        try:
+            for name, event in engine.decode_many(request.model, request.tokenizer, request.prompt_ids, policies,
+                                                  budget=request.budget, max_new_tokens=request.max_new_tokens):
+                views[name].add(event)
+                texts[name] += event.text
+                now = time.perf_counter()
+                refresh = now - last_figure >= 4 * FIGURE_EVERY_S
+                if refresh:
+                    last_figure = now
+                yield _compare_outputs(names, texts, views, request.tokenizer, figures=refresh, final=False)
+            yield _compare_outputs(names, texts, views, request.tokenizer, figures=True, final=True)
+        except Exception as error:
+            raise gr.Error(f"comparison failed: {error}", print_exception=False) from None
+        finally:
+            gc.collect()
+
+    return compare_run
+
+
+def _compare_outputs(names, texts, views, tokenizer, figures: bool, final: bool):
+    slots = 4
+    out = []
+    for i in range(slots):
+        out.append(gr.update(value=texts[names[i]], label=names[i], visible=True) if i < len(names)
+                   else gr.update(value="", visible=False))
+    for i in range(slots):
+        if i < len(names) and figures:
+            out.append(gr.update(value=views[names[i]].retention_figure(), visible=True))
+        else:
+            out.append(gr.skip() if i < len(names) else gr.update(visible=False))
+    if figures or final:
+        out.append(divergence_markdown(names, views))
+        out.append(jaccard_figure(names, views))
+    else:
+        out += [gr.skip(), gr.skip()]
+    out.append(views if final else gr.skip())
+    return tuple(out)
+
+
+def divergence_markdown(names, views) -> str:
+    tokens = {n: [e.new_token_id for e in views[n].events] for n in names}
+    reference = names[0]
+    lines = []
+    for name in names[1:]:
+        a, b = tokens[reference], tokens[name]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        lines.append(f"- **{name}** vs **{reference}**: " + (
+            f"first different token at step {first}" if first is not None else
+            f"identical for the {min(len(a), len(b))} tokens both produced"))
+    return "\n".join(lines)
+
+
+def jaccard_figure(names, views) -> go.Figure:
+    fig = go.Figure()
+    reference = names[0]
+    for name in names[1:]:
+        pairs = diagnostics.keep_set_jaccard_over_time(
+            Trace([], 0, reference, events=views[reference].events), Trace([], 0, name, events=views[name].events))
+        fig.add_scatter(x=[s for s, _ in pairs], y=[j for _, j in pairs], name=f"{name} vs {reference}")
+    fig.update_layout(title="Jaccard of the keep sets over time", xaxis_title="decode step", yaxis_title="Jaccard",
+                      yaxis_range=[0, 1.02], height=300, margin=dict(l=50, r=20, t=40, b=40))
+    return fig
+
+
+def make_probe_handler(limits: Limits):
+    def run_probe(model_name, prompt, names, chat, step, sample):
+        from ..probe import probe, ranking_quality
+
+        names = list(dict.fromkeys(names or []))
+        try:
+            if model_name not in limits.models:
+                raise ValueError(f"model {model_name!r} is not available here")
+            if not names:
+                raise ValueError("choose the policies to rank first")
+            model, tokenizer = get_model(model_name)
+            prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
+            if len(prompt_ids) > limits.max_prompt_tokens:
+                raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit is {limits.max_prompt_tokens}")
+            step = int(step)
+            if step < 1:
+                raise ValueError("the probe step must be at least 1")
+            engine.check_prompt(model, prompt_ids, step + 8)
+            result = probe(model, tokenizer, prompt_ids, step, policies={n: REGISTRY[n].build() for n in names},
+                           sample=int(sample) if sample else None, future=8)
+        except ValueError as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        rows = [{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
+                for n, u in result.utilities.items()]
+        missing = sorted(set(names) - set(result.utilities))
+        note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
+                f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else ""))
+        return rows, note
+
+    return run_probe
+
+
+def make_generate_api(limits: Limits):
+    def generate(prompt: str, policy: str = "inertia", compression: float = 0.9, max_new_tokens: int = 64,
+                 chat: bool = True, model: str = "", params: str = "{}") -> Iterator[dict]:
+        """Stream one generation as JSON: per step the text so far and the kept and evicted positions."""
+        try:
+            values = json.loads(params or "{}")
+            if not isinstance(values, dict):
+                raise ValueError("params must be a JSON object of policy parameters")
+            policy_obj = policy_from_inputs(policy, values)
+            request = validate(limits, model or limits.models[0], prompt, "compression", compression, 0,
+                               max_new_tokens, chat, [policy_obj])
+            policy_obj = policy_from_inputs(policy, values)
+        except (ValueError, json.JSONDecodeError) as error:
+            raise gr.Error(str(error), print_exception=False) from None
+        text = ""
+        try:
+            for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy_obj,
+                                       budget=request.budget, max_new_tokens=request.max_new_tokens):
+                text += event.text
+                yield {"step": event.step, "text": text, "token_id": event.new_token_id, "budget": request.budget,
+                       "prompt_len": len(request.prompt_ids), "kept": event.kept.tolist(),
+                       "evicted": event.evicted.tolist()}
+        except Exception as error:
+            raise gr.Error(f"generation failed: {error}", print_exception=False) from None
+        finally:
+            gc.collect()
+
+    return generate
+
+
+# ----------------------------------------------------------------------------------------- layout
+
+def _parameter_widget(p: dict):
+    label = f"{p['name']}: {p.get('help', '')}"
+    if p.get("choices"):
+        return gr.Dropdown(list(p["choices"]), value=p["default"], label=label, visible=False)
+    if isinstance(p["default"], bool):
+        return gr.Checkbox(value=p["default"], label=label, visible=False)
+    if p.get("low") is not None:
+        step = 1 if isinstance(p["default"], int) else 0.01
+        return gr.Slider(p["low"], p["high"], value=p["default"], step=step, label=label, visible=False)
+    return gr.Textbox(value=str(p["default"]), label=label, visible=False)
+
+
+def _show_parameters(policy_name: str):
+    spec = REGISTRY.get(policy_name)
+    own = {p["name"]: p for p in spec.parameters()} if spec else {}
+    description = f"**{spec.display}** ({spec.family}). {spec.description}" + (f" *{spec.paper}*" if spec.paper else "") \
+        if spec else ""
+    return [description] + [gr.update(visible=name in own, value=own[name]["default"]) if name in own
+                            else gr.update(visible=False) for name in PARAM_NAMES]
+
+
+def build_app(limits: Limits | None = None) -> gr.Blocks:
+    limits = limits or Limits.from_env()
+    policy_choices = [(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()]
     with gr.Blocks(title="kvviz") as app:
         gr.Markdown("# kvviz\nWatch what a KV-cache eviction policy keeps and drops while the model decodes.")
         with gr.Tab("Live"):
             with gr.Row():
                 with gr.Column(scale=1):
-                    prompt = gr.Textbox(label="Prompt", lines=8)
-                    model = gr.Dropdown(allowed_models(), value=allowed_models()[0], label="Model")
-                    policy = gr.Dropdown([(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()],
-                                         value="inertia", label="Policy")
-                    compression = gr.Slider(0.0, 0.99, value=0.9, step=0.01, label="Compression ρ (B = ⌊(1−ρ)·L0⌋)")
-                    max_new = gr.Slider(1, 512, value=64, step=1, label="Max new tokens")
+                    prompt = gr.Textbox(label="Prompt", lines=8, value=EXAMPLES["Passkey in a haystack"])
+                    example = gr.Dropdown(list(EXAMPLES), label="Examples", value="Passkey in a haystack")
+                    model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
+                    policy = gr.Dropdown(policy_choices, value="inertia", label="Policy")
+                    description = gr.Markdown()
+                    with gr.Accordion("Policy parameters", open=False):
+                        widgets = [_parameter_widget(PARAMETERS[name]) for name in PARAM_NAMES]
+                    budget_mode = gr.Radio(["compression", "budget"], value="compression", label="Cache size by")
+                    compression = gr.Slider(0.0, 0.99, value=0.9, step=0.01, label="Compression ρ: B = ⌊(1−ρ)·L0⌋")
+                    budget = gr.Number(value=256, precision=0, label="Budget B (tokens)", visible=False)
+                    max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
+                                        label="Max new tokens")
                     chat = gr.Checkbox(value=True, label="Chat template")
                     with gr.Row():
                         run = gr.Button("Run", variant="primary")
                         stop = gr.Button("Stop")
-                    gr.Examples(EXAMPLES, [prompt, policy, compression, max_new])
                 with gr.Column(scale=2):
-                    text = gr.Textbox(label="Generated text", lines=6)
+                    text = gr.Textbox(label="Generated text", lines=5)
                     stats = gr.Markdown()
                     retention = gr.Plot(label="Retention")
                     ranks = gr.Plot(label="Utility rank")
-            event = run.click(live_run, [prompt, model, policy, compression, max_new, chat],
-                              [text, retention, ranks, stats], concurrency_limit=1, concurrency_id="model")
-            stop.click(None, cancels=[event])
+                    step_slider = gr.Slider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
+                    detail = gr.Plot(label="Step detail")
+                    fate = gr.HTML(label="Tokens by fate")
+                    timeline = gr.Plot(label="Per step")
+                    with gr.Row():
+                        download = gr.File(label="Trace (parquet)", visible=False)
+                        diag = gr.Markdown()
+            view_state = gr.State(None)
+            inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, *widgets]
+            live = run.click(make_live_handler(limits), inputs,
+                             [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state],
+                             concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live")
+            stop.click(None, cancels=[live])
+            step_slider.release(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False)
+            policy.change(_show_parameters, policy, [description, *widgets], api_name=False)
+            example.change(lambda name: EXAMPLES.get(name, ""), example, prompt, api_name=False)
+            budget_mode.change(lambda mode: (gr.update(visible=mode == "compression"),
+                                             gr.update(visible=mode == "budget")),
+                               budget_mode, [compression, budget], api_name=False)
+            app.load(_show_parameters, policy, [description, *widgets], api_name=False)
+
         with gr.Tab("Compare"):
-            gr.Markdown("Side-by-side comparison of policies on one prompt is not built yet.")
+            with gr.Row():
+                with gr.Column(scale=1):
+                    c_prompt = gr.Textbox(label="Prompt", lines=6, value=EXAMPLES["Four-key needle"])
+                    c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
+                    c_policies = gr.Dropdown([c for c in policy_choices], value=["inertia", "tova", "streaming"],
+                                             multiselect=True, label="Policies (2 to 4, default parameters)")
+                    c_mode = gr.Radio(["compression", "budget"], value="compression", label="Cache size by")
+                    c_compression = gr.Slider(0.0, 0.99, value=0.75, step=0.01, label="Compression ρ")
+                    c_budget = gr.Number(value=256, precision=0, label="Budget B", visible=False)
+                    c_max_new = gr.Slider(1, limits.max_new_tokens, value=min(48, limits.max_new_tokens), step=1,
+                                          label="Max new tokens")
+                    c_chat = gr.Checkbox(value=True, label="Chat template")
+                    with gr.Row():
+                        c_run = gr.Button("Compare", variant="primary")
+                        c_stop = gr.Button("Stop")
+                with gr.Column(scale=3):
+                    with gr.Row():
+                        c_texts = [gr.Textbox(label=f"policy {i + 1}", lines=6, visible=i < 3) for i in range(4)]
+                    with gr.Row():
+                        c_figs = [gr.Plot(visible=i < 3) for i in range(4)]
+                    c_divergence = gr.Markdown()
+                    c_jaccard = gr.Plot(label="Keep-set Jaccard")
+                    with gr.Accordion("Oracle damage probe", open=False):
+                        gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
+                                    "of the full-cache continuation, and ranks each policy's utility against the damage.")
+                        with gr.Row():
+                            p_step = gr.Number(value=8, precision=0, label="Step")
+                            p_sample = gr.Number(value=128, precision=0, label="Entries sampled (0 = all)")
+                            p_run = gr.Button("Run probe")
+                        p_table = gr.JSON(label="Ranking quality")
+                        p_note = gr.Markdown()
+            c_state = gr.State(None)
+            compare = c_run.click(make_compare_handler(limits),
+                                  [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat],
+                                  [*c_texts, *c_figs, c_divergence, c_jaccard, c_state],
+                                  concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="compare")
+            c_stop.click(None, cancels=[compare])
+            c_mode.change(lambda mode: (gr.update(visible=mode == "compression"), gr.update(visible=mode == "budget")),
+                          c_mode, [c_compression, c_budget], api_name=False)
+            p_run.click(make_probe_handler(limits), [c_model, c_prompt, c_policies, c_chat, p_step, p_sample],
+                        [p_table, p_note], concurrency_limit=limits.runs_per_model, concurrency_id="model",
+                        api_name="probe")
+
         with gr.Tab("Results"):
-            gr.Markdown("The results store (benchmark sweeps) is not built yet; no data is shown here.")
+            gr.Markdown("The results store (precomputed benchmark sweeps, queried through DuckDB) is not built yet. "
+                        "This tab shows no data until it is.")
+
+        gr.api(make_generate_api(limits), api_name="generate", concurrency_limit=limits.runs_per_model, concurrency_id="model")
     return app
 
 
-def launch() -> None:
-    app = build_app()
-    app.queue(default_concurrency_limit=1, max_size=int(os.environ.get("KVVIZ_QUEUE_SIZE", "16")))
-    app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-               server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+def launch(limits: Limits | None = None, **kwargs):
+    limits = limits or Limits.from_env()
+    app = build_app(limits)
+    app.queue(default_concurrency_limit=limits.runs_per_model, max_size=limits.queue_size)
+    return app.launch(server_name=limits.host, server_port=limits.port, show_error=False, **kwargs)

@@ -1,59 +1,188 @@
-"""Plotly figures built from step events (no Gradio here, so they can be tested and reused)."""
+"""What the dashboard draws, built from step events only (no Gradio here, so it is testable and reusable).
+
+:class:`RunView` keeps a compact record of one run -- the step at which each position entered and left
+the cache, and each kept position's utility rank per step -- and renders Plotly figures from it.  Large
+runs are binned (at most ``MAX_COLUMNS`` positions x ``MAX_ROWS`` steps per heatmap) and sent as uint8
+so a 2k-token prompt with 256 steps stays well under 300 KB per figure.
+"""
 
 from __future__ import annotations
 
+import html
+import math
+
 import numpy as np
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from ..trace import StepEvent
 
-NOT_YET, EVICTED, KEPT = np.nan, 0.0, 1.0
+MAX_COLUMNS, MAX_ROWS = 512, 256
+# uint8 code for "not generated yet" / "not in cache".  Not 255: base64 of 0xFF is "////", and Plotly's JSON
+# escapes every "/" as six characters, which tripled the payload of mostly-empty heatmaps.
+EMPTY = 200
+NEVER = np.iinfo(np.int32).max
+KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR = "#1f3b73", "#f1c9a5", "#ffffff"
 
 
-def retention_matrix(events: list[StepEvent], prompt_len: int) -> np.ndarray:
-    """Rows: steps (0 = after prefill); columns: absolute positions; 1 kept, 0 evicted, NaN not yet generated."""
-    total = prompt_len + len(events)
-    grid = np.full((len(events), total), NOT_YET, dtype=np.float32)
-    for row, event in enumerate(events):
-        grid[row, : prompt_len + event.step] = EVICTED
-        grid[row, event.kept] = KEPT
-    return grid
+class RunView:
+    """Retention and rank history of one run, updated one event at a time in O(cache size)."""
 
+    def __init__(self, prompt_len: int, max_new_tokens: int, budget: int, tokens: list[str] | None = None):
+        self.prompt_len, self.budget = prompt_len, budget
+        self.total = prompt_len + max_new_tokens
+        self.entered = np.full(self.total, NEVER, dtype=np.int32)  # step a position entered the cache
+        self.entered[:prompt_len] = 0
+        self.left = np.full(self.total, NEVER, dtype=np.int32)  # step whose eviction removed it
+        self.ranks: list[np.ndarray] = []  # per step: float32 rank / budget per position (NaN = not ranked)
+        self.events: list[StepEvent] = []
+        self.tokens = list(tokens or [])
 
-def utility_rank_matrix(events: list[StepEvent], prompt_len: int) -> np.ndarray | None:
-    """Each kept position's rank by the policy's utility at each step (0 = most useful); NaN elsewhere."""
-    if not events or all(e.utility is None for e in events):
-        return None
-    grid = np.full((len(events), prompt_len + len(events)), np.nan, dtype=np.float32)
-    for row, event in enumerate(events):
+    @property
+    def steps(self) -> int:
+        return len(self.events)
+
+    def add(self, event: StepEvent, token_text: str | None = None) -> None:
+        self.events.append(event)
+        if event.step >= 1:
+            self.entered[self.prompt_len + event.step - 1] = event.step
+        self.left[event.evicted] = event.step
+        row = np.full(self.total, np.nan, dtype=np.float32)
         if event.utility is not None and event.kept.size:
             order = np.argsort(-event.utility, kind="stable")
-            ranks = np.empty_like(order)
-            ranks[order] = np.arange(order.size)
-            grid[row, event.kept] = ranks
-    return grid
+            row[event.kept[order]] = np.arange(order.size, dtype=np.float32) / max(self.budget, 1)
+        self.ranks.append(row)
+        if token_text is not None:
+            self.tokens.append(token_text)
+
+    # -- matrices --------------------------------------------------------------------------------------
+    def _bins(self) -> tuple[int, int, int]:
+        width = self.prompt_len + max(self.steps - 1, 0)
+        col = max(1, math.ceil(width / MAX_COLUMNS))
+        row = max(1, math.ceil(self.steps / MAX_ROWS))
+        return width, col, row
+
+    def retention(self) -> tuple[np.ndarray, int, int]:
+        """uint8 matrix (steps x positions, binned): 0-100 = % of the bin kept after that step, EMPTY = none exist."""
+        width, col, row = self._bins()
+        steps = np.arange(self.steps)[:, None]
+        exists = self.entered[None, :width] <= steps
+        kept = exists & (self.left[None, :width] > steps)
+        return _binned_share(kept, exists, col, row), col, row
+
+    def rank_matrix(self) -> tuple[np.ndarray, int, int]:
+        """uint8 matrix: mean utility rank / budget x 100 of the kept positions of each bin, EMPTY = none ranked."""
+        width, col, row = self._bins()
+        ranks = np.stack(self.ranks)[:, :width] if self.ranks else np.zeros((0, width), np.float32)
+        present = ~np.isnan(ranks)
+        return _binned_share(np.nan_to_num(ranks), present, col, row), col, row
+
+    # -- figures ---------------------------------------------------------------------------------------
+    def retention_figure(self, marker_step: int | None = None) -> go.Figure:
+        z, col, row = self.retention()
+        scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
+        fig = _heatmap(z, col, row, scale, "kept %{z}%")
+        fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888")
+        cells = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps"
+        fig.update_layout(title=f"Retention: dark kept, pale evicted, blank not yet generated (budget {self.budget}){cells}")
+        _marker(fig, marker_step)
+        return fig
+
+    def rank_figure(self, marker_step: int | None = None) -> go.Figure | None:
+        if all(np.isnan(r).all() for r in self.ranks):
+            return None
+        z, col, row = self.rank_matrix()
+        scale = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"], [101 / EMPTY, EMPTY_COLOR],
+                 [1, EMPTY_COLOR]]
+        fig = _heatmap(z, col, row, scale, "rank %{z}% of budget")
+        fig.update_layout(title="Utility rank of kept tokens (yellow = most useful)")
+        _marker(fig, marker_step)
+        return fig
+
+    def timeline_figure(self) -> go.Figure:
+        steps = [e.step for e in self.events]
+        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                            subplot_titles=("cache entries", "evicted this step", "time per step (ms)"))
+        fig.add_scatter(x=steps, y=[e.cache_size for e in self.events], name="cache", row=1, col=1)
+        fig.add_hline(y=self.budget, line_dash="dot", line_color="#c44", row=1, col=1)
+        fig.add_bar(x=steps, y=[e.evicted.size for e in self.events], name="evicted", row=2, col=1)
+        for field, label in (("t_forward", "forward"), ("t_score", "scoring"), ("t_evict", "eviction")):
+            fig.add_scatter(x=steps[1:], y=[1e3 * getattr(e, field) for e in self.events[1:]], name=label,
+                            stackgroup="time", row=3, col=1)
+        fig.update_layout(height=420, margin=dict(l=50, r=20, t=30, b=30), showlegend=True,
+                          legend=dict(orientation="h", y=-0.1))
+        return fig
+
+    def step_detail_figure(self, step: int) -> go.Figure:
+        """One step in detail: each position present, its utility (or raw score), fate and token on hover."""
+        event = self.events[min(step, self.steps - 1)]
+        present = event.present
+        values = event.raw if event.raw is not None else None
+        util = dict(zip(event.kept.tolist(), event.utility.tolist())) if event.utility is not None else {}
+        rank = {int(p): i + 1 for i, p in enumerate(event.kept[np.argsort(-event.utility, kind="stable")])} \
+            if event.utility is not None else {}
+        evicted = set(event.evicted.tolist())
+        y = [util.get(int(p), np.nan) for p in present] if util else (values if values is not None else np.zeros(len(present)))
+        text = [f"pos {p} · {html.escape(self.token(p))!s}<br>utility {util.get(int(p), float('nan')):.4g}"
+                f" · rank {rank.get(int(p), '-')}<br>{'evicted now' if p in evicted else 'kept'}" for p in present]
+        colors = [EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present]
+        fig = go.Figure(go.Scattergl(x=present, y=y, mode="markers", marker=dict(color=colors, size=5),
+                                     hovertext=text, hoverinfo="text"))
+        fig.update_layout(title=f"Step {event.step}: utility of every entry present (hover for token, score, rank)",
+                          xaxis_title="absolute position", yaxis_title="utility", height=300,
+                          margin=dict(l=50, r=20, t=40, b=40))
+        return fig
+
+    # -- tokens ----------------------------------------------------------------------------------------
+    def token(self, position: int) -> str:
+        return self.tokens[position] if position < len(self.tokens) else ""
+
+    def fate_html(self, step: int | None = None, prompt_only: bool = True) -> str:
+        """The tokens coloured by fate: kept to the end (or to ``step``), evicted at step s, not yet generated."""
+        step = self.steps - 1 if step is None else step
+        end = self.prompt_len if prompt_only else min(len(self.tokens), self.prompt_len + step)
+        spans = []
+        last_step = max(self.steps - 1, 1)
+        for position in range(end):
+            left = int(self.left[position])
+            if left <= step:
+                shade = 0.25 + 0.6 * left / last_step  # early evictions paler
+                style = f"background: rgba(230,120,60,{shade:.2f})"
+                tip = f"pos {position}: evicted at step {left}"
+            else:
+                style = f"background: {KEPT_COLOR}; color: white"
+                tip = f"pos {position}: kept" + (" to the end" if step == self.steps - 1 else f" at step {step}")
+            spans.append(f'<span title="{tip}" style="{style}">{html.escape(self.token(position))}</span>')
+        return ('<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.6; max-height: 320px;'
+                ' overflow-y: auto">' + "".join(spans) + "</div>")
 
 
-def heatmap(grid: np.ndarray, title: str, colorscale, zmin=None, zmax=None, colorbar_title="") -> go.Figure:
-    fig = go.Figure(go.Heatmap(z=grid, colorscale=colorscale, zmin=zmin, zmax=zmax, hoverongaps=False,
-                               colorbar=dict(title=colorbar_title),
-                               hovertemplate="position %{x}<br>step %{y}<br>value %{z}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="absolute position", yaxis_title="decode step",
-                      margin=dict(l=50, r=20, t=40, b=40), height=360)
+def _binned_share(values: np.ndarray, weight: np.ndarray, col: int, row: int) -> np.ndarray:
+    """Weighted mean of ``values`` (in [0, 1]) over each bin of a (steps x positions) matrix, as 0..100;
+    bins with no weight become EMPTY."""
+    steps, width = values.shape
+    pad_r, pad_c = (-steps) % row, (-width) % col
+    values = np.pad(values.astype(np.float32), ((0, pad_r), (0, pad_c)))
+    weight = np.pad(weight.astype(np.float32), ((0, pad_r), (0, pad_c)))
+    shape = (values.shape[0] // row, row, values.shape[1] // col, col)
+    total = weight.reshape(shape).sum((1, 3))
+    summed = (values * weight).reshape(shape).sum((1, 3))
+    share = np.divide(summed, total, out=np.zeros_like(summed), where=total > 0)
+    out = np.clip(np.rint(share * 100), 0, 100).astype(np.uint8)
+    out[total == 0] = EMPTY
+    return out
+
+
+def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str) -> go.Figure:
+    fig = go.Figure(go.Heatmap(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row, zmin=0, zmax=EMPTY,
+                               colorscale=colorscale, showscale=False,
+                               hovertemplate="position %{x}<br>step %{y}<br>" + hover + "<extra></extra>"))
+    fig.update_layout(xaxis_title="absolute position", yaxis_title="decode step", height=360,
+                      margin=dict(l=50, r=20, t=40, b=40))
+    fig.update_yaxes(autorange="reversed")
     return fig
 
 
-def retention_figure(events: list[StepEvent], prompt_len: int, budget: int) -> go.Figure:
-    grid = retention_matrix(events, prompt_len)
-    fig = heatmap(grid, f"Retention (budget {budget}; dark = kept, pale = evicted, blank = not yet generated)",
-                  [[0, "#f3d9c4"], [1, "#1f3b73"]], 0, 1)
-    fig.update_traces(showscale=False)
-    fig.add_vline(x=prompt_len - 0.5, line_dash="dot", line_color="#888")
-    return fig
-
-
-def rank_figure(events: list[StepEvent], prompt_len: int) -> go.Figure | None:
-    grid = utility_rank_matrix(events, prompt_len)
-    if grid is None:
-        return None
-    return heatmap(grid, "Utility rank of kept tokens (0 = most useful)", "Viridis_r", colorbar_title="rank")
+def _marker(fig: go.Figure, step: int | None) -> None:
+    if step is not None:
+        fig.add_hline(y=step, line_color="#d62728", line_width=1)

@@ -1,0 +1,130 @@
+"""The app end to end through gradio_client (tiny random model), its figures, and the Space packaging."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvviz
+from kvviz.ui.config import Limits
+from kvviz.ui.figures import EMPTY, RunView
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = "tiny-random-llama"
+PROMPT = "The quick brown fox jumps over the lazy dog. The passkey is 71432. Remember it. " * 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client():
+    from gradio_client import Client
+
+    from kvviz.ui.app import build_app
+
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=64, queue_size=8,
+                    host="127.0.0.1", port=free_port())
+    app = build_app(limits)
+    app.queue(default_concurrency_limit=1, max_size=limits.queue_size)
+    app.launch(server_name=limits.host, server_port=limits.port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield Client(f"http://127.0.0.1:{limits.port}/", verbose=False)
+    finally:
+        app.close()
+
+
+def test_generate_endpoint_streams_what_the_engine_keeps(client, tiny):
+    job = client.submit(PROMPT, "inertia", 0.5, 12, False, TINY, "{}", api_name="/generate")
+    updates = list(job)
+    assert len(updates) >= 2  # streamed, not one final answer
+    final = job.outputs()[-1]
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.5, max_new_tokens=12).trace
+    assert final["budget"] == trace.budget and final["step"] == trace.events[-1].step
+    assert [u["kept"] for u in job.outputs()] == [e.kept.tolist() for e in trace.events]
+    assert final["text"] == tokenizer.decode(trace.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("", "inertia", 0.5, 8, False, TINY, "{}"), "prompt is empty"),
+        ((PROMPT, "inertia", 1.5, 8, False, TINY, "{}"), "compression"),
+        ((PROMPT, "inertia", 0.5, 8, False, "some/other-model", "{}"), "not available"),
+        ((PROMPT * 20, "inertia", 0.5, 8, False, TINY, "{}"), "limit"),
+        ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"alpha": 3}'), "alpha"),
+        ((PROMPT, "avokv", 0.9, 8, False, TINY, "{}"), "protects"),  # budget under the protected tail
+        ((PROMPT, "nope", 0.5, 8, False, TINY, "{}"), "unknown policy"),
+        ((PROMPT, "inertia", 0.5, 999, False, TINY, "{}"), "max new tokens"),
+    ],
+)
+def test_bad_input_gets_a_message_and_the_server_keeps_serving(client, args, message):
+    with pytest.raises(Exception, match=message):
+        client.predict(*args, api_name="/generate")
+    assert client.predict(PROMPT, "full", 0.0, 3, False, TINY, "{}", api_name="/generate")["step"] == 2
+
+
+def test_a_cancelled_run_leaves_the_server_serving(client):
+    job = client.submit(PROMPT, "inertia", 0.5, 60, False, TINY, "{}", api_name="/generate")
+    job.cancel()
+    assert client.predict(PROMPT, "tova", 0.5, 4, False, TINY, "{}", api_name="/generate")["step"] == 3
+
+
+def test_run_view_retention_equals_the_trace(tiny):
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=20, max_new_tokens=16).trace
+    view = RunView(trace.prompt_len, 16, trace.budget)
+    for event in trace.events:
+        view.add(event)
+    z, col, row = view.retention()
+    assert (col, row) == (1, 1)
+    for event in trace.events:
+        exists = trace.prompt_len + max(event.step, 0)
+        kept_row = np.flatnonzero(z[event.step, :exists] == 100)
+        assert kept_row.tolist() == event.kept.tolist()
+        assert set(np.flatnonzero(z[event.step, :exists] == 0).tolist()) == set(range(exists)) - set(event.kept.tolist())
+        assert (z[event.step, exists:] == EMPTY).all()  # not generated yet
+
+
+def test_figure_payload_stays_small_for_2k_prompt_and_256_steps():
+    prompt_len, steps, budget = 2048, 256, 204
+    view = RunView(prompt_len, steps, budget, ["tok"] * prompt_len)
+    rng = np.random.default_rng(0)
+    kept = np.sort(rng.choice(prompt_len, budget, replace=False))
+    from kvviz.trace import StepEvent
+
+    for step in range(steps):
+        new = prompt_len + step - 1
+        present = np.append(kept, new) if step else kept
+        out = np.array([present[rng.integers(present.size)]]) if step else np.empty(0, np.int64)
+        kept = np.setdiff1d(present, out)
+        view.add(StepEvent(step, 0, 0, "x", kept, out, rng.random(kept.size).astype(np.float32)))
+    for figure in (view.retention_figure(), view.rank_figure(), view.timeline_figure(), view.step_detail_figure(100)):
+        assert len(figure.to_json()) <= 300_000
+
+
+def test_dockerfile_and_space_front_matter_agree_with_the_app():
+    readme = (ROOT / "README.md").read_text()
+    front = re.match(r"---\n(.*?)\n---\n", readme, re.S).group(1)
+    meta = dict(line.split(": ", 1) for line in front.splitlines() if ": " in line)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    port = int(meta["app_port"])
+    assert meta["sdk"] == "docker"
+    assert f"EXPOSE {port}" in dockerfile and f"GRADIO_SERVER_PORT={port}" in dockerfile
+    assert "GRADIO_SERVER_NAME=0.0.0.0" in dockerfile
+    assert Limits().port == port  # the app's own default
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1))
+    assert cmd[-1] == "app.py" and (ROOT / "app.py").exists()
+    assert "launch()" in (ROOT / "app.py").read_text()
+    assert re.search(r"useradd .*-u 1000", dockerfile)
+    assert "download.pytorch.org/whl/cpu" in dockerfile  # CPU torch only
+    assert "kvviz.load_model()" in dockerfile  # the default model is baked in at build time
