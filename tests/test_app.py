@@ -128,3 +128,28 @@ def test_dockerfile_and_space_front_matter_agree_with_the_app():
     assert re.search(r"useradd .*-u 1000", dockerfile)
     assert "download.pytorch.org/whl/cpu" in dockerfile  # CPU torch only
     assert "kvviz.load_model()" in dockerfile  # the default model is baked in at build time
+
+
+def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+
+    # Every parameter widget at its registry default, as the browser sends them for InertiaKV.
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *widgets, api_name="/live")
+    text, stats, retention, ranks, timeline, fate, slider, trace_file, diag = result
+    model, tokenizer = tiny
+    expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10).trace
+    assert text == tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    assert "budget** 24" in stats and "cache** 24 entries" in stats
+    loaded = kvviz.Trace.load(trace_file["value"] if isinstance(trace_file, dict) else trace_file)
+    assert [e.kept.tolist() for e in loaded.events] == [e.kept.tolist() for e in expected.events]
+    assert "raw utility jaccard" in diag
+    assert "evicted at step" in fate
+
+
+def test_compare_tab_shares_the_prompt_and_reports_divergence(client):
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 8, False,
+                            api_name="/compare")
+    texts, divergence = result[:4], result[8]
+    assert texts[0] and texts[1]
+    assert "streaming" in divergence and ("first different token" in divergence or "identical" in divergence)

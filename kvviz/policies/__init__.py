@@ -26,7 +26,7 @@ from .tova import TOVA
 
 INERTIA = "InertiaKV (inertiakv.txt)"
 AVOKV = "AvoKV-E (avokv-e.txt)"
-EMA_MEMORY = "Previous-step weight alpha**K for K scoring layers (0.8**30 ~ 1e-3 on SmolLM2-135M)."
+EMA_MEMORY = "Previous-step weight α^K for K scoring layers (0.8^30 ≈ 0.001 on SmolLM2-135M)."
 
 
 @dataclass(frozen=True)

@@ -406,7 +406,8 @@ def build_app(limits: Limits | None = None) -> gr.Blocks:
             inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, *widgets]
             live = run.click(make_live_handler(limits), inputs,
                              [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state],
-                             concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live")
+                             concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
+                             api_visibility="undocumented")  # the API is /generate; /live drives the widgets
             stop.click(None, cancels=[live])
             step_slider.release(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False)
             policy.change(_show_parameters, policy, [description, *widgets], api_name=False)
@@ -452,7 +453,8 @@ def build_app(limits: Limits | None = None) -> gr.Blocks:
             compare = c_run.click(make_compare_handler(limits),
                                   [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat],
                                   [*c_texts, *c_figs, c_divergence, c_jaccard, c_state],
-                                  concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="compare")
+                                  concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="compare",
+                                  api_visibility="undocumented")
             c_stop.click(None, cancels=[compare])
             c_mode.change(lambda mode: (gr.update(visible=mode == "compression"), gr.update(visible=mode == "budget")),
                           c_mode, [c_compression, c_budget], api_name=False)
