@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvviz-installed
 
-.PHONY: run test install bench-speed clean
+.PHONY: run test test-oldest install bench-speed clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,18 @@ run: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	$(MAKE) test-oldest
+
+# The engine against the oldest transformers in the supported range (the GPU machines run 5.17), layered
+# over the venv with PYTHONPATH so the main environment stays on the pinned release.
+OLDEST := .venv/oldest-transformers
+$(OLDEST)/.done: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(OLDEST) "transformers==5.17.0" "huggingface-hub>=1.5,<2"
+	touch $(OLDEST)/.done
+
+test-oldest: $(OLDEST)/.done
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(OLDEST) $(PY) -m pytest -q tests/test_engine.py tests/test_policies_inertia.py \
+		tests/test_policies_zoo.py tests/test_diagnostics_probe.py
 
 bench-speed: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvviz bench speed

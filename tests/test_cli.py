@@ -105,7 +105,7 @@ def test_batches_are_refused_with_a_clear_error(tiny):
     model, _ = tiny
     with kvviz.attach(model, "inertia", compression=0.5) as cache:
         with pytest.raises(ValueError, match="batch size 1"):
-            model.generate(torch.ones(2, 8, dtype=torch.long), cache=cache, max_new_tokens=2)
+            model.generate(torch.ones(2, 8, dtype=torch.long), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=2)
 
 
 def test_unknown_model_fails_with_one_clear_line(tmp_path):

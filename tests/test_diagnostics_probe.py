@@ -100,12 +100,12 @@ def test_batched_probe_equals_one_at_a_time_and_physical_eviction(tiny, tiny_pro
         cache = SlotCache(model.config.num_hidden_layers)
         logits = []
         with torch.inference_mode():
-            model(input_ids=torch.tensor([sequence[:prefix_len]]), cache=cache)
+            model(input_ids=torch.tensor([sequence[:prefix_len]]), **{kvviz.engine.cache_kwarg(model): cache})
             if removed is not None:
                 cache.evict(torch.tensor([removed]))
             for offset in range(future):
                 out = model(input_ids=torch.tensor([[sequence[prefix_len + offset]]]),
-                            position_ids=torch.tensor([[prefix_len + offset]]), cache=cache)
+                            position_ids=torch.tensor([[prefix_len + offset]]), **{kvviz.engine.cache_kwarg(model): cache})
                 logits.append(torch.log_softmax(out.logits[0, -1].float(), -1))
         return torch.stack(logits)
 

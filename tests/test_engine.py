@@ -51,7 +51,7 @@ def masked_reference(model, prompt_ids, trace):
     prompt_len = len(prompt_ids)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([prompt_ids]), cache=cache).logits
+        logits = model(input_ids=torch.tensor([prompt_ids]), **{kvviz.engine.cache_kwarg(model): cache}).logits
         tokens = [int(logits[0, -1].argmax())]
         for event in trace.decode_steps:
             position = prompt_len + event.step - 1
@@ -59,7 +59,7 @@ def masked_reference(model, prompt_ids, trace):
             mask[0, trace.events[event.step - 1].kept] = 1  # what the previous step kept ...
             mask[0, position] = 1  # ... plus the token being fed
             logits = model(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask,
-                           position_ids=torch.tensor([[position]]), cache=cache).logits
+                           position_ids=torch.tensor([[position]]), **{kvviz.engine.cache_kwarg(model): cache}).logits
             tokens.append(int(logits[0, -1].argmax()))
     return tokens
 
@@ -117,7 +117,7 @@ def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     model, tokenizer = tiny
     result = kvviz.run(model, tokenizer, tiny_prompt, policy, compression=0.5, max_new_tokens=20)
     with kvviz.attach(model, policy, compression=0.5) as cache:
-        out = model.generate(torch.tensor([tiny_prompt]), cache=cache, max_new_tokens=20, do_sample=False)
+        out = model.generate(torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=20, do_sample=False)
     assert out[0, len(tiny_prompt):].tolist() == result.token_ids
     assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
@@ -142,9 +142,9 @@ def test_captured_scores_equal_eager_attention(tiny, tiny_prompt):
     recorder = Recorder()
     ids = tiny_prompt + [17]
     with torch.inference_mode():
-        model(input_ids=torch.tensor([tiny_prompt]), cache=cache)
+        model(input_ids=torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache})
         with kvviz.scoring.scoring(recorder):
-            model(input_ids=torch.tensor([[17]]), position_ids=torch.tensor([[len(tiny_prompt)]]), cache=cache)
+            model(input_ids=torch.tensor([[17]]), position_ids=torch.tensor([[len(tiny_prompt)]]), **{kvviz.engine.cache_kwarg(model): cache})
         eager = copy.deepcopy(model)
         eager.set_attn_implementation("eager")
         attentions = eager(input_ids=torch.tensor([ids]), output_attentions=True).attentions
