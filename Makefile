@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvviz-installed
 
-.PHONY: run test test-oldest install bench-speed clean
+.PHONY: run test test-oldest install browser bench-speed clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) app.py
 
-test: $(STAMP)
+# The browser test drives Debian's chromium (Playwright's own browser download is not used).
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+		|| echo "could not install chromium: the browser tests will be skipped"
+
+test: $(STAMP) browser
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 	$(MAKE) test-oldest
 

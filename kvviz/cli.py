@@ -167,8 +167,16 @@ def cmd_policies(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import probe_cost, speed
+    from .bench import probe_cost, speed, sweep
 
+    if args.bench == "run":
+        config = sweep.load_config(args.config)
+        out = Path(args.out or Path("results_db") / config["name"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_bytes(Path(args.config).read_bytes())
+        written = sweep.run(config, out, shard=(args.shard, args.shards))
+        print(f"{written} new rows in {out}")
+        return 0
     return {"speed": speed.main, "probe": probe_cost.main}[args.bench](args)
 
 
@@ -242,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     speed.add_arguments(bench_sub.add_parser("speed", help="decode speed: generate vs engine policies"))
     probe_cost.add_arguments(bench_sub.add_parser("probe", help="damage-probe cost: batched vs one at a time"))
+    run = bench_sub.add_parser("run", help="run (or resume) a sweep from a TOML config")
+    run.add_argument("config")
+    run.add_argument("--out", help="folder for rows and config (default results_db/<name>)")
+    run.add_argument("--shards", type=int, default=1, help="split the cells into this many shards")
+    run.add_argument("--shard", type=int, default=0, help="which shard this process runs")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="start the Gradio app (same as python app.py)")

@@ -42,16 +42,19 @@ def client():
         app.close()
 
 
-def test_generate_endpoint_streams_what_the_engine_keeps(client, tiny):
+def test_generate_endpoint_streams_what_the_cli_keeps(client, capsys):
+    from kvviz.cli import main
+
     job = client.submit(PROMPT, "inertia", 0.5, 12, False, TINY, "{}", api_name="/generate")
     updates = list(job)
     assert len(updates) >= 2  # streamed, not one final answer
     final = job.outputs()[-1]
-    model, tokenizer = tiny
-    trace = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.5, max_new_tokens=12).trace
-    assert final["budget"] == trace.budget and final["step"] == trace.events[-1].step
-    assert [u["kept"] for u in job.outputs()] == [e.kept.tolist() for e in trace.events]
-    assert final["text"] == tokenizer.decode(trace.token_ids, skip_special_tokens=True)
+    assert main(["generate", "--model", TINY, "--prompt", PROMPT, "--no-chat", "--policy", "inertia",
+                 "--compression", "0.5", "--max-new-tokens", "12", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert final["budget"] == cli["budget"] and final["prompt_len"] == cli["prompt_len"]
+    assert [u["kept"] for u in job.outputs()][1:] == [step["kept"] for step in cli["steps"]]
+    assert final["text"] == cli["text"]
 
 
 @pytest.mark.parametrize(
@@ -153,3 +156,17 @@ def test_compare_tab_shares_the_prompt_and_reports_divergence(client):
     texts, divergence = result[:4], result[8]
     assert texts[0] and texts[1]
     assert "streaming" in divergence and ("first different token" in divergence or "identical" in divergence)
+
+
+def test_retention_figure_outlines_sinks_and_the_protected_tail(tiny):
+    model, tokenizer = tiny
+    policy = kvviz.make_policy("streaming", sinks=3)
+    trace = kvviz.run(model, tokenizer, PROMPT, policy, chat=False, budget=20, max_new_tokens=6).trace
+    view = RunView(trace.prompt_len, 6, 20, pinned=(3, 5))
+    for event in trace.events:
+        view.add(event)
+    shapes = view.retention_figure().layout.shapes
+    sink = [s for s in shapes if s.type == "rect"][0]
+    assert (sink.x0, sink.x1) == (-0.5, 2.5)
+    tail = [s for s in shapes if s.type == "path"][0]
+    assert tail.path.startswith(f"M {trace.prompt_len - 5.5},-0.5")

@@ -254,3 +254,11 @@ def test_registry_describes_every_policy():
             assert {"name", "type", "default"} <= set(parameter)
     for scorer in ("vnorm", "entropy", "keydiff", "knorm", "recency"):
         assert make_policy(f"inertia-{scorer}").scorer == scorer
+
+
+def test_pinned_entries_reported_for_the_heatmap():
+    assert make_policy("streaming").pinned(100) == (4, 0)
+    assert make_policy("avokv").pinned(100) == (4, 32) and make_policy("avokv").pinned(1000) == (4, 8)
+    assert make_policy("rkv").pinned(100) == (0, 8)
+    assert make_policy("h2o").pinned(100) == (0, 50)
+    assert make_policy("inertia").pinned(100) == (0, 0)

@@ -67,6 +67,9 @@ class AvoKVE(CheckpointPolicy):
         super().reset(prompt_len, budget, num_layers)
         self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)")
 
+    def pinned(self, budget: int) -> tuple[int, int]:
+        return self.sinks, self.protected(budget)
+
     def layer_features(self, view, positions, queries, query_positions):
         cand = self.candidates
         attn = window_attention(queries, query_positions, view, positions)  # (heads, w, n)

@@ -76,6 +76,10 @@ class Policy:
         """
         return None
 
+    def pinned(self, budget: int) -> tuple[int, int]:
+        """(oldest entries never evicted, newest entries never evicted) -- sinks and protected tails."""
+        return 0, 0
+
     def previous_step_weight(self, num_layers: int) -> float | None:
         """Weight the utility of the previous step keeps after one scoring step, if the rule has one."""
         return None

@@ -57,5 +57,8 @@ class H2O(Policy):
     def raw_scores(self, positions: torch.Tensor) -> torch.Tensor | None:
         return self.step_mean.mean(positions)
 
+    def pinned(self, budget: int) -> tuple[int, int]:
+        return 0, int(self.recent * budget)
+
     def cache_bound(self, budget: int, step: int) -> int:
         return budget

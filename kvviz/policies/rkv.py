@@ -42,6 +42,9 @@ class RKV(CheckpointPolicy):
         super().reset(prompt_len, budget, num_layers)
         self.reset_budget_check(budget, self.window, "R-KV (recent window)")
 
+    def pinned(self, budget: int) -> tuple[int, int]:
+        return 0, self.window
+
     def layer_features(self, view, positions, queries, query_positions):
         cand = self.candidates
         attn = window_attention(queries, query_positions, view, positions)[:, :, cand].mean((0, 1))

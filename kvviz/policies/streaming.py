@@ -30,5 +30,8 @@ class StreamingLLM(Policy):
         utility[positions < self.sinks] = float("inf")
         return lowest(utility, positions, over_budget(positions, budget))
 
+    def pinned(self, budget: int) -> tuple[int, int]:
+        return self.sinks, 0
+
     def cache_bound(self, budget: int, step: int) -> int:
         return budget

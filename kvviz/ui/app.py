@@ -162,8 +162,8 @@ def make_live_handler(limits: Limits):
         except ValueError as error:
             raise gr.Error(str(error), print_exception=False) from None
         view = RunView(len(request.prompt_ids), request.max_new_tokens, request.budget,
-                       token_texts(request.tokenizer, request.prompt_ids))
-        text, last_figure, start = "", 0.0, time.perf_counter()
+                       token_texts(request.tokenizer, request.prompt_ids), policy.pinned(request.budget))
+        text, last_figure, last_fate, start = "", 0.0, 0.0, time.perf_counter()
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
                                        budget=request.budget, max_new_tokens=request.max_new_tokens):
@@ -172,8 +172,11 @@ def make_live_handler(limits: Limits):
                 now = time.perf_counter()
                 if now - last_figure >= FIGURE_EVERY_S:
                     last_figure = now
+                    fate = gr.skip()
+                    if now - last_fate >= 5 * FIGURE_EVERY_S:  # the token view is larger: once a second
+                        last_fate, fate = now, view.fate_html()
                     yield (text, stats_markdown(view, now - start), view.retention_figure(), view.rank_figure(),
-                           view.timeline_figure(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                           view.timeline_figure(), fate, gr.skip(), gr.skip(), gr.skip(), gr.skip())
                 else:
                     yield (text, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
                            gr.skip(), gr.skip())
@@ -214,7 +217,8 @@ def make_compare_handler(limits: Limits):
         except (ValueError, KeyError) as error:
             raise gr.Error(str(error), print_exception=False) from None
         tokens = token_texts(request.tokenizer, request.prompt_ids)
-        views = {name: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens) for name in names}
+        views = {name: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens,
+                               policies[name].pinned(request.budget)) for name in names}
         texts = {name: "" for name in names}
         last_figure = 0.0
         try:

@@ -28,8 +28,9 @@ KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR = "#1f3b73", "#f1c9a5", "#ffffff"
 class RunView:
     """Retention and rank history of one run, updated one event at a time in O(cache size)."""
 
-    def __init__(self, prompt_len: int, max_new_tokens: int, budget: int, tokens: list[str] | None = None):
-        self.prompt_len, self.budget = prompt_len, budget
+    def __init__(self, prompt_len: int, max_new_tokens: int, budget: int, tokens: list[str] | None = None,
+                 pinned: tuple[int, int] = (0, 0)):
+        self.prompt_len, self.budget, self.pinned = prompt_len, budget, pinned
         self.total = prompt_len + max_new_tokens
         self.entered = np.full(self.total, NEVER, dtype=np.int32)  # step a position entered the cache
         self.entered[:prompt_len] = 0
@@ -83,10 +84,27 @@ class RunView:
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
         fig = _heatmap(z, col, row, scale, "kept %{z}%")
         fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888")
+        self._pinned_bands(fig)
         cells = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps"
         fig.update_layout(title=f"Retention: dark kept, pale evicted, blank not yet generated (budget {self.budget}){cells}")
         _marker(fig, marker_step)
         return fig
+
+    def _pinned_bands(self, fig: go.Figure) -> None:
+        """Outline what the policy never evicts: the first ``sinks`` positions, and the newest ``tail`` entries
+        at each step (a band that moves right one position per step)."""
+        sinks, tail = self.pinned
+        last = max(self.steps - 1, 0)
+        if sinks:
+            fig.add_shape(type="rect", x0=-0.5, x1=sinks - 0.5, y0=-0.5, y1=last + 0.5, line=dict(color="#2ca02c"),
+                          fillcolor="rgba(44,160,44,0.15)")
+        if tail and self.steps > 1:
+            end0, end1 = self.prompt_len - 0.5, self.prompt_len + last - 0.5  # newest position + 0.5 at steps 0, last
+            path = (f"M {end0 - tail},-0.5 L {end0},-0.5 L {end1},{last + 0.5} L {end1 - tail},{last + 0.5} Z")
+            fig.add_shape(type="path", path=path, line=dict(color="#2ca02c"), fillcolor="rgba(44,160,44,0.15)")
+        if sinks or tail:
+            fig.add_annotation(text="green: never evicted (sinks / protected tail)", xref="paper", yref="paper",
+                               x=1, y=1.02, showarrow=False, font=dict(size=10, color="#2ca02c"), xanchor="right")
 
     def rank_figure(self, marker_step: int | None = None) -> go.Figure | None:
         if all(np.isnan(r).all() for r in self.ranks):

@@ -1,0 +1,185 @@
+"""``kvviz bench run CONFIG``: a resumable, crash-safe sweep over tasks x samples x policies x budgets.
+
+A config (TOML) names the model, the tasks (generator, prompt length, samples, options), the policies
+(each with optional parameter lists to sweep) and the compressions.  Each *cell* -- one sample under one
+policy setting at one compression -- becomes one JSON row in ``OUT/rows.jsonl``, written with a single
+``write`` and ``fsync``.  On start the file is cut back to its last complete line, finished cells are
+skipped, so a SIGKILL loses at most the cell in flight and never duplicates a row.
+
+Decode-time policies of one sample share one prefill (:func:`kvviz.engine.prefill`); prefill-time ones
+(SnapKV) do their own.  Rows carry provenance: model, kvviz version and git commit, torch and
+transformers versions, device, seed and date.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm  # already a dependency of transformers
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    sample: int
+    policy: str
+    params: tuple  # sorted (name, value) pairs
+    compression: float
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.task, self.sample, self.policy, list(self.params), self.compression])
+
+
+def load_config(path: str | Path) -> dict:
+    with open(path, "rb") as handle:
+        config = tomllib.load(handle)
+    for required in ("name", "tasks", "policies", "compression"):
+        if required not in config:
+            raise ValueError(f"sweep config {path} has no {required!r}")
+    return config
+
+
+def policy_settings(config: dict) -> list[tuple[str, tuple]]:
+    """Expand ``policies``: a name, or {name, params = {p = [values...]}} into every parameter combination."""
+    out = []
+    for entry in config["policies"]:
+        if isinstance(entry, str):
+            out.append((entry, ()))
+            continue
+        grid = {k: v if isinstance(v, list) else [v] for k, v in entry.get("params", {}).items()}
+        names = sorted(grid)
+        for values in itertools.product(*(grid[n] for n in names)):
+            out.append((entry["name"], tuple(zip(names, values))))
+    return out
+
+
+def cells(config: dict) -> list[Cell]:
+    settings = policy_settings(config)
+    out = []
+    for task in config["tasks"]:
+        for sample in range(task["samples"]):
+            for (policy, params), compression in itertools.product(settings, config["compression"]):
+                if policy == "full" and compression != config["compression"][0]:
+                    continue  # the full cache does not depend on the compression: run it once
+                out.append(Cell(task["label"] if "label" in task else task["name"], sample, policy, params,
+                                float(compression)))
+    return out
+
+
+class RowFile:
+    """Append-only JSONL whose every row is one complete, fsynced line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            data = path.read_bytes()
+            keep = data.rfind(b"\n") + 1  # drop a torn last line left by a kill mid-write
+            if keep != len(data):
+                with open(path, "r+b") as handle:
+                    handle.truncate(keep)
+        self.done = {json.loads(line)["cell"] for line in path.read_text().splitlines() if line.strip()} \
+            if path.exists() else set()
+
+    def append(self, row: dict) -> None:
+        line = (json.dumps(row) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.done.add(row["cell"])
+
+
+def provenance(model_name: str, device: str, seed: int) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"model": model_name, "kvviz_version": __version__, "git_commit": commit, "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": device, "seed": seed,
+            "machine": platform.node(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _sample_seed(seed: int, task: str, index: int) -> int:
+    return int(hashlib.sha256(f"{seed}/{task}/{index}".encode()).hexdigest()[:8], 16)
+
+
+def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard: tuple[int, int] = (0, 1),
+        progress: bool = True) -> int:
+    """Run every unfinished cell of ``config`` (those with ``index % shards == shard``); return rows written."""
+    from .. import engine
+    from ..models import load_model
+    from ..policies import make_policy
+    from ..tasks import METRICS, TASKS
+
+    out_dir = Path(out_dir)
+    index, shards = shard
+    rows = RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl"))
+    todo = [c for i, c in enumerate(cells(config)) if i % shards == index and c.key not in rows.done]
+    if not todo:
+        return 0
+    model_name = config.get("model", "SmolLM2-135M-Instruct")
+    device = config.get("device", "cpu")
+    if model is None:
+        model, tokenizer = load_model(model_name, device=device)
+    seed = int(config.get("seed", 0))
+    meta = provenance(model_name, device, seed)
+    tasks = {t.get("label", t["name"]): t for t in config["tasks"]}
+    max_new = int(config.get("max_new_tokens", 32))
+    written = 0
+    bar = tqdm(total=len(todo), desc=config["name"], unit="cell", disable=not progress, file=sys.stderr)
+
+    for (task_label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
+        group = list(group)
+        spec = tasks[task_label]
+        options = {k: v for k, v in spec.items() if k not in ("name", "label", "length", "samples")}
+        sample = TASKS[spec["name"]](tokenizer, spec["length"], _sample_seed(seed, task_label, sample_index), **options)
+        prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
+        shared = engine.prefill(model, prompt_ids)
+        for cell in group:
+            policy = make_policy(cell.policy, **dict(cell.params))
+            budget = None if cell.policy == "full" else engine.resolve_budget(len(prompt_ids), compression=cell.compression)
+            t0 = time.perf_counter()
+            events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
+                                        shared=shared))
+            elapsed = time.perf_counter() - t0
+            steps = events[1:]
+            decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in steps)
+            prediction = tokenizer.decode([e.new_token_id for e in events], skip_special_tokens=True)
+            rows.append({
+                "cell": cell.key, "source": "measured", "sweep": config["name"], "task": task_label,
+                "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
+                "compression": cell.compression, "prompt_len": len(prompt_ids),
+                "budget": budget if budget is not None else len(prompt_ids) + max_new,
+                "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
+                "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
+                "answers": sample.answers, "prefill_ms": 1e3 * (shared.seconds if policy.prefill_window == 0
+                                                                else events[0].t_forward),
+                "decode_tok_s": len(steps) / decode_seconds if decode_seconds else None,
+                "seconds": elapsed, **meta,
+            })
+            written += 1
+            bar.set_postfix_str(f"{task_label}#{sample_index} {cell.policy} rho={cell.compression}")
+            bar.update()
+    bar.close()
+    return written

@@ -1,0 +1,227 @@
+"""RULER-style synthetic tasks at a chosen prompt length, generated offline from a seed.
+
+Every generator takes a tokenizer (to hit the target length in that model's tokens), a target length and
+a seed, and returns a :class:`Sample`.  Haystacks are either a repeated noise paragraph or procedurally
+generated prose (:func:`prose_sentences`): a seeded grammar over small word lists, no corpus copied.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+_SUBJECTS = ["The old sailor", "A quiet librarian", "The committee", "My neighbour", "The young painter",
+             "A travelling merchant", "The village baker", "Our guide", "The night guard", "A curious child"]
+_VERBS = ["walked past", "wrote about", "argued over", "repaired", "photographed", "remembered", "painted",
+          "sold", "measured", "described"]
+_ADJECTIVES = ["narrow", "forgotten", "crowded", "silver", "windy", "ancient", "bright", "muddy", "quiet", "tall"]
+_OBJECTS = ["bridge", "harbour", "market", "lighthouse", "orchard", "railway", "chapel", "garden", "mill", "square"]
+_TAILS = ["before the rain began", "on a cold morning", "for the third time", "without saying a word",
+          "while the bells rang", "after a long journey", "near the end of summer", "with great care"]
+_KEYS = ["apple", "river", "candle", "mirror", "falcon", "meadow", "copper", "lantern", "violet", "harvest",
+         "pebble", "thunder", "saddle", "orbit", "willow", "cinder", "marble", "compass", "ember", "quartz"]
+_WORDS = ["table", "cloud", "stone", "paper", "window", "basket", "ribbon", "engine", "pillow", "ladder", "button",
+          "carpet", "needle", "rocket", "jacket", "wallet", "bottle", "pencil", "hammer", "blanket", "kettle",
+          "tunnel", "saucer", "barrel", "helmet", "anchor", "cactus", "dagger", "fossil", "goblet"]
+
+
+@dataclass
+class Sample:
+    """One prompt with its gold answers and how to score them."""
+
+    task: str
+    prompt: str
+    answers: list[str]
+    metric: str
+    meta: dict = field(default_factory=dict)
+
+
+def prose_sentences(rng: random.Random):
+    """An endless stream of varied, grammatical filler sentences."""
+    while True:
+        yield (f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} the {rng.choice(_ADJECTIVES)} "
+               f"{rng.choice(_OBJECTS)} {rng.choice(_TAILS)}.")
+
+
+def noise_sentences(rng: random.Random):
+    while True:
+        yield NOISE
+
+
+HAYSTACKS = {"noise": noise_sentences, "prose": prose_sentences}
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def fit(tokenizer, target_tokens: int, build: Callable[[list[str]], str], filler, chat: bool = True) -> str:
+    """The longest ``build(filler[:n])`` whose token count stays within ``target_tokens``."""
+    from ..engine import encode_prompt
+
+    sentences: list[str] = []
+    low, high = 0, 8
+    while True:  # grow until too long, then bisect
+        while len(sentences) < high:
+            sentences.append(next(filler))
+        if len(encode_prompt(tokenizer, build(sentences[:high]), chat=chat)) > target_tokens:
+            break
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if len(encode_prompt(tokenizer, build(sentences[:middle]), chat=chat)) > target_tokens:
+            high = middle
+        else:
+            low = middle
+    return build(sentences[:low])
+
+
+def _insert(filler: list[str], items: list[str], depths: list[float]) -> str:
+    text = list(filler)
+    for item, depth in sorted(zip(items, depths), key=lambda pair: -pair[1]):
+        text.insert(round(depth * len(text)), item)
+    return " ".join(text)
+
+
+def single_needle(tokenizer, target_tokens: int, seed: int, haystack: str = "noise", depth: float | None = None,
+                  chat: bool = True) -> Sample:
+    """A 7-digit number for one key hidden in the haystack; asked back."""
+    rng = random.Random(seed)
+    key, value = rng.choice(_KEYS), _number(rng)
+    depth = rng.random() if depth is None else depth
+    needle = f"One of the special magic numbers for {key} is: {value}."
+    question = f"What is the special magic number for {key} mentioned in the provided text?"
+
+    def build(filler):
+        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, [needle], [depth])}\n{question}"
+
+    prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
+    return Sample("single_needle", prompt, [value], "string_match", {"key": key, "depth": depth, "haystack": haystack})
+
+
+def multi_key_needle(tokenizer, target_tokens: int, seed: int, keys: int = 4, haystack: str = "noise",
+                     chat: bool = True) -> Sample:
+    """``keys`` keys with their own numbers (the others are distractors); one is asked."""
+    rng = random.Random(seed)
+    names = rng.sample(_KEYS, keys)
+    values = [_number(rng) for _ in names]
+    asked = rng.randrange(keys)
+    needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(names, values)]
+    depths = [rng.random() for _ in names]
+    question = f"What is the special magic number for {names[asked]} mentioned in the provided text?"
+
+    def build(filler):
+        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, needles, depths)}\n{question}"
+
+    prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
+    return Sample("multi_key_needle", prompt, [values[asked]], "string_match",
+                  {"keys": names, "asked": names[asked], "distractors": [v for i, v in enumerate(values) if i != asked]})
+
+
+def multi_value(tokenizer, target_tokens: int, seed: int, values: int = 4, haystack: str = "noise",
+                chat: bool = True) -> Sample:
+    """One key with ``values`` numbers scattered in the haystack; all are asked."""
+    rng = random.Random(seed)
+    key = rng.choice(_KEYS)
+    numbers = [_number(rng) for _ in range(values)]
+    needles = [f"One of the special magic numbers for {key} is: {v}." for v in numbers]
+    depths = [rng.random() for _ in numbers]
+    question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
+
+    def build(filler):
+        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, needles, depths)}\n{question}"
+
+    prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
+    return Sample("multi_value", prompt, numbers, "string_match", {"key": key})
+
+
+def multi_query(tokenizer, target_tokens: int, seed: int, keys: int = 4, queries: int = 2, haystack: str = "noise",
+                chat: bool = True) -> Sample:
+    """``keys`` keys with numbers; ``queries`` of them are asked at once."""
+    rng = random.Random(seed)
+    names = rng.sample(_KEYS, keys)
+    values = [_number(rng) for _ in names]
+    asked = rng.sample(range(keys), queries)
+    needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(names, values)]
+    depths = [rng.random() for _ in names]
+    question = ("What are the special magic numbers for " + ", ".join(names[i] for i in asked)
+                + " mentioned in the provided text?")
+
+    def build(filler):
+        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, needles, depths)}\n{question}"
+
+    prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
+    return Sample("multi_query", prompt, [values[i] for i in asked], "string_match",
+                  {"asked": [names[i] for i in asked]})
+
+
+def variable_tracking(tokenizer, target_tokens: int, seed: int, chain: int = 4, haystack: str = "noise",
+                      chat: bool = True) -> Sample:
+    """``VAR A = 12345`` then ``VAR B = VAR A`` ... scattered in order; which variables hold the value?"""
+    rng = random.Random(seed)
+    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(chain)]
+    value = str(rng.randint(10_000, 99_999))
+    statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, chain)]
+    depths = sorted(rng.random() for _ in statements)  # in order, so the chain can be followed
+    question = f"Find all variables that are assigned the value {value} in the text above."
+
+    def build(filler):
+        return f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n{_insert(filler, statements, depths)}\n{question}"
+
+    prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
+    return Sample("variable_tracking", prompt, names, "string_match", {"value": value})
+
+
+def common_words(tokenizer, target_tokens: int, seed: int, top: int = 10, chat: bool = True) -> Sample:
+    """A numbered list of words where ``top`` words repeat more often than all others; name them."""
+    rng = random.Random(seed)
+    frequent = rng.sample(_WORDS, top)
+    rare = [w for w in _WORDS if w not in frequent]
+    question = f"What are the {top} most common words in the above list?"
+
+    def stream():
+        counter = 0
+        while True:
+            counter += 1
+            yield frequent[counter % top] if counter % 3 else rng.choice(rare)
+
+    words = stream()
+
+    def build(filler):
+        listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(filler))
+        return f"Below is a numbered list of words. Memorize the ones that appear most often.\n{listing}\n{question}"
+
+    prompt = fit(tokenizer, target_tokens, build, words, chat)
+    return Sample("common_words", prompt, frequent, "string_match", {})
+
+
+TASKS = {
+    "single_needle": single_needle,
+    "multi_key_needle": multi_key_needle,
+    "multi_value": multi_value,
+    "multi_query": multi_query,
+    "variable_tracking": variable_tracking,
+    "common_words": common_words,
+}
+
+NIAH_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+
+
+def needle_grid(tokenizer, lengths: list[int], depths: list[float], seed: int = 0, haystack: str = "prose",
+                chat: bool = True) -> list[Sample]:
+    """The needle-in-a-haystack grid (context length x needle depth), scored with ROUGE-L F."""
+    samples = []
+    for length in lengths:
+        for depth in depths:
+            rng = random.Random(seed)
+            question = "What is the best thing to do in San Francisco? Answer in one sentence."
+
+            def build(filler, depth=depth):
+                return f"{_insert(filler, [NIAH_NEEDLE], [depth])}\n{question}"
+
+            prompt = fit(tokenizer, length, build, HAYSTACKS[haystack](rng), chat)
+            samples.append(Sample("needle_grid", prompt, [NIAH_NEEDLE], "rouge_l", {"length": length, "depth": depth}))
+    return samples

@@ -1,0 +1,107 @@
+"""The Live tab in a real headless Chromium (Debian's), driven by Playwright: run, watch, scrub, stop.
+
+Screenshots land in ``test-artifacts/`` for a person to look at.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from kvviz.ui.config import Limits
+
+CHROMIUM = shutil.which("chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+TINY = "tiny-random-llama"
+PROMPT = "The quick brown fox jumps over the lazy dog. The passkey is 71432. Remember it. " * 4
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    from kvviz.ui.app import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    limits = Limits(models=(TINY,), max_prompt_tokens=2000, max_new_tokens=512, host="127.0.0.1", port=port)
+    app = build_app(limits)
+    app.queue(default_concurrency_limit=1, max_size=8)
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        app.close()
+
+
+@pytest.fixture(scope="module")
+def page(app_url):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app_url)
+        page.get_by_label("Prompt").first.wait_for()
+        yield page
+        browser.close()
+
+
+def generated_text(page) -> str:
+    return page.get_by_label("Generated text").input_value()
+
+
+def set_inputs(page, max_new_tokens: int) -> None:
+    page.get_by_label("Prompt").first.fill(PROMPT)
+    page.get_by_label("Model").first.wait_for()
+    max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
+    max_new.first.fill(str(max_new_tokens))
+    max_new.first.press("Enter")
+    page.get_by_label("Chat template").uncheck()
+
+
+def test_run_watch_scrub(page):
+    set_inputs(page, 48)
+    page.get_by_role("button", name="Run").click()
+    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .heatmaplayer').length > 0",
+                           timeout=60_000)
+    first = generated_text(page)
+    page.wait_for_function(
+        "() => !document.querySelector('button.stop-btn, .progress-text') && document.querySelector('input[type=range]')",
+        timeout=120_000)
+    page.get_by_text("Scrub to step").wait_for(timeout=120_000)
+    final = generated_text(page)
+    assert len(final) >= len(first) and final  # text appeared and grew
+    page.screenshot(path=str(ARTIFACTS / "live-after-run.png"), full_page=True)
+
+    slider = page.locator("input[type=range]").filter(has=page.locator("xpath=.")).last
+    box = slider.bounding_box()
+    page.mouse.click(box["x"] + box["width"] * 0.3, box["y"] + box["height"] / 2)  # scrub back
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => (p.layout && p.layout.title && "
+        "String(p.layout.title.text || '').startsWith('Step ')))", timeout=30_000)
+    page.screenshot(path=str(ARTIFACTS / "live-scrubbed.png"), full_page=True)
+
+
+def test_stop_cancels_a_long_run(page):
+    set_inputs(page, 500)
+    page.get_by_role("button", name="Run").click()
+    page.wait_for_function("() => document.querySelector('textarea') !== null", timeout=30_000)
+    deadline = time.time() + 60
+    while len(generated_text(page)) < 5 and time.time() < deadline:
+        time.sleep(0.2)
+    page.get_by_role("button", name="Stop").first.click()
+    time.sleep(2.0)
+    stopped = generated_text(page)
+    time.sleep(2.0)
+    assert generated_text(page) == stopped  # nothing more arrives after Stop
+    page.screenshot(path=str(ARTIFACTS / "live-stopped.png"), full_page=True)

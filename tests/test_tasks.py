@@ -1,0 +1,93 @@
+"""Task generators (offline, seeded) and metrics on hand-worked examples; loaders on local fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvviz
+from kvviz.engine import encode_prompt
+from kvviz.tasks import TASKS, needle_grid
+from kvviz.tasks.loaders import from_records, read_jsonl
+from kvviz.tasks.metrics import (edit_similarity, exact_match, last_boxed, math_equal, rouge_l_f, string_match,
+                                 token_f1)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_string_match_is_the_share_of_gold_values_found():
+    assert string_match("The numbers are 1234567 and 7654321.", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
+    assert string_match("APPLE", ["apple"]) == 1.0
+
+
+def test_exact_match_normalises_case_punctuation_and_articles():
+    assert exact_match("The Lima.", ["lima"]) == 1.0
+    assert exact_match("Lima, Peru", ["Lima"]) == 0.0
+
+
+def test_rouge_l_and_token_f1_by_hand():
+    # pred "sit in the park" -> [sit, in, park]; gold "eat and sit in park" -> [eat, and, sit, in, park]
+    # LCS = 3 (sit in park): P = 3/3, R = 3/5 -> F = 2*1*.6/1.6 = .75
+    assert rouge_l_f("sit in the park", ["eat and sit in park"]) == pytest.approx(0.75)
+    # token F1 on "park sit" vs "sit in park": common 2, P = 1, R = 2/3 -> .8 (order does not matter)
+    assert token_f1("park sit", ["sit in park"]) == pytest.approx(0.8)
+    assert rouge_l_f("park sit", ["sit in park"]) == pytest.approx(0.4)  # LCS 1: P .5, R 1/3 -> .4
+
+
+def test_math_answer_extraction_and_normalisation():
+    assert last_boxed(r"so \boxed{\frac{3}{4}} and finally \boxed{\dfrac{3}{4}}") == r"\dfrac{3}{4}"
+    assert math_equal(r"The answer is \boxed{\dfrac{3}{4}}.", [r"\frac{3}{4}"]) == 1.0
+    assert math_equal(r"\boxed{1,234}", ["1234"]) == 1.0
+    assert math_equal("so it is 12.0", ["12"]) == 1.0
+    assert math_equal(r"\boxed{5}", ["6"]) == 0.0
+
+
+def test_edit_similarity_skips_comment_lines():
+    assert edit_similarity("# comment\nreturn x + 1\nmore", ["return x + 1"]) == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_generators_hit_the_length_embed_the_answers_and_are_seeded(name, tiny):
+    _, tokenizer = tiny
+    generate = TASKS[name]
+    sample = generate(tokenizer, 600, seed=3)
+    length = len(encode_prompt(tokenizer, sample.prompt))
+    assert 450 <= length <= 600
+    for answer in sample.answers:
+        assert answer in sample.prompt
+    assert generate(tokenizer, 600, seed=3).prompt == sample.prompt
+    assert generate(tokenizer, 600, seed=4).prompt != sample.prompt
+    assert string_match(" ".join(sample.answers), sample.answers) == 1.0
+
+
+def test_multi_key_has_distractors_and_prose_haystack_varies(tiny):
+    _, tokenizer = tiny
+    sample = TASKS["multi_key_needle"](tokenizer, 800, seed=1, haystack="prose")
+    assert len(sample.meta["distractors"]) == 3 and all(d in sample.prompt for d in sample.meta["distractors"])
+    sentences = [s for s in sample.prompt.split(". ") if s]
+    assert len(set(sentences)) > len(sentences) // 2  # procedurally varied, not one repeated sentence
+
+
+def test_needle_grid_covers_lengths_and_depths(tiny):
+    _, tokenizer = tiny
+    grid = needle_grid(tokenizer, [300, 600], [0.0, 0.5, 1.0])
+    assert [(s.meta["length"], s.meta["depth"]) for s in grid] == [(l, d) for l in (300, 600) for d in (0.0, 0.5, 1.0)]
+    first, last = grid[0].prompt, grid[2].prompt
+    assert first.index("San Francisco is eat") < last.index("San Francisco is eat")
+    assert all(s.metric == "rouge_l" for s in grid)
+
+
+def test_loaders_on_local_fixtures():
+    hotpot = from_records("longbench", read_jsonl(FIXTURES / "longbench_hotpotqa.jsonl"), task="hotpotqa")
+    assert len(hotpot) == 2 and hotpot[0].metric == "token_f1" and "Question: Whose company" in hotpot[0].prompt
+    # "gustave eiffels company" (the apostrophe goes) vs "gustave eiffel": 1 common of 3 and 2 -> F = .4
+    assert token_f1("Gustave Eiffel's company", hotpot[0].answers) == pytest.approx(0.4)
+    v2 = from_records("longbench_v2", read_jsonl(FIXTURES / "longbench_v2.jsonl"))
+    assert v2[0].answers == ["(B)"] and "(C) 20%" in v2[0].prompt
+    assert string_match("The correct answer is (B).", v2[0].answers) == 1.0
+    math = from_records("math500", read_jsonl(FIXTURES / "math500.jsonl"))
+    assert math[0].metric == "math" and r"\boxed{}" in math[0].prompt
+    assert math_equal(r"\boxed{\dfrac{3}{4}}", math[0].answers) == 1.0
+    with pytest.raises(ValueError, match="unknown"):
+        from_records("nope", [])
