@@ -139,7 +139,7 @@ def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
     # Every parameter widget at its registry default, as the browser sends them for InertiaKV.
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *widgets, api_name="/live")
-    text, stats, retention, ranks, timeline, fate, slider, trace_file, diag = result
+    text, stats, retention, ranks, timeline, fate, slider, trace_file, diag, detail = result
     model, tokenizer = tiny
     expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10).trace
     assert text == tokenizer.decode(expected.token_ids, skip_special_tokens=True)

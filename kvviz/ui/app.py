@@ -164,6 +164,9 @@ def make_live_handler(limits: Limits):
         view = RunView(len(request.prompt_ids), request.max_new_tokens, request.budget,
                        token_texts(request.tokenizer, request.prompt_ids), policy.pinned(request.budget))
         text, last_figure, last_fate, start = "", 0.0, 0.0, time.perf_counter()
+        # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming.
+        yield ("", "", None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
+               None, None)
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
                                        budget=request.budget, max_new_tokens=request.max_new_tokens):
@@ -176,10 +179,9 @@ def make_live_handler(limits: Limits):
                     if now - last_fate >= 5 * FIGURE_EVERY_S:  # the token view is larger: once a second
                         last_fate, fate = now, view.fate_html()
                     yield (text, stats_markdown(view, now - start), view.retention_figure(), view.rank_figure(),
-                           view.timeline_figure(), fate, gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                           view.timeline_figure(), fate, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
                 else:
-                    yield (text, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                           gr.skip(), gr.skip())
+                    yield (text, *[gr.skip()] * 10)
             trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events)
             path = Path(tempfile.mkdtemp(prefix="kvviz-")) / f"trace-{policy_name}.parquet"
             trace.save(path)
@@ -187,7 +189,8 @@ def make_live_handler(limits: Limits):
             yield (text, stats_markdown(view, time.perf_counter() - start), view.retention_figure(),
                    view.rank_figure(), view.timeline_figure(), view.fate_html(),
                    gr.update(maximum=max(last_step, 1), value=last_step, visible=True, interactive=True),
-                   gr.update(value=str(path), visible=True), diagnostics_markdown(trace), view)
+                   gr.update(value=str(path), visible=True), diagnostics_markdown(trace), view,
+                   view.step_detail_figure(last_step))
         except Exception as error:  # the run failed: say so, keep serving
             raise gr.Error(f"generation failed: {error}", print_exception=False) from None
         finally:
@@ -392,8 +395,8 @@ def build_app(limits: Limits | None = None) -> gr.Blocks:
                                         label="Max new tokens")
                     chat = gr.Checkbox(value=True, label="Chat template")
                     with gr.Row():
-                        run = gr.Button("Run", variant="primary")
-                        stop = gr.Button("Stop")
+                        run = gr.Button("Run", variant="primary", elem_id="live-run")
+                        stop = gr.Button("Stop", elem_id="live-stop")
                 with gr.Column(scale=2):
                     text = gr.Textbox(label="Generated text", lines=5)
                     stats = gr.Markdown()
@@ -409,7 +412,8 @@ def build_app(limits: Limits | None = None) -> gr.Blocks:
             view_state = gr.State(None)
             inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, *widgets]
             live = run.click(make_live_handler(limits), inputs,
-                             [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state],
+                             [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
+                              detail],
                              concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
                              api_visibility="undocumented")  # the API is /generate; /live drives the widgets
             stop.click(None, cancels=[live])
