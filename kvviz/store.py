@@ -32,7 +32,8 @@ class Store:
         else:
             self.con.execute("CREATE VIEW results AS SELECT NULL::VARCHAR AS sweep, NULL::VARCHAR AS source, "
                              "NULL::VARCHAR AS task, NULL::VARCHAR AS policy, NULL::DOUBLE AS compression, "
-                             "NULL::DOUBLE AS score, NULL::VARCHAR AS model WHERE false")
+                             "NULL::DOUBLE AS score, NULL::VARCHAR AS model, NULL::JSON AS params, "
+                             "NULL::JSON AS meta, NULL::DOUBLE AS decode_tok_s WHERE false")
 
     def _readable_shards(self) -> list[Path]:
         good = []
@@ -68,6 +69,48 @@ class Store:
             """,
             [task, task, model, model, source, source, policies, policies],
         )
+
+    def _filters(self, task, model, source, policies) -> tuple[str, list]:
+        sql = ("(? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?) "
+               "AND (? IS NULL OR list_contains(?, policy))")
+        return sql, [task, task, model, model, source, source, policies, policies]
+
+    def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
+        """InertiaKV's mean score per EMA coefficient alpha (rows that set alpha), per source, task, compression."""
+        where, params = self._filters(task, model, source, None)
+        return self.frame(
+            f"""
+            SELECT source, task, compression, alpha, avg(score) AS score, count(*) AS samples FROM (
+                SELECT *, TRY_CAST(json_extract_string(to_json(params), '$.alpha') AS DOUBLE) AS alpha
+                FROM results WHERE policy = 'inertia' AND {where})
+            WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, task, compression, alpha
+            """, params)
+
+    def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
+        """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family."""
+        where, params = self._filters(task, model, source, None)
+        return self.frame(
+            f"""
+            SELECT source, task, compression, refresh, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
+                   count(*) AS samples FROM (
+                SELECT *, CASE WHEN policy = 'score-free' THEN 0 ELSE coalesce(TRY_CAST(
+                    json_extract_string(to_json(params), '$.refresh') AS INTEGER),
+                    CASE policy WHEN 'inertia-lazy' THEN 4 ELSE 1 END) END AS refresh
+                FROM results WHERE policy IN ('inertia', 'inertia-lazy', 'score-free') AND {where})
+            GROUP BY ALL ORDER BY source, task, compression, refresh
+            """, params)
+
+    def needle_grid(self, model=None, policies=None, source=None) -> pd.DataFrame:
+        """Mean score per (policy, context length, needle depth) of the needle-in-a-haystack grid."""
+        where, params = self._filters("needle_grid", model, source, policies)
+        return self.frame(
+            f"""
+            SELECT source, policy, compression,
+                   TRY_CAST(json_extract_string(to_json(meta), '$.length') AS INTEGER) AS length,
+                   TRY_CAST(json_extract_string(to_json(meta), '$.depth') AS DOUBLE) AS depth,
+                   avg(score) AS score, count(*) AS samples
+            FROM results WHERE {where} GROUP BY ALL ORDER BY source, policy, compression, length, depth
+            """, params)
 
     def options(self, column: str) -> list[str]:
         if column not in ("task", "model", "policy", "source", "sweep"):

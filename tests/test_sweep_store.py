@@ -79,3 +79,71 @@ def test_store_queries_rows_and_reports_bad_shards(tmp_path, tiny):
     assert store.options("task") == ["multi_key_needle", "single_needle"]
     with pytest.raises(ValueError):
         store.options("score; DROP TABLE x")
+
+
+def write_rows(folder: Path, rows_: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
+
+
+def handmade_store(tmp_path: Path) -> Store:
+    base = {"source": "measured", "model": "m", "task": "t", "decode_tok_s": 10.0, "params": {}, "meta": {}}
+    measured = [
+        {**base, "policy": "inertia", "compression": 0.9, "params": {"alpha": 0.8}, "score": 0.5},
+        {**base, "policy": "inertia", "compression": 0.9, "params": {"alpha": 0.8}, "score": 1.0},
+        {**base, "policy": "inertia", "compression": 0.9, "params": {"alpha": 0.3}, "score": 0.25},
+        {**base, "policy": "inertia-lazy", "compression": 0.9, "params": {"refresh": 8}, "score": 0.2,
+         "decode_tok_s": 12.0},
+        {**base, "policy": "score-free", "compression": 0.9, "score": 0.1, "decode_tok_s": 13.0},
+        {**base, "policy": "tova", "compression": 0.5, "score": 0.7},
+        {**base, "task": "needle_grid", "policy": "tova", "compression": 0.5, "score": 0.4,
+         "meta": {"length": 1000, "depth": 0.5}},
+    ]
+    write_rows(tmp_path / "sweep-a", measured)
+    write_rows(tmp_path / "paper", [{"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 1",
+                                     "model": "m", "task": "t", "policy": "inertia", "compression": 0.9,
+                                     "params": {"alpha": 0.8}, "metric": "score", "score": 42.0}])
+    return Store(tmp_path)
+
+
+def test_store_figures_queries_on_handmade_rows(tmp_path):
+    store = handmade_store(tmp_path)
+    alpha = store.alpha_sensitivity(task="t", source="measured")
+    assert alpha[["alpha", "score", "samples"]].values.tolist() == [[0.3, 0.25, 1], [0.8, 0.75, 2]]
+    refresh = store.refresh_curve(task="t", source="measured")
+    # inertia rows (no refresh param) count as r = 1; inertia-lazy r = 8; score-free r = 0.
+    assert refresh[["refresh", "score", "decode_tok_s"]].values.tolist() == [
+        [0, 0.1, 13.0], [1, pytest.approx(0.5833333), 10.0], [8, 0.2, 12.0]]
+    grid = store.needle_grid()
+    assert grid[["length", "depth", "score"]].values.tolist() == [[1000, 0.5, 0.4]]
+    both = store.quality_vs_compression(task="t", policies=["inertia"])
+    assert both[["source", "score"]].values.tolist() == [["measured", pytest.approx(0.5833333)], ["paper", 42.0]]
+    assert store.quality_vs_compression(source="paper").source.unique().tolist() == ["paper"]
+
+
+def test_results_tab_filters_change_the_figure_data(tmp_path):
+    import socket
+
+    from gradio_client import Client
+
+    from kvviz.ui.app import build_app
+    from kvviz.ui.config import Limits
+
+    store = handmade_store(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(Limits(models=("tiny-random-llama",), port=port), store=store)
+    app.queue()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        everything = client.predict("(all)", "(all)", [], "(all)", api_name="/results")
+        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", api_name="/results")
+        table_all, table_tova = everything[1], only_tova[1]
+        assert {row[2] for row in table_all["data"]} == {"inertia", "inertia-lazy", "score-free", "tova"}
+        assert {row[2] for row in table_tova["data"]} == {"tova"}
+        assert Path(only_tova[2]["value"] if isinstance(only_tova[2], dict) else only_tova[2]).read_text().startswith(
+            "source,task,policy")
+    finally:
+        app.close()

@@ -173,7 +173,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
                 "budget": budget if budget is not None else len(prompt_ids) + max_new,
                 "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
                 "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
-                "answers": sample.answers, "prefill_ms": 1e3 * (shared.seconds if policy.prefill_window == 0
+                "answers": sample.answers, "meta": sample.meta, "prefill_ms": 1e3 * (shared.seconds if policy.prefill_window == 0
                                                                 else events[0].t_forward),
                 "decode_tok_s": len(steps) / decode_seconds if decode_seconds else None,
                 "seconds": elapsed, **meta,

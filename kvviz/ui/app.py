@@ -25,7 +25,9 @@ from ..models import load_model
 from ..policies import REGISTRY, Policy
 from ..trace import Trace
 from .config import Limits
+from ..store import Store
 from .figures import RunView
+from .results import build_results_tab
 
 FIGURE_EVERY_S = 0.2  # figures refresh at most 5 times a second; text goes out on every token
 EXAMPLES = {
@@ -373,7 +375,7 @@ def _show_parameters(policy_name: str):
                             else gr.update(visible=False) for name in PARAM_NAMES]
 
 
-def build_app(limits: Limits | None = None) -> gr.Blocks:
+def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
     limits = limits or Limits.from_env()
     policy_choices = [(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()]
     with gr.Blocks(title="kvviz") as app:
@@ -471,8 +473,7 @@ def build_app(limits: Limits | None = None) -> gr.Blocks:
                         api_name="probe")
 
         with gr.Tab("Results"):
-            gr.Markdown("The results store (precomputed benchmark sweeps, queried through DuckDB) is not built yet. "
-                        "This tab shows no data until it is.")
+            build_results_tab(app, store)
 
         gr.api(make_generate_api(limits), api_name="generate", concurrency_limit=limits.runs_per_model, concurrency_id="model")
     return app
