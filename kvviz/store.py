@@ -15,6 +15,13 @@ import duckdb
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent / "results_db"
+# Columns every query may use; shards that lack one (paper rows have no decode speed) read it as NULL.
+COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table": "VARCHAR", "model": "VARCHAR",
+           "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",
+           "score": "DOUBLE", "meta": "JSON", "decode_tok_s": "DOUBLE", "notes": "VARCHAR"}
+# Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
+QUALITY_METRICS = ("score", "accuracy", "string_match", "exact_match", "rouge_l", "token_f1", "math",
+                   "edit_similarity")
 
 
 class Store:
@@ -27,13 +34,16 @@ class Store:
         self.shards = self._readable_shards()
         if self.shards:
             files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in self.shards)
-            self.con.execute(f"CREATE VIEW results AS SELECT * FROM read_json([{files}], "
+            self.con.execute(f"CREATE VIEW raw_rows AS SELECT * FROM read_json([{files}], "
                              "format = 'newline_delimited', union_by_name = true)")
+            present = {row[0] for row in self.con.execute("DESCRIBE raw_rows").fetchall()}
         else:
-            self.con.execute("CREATE VIEW results AS SELECT NULL::VARCHAR AS sweep, NULL::VARCHAR AS source, "
-                             "NULL::VARCHAR AS task, NULL::VARCHAR AS policy, NULL::DOUBLE AS compression, "
-                             "NULL::DOUBLE AS score, NULL::VARCHAR AS model, NULL::JSON AS params, "
-                             "NULL::JSON AS meta, NULL::DOUBLE AS decode_tok_s WHERE false")
+            self.con.execute("CREATE VIEW raw_rows AS SELECT 1 AS none WHERE false")
+            present = set()
+        select = ", ".join(
+            (f'CAST(to_json("{name}") AS JSON)' if kind == "JSON" else f'CAST("{name}" AS {kind})')
+            + f' AS "{name}"' if name in present else f'NULL::{kind} AS "{name}"' for name, kind in COLUMNS.items())
+        self.con.execute(f"CREATE VIEW results AS SELECT {select} FROM raw_rows")
 
     def _readable_shards(self) -> list[Path]:
         good = []
@@ -58,32 +68,32 @@ class Store:
 
     def quality_vs_compression(self, task: str | None = None, model: str | None = None,
                                policies: list[str] | None = None, source: str | None = None) -> pd.DataFrame:
-        """Mean score per (source, task, policy, compression) under optional filters."""
+        """Mean score per (source, model, task, policy, compression) under optional filters."""
         return self.frame(
             """
-            SELECT source, task, policy, compression, avg(score) AS score, count(*) AS samples
+            SELECT source, model, task, policy, compression, avg(score) AS score, count(*) AS samples
             FROM results
             WHERE (? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?)
-              AND (? IS NULL OR list_contains(?, policy))
-            GROUP BY ALL ORDER BY source, task, policy, compression
+              AND (? IS NULL OR list_contains(?, policy)) AND list_contains(?, metric)
+            GROUP BY ALL ORDER BY source, model, task, policy, compression
             """,
-            [task, task, model, model, source, source, policies, policies],
+            [task, task, model, model, source, source, policies, policies, list(QUALITY_METRICS)],
         )
 
     def _filters(self, task, model, source, policies) -> tuple[str, list]:
         sql = ("(? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?) "
-               "AND (? IS NULL OR list_contains(?, policy))")
-        return sql, [task, task, model, model, source, source, policies, policies]
+               "AND (? IS NULL OR list_contains(?, policy)) AND list_contains(?, metric)")
+        return sql, [task, task, model, model, source, source, policies, policies, list(QUALITY_METRICS)]
 
     def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
         """InertiaKV's mean score per EMA coefficient alpha (rows that set alpha), per source, task, compression."""
         where, params = self._filters(task, model, source, None)
         return self.frame(
             f"""
-            SELECT source, task, compression, alpha, avg(score) AS score, count(*) AS samples FROM (
+            SELECT source, model, task, compression, alpha, avg(score) AS score, count(*) AS samples FROM (
                 SELECT *, TRY_CAST(json_extract_string(to_json(params), '$.alpha') AS DOUBLE) AS alpha
                 FROM results WHERE policy = 'inertia' AND {where})
-            WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, task, compression, alpha
+            WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, model, task, compression, alpha
             """, params)
 
     def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
@@ -91,13 +101,13 @@ class Store:
         where, params = self._filters(task, model, source, None)
         return self.frame(
             f"""
-            SELECT source, task, compression, refresh, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
+            SELECT source, model, task, compression, refresh, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
                    count(*) AS samples FROM (
                 SELECT *, CASE WHEN policy = 'score-free' THEN 0 ELSE coalesce(TRY_CAST(
                     json_extract_string(to_json(params), '$.refresh') AS INTEGER),
                     CASE policy WHEN 'inertia-lazy' THEN 4 ELSE 1 END) END AS refresh
                 FROM results WHERE policy IN ('inertia', 'inertia-lazy', 'score-free') AND {where})
-            GROUP BY ALL ORDER BY source, task, compression, refresh
+            GROUP BY ALL ORDER BY source, model, task, compression, refresh
             """, params)
 
     def needle_grid(self, model=None, policies=None, source=None) -> pd.DataFrame:

@@ -87,7 +87,8 @@ def write_rows(folder: Path, rows_: list[dict]) -> None:
 
 
 def handmade_store(tmp_path: Path) -> Store:
-    base = {"source": "measured", "model": "m", "task": "t", "decode_tok_s": 10.0, "params": {}, "meta": {}}
+    base = {"source": "measured", "model": "m", "task": "t", "decode_tok_s": 10.0, "params": {}, "meta": {},
+            "metric": "string_match"}
     measured = [
         {**base, "policy": "inertia", "compression": 0.9, "params": {"alpha": 0.8}, "score": 0.5},
         {**base, "policy": "inertia", "compression": 0.9, "params": {"alpha": 0.8}, "score": 1.0},
@@ -102,7 +103,10 @@ def handmade_store(tmp_path: Path) -> Store:
     write_rows(tmp_path / "sweep-a", measured)
     write_rows(tmp_path / "paper", [{"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 1",
                                      "model": "m", "task": "t", "policy": "inertia", "compression": 0.9,
-                                     "params": {"alpha": 0.8}, "metric": "score", "score": 42.0}])
+                                     "params": {"alpha": 0.8}, "metric": "score", "score": 42.0},
+                                    {"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 3",
+                                     "model": "m", "task": "t", "policy": "inertia", "compression": 0.9,
+                                     "params": {}, "metric": "delta", "score": -3.0}])  # not a quality score
     return Store(tmp_path)
 
 
@@ -141,9 +145,10 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
         everything = client.predict("(all)", "(all)", [], "(all)", api_name="/results")
         only_tova = client.predict("(all)", "(all)", ["tova"], "measured", api_name="/results")
         table_all, table_tova = everything[1], only_tova[1]
-        assert {row[2] for row in table_all["data"]} == {"inertia", "inertia-lazy", "score-free", "tova"}
-        assert {row[2] for row in table_tova["data"]} == {"tova"}
+        column = table_all["headers"].index("policy")
+        assert {row[column] for row in table_all["data"]} == {"inertia", "inertia-lazy", "score-free", "tova"}
+        assert {row[column] for row in table_tova["data"]} == {"tova"}
         assert Path(only_tova[2]["value"] if isinstance(only_tova[2], dict) else only_tova[2]).read_text().startswith(
-            "source,task,policy")
+            "source,model,task,policy")
     finally:
         app.close()

@@ -22,7 +22,7 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
     fig = go.Figure()
     if frame.empty:
         fig.add_annotation(text="no rows for these filters", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-    group_cols = [c for c in ("source", "task", "policy", "compression") if c in frame and c not in (x,)]
+    group_cols = [c for c in ("source", "model", "task", "policy", "compression") if c in frame and c not in (x,)]
     for keys, part in frame.groupby(group_cols, dropna=False):
         keys = keys if isinstance(keys, tuple) else (keys,)
         label = " · ".join(str(k) for k in keys)
