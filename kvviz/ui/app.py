@@ -29,7 +29,7 @@ from ..store import Store
 from .figures import RunView
 from .results import build_results_tab
 
-FIGURE_EVERY_S = 0.2  # figures refresh at most 5 times a second; text goes out on every token
+FIGURE_EVERY_S = 0.1  # figures refresh at most 10 times a second (every token at CPU speeds); text on every token
 EXAMPLES = {
     "Passkey in a haystack": "There is a passkey hidden in this text. Memorise it. "
     + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 25
@@ -178,7 +178,7 @@ def make_live_handler(limits: Limits):
                 if now - last_figure >= FIGURE_EVERY_S:
                     last_figure = now
                     fate = gr.skip()
-                    if now - last_fate >= 5 * FIGURE_EVERY_S:  # the token view is larger: once a second
+                    if now - last_fate >= 10 * FIGURE_EVERY_S:  # the token view is larger: once a second
                         last_fate, fate = now, view.fate_html()
                     yield (text, stats_markdown(view, now - start), view.retention_figure(), view.rank_figure(),
                            view.timeline_figure(), fate, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())

@@ -1,0 +1,35 @@
+"""How often the Live tab refreshes its figures, and how big they are, on the default model.
+
+Drives the Live tab's handler directly (no browser) on the passkey example doubled (~2.5k tokens) with
+InertiaKV at 90% compression for 64 tokens, and prints one JSON line: figure updates per second and the
+largest figure payload in bytes (the issue's targets: >= 5 updates/s, <= 300 KB).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/live_update_rate.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kvviz.ui.app import EXAMPLES, PARAM_NAMES, PARAMETERS, make_live_handler
+from kvviz.ui.config import Limits
+
+
+def main() -> None:
+    handler = make_live_handler(Limits())
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    prompt = EXAMPLES["Passkey in a haystack"] * 2
+    stamps, sizes, yields = [], [], 0
+    for out in handler("SmolLM2-135M-Instruct", prompt, "inertia", "compression", 0.9, 256, 64, True, *widgets):
+        yields += 1
+        if out[2] is not None and not isinstance(out[2], dict):  # a figure update, not a skip/clear
+            stamps.append(time.perf_counter())
+            sizes.append(max(len(out[i].to_json()) for i in (2, 3, 4) if out[i] is not None))
+    span = stamps[-1] - stamps[1]  # from the first decode step's update to the last
+    print(json.dumps({"yields": yields, "figure_updates": len(stamps),
+                      "figure_updates_per_s": round((len(stamps) - 2) / span, 2), "max_figure_bytes": max(sizes)}))
+
+
+if __name__ == "__main__":
+    main()
