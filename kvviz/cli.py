@@ -181,9 +181,9 @@ def cmd_bench(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import runpy
+    from .ui.app import launch
 
-    runpy.run_path(str(Path(__file__).resolve().parent.parent / "app.py"), run_name="__main__")
+    launch()  # the same app as `python app.py`
     return 0
 
 

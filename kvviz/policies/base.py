@@ -142,3 +142,37 @@ class StepMean:
     def mean(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Layer-mean score of ``positions`` this step; ``None`` before any layer was seen."""
         return self.total[positions] / self.layers if self.layers else None
+
+
+@dataclass
+class StepScorePolicy(Policy):
+    """Keep the top ``B`` by a score recomputed from scratch every step (layer-mean of :meth:`score`)."""
+
+    def score(self, view: LayerView, positions: torch.Tensor) -> torch.Tensor:
+        """Per-slot score of one layer, ``(n,)``; higher = keep."""
+        raise NotImplementedError
+
+    def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
+        super().reset(prompt_len, budget, num_layers)
+        self.step_mean = StepMean()
+
+    def wants_scores(self, step: int) -> bool:
+        return True
+
+    def begin_step(self, step: int, cached: torch.Tensor, new_position: int) -> None:
+        self.step_mean.clear()
+
+    def observe(self, view: LayerView, positions: torch.Tensor) -> None:
+        self.step_mean.add(self.score(view, positions), positions)
+
+    def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
+        return lowest(self.step_mean.mean(positions), positions, over_budget(positions, budget))
+
+    def utility(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return self.step_mean.mean(positions)
+
+    def raw_scores(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return self.step_mean.mean(positions)
+
+    def cache_bound(self, budget: int, step: int) -> int:
+        return budget

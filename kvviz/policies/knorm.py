@@ -11,11 +11,11 @@ import torch
 
 from ..scoring import LayerView
 from .inertia import knorm_score
-from .keydiff import KeyDiff
+from .base import StepScorePolicy
 
 
 @dataclass
-class KNorm(KeyDiff):
+class KNorm(StepScorePolicy):
     """Keep low-norm keys (they tend to draw attention): score = -||k_i|| / mean ||k||."""
 
     def score(self, view: LayerView, positions: torch.Tensor) -> torch.Tensor:

@@ -375,6 +375,19 @@ def _show_parameters(policy_name: str):
                             else gr.update(visible=False) for name in PARAM_NAMES]
 
 
+def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
+    """Cache size (by compression or absolute budget), max new tokens and chat template, wired together."""
+    mode = gr.Radio(["compression", "budget"], value="compression", label="Cache size by")
+    rho = gr.Slider(0.0, 0.99, value=compression, step=0.01, label="Compression ρ: B = ⌊(1−ρ)·L0⌋")
+    budget = gr.Number(value=256, precision=0, label="Budget B (tokens)", visible=False)
+    max_new = gr.Slider(1, limits.max_new_tokens, value=min(max_new_tokens, limits.max_new_tokens), step=1,
+                        label="Max new tokens")
+    chat = gr.Checkbox(value=True, label="Chat template")
+    mode.change(lambda value: (gr.update(visible=value == "compression"), gr.update(visible=value == "budget")),
+                mode, [rho, budget], api_name=False)
+    return mode, rho, budget, max_new, chat
+
+
 def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
     limits = limits or Limits.from_env()
     policy_choices = [(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()]
@@ -390,12 +403,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     description = gr.Markdown()
                     with gr.Accordion("Policy parameters", open=False):
                         widgets = [_parameter_widget(PARAMETERS[name]) for name in PARAM_NAMES]
-                    budget_mode = gr.Radio(["compression", "budget"], value="compression", label="Cache size by")
-                    compression = gr.Slider(0.0, 0.99, value=0.9, step=0.01, label="Compression ρ: B = ⌊(1−ρ)·L0⌋")
-                    budget = gr.Number(value=256, precision=0, label="Budget B (tokens)", visible=False)
-                    max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
-                                        label="Max new tokens")
-                    chat = gr.Checkbox(value=True, label="Chat template")
+                    budget_mode, compression, budget, max_new, chat = _run_settings(limits, 0.9, 64)
                     with gr.Row():
                         run = gr.Button("Run", variant="primary", elem_id="live-run")
                         stop = gr.Button("Stop", elem_id="live-stop")
@@ -422,9 +430,6 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             step_slider.release(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False)
             policy.change(_show_parameters, policy, [description, *widgets], api_name=False)
             example.change(lambda name: EXAMPLES.get(name, ""), example, prompt, api_name=False)
-            budget_mode.change(lambda mode: (gr.update(visible=mode == "compression"),
-                                             gr.update(visible=mode == "budget")),
-                               budget_mode, [compression, budget], api_name=False)
             app.load(_show_parameters, policy, [description, *widgets], api_name=False)
 
         with gr.Tab("Compare"):
@@ -434,12 +439,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
                     c_policies = gr.Dropdown([c for c in policy_choices], value=["inertia", "tova", "streaming"],
                                              multiselect=True, label="Policies (2 to 4, default parameters)")
-                    c_mode = gr.Radio(["compression", "budget"], value="compression", label="Cache size by")
-                    c_compression = gr.Slider(0.0, 0.99, value=0.75, step=0.01, label="Compression ρ")
-                    c_budget = gr.Number(value=256, precision=0, label="Budget B", visible=False)
-                    c_max_new = gr.Slider(1, limits.max_new_tokens, value=min(48, limits.max_new_tokens), step=1,
-                                          label="Max new tokens")
-                    c_chat = gr.Checkbox(value=True, label="Chat template")
+                    c_mode, c_compression, c_budget, c_max_new, c_chat = _run_settings(limits, 0.75, 48)
                     with gr.Row():
                         c_run = gr.Button("Compare", variant="primary")
                         c_stop = gr.Button("Stop")
@@ -466,8 +466,6 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                   concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="compare",
                                   api_visibility="undocumented")
             c_stop.click(None, cancels=[compare])
-            c_mode.change(lambda mode: (gr.update(visible=mode == "compression"), gr.update(visible=mode == "budget")),
-                          c_mode, [c_compression, c_budget], api_name=False)
             p_run.click(make_probe_handler(limits), [c_model, c_prompt, c_policies, c_chat, p_step, p_sample],
                         [p_table, p_note], concurrency_limit=limits.runs_per_model, concurrency_id="model",
                         api_name="probe")
