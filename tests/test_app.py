@@ -170,3 +170,12 @@ def test_retention_figure_outlines_sinks_and_the_protected_tail(tiny):
     assert (sink.x0, sink.x1) == (-0.5, 2.5)
     tail = [s for s in shapes if s.type == "path"][0]
     assert tail.path.startswith(f"M {trace.prompt_len - 5.5},-0.5")
+
+
+def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(tiny):
+    from kvviz.ui.app import _models, _show_parameters
+
+    _models[TINY] = tiny  # the app's cache of loaded models (3 layers)
+    description = _show_parameters("inertia", TINY)[0]
+    assert "0.512" in description  # 0.8 ** 3
+    assert "0.8" in _show_parameters("inertia-decoupled", TINY)[0].split("Previous-step weight on")[1]

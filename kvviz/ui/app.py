@@ -366,11 +366,16 @@ def _parameter_widget(p: dict):
     return gr.Textbox(value=str(p["default"]), label=label, visible=False)
 
 
-def _show_parameters(policy_name: str):
+def _show_parameters(policy_name: str, model_name: str | None = None):
     spec = REGISTRY.get(policy_name)
     own = {p["name"]: p for p in spec.parameters()} if spec else {}
     description = f"**{spec.display}** ({spec.family}). {spec.description}" + (f" *{spec.paper}*" if spec.paper else "") \
         if spec else ""
+    loaded = _models.get(model_name or "")
+    if spec and loaded:  # say how much memory across steps this rule keeps on the model in use
+        weight = spec.build().previous_step_weight(loaded[0].config.num_hidden_layers)
+        if weight is not None:
+            description += f" Previous-step weight on {model_name}: **{weight:.3g}**."
     return [description] + [gr.update(visible=name in own, value=own[name]["default"]) if name in own
                             else gr.update(visible=False) for name in PARAM_NAMES]
 
@@ -428,9 +433,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                              api_visibility="undocumented")  # the API is /generate; /live drives the widgets
             stop.click(None, cancels=[live])
             step_slider.release(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False)
-            policy.change(_show_parameters, policy, [description, *widgets], api_name=False)
+            policy.change(_show_parameters, [policy, model], [description, *widgets], api_name=False)
             example.change(lambda name: EXAMPLES.get(name, ""), example, prompt, api_name=False)
-            app.load(_show_parameters, policy, [description, *widgets], api_name=False)
+            app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
         with gr.Tab("Compare"):
             with gr.Row():
