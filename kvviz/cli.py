@@ -174,7 +174,10 @@ def cmd_bench(args) -> int:
         out = Path(args.out or Path("results_db") / config["name"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_bytes(Path(args.config).read_bytes())
-        written = sweep.run(config, out, shard=(args.shard, args.shards))
+        if args.backend == "ray":
+            written = sweep.run_ray(config, out, args.shards, args.ray_address)
+        else:
+            written = sweep.run(config, out, shard=(args.shard, args.shards))
         print(f"{written} new rows in {out}")
         return 0
     return {"speed": speed.main, "probe": probe_cost.main}[args.bench](args)
@@ -255,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="folder for rows and config (default results_db/<name>)")
     run.add_argument("--shards", type=int, default=1, help="split the cells into this many shards")
     run.add_argument("--shard", type=int, default=0, help="which shard this process runs")
+    run.add_argument("--backend", choices=("local", "ray"), default="local",
+                     help="ray: run every shard as a Ray task, each writing rows-<i>.jsonl")
+    run.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one on loopback)")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="start the Gradio app (same as python app.py)")

@@ -152,3 +152,17 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
             "source,model,task,policy")
     finally:
         app.close()
+
+
+def test_ray_backend_writes_one_shard_per_task_and_the_store_unions_them(tmp_path):
+    pytest.importorskip("ray")
+    config = sweep.load_config(CONFIG)
+    out = tmp_path / "tiny-test"
+    assert sweep.run_ray(config, out, shards=2) == 21
+    assert sorted(p.name for p in out.glob("rows*.jsonl")) == ["rows-0.jsonl", "rows-1.jsonl"]
+    keys = [r["cell"] for r in rows(out)]
+    assert len(keys) == 21 == len(set(keys))
+    assert sweep.run(config, out, progress=False) == 0  # a later unsharded run finds nothing left
+    store = Store(tmp_path)
+    assert len(store.shards) == 2 and not store.problems
+    assert store.frame("SELECT count(*) AS n FROM results").n[0] == 21

@@ -135,7 +135,11 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     out_dir = Path(out_dir)
     index, shards = shard
     rows = RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl"))
-    todo = [c for i, c in enumerate(cells(config)) if i % shards == index and c.key not in rows.done]
+    done = set(rows.done)
+    for other in out_dir.glob("rows*.jsonl"):  # cells another sharding already finished are not rerun
+        if other != rows.path:
+            done |= {json.loads(line)["cell"] for line in other.read_text().splitlines() if line.endswith("}")}
+    todo = [c for i, c in enumerate(cells(config)) if i % shards == index and c.key not in done]
     if not todo:
         return 0
     model_name = config.get("model", "SmolLM2-135M-Instruct")
@@ -183,3 +187,27 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
             bar.update()
     bar.close()
     return written
+
+
+def run_ray(config: dict, out_dir: str | Path, shards: int, address: str | None = None) -> int:
+    """Run the shards as Ray tasks (a local Ray by default, or the cluster at ``address``); each writes its
+    own ``rows-<i>.jsonl`` that the store unions.  Returns the rows written."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    else:  # keep a local Ray on loopback
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, ignore_reinit_error=True,
+                 log_to_driver=False, num_cpus=shards)
+
+    @ray.remote
+    def shard_task(shard_config: dict, folder: str, index: int, count: int) -> int:
+        torch.set_num_threads(1)  # one core per task
+        return run(shard_config, folder, shard=(index, count), progress=False)
+
+    try:
+        return sum(ray.get([shard_task.remote(config, str(out_dir), i, shards) for i in range(shards)]))
+    finally:
+        if not address:
+            ray.shutdown()
