@@ -113,3 +113,17 @@ def test_stop_cancels_a_long_run(page):
     assert generated_text(page) == last
     assert not page.get_by_text("Scrub to step").is_visible()  # only a run that finished offers the scrubber
     page.screenshot(path=str(ARTIFACTS / "live-stopped.png"), full_page=True)
+
+
+def test_results_tab_shows_figures_and_filters(page):
+    page.get_by_role("tab", name="Results").click()
+    page.get_by_text("Quality vs compression").first.wait_for(timeout=30_000)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.data && p.data.length > 0 && "
+        "String((p.layout.title || {}).text || '').startsWith('Quality vs compression'))", timeout=60_000)
+    page.get_by_label("paper", exact=True).check()  # the source filter re-queries the store
+    page.wait_for_function(
+        "() => { const p = [...document.querySelectorAll('.js-plotly-plot')].find(p => String((p.layout.title || {})"
+        ".text || '').startsWith('Quality vs compression')); return p && p.data.length > 0 && "
+        "p.data.every(t => String(t.name).startsWith('paper')); }", timeout=30_000)
+    page.screenshot(path=str(ARTIFACTS / "results-tab.png"), full_page=True)
