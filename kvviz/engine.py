@@ -233,12 +233,13 @@ def prefill(model, prompt_ids: list[int]) -> Prefill:
 def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: int | None = None,
            compression: float | None = None, max_new_tokens: int = 64,
            sampler: Sampler | None = None, ignore_eos: bool = False,
-           shared: Prefill | None = None) -> Iterator[StepEvent]:
+           shared: Prefill | None = None, cache: EvictingCache | None = None) -> Iterator[StepEvent]:
     """Generate up to ``max_new_tokens`` tokens, evicting with ``policy``; yield one event per step.
 
     The first event (step 0) is the prefill; each later event is one decode step.  Stops after an EOS
     unless ``ignore_eos`` (benchmarks that need a fixed length).  With ``shared``, a decode-time policy
     starts from a copy of that prefill instead of running its own (its step 0 then reports 0 s forward).
+    ``cache``: an empty :class:`EvictingCache` for ``policy`` to use, for callers that continue from it.
     """
     sampler = sampler or Sampler()
     device, prompt_len = model.device, len(prompt_ids)
@@ -246,7 +247,8 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression), max_new_tokens)
     total = prompt_len + max_new_tokens
     capacity = total if bound is None else min(total, max(prompt_len, bound) + 1)
-    cache = EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
+    if cache is None:
+        cache = EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
     prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
 
     start = time.perf_counter()

@@ -54,3 +54,14 @@ def test_every_policy_runs_from_the_cli_on_the_default_model(name, capsys, defau
     for step in out["steps"]:
         bound = policy.cache_bound(budget, step["step"])
         assert bound is None or len(step["kept"]) <= bound
+
+
+def test_static_path_equals_the_engine_on_the_default_model(default_model):
+    from kvviz.fast import StaticInertia
+
+    model, tokenizer = default_model
+    ids = kvviz.encode_prompt(tokenizer, PROMPT * 3)
+    reference = kvviz.run(model, tokenizer, ids, "inertia", compression=0.9, max_new_tokens=16)
+    static = StaticInertia(model).generate(tokenizer, ids, reference.trace.budget, 16, record_kept=True)
+    assert static.token_ids == reference.token_ids
+    assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
