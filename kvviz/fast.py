@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from . import engine
 from .policies.inertia import InertiaKV
+from .policies.recency import Recency
 
 
 @dataclass
@@ -35,10 +36,15 @@ class StaticRun:
 
 
 class StaticInertia:
-    """InertiaKV decoding over a static slot cache (attention scorer, all layers eligible)."""
+    """InertiaKV decoding over a static slot cache (attention scorer, all layers eligible).
 
-    def __init__(self, model, *, alpha: float = 0.8, refresh: int = 1):
-        self.model, self.alpha, self.refresh = model, alpha, refresh
+    ``refresh`` as in :class:`~kvviz.policies.inertia.InertiaKV` (1 every step, r lazy, 0 score-free);
+    ``scoring=False`` never computes a score, so every utility stays 0 and the oldest entry goes: the
+    B-slot cache without scoring (a sliding window, equal to the ``recency`` policy) -- the speed baseline.
+    """
+
+    def __init__(self, model, *, alpha: float = 0.8, refresh: int = 1, scoring: bool = True):
+        self.model, self.alpha, self.refresh, self.scoring = model, alpha, refresh, scoring
         self.layers = model.model.layers
         attn = self.layers[0].self_attn
         self.heads = model.config.num_attention_heads
@@ -73,7 +79,7 @@ class StaticInertia:
     def generate(self, tokenizer, prompt_ids: list[int], budget: int, max_new_tokens: int,
                  record_kept: bool = False, graph: bool = False, timer=None) -> StaticRun:
         model, device = self.model, self.model.device
-        policy = InertiaKV(alpha=self.alpha, refresh=self.refresh)
+        policy = InertiaKV(alpha=self.alpha, refresh=self.refresh) if self.scoring else Recency()
         # Prefill and step 1 through the reference engine: step 1 attends to the whole prompt.
         cache = engine.EvictingCache(model, policy, budget=budget, capacity=len(prompt_ids) + 1)
         events = engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=2,
@@ -97,7 +103,8 @@ class StaticInertia:
         positions = torch.full((slots,), -1, dtype=torch.long, device=device)
         positions[:size] = cache.live_positions().to(device)
         m = torch.zeros(slots, dtype=torch.float32, device=device)
-        m[:size] = policy.m[cache.live_positions()].to(device)
+        if self.scoring:
+            m[:size] = policy.m[cache.live_positions()].to(device)
         free = torch.tensor([size], device=device)  # the empty slot takes the next token
         token = torch.tensor([[tokens[-1]]], device=device)
         position = torch.tensor([[len(prompt_ids) + 1]], device=device)
@@ -121,7 +128,7 @@ class StaticInertia:
 
         graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         for k in range(2, max_new_tokens):
-            scoring = (k - 1) % self.refresh == 0 if self.refresh else False
+            scoring = self.scoring and ((k - 1) % self.refresh == 0 if self.refresh else False)
             if graph and device.type == "cuda" and scoring in graphs:
                 graphs[scoring].replay()
             else:

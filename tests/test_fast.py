@@ -26,3 +26,11 @@ def test_static_path_with_another_alpha_differs_from_the_default(tiny, tiny_prom
     reference = kvviz.run(model, tokenizer, tiny_prompt, "single-step", budget=20, max_new_tokens=20)
     assert other.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
     assert other.kept != default.kept  # the comparison above can tell rules apart
+
+
+def test_static_path_without_scoring_is_a_sliding_window(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    static = StaticInertia(model, scoring=False).generate(tokenizer, tiny_prompt, 20, 20, record_kept=True)
+    reference = kvviz.run(model, tokenizer, tiny_prompt, "recency", budget=20, max_new_tokens=20)
+    assert static.token_ids == reference.token_ids
+    assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]

@@ -137,14 +137,20 @@ def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_t
             "final_cache": int(event.cache_size)}
 
 
-def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device) -> dict:
+STATIC = {"static-no-scoring": dict(scoring=False), "static-inertia": {}, "static-inertia-lazy": dict(refresh=4),
+          "static-score-free": dict(refresh=0)}
+
+
+def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device,
+                options: dict) -> dict:
     """The static decode path (:mod:`kvviz.fast`): B + 1 slots, scores from the attention pass, EMA and
     arg-min on the device, one CUDA graph per step variant on a GPU."""
     from ..fast import StaticInertia
 
     _sync(device)
     start = time.perf_counter()
-    run = StaticInertia(model).generate(tokenizer, prompt_ids, budget, new_tokens, graph=True, timer=lambda: _sync(device))
+    run = StaticInertia(model, **options).generate(tokenizer, prompt_ids, budget, new_tokens, graph=True,
+                                                   timer=lambda: _sync(device))
     _sync(device)
     end = time.perf_counter()
     decode_s = end - run.first_token_time
@@ -164,7 +170,8 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
         runs = {"generate": time_generate(model, prompt_ids, args.new_tokens, device)}
         for name in POLICIES:
             runs[name] = time_engine(model, tokenizer, prompt_ids, name, args.new_tokens, budget, device)
-        runs["static-inertia"] = time_static(model, tokenizer, prompt_ids, args.new_tokens, budget, device)
+        for name, options in STATIC.items():
+            runs[name] = time_static(model, tokenizer, prompt_ids, args.new_tokens, budget, device, options)
         for name, result in runs.items():
             if name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]:
                 best[name] = result
