@@ -166,3 +166,14 @@ def test_ray_backend_writes_one_shard_per_task_and_the_store_unions_them(tmp_pat
     store = Store(tmp_path)
     assert len(store.shards) == 2 and not store.problems
     assert store.frame("SELECT count(*) AS n FROM results").n[0] == 21
+
+
+def test_needle_grid_sweep_feeds_the_grid_query(tmp_path, tiny):
+    config = {"name": "grid", "model": "tiny-random-llama", "max_new_tokens": 4, "compression": [0.5],
+              "tasks": [{"name": "needle_grid", "lengths": [150, 250], "depths": [0.0, 1.0], "haystack": "noise"}],
+              "policies": ["tova"]}
+    model, tokenizer = tiny
+    assert sweep.run(config, tmp_path / "grid", model=model, tokenizer=tokenizer, progress=False) == 4
+    grid = Store(tmp_path).needle_grid()
+    assert sorted(zip(grid.length, grid.depth)) == [(150, 0.0), (150, 1.0), (250, 0.0), (250, 1.0)]
+    assert set(grid.policy) == {"tova"} and all(0 <= s <= 1 for s in grid.score)

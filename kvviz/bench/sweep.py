@@ -66,11 +66,29 @@ def policy_settings(config: dict) -> list[tuple[str, tuple]]:
     return out
 
 
+def sample_count(task: dict) -> int:
+    """A needle grid has one sample per (length, depth); other tasks say how many they want."""
+    if task["name"] == "needle_grid":
+        return len(task["lengths"]) * len(task["depths"])
+    return task["samples"]
+
+
+def make_sample(task: dict, tokenizer, index: int, seed: int):
+    from ..tasks import TASKS, needle_grid
+
+    if task["name"] == "needle_grid":  # sample i is the i-th (length, depth) of the grid, same haystack seed
+        length, depth = list(itertools.product(task["lengths"], task["depths"]))[index]
+        return needle_grid(tokenizer, [length], [depth], seed=seed, haystack=task.get("haystack", "prose"))[0]
+    options = {k: v for k, v in task.items() if k not in ("name", "label", "length", "samples")}
+    return TASKS[task["name"]](tokenizer, task["length"], _sample_seed(seed, task.get("label", task["name"]), index),
+                               **options)
+
+
 def cells(config: dict) -> list[Cell]:
     settings = policy_settings(config)
     out = []
     for task in config["tasks"]:
-        for sample in range(task["samples"]):
+        for sample in range(sample_count(task)):
             for (policy, params), compression in itertools.product(settings, config["compression"]):
                 if policy == "full" and compression != config["compression"][0]:
                     continue  # the full cache does not depend on the compression: run it once
@@ -130,7 +148,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     from .. import engine
     from ..models import load_model
     from ..policies import make_policy
-    from ..tasks import METRICS, TASKS
+    from ..tasks import METRICS
 
     out_dir = Path(out_dir)
     index, shards = shard
@@ -155,9 +173,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
 
     for (task_label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
         group = list(group)
-        spec = tasks[task_label]
-        options = {k: v for k, v in spec.items() if k not in ("name", "label", "length", "samples")}
-        sample = TASKS[spec["name"]](tokenizer, spec["length"], _sample_seed(seed, task_label, sample_index), **options)
+        sample = make_sample(tasks[task_label], tokenizer, sample_index, seed)
         prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
         shared = engine.prefill(model, prompt_ids)
         for cell in group:
