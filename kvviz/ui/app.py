@@ -18,6 +18,7 @@ from pathlib import Path
 
 import gradio as gr
 import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 
 from .. import diagnostics, engine
@@ -253,7 +254,9 @@ def _compare_outputs(names, texts, views, tokenizer, figures: bool, final: bool)
                    else gr.update(value="", visible=False))
     for i in range(slots):
         if i < len(names) and figures:
-            out.append(gr.update(value=views[names[i]].retention_figure(), visible=True))
+            figure = views[names[i]].retention_figure()
+            figure.update_layout(title=f"{names[i]}: kept (dark) / evicted (pale)", height=320)  # narrow columns
+            out.append(gr.update(value=figure, visible=True))
         else:
             out.append(gr.skip() if i < len(names) else gr.update(visible=False))
     if figures or final:
@@ -312,8 +315,8 @@ def make_probe_handler(limits: Limits):
                            sample=int(sample) if sample else None, future=8)
         except ValueError as error:
             raise gr.Error(str(error), print_exception=False) from None
-        rows = [{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
-                for n, u in result.utilities.items()]
+        rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
+                             for n, u in result.utilities.items()])
         missing = sorted(set(names) - set(result.utilities))
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else ""))
@@ -462,7 +465,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             p_step = gr.Number(value=8, precision=0, label="Step")
                             p_sample = gr.Number(value=128, precision=0, label="Entries sampled (0 = all)")
                             p_run = gr.Button("Run probe")
-                        p_table = gr.JSON(label="Ranking quality")
+                        p_table = gr.Dataframe(label="Ranking quality (AUROC / AP vs top-decile damage)",
+                                               interactive=False)
                         p_note = gr.Markdown()
             c_state = gr.State(None)
             compare = c_run.click(make_compare_handler(limits),
