@@ -27,7 +27,12 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
         keys = keys if isinstance(keys, tuple) else (keys,)
         label = " · ".join(str(k) for k in keys)
         dash = "dash" if "source" in group_cols and keys[group_cols.index("source")] == "paper" else "solid"
-        fig.add_scatter(x=part[x], y=part[y], name=label, mode="lines+markers", line=dict(dash=dash))
+        xs, ys = part[x], part[y]
+        if x == "compression" and "policy" in group_cols and keys[group_cols.index("policy")] == "full" \
+                and len(part) == 1 and frame[x].notna().any():
+            # The full cache does not depend on the compression: draw it as a reference across the range.
+            xs, ys, dash = [frame[x].min(), frame[x].max()], [ys.iloc[0]] * 2, "dot"
+        fig.add_scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(dash=dash))
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=380,
                       margin=dict(l=50, r=20, t=40, b=40), legend=dict(font=dict(size=10)))
     return fig
