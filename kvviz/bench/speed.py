@@ -164,14 +164,22 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     budget = resolve_budget(len(prompt_ids), compression=args.compression)
     device = args.device
     best: dict[str, dict] = {}
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    cuda = torch.device(device).type == "cuda"
+
+    def measured(function, *call_args) -> dict:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        result = function(*call_args)
+        if cuda:
+            result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return result
+
     for _ in range(args.repeats):  # interleaved repeats: drift on a shared machine hits every row alike
-        runs = {"generate": time_generate(model, prompt_ids, args.new_tokens, device)}
+        runs = {"generate": measured(time_generate, model, prompt_ids, args.new_tokens, device)}
         for name in POLICIES:
-            runs[name] = time_engine(model, tokenizer, prompt_ids, name, args.new_tokens, budget, device)
+            runs[name] = measured(time_engine, model, tokenizer, prompt_ids, name, args.new_tokens, budget, device)
         for name, options in STATIC.items():
-            runs[name] = time_static(model, tokenizer, prompt_ids, args.new_tokens, budget, device, options)
+            runs[name] = measured(time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options)
         for name, result in runs.items():
             if name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]:
                 best[name] = result
@@ -182,8 +190,10 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
                      ("generate", "full") else len(prompt_ids) + args.new_tokens,
                      "new_tokens": args.new_tokens, **{k: round(v, 5) for k, v in result.items()},
                      "vs_generate": round(result["decode_tok_s"] / base, 3)})
-    if torch.device(device).type == "cuda":
-        rows[-1]["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    baseline = best["static-no-scoring"]["decode_tok_s"]
+    for row in rows:  # the static step cannot time its parts; its scoring cost is its slowdown vs no scoring
+        if row["what"].startswith("static-") and row["what"] != "static-no-scoring":
+            row["scoring_overhead_vs_no_scoring"] = round(1 - row["decode_tok_s"] / baseline, 4)
     return rows
 
 
