@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-import kvviz
 from kvviz.engine import encode_prompt
 from kvviz.tasks import TASKS, needle_grid
 from kvviz.tasks.loaders import from_records, read_jsonl

@@ -219,7 +219,7 @@ def needle_grid(tokenizer, lengths: list[int], depths: list[float], seed: int = 
             rng = random.Random(seed)
             question = "What is the best thing to do in San Francisco? Answer in one sentence."
 
-            def build(filler, depth=depth):
+            def build(filler, depth=depth, question=question):
                 return f"{_insert(filler, [NIAH_NEEDLE], [depth])}\n{question}"
 
             prompt = fit(tokenizer, length, build, HAYSTACKS[haystack](rng), chat)

@@ -168,12 +168,12 @@ class RunView:
         """One step in detail: each position present, its utility (or raw score), fate and token on hover."""
         event = self.events[min(step, self.steps - 1)]
         present = event.present
-        values = event.raw if event.raw is not None else None
         util = dict(zip(event.kept.tolist(), event.utility.tolist())) if event.utility is not None else {}
         rank = {int(p): i + 1 for i, p in enumerate(event.kept[np.argsort(-event.utility, kind="stable")])} \
             if event.utility is not None else {}
         evicted = set(event.evicted.tolist())
-        y = [util.get(int(p), np.nan) for p in present] if util else (values if values is not None else np.zeros(len(present)))
+        y = [util.get(int(p), np.nan) for p in present] if util else (event.raw if event.raw is not None
+                                                                        else np.zeros(len(present)))
         text = [f"pos {p} · {html.escape(self.token(p))!s}<br>utility {util.get(int(p), float('nan')):.4g}"
                 f" · rank {rank.get(int(p), '-')}<br>{'evicted now' if p in evicted else 'kept'}" for p in present]
         colors = [EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present]
