@@ -95,16 +95,13 @@ class CheckpointPolicy(Policy):
         if budget < self.prompt_len + 1 and budget <= reserved:
             raise ValueError(f"budget {budget} must exceed the {reserved} entries {name} always protects")
 
-    def observe_query(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+    def observe(self, view: LayerView, positions: torch.Tensor) -> None:
         buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
         buffer.append((self.new_position, view.query.detach().clone()))
-        positions = torch.tensor([p for p, _ in buffer])
-        return torch.stack([q for _, q in buffer]), positions
-
-    def observe(self, view: LayerView, positions: torch.Tensor) -> None:
-        queries, query_positions = self.observe_query(view)
-        if not self.checkpoint:
+        if not self.checkpoint:  # between checkpoints only the buffer moves; nothing is stacked or scored
             return
+        queries = torch.stack([q for _, q in buffer])
+        query_positions = torch.tensor([p for p, _ in buffer])
         newest = int(positions.max())
         self.candidates = torch.nonzero(positions <= newest - self.protected(self.budget)).flatten()
         for name, value in self.layer_features(view, positions, queries, query_positions).items():
