@@ -59,6 +59,12 @@ def test_sigkill_loses_at_most_the_cell_in_flight_and_never_duplicates(tmp_path)
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     keys = [r["cell"] for r in rows(tmp_path)]
     assert len(keys) == 21 == len(set(keys))
+    # shards split by sample, so no prompt is prefilled twice
+    owners = {}
+    for shard in out.glob("rows-*.jsonl"):
+        for row in map(json.loads, shard.read_text().splitlines()):
+            owners.setdefault((row["task"], row["sample"]), set()).add(shard.name)
+    assert all(len(names) == 1 for names in owners.values()) and len(set().union(*owners.values())) == 2
 
 
 def test_store_queries_rows_and_reports_bad_shards(tmp_path, tiny):

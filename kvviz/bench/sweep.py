@@ -144,7 +144,8 @@ def _sample_seed(seed: int, task: str, index: int) -> int:
 
 def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard: tuple[int, int] = (0, 1),
         progress: bool = True) -> int:
-    """Run every unfinished cell of ``config`` (those with ``index % shards == shard``); return rows written."""
+    """Run every unfinished cell of ``config`` whose sample falls in shard ``index`` of ``shards`` (samples are
+    dealt round-robin); return the rows written."""
     from .. import engine
     from ..models import load_model
     from ..policies import make_policy
@@ -157,7 +158,10 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     for other in out_dir.glob("rows*.jsonl"):  # cells another sharding already finished are not rerun
         if other != rows.path:
             done |= {json.loads(line)["cell"] for line in other.read_text().splitlines() if line.endswith("}")}
-    todo = [c for i, c in enumerate(cells(config)) if i % shards == index and c.key not in done]
+    # Shard by sample, not by cell, so that each sample's prompt is prefilled by one shard only.
+    samples = list(dict.fromkeys((c.task, c.sample) for c in cells(config)))
+    mine = set(samples[index::shards])
+    todo = [c for c in cells(config) if (c.task, c.sample) in mine and c.key not in done]
     if not todo:
         return 0
     model_name = config.get("model", "SmolLM2-135M-Instruct")
