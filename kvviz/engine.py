@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -210,23 +210,67 @@ def cache_kwarg(model) -> str:
 
 @dataclass
 class Prefill:
-    """A prompt's full-cache prefill, shared by several decode-time policies (copied, never modified)."""
+    """A prompt's full-cache prefill, shared by several policies (copied, never modified).
+
+    ``queries`` keeps each layer's last ``window`` post-RoPE prompt queries, ``(num_heads, window, head_dim)``,
+    so that prefill-time policies (SnapKV) with an observation window up to ``window`` can score the shared
+    prefill exactly as if they had run their own: the keys they attend over are the cache's.
+    """
 
     prompt_ids: list[int]
     cache: SlotCache
     logits: torch.Tensor  # last position's logits
     seconds: float
+    window: int = 0
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+
+    def replay(self, sink, window: int) -> None:
+        """Hand ``sink`` the prefill views it would have seen with an observation ``window`` (≤ ``self.window``)."""
+        size = self.cache.size
+        for index, layer in enumerate(self.cache.layers):
+            if sink.wants_layer(index):
+                sink.on_prefill_layer(scoring.PrefillView(index, self.queries[index][:, -window:],
+                                                          layer.keys[0, :, :size], layer.values[0, :, :size],
+                                                          self.scaling[index]))
+
+
+class _QueryRecorder:
+    """Score sink for a shared prefill: keeps each layer's last ``prefill_window`` queries, scores nothing."""
+
+    def __init__(self, window: int):
+        self.prefill_window = window
+        self.queries: dict[int, torch.Tensor] = {}
+        self.scaling: dict[int, float] = {}
+
+    def wants_layer(self, layer: int) -> bool:
+        return True
+
+    def on_layer(self, view) -> None:  # never called: a prefill has no single-query step
+        pass
+
+    def on_prefill_layer(self, view) -> None:
+        self.queries[view.layer] = view.queries.clone()
+        self.scaling[view.layer] = view.scaling
 
 
 @torch.inference_mode()
-def prefill(model, prompt_ids: list[int]) -> Prefill:
+def prefill(model, prompt_ids: list[int], window: int = 0) -> Prefill:
+    """Run the prompt once into a full cache; ``window`` > 0 also keeps the last ``window`` queries per layer
+    (what prefill-time policies need to share it)."""
     cache = SlotCache(model.config.num_hidden_layers, len(prompt_ids))
+    recorder = _QueryRecorder(window) if window > 0 else None
+    if recorder is not None:
+        scoring.install(model)
     start = time.perf_counter()
-    with scoring.scoring(None):
+    with scoring.scoring(recorder):
         logits = model(input_ids=torch.tensor([prompt_ids], device=model.device),
                        position_ids=torch.arange(len(prompt_ids), device=model.device)[None],
                        logits_to_keep=1, **{cache_kwarg(model): cache}).logits[0, -1]
-    return Prefill(list(prompt_ids), cache, logits, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if recorder is None:
+        return Prefill(list(prompt_ids), cache, logits, seconds)
+    return Prefill(list(prompt_ids), cache, logits, seconds, window, recorder.queries, recorder.scaling)
 
 
 @torch.inference_mode()
@@ -238,7 +282,8 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
 
     The first event (step 0) is the prefill; each later event is one decode step.  Stops after an EOS
     unless ``ignore_eos`` (benchmarks that need a fixed length).  With ``shared``, a decode-time policy
-    starts from a copy of that prefill instead of running its own (its step 0 then reports 0 s forward).
+    starts from a copy of that prefill instead of running its own (its step 0 then reports 0 s forward); so
+    does a prefill-time policy whose observation window the shared prefill recorded.
     ``cache``: an empty :class:`EvictingCache` for ``policy`` to use, for callers that continue from it.
     """
     sampler = sampler or Sampler()
@@ -252,17 +297,20 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
 
     start = time.perf_counter()
-    if shared is not None and not prefill_scores:
+    use_shared = shared is not None and (not prefill_scores or shared.window >= policy.prefill_window)
+    if use_shared:
         if shared.prompt_ids != list(prompt_ids):
             raise ValueError("the shared prefill was made for another prompt")
         cache.copy_from(shared.cache)
+        if prefill_scores:
+            shared.replay(cache, policy.prefill_window)
         last_logits = shared.logits
     else:
         with scoring.scoring(cache if prefill_scores else None):  # only prefill-time policies look at it
             last_logits = model(input_ids=torch.tensor([prompt_ids], device=device),
                                 position_ids=torch.arange(prompt_len, device=device)[None],
                                 logits_to_keep=1, **{cache_arg: cache}).logits[0, -1]
-    t_forward = 0.0 if shared is not None and not prefill_scores else time.perf_counter() - start - cache.score_seconds
+    t_forward = 0.0 if use_shared else time.perf_counter() - start - cache.score_seconds
     evicted, raw, t_evict = cache.finish_step() if prefill_scores else (np.empty(0, np.int64), None, 0.0)
     token = sampler(last_logits)
     generated = [token]
@@ -293,9 +341,9 @@ def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Pol
     """Run several policies on one prompt with one shared prefill, interleaved step by step.
 
     Yields ``(policy name, event)``; a policy that reaches EOS drops out while the others go on.
-    Prefill-time policies (SnapKV) run their own prefill, since they score it.
+    Prefill-time policies (SnapKV) score the same prefill through the queries it recorded.
     """
-    shared = prefill(model, prompt_ids)
+    shared = prefill(model, prompt_ids, window=max(p.prefill_window for p in policies.values()))
     streams = {name: decode(model, tokenizer, prompt_ids, policy, shared=shared,
                             sampler=Sampler(**(sampler_args or {})), **kwargs)
                for name, policy in policies.items()}

@@ -241,3 +241,26 @@ def test_shared_prefill_gives_the_same_runs_as_separate_prefills(tiny, tiny_prom
         alone = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=24, max_new_tokens=16).trace.events
         assert [e.new_token_id for e in together[name]] == [e.new_token_id for e in alone]
         assert [e.kept.tolist() for e in together[name]] == [e.kept.tolist() for e in alone]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefill_time_policy_scores_a_shared_prefill_exactly(family, tiny_prompt):
+    model, tokenizer = kvviz.models.tiny_model(family)
+    shared = kvviz.engine.prefill(model, tiny_prompt, window=8)
+    assert shared.window == 8 and len(shared.queries) == model.config.num_hidden_layers
+    for window in (4, 8):  # a shorter observation window reads the tail of the recorded queries
+        runs = []
+        for source in (shared, None):
+            events = list(kvviz.engine.decode(model, tokenizer, tiny_prompt, kvviz.make_policy("snapkv", window=window),
+                                              budget=20, max_new_tokens=8, shared=source))
+            runs.append(events)
+        with_shared, alone = runs
+        assert with_shared[0].t_forward == 0.0 < alone[0].t_forward  # the shared run did not prefill again
+        assert [e.new_token_id for e in with_shared] == [e.new_token_id for e in alone]
+        assert [e.kept.tolist() for e in with_shared] == [e.kept.tolist() for e in alone]
+        torch.testing.assert_close(torch.from_numpy(with_shared[0].utility), torch.from_numpy(alone[0].utility))
+    # a prefill that recorded too short a window is not used: the policy prefills itself
+    short = kvviz.engine.prefill(model, tiny_prompt, window=4)
+    events = list(kvviz.engine.decode(model, tokenizer, tiny_prompt, kvviz.make_policy("snapkv", window=8), budget=20,
+                                      max_new_tokens=2, shared=short))
+    assert events[0].t_forward > 0

@@ -179,9 +179,10 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
         group = list(group)
         sample = make_sample(tasks[task_label], tokenizer, sample_index, seed)
         prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
-        shared = engine.prefill(model, prompt_ids)
-        for cell in group:
-            policy = make_policy(cell.policy, **dict(cell.params))
+        policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
+        # One prefill per sample, also for prefill-time policies: it records the queries they score with.
+        shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
+        for cell, policy in zip(group, policies):
             budget = None if cell.policy == "full" else engine.resolve_budget(len(prompt_ids), compression=cell.compression)
             t0 = time.perf_counter()
             events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
@@ -197,8 +198,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
                 "budget": budget if budget is not None else len(prompt_ids) + max_new,
                 "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
                 "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
-                "answers": sample.answers, "meta": sample.meta, "prefill_ms": 1e3 * (shared.seconds if policy.prefill_window == 0
-                                                                else events[0].t_forward),
+                "answers": sample.answers, "meta": sample.meta, "prefill_ms": 1e3 * shared.seconds,
                 "decode_tok_s": len(steps) / decode_seconds if decode_seconds else None,
                 "seconds": elapsed, **meta,
             })
