@@ -2,14 +2,21 @@
 
 Each sweep is a folder with its ``config.toml`` and one or more ``rows*.jsonl`` shards (written by the
 sweep runner).  The store opens an in-memory DuckDB database, checks every shard on its own, and unions
-the readable ones into the view ``results``; a missing or corrupt shard is reported by name in
+the readable ones into the in-memory table ``results``; a missing or corrupt shard is reported by name in
 ``problems`` and the rest still loads.  Nothing is written back: the files are only read, and every query
 takes its values as parameters.
+
+Two derived columns keep comparisons honest: ``setting`` (the parameters a row changes from its policy's
+registry defaults, ``'{}'`` at the defaults) keeps α and refresh sweeps out of the per-policy curves, and
+``suite`` (the benchmark a task belongs to: the RULER-style generators -> ``RULER``) pairs measured tasks
+with a paper's aggregate.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pandas as pd
@@ -18,18 +25,49 @@ ROOT = Path(__file__).resolve().parent.parent / "results_db"
 # Columns every query may use; shards that lack one (paper rows have no decode speed) read it as NULL.
 COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table": "VARCHAR", "model": "VARCHAR",
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",
-           "score": "DOUBLE", "meta": "JSON", "decode_tok_s": "DOUBLE", "notes": "VARCHAR"}
+           "score": "DOUBLE", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
+           "budget": "INTEGER", "max_cache": "INTEGER", "notes": "VARCHAR"}
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
 QUALITY_METRICS = ("score", "accuracy", "string_match", "exact_match", "rouge_l", "token_f1", "math",
                    "edit_similarity")
+# Parameters that only label a row (Table 1 prints its budget as "10%"; compression already says it).
+LABEL_PARAMS = ("kv_budget",)
+# The benchmark each measured task stands in for, so that measured rows can sit next to a paper's
+# aggregate: the synthetic generators are RULER's subtasks; loader labels carry their benchmark as a prefix.
+SUITES = {"single_needle": "RULER", "multi_key_needle": "RULER", "multi_value": "RULER", "multi_query": "RULER",
+          "variable_tracking": "RULER", "common_words": "RULER", "needle_grid": "NIAH", "longbench_v2": "LongBench-v2",
+          "math500": "MATH-500", "aime25": "AIME25"}
+PREFIXES = {"ruler/": "RULER", "longbench/": "LongBench"}
+
+
+def suite_of(task: str | None) -> str | None:
+    """The benchmark a task label belongs to: ``"RULER"`` for ``"single_needle"`` and ``"ruler/niah_single_1"``,
+    ``"LongBench"`` for ``"LongBench/hotpotqa"``; a paper's aggregate (``"RULER"``) is its own suite."""
+    if task is None:
+        return None
+    if task in SUITES:
+        return SUITES[task]
+    for prefix, suite in PREFIXES.items():
+        if task.lower().startswith(prefix):
+            return suite
+    return task.split("/")[0]
+
+
+def policy_defaults() -> dict[str, dict[str, Any]]:
+    from .policies import default_params
+
+    return default_params()
 
 
 class Store:
     """Read-only access to the measured (and paper-reported) rows."""
 
-    def __init__(self, root: str | Path = ROOT):
+    def __init__(self, root: str | Path = ROOT, defaults: dict[str, dict[str, Any]] | None = None):
         self.root = Path(root)
+        self.defaults = policy_defaults() if defaults is None else defaults
         self.con = duckdb.connect(":memory:")
+        self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR")
+        self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR")
         self.problems: list[str] = []
         self.shards = self._readable_shards()
         if self.shards:
@@ -43,7 +81,20 @@ class Store:
         select = ", ".join(
             (f'CAST(to_json("{name}") AS JSON)' if kind == "JSON" else f'CAST("{name}" AS {kind})')
             + f' AS "{name}"' if name in present else f'NULL::{kind} AS "{name}"' for name, kind in COLUMNS.items())
-        self.con.execute(f"CREATE VIEW results AS SELECT {select} FROM raw_rows")
+        # Materialised once: the files never change while the app runs, and the derived columns call Python.
+        # ``setting`` = the row's parameters that differ from its policy's defaults ('{}' at the default);
+        # ``suite`` = the benchmark its task belongs to.
+        self.con.execute(f"CREATE TABLE results AS SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, "
+                         f"suite(task) AS suite FROM (SELECT {select} FROM raw_rows)")
+
+    def _setting(self, policy: str | None, params: str | None) -> str:
+        """Canonical JSON of the parameters that are neither labels nor equal to the policy's default."""
+        values = json.loads(params) if params else {}
+        defaults = self.defaults.get(policy, {})
+        # DuckDB reads ``params`` of all rows as one struct, so a key another row sets arrives here as null.
+        kept = {k: v for k, v in (values or {}).items()
+                if v is not None and k not in LABEL_PARAMS and not (k in defaults and defaults[k] == v)}
+        return json.dumps(kept, sort_keys=True)
 
     def _readable_shards(self) -> list[Path]:
         good = []
@@ -66,60 +117,105 @@ class Store:
     def frame(self, sql: str, params: list | None = None) -> pd.DataFrame:
         return self.con.execute(sql, params or []).df()
 
-    def quality_vs_compression(self, task: str | None = None, model: str | None = None,
-                               policies: list[str] | None = None, source: str | None = None) -> pd.DataFrame:
-        """Mean score per (source, model, task, policy, compression) under optional filters."""
-        return self.frame(
-            """
-            SELECT source, model, task, policy, compression, avg(score) AS score, count(*) AS samples
-            FROM results
-            WHERE (? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?)
-              AND (? IS NULL OR list_contains(?, policy)) AND list_contains(?, metric)
-            GROUP BY ALL ORDER BY source, model, task, policy, compression
-            """,
-            [task, task, model, model, source, source, policies, policies, list(QUALITY_METRICS)],
-        )
-
     def _filters(self, task, model, source, policies) -> tuple[str, list]:
         sql = ("(? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?) "
                "AND (? IS NULL OR list_contains(?, policy)) AND list_contains(?, metric)")
         return sql, [task, task, model, model, source, source, policies, policies, list(QUALITY_METRICS)]
 
+    def quality_vs_compression(self, task: str | None = None, model: str | None = None,
+                               policies: list[str] | None = None, source: str | None = None) -> pd.DataFrame:
+        """Mean score per (source, model, task, policy, compression) of each policy at its default setting
+        (the α and refresh sweeps have their own queries), under optional filters."""
+        where, params = self._filters(task, model, source, policies)
+        return self.frame(
+            f"""
+            SELECT source, model, task, policy, compression, avg(score) AS score, count(*) AS samples
+            FROM results WHERE setting = '{{}}' AND {where}
+            GROUP BY ALL ORDER BY source, model, task, policy, compression
+            """, params)
+
     def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
-        """InertiaKV's mean score per EMA coefficient alpha (rows that set alpha), per source, task, compression."""
+        """InertiaKV's mean score per EMA coefficient α, from the rows that set α explicitly and nothing else."""
         where, params = self._filters(task, model, source, None)
         return self.frame(
             f"""
             SELECT source, model, task, compression, alpha, avg(score) AS score, count(*) AS samples FROM (
-                SELECT *, TRY_CAST(json_extract_string(to_json(params), '$.alpha') AS DOUBLE) AS alpha
-                FROM results WHERE policy = 'inertia' AND {where})
+                SELECT *, TRY_CAST(json_extract_string(params, '$.alpha') AS DOUBLE) AS alpha
+                FROM results WHERE policy = 'inertia' AND list_has_all(['alpha'], json_keys(setting::JSON))
+                  AND {where})
             WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, model, task, compression, alpha
             """, params)
 
     def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
-        """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family."""
+        """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family,
+        from rows that change nothing but r."""
         where, params = self._filters(task, model, source, None)
         return self.frame(
             f"""
             SELECT source, model, task, compression, refresh, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
                    count(*) AS samples FROM (
                 SELECT *, CASE WHEN policy = 'score-free' THEN 0 ELSE coalesce(TRY_CAST(
-                    json_extract_string(to_json(params), '$.refresh') AS INTEGER),
+                    json_extract_string(params, '$.refresh') AS INTEGER),
                     CASE policy WHEN 'inertia-lazy' THEN 4 ELSE 1 END) END AS refresh
-                FROM results WHERE policy IN ('inertia', 'inertia-lazy', 'score-free') AND {where})
+                FROM results WHERE policy IN ('inertia', 'inertia-lazy', 'score-free')
+                  AND list_has_all(['refresh'], json_keys(setting::JSON)) AND {where})
             GROUP BY ALL ORDER BY source, model, task, compression, refresh
             """, params)
 
+    def speed_vs_quality(self, task=None, model=None, policies=None) -> pd.DataFrame:
+        """Measured decode throughput, cache size and score per (model, task, policy, compression) at defaults."""
+        where, params = self._filters(task, model, "measured", policies)
+        return self.frame(
+            f"""
+            SELECT model, task, policy, compression, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
+                   avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples
+            FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where}
+            GROUP BY ALL ORDER BY model, task, policy, compression
+            """, params)
+
+    def paper_comparison(self, suite: str = "RULER", policies: list[str] | None = None) -> pd.DataFrame:
+        """Paper-reported and measured quality on one benchmark, each relative to its own full cache.
+
+        Paper rows are the benchmark's aggregate as printed (task = suite); measured rows are every task of
+        the suite (e.g. the RULER-style generators), each divided by the full cache's score on the same task
+        of the same model, then averaged over tasks.  ``relative`` = 1 is full-cache quality.
+        """
+        return self.frame(
+            """
+            WITH rows AS (
+                SELECT CASE source WHEN 'paper' THEN 'paper: ' || paper ELSE 'measured' END AS origin,
+                       model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
+                       score
+                FROM results
+                WHERE setting = '{}' AND suite = ? AND list_contains(?, metric)
+                  AND (source = 'measured' OR task = suite)),
+            per_task AS (SELECT origin, model, task, policy, compression, avg(score) AS score, count(*) AS samples
+                         FROM rows GROUP BY ALL),
+            full_cache AS (SELECT origin, model, task, score AS full_score FROM per_task WHERE policy = 'full')
+            SELECT origin, model, policy, compression, avg(p.score) AS score, avg(f.full_score) AS full_score,
+                   avg(p.score / nullif(f.full_score, 0)) AS relative, count(*) AS tasks, sum(samples) AS samples
+            FROM per_task p JOIN full_cache f USING (origin, model, task)
+            WHERE policy <> 'full' AND compression IS NOT NULL AND (? IS NULL OR list_contains(?, policy))
+            GROUP BY ALL ORDER BY origin DESC, model, policy, compression
+            """, [suite, list(QUALITY_METRICS), policies, policies])
+
+    def comparable_suites(self) -> list[str]:
+        """Benchmarks that have both paper-reported and measured quality rows."""
+        return [row[0] for row in self.con.execute(
+            "SELECT suite FROM results WHERE list_contains(?, metric) GROUP BY suite "
+            "HAVING count(DISTINCT source) = 2 ORDER BY suite", [list(QUALITY_METRICS)]).fetchall()]
+
     def needle_grid(self, model=None, policies=None, source=None) -> pd.DataFrame:
-        """Mean score per (policy, context length, needle depth) of the needle-in-a-haystack grid."""
+        """Mean score per (policy, compression, context length, needle depth) of the needle-in-a-haystack grid."""
         where, params = self._filters("needle_grid", model, source, policies)
         return self.frame(
             f"""
-            SELECT source, policy, compression,
-                   TRY_CAST(json_extract_string(to_json(meta), '$.length') AS INTEGER) AS length,
-                   TRY_CAST(json_extract_string(to_json(meta), '$.depth') AS DOUBLE) AS depth,
+            SELECT source, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
+                   TRY_CAST(json_extract_string(meta, '$.length') AS INTEGER) AS length,
+                   TRY_CAST(json_extract_string(meta, '$.depth') AS DOUBLE) AS depth,
                    avg(score) AS score, count(*) AS samples
-            FROM results WHERE {where} GROUP BY ALL ORDER BY source, policy, compression, length, depth
+            FROM results WHERE setting = '{{}}' AND {where}
+            GROUP BY ALL ORDER BY source, policy, compression NULLS FIRST, length, depth
             """, params)
 
     def options(self, column: str) -> list[str]:

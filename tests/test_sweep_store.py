@@ -59,12 +59,6 @@ def test_sigkill_loses_at_most_the_cell_in_flight_and_never_duplicates(tmp_path)
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     keys = [r["cell"] for r in rows(tmp_path)]
     assert len(keys) == 21 == len(set(keys))
-    # shards split by sample, so no prompt is prefilled twice
-    owners = {}
-    for shard in out.glob("rows-*.jsonl"):
-        for row in map(json.loads, shard.read_text().splitlines()):
-            owners.setdefault((row["task"], row["sample"]), set()).add(shard.name)
-    assert all(len(names) == 1 for names in owners.values()) and len(set().union(*owners.values())) == 2
 
 
 def test_store_queries_rows_and_reports_bad_shards(tmp_path, tiny):
@@ -81,7 +75,8 @@ def test_store_queries_rows_and_reports_bad_shards(tmp_path, tiny):
     assert any(p.startswith("empty") for p in store.problems)
     table = store.quality_vs_compression(task="single_needle", policies=["inertia", "streaming"])
     assert set(table.policy) == {"inertia", "streaming"} and set(table.compression) == {0.5, 0.75}
-    assert (table.samples == [4, 4, 2, 2]).all()  # inertia has two alphas x 2 samples; streaming 2 samples
+    # only inertia's default alpha (0.8) counts as the policy itself; the alpha = 0 cells are a parameter sweep
+    assert (table.samples == [2, 2, 2, 2]).all()
     assert store.options("task") == ["multi_key_needle", "single_needle"]
     with pytest.raises(ValueError):
         store.options("score; DROP TABLE x")
@@ -103,6 +98,7 @@ def handmade_store(tmp_path: Path) -> Store:
          "decode_tok_s": 12.0},
         {**base, "policy": "score-free", "compression": 0.9, "score": 0.1, "decode_tok_s": 13.0},
         {**base, "policy": "tova", "compression": 0.5, "score": 0.7},
+        {**base, "policy": "full", "compression": 0.5, "score": 1.0, "decode_tok_s": 9.0},
         {**base, "task": "needle_grid", "policy": "tova", "compression": 0.5, "score": 0.4,
          "meta": {"length": 1000, "depth": 0.5}},
     ]
@@ -110,6 +106,9 @@ def handmade_store(tmp_path: Path) -> Store:
     write_rows(tmp_path / "paper", [{"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 1",
                                      "model": "m", "task": "t", "policy": "inertia", "compression": 0.9,
                                      "params": {"alpha": 0.8}, "metric": "score", "score": 42.0},
+                                    {"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 1",
+                                     "model": "m", "task": "t", "policy": "full", "compression": None,
+                                     "params": {}, "metric": "score", "score": 84.0},
                                     {"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 3",
                                      "model": "m", "task": "t", "policy": "inertia", "compression": 0.9,
                                      "params": {}, "metric": "delta", "score": -3.0}])  # not a quality score
@@ -121,14 +120,45 @@ def test_store_figures_queries_on_handmade_rows(tmp_path):
     alpha = store.alpha_sensitivity(task="t", source="measured")
     assert alpha[["alpha", "score", "samples"]].values.tolist() == [[0.3, 0.25, 1], [0.8, 0.75, 2]]
     refresh = store.refresh_curve(task="t", source="measured")
-    # inertia rows (no refresh param) count as r = 1; inertia-lazy r = 8; score-free r = 0.
+    # inertia at its default alpha counts as r = 1 (the alpha = 0.3 row changes something else: left out);
+    # inertia-lazy with refresh 8 is r = 8; score-free r = 0.
     assert refresh[["refresh", "score", "decode_tok_s"]].values.tolist() == [
-        [0, 0.1, 13.0], [1, pytest.approx(0.5833333), 10.0], [8, 0.2, 12.0]]
+        [0, 0.1, 13.0], [1, 0.75, 10.0], [8, 0.2, 12.0]]
     grid = store.needle_grid()
     assert grid[["length", "depth", "score"]].values.tolist() == [[1000, 0.5, 0.4]]
     both = store.quality_vs_compression(task="t", policies=["inertia"])
-    assert both[["source", "score"]].values.tolist() == [["measured", pytest.approx(0.5833333)], ["paper", 42.0]]
+    assert both[["source", "score"]].values.tolist() == [["measured", 0.75], ["paper", 42.0]]
     assert store.quality_vs_compression(source="paper").source.unique().tolist() == ["paper"]
+    speed = store.speed_vs_quality(task="t")
+    assert speed[["policy", "compression", "score", "decode_tok_s"]].values.tolist() == [
+        ["full", 0.5, 1.0, 9.0], ["inertia", 0.9, 0.75, 10.0], ["score-free", 0.9, 0.1, 13.0],
+        ["tova", 0.5, 0.7, 10.0]]
+
+
+def test_paper_comparison_is_relative_to_each_sources_full_cache(tmp_path):
+    measured = [{"source": "measured", "model": "m", "task": task, "policy": policy, "compression": rho,
+                 "params": {}, "metric": "string_match", "score": score}
+                for task, policy, rho, score in [
+                    ("single_needle", "full", 0.5, 1.0), ("single_needle", "full", 0.5, 1.0),
+                    ("single_needle", "tova", 0.9, 0.5), ("single_needle", "tova", 0.9, 0.0),
+                    ("variable_tracking", "full", 0.5, 0.8), ("variable_tracking", "full", 0.5, 0.4),
+                    ("variable_tracking", "tova", 0.9, 0.3),
+                    ("multi_key_needle", "tova", 0.9, 0.9)]]  # no full-cache row for this task: left out
+    paper = [{"source": "paper", "paper": "InertiaKV", "table": "Table 4", "model": "P", "task": task,
+              "policy": policy, "compression": rho, "params": params, "metric": "score", "score": score}
+             for task, policy, rho, params, score in [
+                 ("RULER", "full", None, {}, 90.0), ("RULER", "tova", 0.9, {}, 45.0),
+                 ("RULER", "inertia", 0.9, {"alpha": 0.3}, 60.0),  # a parameter sweep, not the policy's default
+                 ("LongBench", "full", None, {}, 50.0), ("LongBench", "tova", 0.9, {}, 30.0)]]
+    write_rows(tmp_path / "sweep", measured)
+    write_rows(tmp_path / "paper", paper)
+    store = Store(tmp_path)
+    assert store.comparable_suites() == ["RULER"]  # LongBench has no measured rows
+    table = store.paper_comparison("RULER")
+    # paper: 45 / 90; measured: mean over tasks of tova / full = mean(0.25 / 1.0, 0.3 / 0.6)
+    assert table[["origin", "model", "policy", "compression", "relative", "tasks"]].values.tolist() == [
+        ["paper: InertiaKV", "P", "tova", 0.9, 0.5, 1], ["measured", "m", "tova", 0.9, pytest.approx(0.375), 2]]
+    assert store.paper_comparison("RULER", policies=["inertia"]).empty
 
 
 def test_results_tab_filters_change_the_figure_data(tmp_path):
@@ -148,14 +178,31 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        everything = client.predict("(all)", "(all)", [], "(all)", api_name="/results")
-        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", api_name="/results")
-        table_all, table_tova = everything[1], only_tova[1]
-        column = table_all["headers"].index("policy")
-        assert {row[column] for row in table_all["data"]} == {"inertia", "inertia-lazy", "score-free", "tova"}
-        assert {row[column] for row in table_tova["data"]} == {"tova"}
-        assert Path(only_tova[2]["value"] if isinstance(only_tova[2], dict) else only_tova[2]).read_text().startswith(
-            "source,model,task,policy")
+        everything = client.predict("(all)", "(all)", [], "(all)", "t", api_name="/results")
+        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", api_name="/results")
+        assert len(everything) == 18  # six figures, each with its table and CSV
+
+        def policies(table):
+            column = table["headers"].index("policy")
+            return {row[column] for row in table["data"]}
+
+        def path(download):
+            return Path(download["value"] if isinstance(download, dict) else download)
+
+        # inertia-lazy here sets refresh = 8: a refresh-sweep point, not the policy at its default
+        assert policies(everything[1]) == {"inertia", "score-free", "tova", "full"}
+        assert policies(only_tova[1]) == {"tova"}
+        assert path(only_tova[2]).read_text().startswith("source,model,task,policy")
+        # measured vs paper: each source relative to its own full cache (0.75 / 1.0 and 42 / 84 for inertia)
+        comparison = everything[4]
+        rows_ = {(r[comparison["headers"].index("origin")], r[comparison["headers"].index("policy")]):
+                 r[comparison["headers"].index("relative")] for r in comparison["data"]}
+        assert rows_[("measured", "inertia")] == pytest.approx(0.75)
+        assert rows_[("paper: InertiaKV", "inertia")] == pytest.approx(0.5)
+        assert policies(only_tova[4]) == {"tova"}
+        assert path(everything[5]).read_text().startswith("origin,model,policy,compression")
+        assert policies(everything[13]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
+        assert policies(only_tova[16]) == {"tova"}  # the needle grid follows the filter
     finally:
         app.close()
 
@@ -168,6 +215,12 @@ def test_ray_backend_writes_one_shard_per_task_and_the_store_unions_them(tmp_pat
     assert sorted(p.name for p in out.glob("rows*.jsonl")) == ["rows-0.jsonl", "rows-1.jsonl"]
     keys = [r["cell"] for r in rows(out)]
     assert len(keys) == 21 == len(set(keys))
+    # shards split by sample, so no prompt is prefilled twice
+    owners = {}
+    for shard in out.glob("rows-*.jsonl"):
+        for row in map(json.loads, shard.read_text().splitlines()):
+            owners.setdefault((row["task"], row["sample"]), set()).add(shard.name)
+    assert all(len(names) == 1 for names in owners.values()) and len(set().union(*owners.values())) == 2
     assert sweep.run(config, out, progress=False) == 0  # a later unsharded run finds nothing left
     store = Store(tmp_path)
     assert len(store.shards) == 2 and not store.problems

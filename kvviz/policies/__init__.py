@@ -119,9 +119,14 @@ def get_spec(name: str) -> PolicySpec:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(REGISTRY)}") from None
 
 
+def default_params() -> dict[str, dict[str, Any]]:
+    """Every registered name's parameter defaults (its preset's where it sets one)."""
+    return {name: {p["name"]: p["default"] for p in spec.parameters()} for name, spec in REGISTRY.items()}
+
+
 def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy from its registry name and parameters, e.g. ``make_policy("inertia", alpha=0.9)``."""
     return get_spec(name).build(**params)
 
 
-__all__ = ["REGISTRY", "PolicySpec", "Policy", "get_spec", "make_policy"]
+__all__ = ["REGISTRY", "PolicySpec", "Policy", "default_params", "get_spec", "make_policy"]

@@ -1,54 +1,156 @@
 """The Results tab: Plotly figures over the DuckDB store, with filters and CSV export of each table.
 
-Measured and paper-reported rows are never mixed silently: each line is labelled with its source and
-paper rows are drawn dashed.
+Measured and paper-reported rows are never mixed silently: each line is labelled with its source, paper
+rows are drawn dashed, and the measured-vs-paper figure puts them in separate panels on a common scale
+(quality relative to each source's own full cache).  A policy has the same colour in every figure.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
 
 from ..store import Store
 
 ALL = "(all)"
+PALETTE = qualitative.Plotly + qualitative.D3 + qualitative.Dark24
+MARGIN = dict(l=50, r=20, t=50, b=40)
 
 
-def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str) -> go.Figure:
+class Colours:
+    """One colour per policy name, stable for the life of the tab."""
+
+    def __init__(self, names: list[str]):
+        self.map = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
+
+    def __call__(self, policy) -> str | None:
+        return self.map.get(policy)
+
+
+def _empty(fig: go.Figure, text: str = "no rows for these filters") -> go.Figure:
+    fig.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    return fig
+
+
+def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str,
+                 colours: Colours | None = None) -> go.Figure:
     fig = go.Figure()
     if frame.empty:
-        fig.add_annotation(text="no rows for these filters", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+        _empty(fig)
     group_cols = [c for c in ("source", "model", "task", "policy", "compression") if c in frame and c not in (x,)]
     for keys, part in frame.groupby(group_cols, dropna=False):
         keys = keys if isinstance(keys, tuple) else (keys,)
         label = " · ".join(str(k) for k in keys)
         dash = "dash" if "source" in group_cols and keys[group_cols.index("source")] == "paper" else "solid"
+        policy = keys[group_cols.index("policy")] if "policy" in group_cols else None
         xs, ys = part[x], part[y]
-        if x == "compression" and "policy" in group_cols and keys[group_cols.index("policy")] == "full" \
-                and len(part) == 1 and frame[x].notna().any():
+        if x == "compression" and policy == "full" and len(part) == 1 and frame[x].notna().any():
             # The full cache does not depend on the compression: draw it as a reference across the range.
             xs, ys, dash = [frame[x].min(), frame[x].max()], [ys.iloc[0]] * 2, "dot"
-        fig.add_scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(dash=dash))
-    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=380,
-                      margin=dict(l=50, r=20, t=40, b=40), legend=dict(font=dict(size=10)))
+        colour = colours(policy) if colours and policy else None
+        fig.add_scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(dash=dash, color=colour))
+    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=380, margin=MARGIN,
+                      legend=dict(font=dict(size=10)))
+    return fig
+
+
+def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.Figure:
+    """Paper panel(s) and the measured panel side by side, each source relative to its own full cache."""
+    origins = list(dict.fromkeys(frame.origin)) if not frame.empty else []
+    if not origins:
+        return _empty(go.Figure(), f"no paper and measured rows to compare on {suite}")
+    titles = [f"{o} ({', '.join(sorted(set(frame[frame.origin == o].model))) })" for o in origins]
+    fig = make_subplots(rows=1, cols=len(origins), shared_yaxes=True, subplot_titles=titles)
+    shown = set()
+    symbols = {m: s for m, s in zip(sorted(set(frame.model)), ("circle", "square", "diamond", "triangle-up", "x"))}
+    for col, origin in enumerate(origins, start=1):
+        part = frame[frame.origin == origin]
+        for (model, policy), line in part.groupby(["model", "policy"]):
+            fig.add_scatter(
+                x=line.compression, y=line.relative, mode="lines+markers", name=policy, legendgroup=policy,
+                showlegend=policy not in shown, row=1, col=col,
+                line=dict(color=colours(policy), dash="dash" if origin.startswith("paper") else "solid"),
+                marker=dict(symbol=symbols.get(model, "circle")),
+                customdata=line[["score", "full_score", "tasks"]].values,
+                hovertemplate=(f"{policy} · {model}<br>ρ=%{{x}}<br>relative %{{y:.3f}}<br>"
+                               "score %{customdata[0]:.3g} of full %{customdata[1]:.3g}<br>"
+                               "tasks %{customdata[2]}<extra></extra>"))
+            shown.add(policy)
+        fig.add_hline(y=1.0, line_dash="dot", line_color="grey", row=1, col=col)
+        fig.update_xaxes(title_text="compression ρ", row=1, col=col)
+    fig.update_yaxes(title_text="score / full-cache score", row=1, col=1)
+    fig.update_layout(title=f"Measured vs paper: {suite}, relative to each source's full cache", height=420,
+                      margin=MARGIN, legend=dict(font=dict(size=10)))
+    return fig
+
+
+def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
+    """Score (left axis) and decode speed (right axis, dotted) against the refresh interval."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    if frame.empty:
+        _empty(fig)
+    for keys, part in frame.groupby(["source", "model", "task", "compression"], dropna=False):
+        label = " · ".join(str(k) for k in keys)
+        dash = "dash" if keys[0] == "paper" else "solid"
+        fig.add_scatter(x=part.refresh, y=part.score, name=f"{label} score", mode="lines+markers",
+                        line=dict(dash=dash), secondary_y=False)
+        if part.decode_tok_s.notna().any():
+            fig.add_scatter(x=part.refresh, y=part.decode_tok_s, name=f"{label} tok/s", mode="lines+markers",
+                            line=dict(dash="dot"), marker=dict(symbol="diamond"), secondary_y=True)
+    fig.update_layout(title="Refresh interval r (0 = score-free): quality and decode speed", height=380,
+                      margin=MARGIN, legend=dict(font=dict(size=10)))
+    fig.update_xaxes(title_text="r")
+    fig.update_yaxes(title_text="mean score", secondary_y=False)
+    fig.update_yaxes(title_text="decode tok/s (measured)", secondary_y=True)
+    return fig
+
+
+def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
+    """Quality against measured decode speed, one point per (policy, compression), averaged over tasks."""
+    fig = go.Figure()
+    if frame.empty:
+        return _empty(fig, "no measured rows with a decode speed for these filters")
+    per_point = frame.groupby(["policy", "compression"], as_index=False, dropna=False)[
+        ["score", "decode_tok_s", "max_cache"]].mean()
+    for policy, part in per_point.groupby("policy"):
+        fig.add_scatter(x=part.decode_tok_s, y=part.score, name=policy, mode="markers+text",
+                        text=[f"ρ={c:g}" if c == c else "" for c in part.compression], textposition="top center",
+                        textfont=dict(size=9), marker=dict(size=10, color=colours(policy)),
+                        customdata=part[["compression", "max_cache"]].values,
+                        hovertemplate=(f"{policy}<br>ρ=%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
+                                       "%{x:.2f} tok/s<br>largest cache %{customdata[1]:.0f}<extra></extra>"))
+    fig.update_layout(title="Quality vs decode speed (measured, mean over the selected tasks)", height=400,
+                      xaxis_title="decode tok/s", yaxis_title="mean score", margin=MARGIN,
+                      legend=dict(font=dict(size=10)))
     return fig
 
 
 def _grid_figure(frame: pd.DataFrame) -> go.Figure:
-    fig = go.Figure()
+    """One heatmap (depth × context length) per (policy, compression)."""
     if frame.empty:
-        fig.add_annotation(text="no needle-grid rows", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-        return fig
-    first = frame[(frame.policy == frame.policy.iloc[0]) & (frame.compression == frame.compression.iloc[0])]
-    pivot = first.pivot_table(index="depth", columns="length", values="score")
-    fig.add_heatmap(z=pivot.values, x=[str(c) for c in pivot.columns], y=[f"{d:.0%}" for d in pivot.index],
-                    colorscale="RdYlGn", zmin=0, zmax=1)
-    fig.update_layout(title=f"Needle grid: {first.policy.iloc[0]} at rho={first.compression.iloc[0]} (ROUGE-L F)",
-                      xaxis_title="context length", yaxis_title="needle depth", height=380)
+        return _empty(go.Figure(), "no needle-grid rows")
+    panels = list(frame.groupby(["policy", "compression"], dropna=False))
+    columns = min(5, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    titles = [f"{p} (full)" if c != c else f"{p} ρ={c:g}" for (p, c), _ in panels]
+    fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.03,
+                        vertical_spacing=0.12 / max(rows, 1) + 0.04)
+    for index, (_, part) in enumerate(panels):
+        pivot = part.pivot_table(index="depth", columns="length", values="score")
+        fig.add_heatmap(z=pivot.values, x=[str(c) for c in pivot.columns], y=[f"{d:.0%}" for d in pivot.index],
+                        colorscale="RdYlGn", zmin=0, zmax=1, showscale=index == 0,
+                        hovertemplate="length %{x}<br>depth %{y}<br>ROUGE-L %{z:.2f}<extra></extra>",
+                        row=index // columns + 1, col=index % columns + 1)
+    fig.update_layout(title="Needle in a haystack: ROUGE-L F by context length (x) and needle depth (y)",
+                      height=80 + 200 * rows, margin=MARGIN)
+    fig.update_annotations(font_size=10)
     return fig
 
 
@@ -58,24 +160,43 @@ def _csv(frame: pd.DataFrame, name: str) -> str:
     return str(path)
 
 
-def query(store: Store, model: str, task: str, policies: list[str], source: str):
+def query(store: Store, model: str, task: str, policies: list[str], source: str, suite: str | None = None,
+          colours: Colours | None = None):
+    """Every figure, its table and its CSV for the current filters, in the tab's output order."""
     model = None if model in (None, ALL) else model
     task = None if task in (None, ALL) else task
     source = None if source in (None, ALL) else source
     policies = policies or None
+    colours = colours or Colours(store.options("policy"))
+    suites = store.comparable_suites()
+    suite = suite if suite in suites else (suites[0] if suites else "RULER")
+
     quality = store.quality_vs_compression(task, model, policies, source)
+    comparison = store.paper_comparison(suite, policies)
     alpha = store.alpha_sensitivity(task, model, source)
     refresh = store.refresh_curve(task, model, source)
+    speed = store.speed_vs_quality(task, model, policies)
+    if source == "paper":  # the papers report no per-run decode speed
+        speed = speed.iloc[0:0]
     grid = store.needle_grid(model, policies, source)
-    return (
-        _line_figure(quality, "compression", "score", "Quality vs compression", "compression ρ", "mean score"),
-        quality, gr.update(value=_csv(quality, "quality_vs_compression")),
-        _line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV)", "α", "mean score"),
-        alpha, gr.update(value=_csv(alpha, "alpha_sensitivity")),
-        _line_figure(refresh, "refresh", "score", "Refresh interval (0 = score-free)", "r", "mean score"),
-        refresh, gr.update(value=_csv(refresh, "refresh_curve")),
-        _grid_figure(grid),
-    )
+    figures = [
+        (_line_figure(quality, "compression", "score", "Quality vs compression (each policy at its defaults)",
+                      "compression ρ", "mean score", colours), quality, "quality_vs_compression"),
+        (_comparison_figure(comparison, suite, colours), comparison, f"measured_vs_paper_{suite}"),
+        (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV)", "α", "mean score"), alpha,
+         "alpha_sensitivity"),
+        (_refresh_figure(refresh), refresh, "refresh_curve"),
+        (_speed_figure(speed, colours), speed, "speed_vs_quality"),
+        (_grid_figure(grid), grid, "needle_grid"),
+    ]
+    out = []
+    for figure, frame, name in figures:
+        out += [figure, frame, gr.update(value=_csv(frame, name))]
+    return tuple(out)
+
+
+SECTIONS = ("Quality vs compression", "Measured vs paper", "α sensitivity", "Refresh interval",
+            "Quality vs decode speed", "Needle in a haystack grid")
 
 
 def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
@@ -86,24 +207,31 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
     if not store.shards:
         gr.Markdown("No sweep results are stored yet (`results_db/` is empty). Run `kvviz bench run CONFIG` to add some.")
         return
+    colours = Colours(store.options("policy"))
+    suites = store.comparable_suites()
     with gr.Row():
         model = gr.Dropdown([ALL, *store.options("model")], value=ALL, label="Model")
         task = gr.Dropdown([ALL, *store.options("task")], value=ALL, label="Task")
         policies = gr.Dropdown(store.options("policy"), value=[], multiselect=True, label="Policies (none = all)")
         source = gr.Radio([ALL, "measured", "paper"], value=ALL, label="Source")
     outputs = []
-    for title in ("Quality vs compression", "α sensitivity", "Refresh interval"):
-        with gr.Accordion(title, open=title == "Quality vs compression"):
+    suite = None
+    for title in SECTIONS:
+        with gr.Accordion(title, open=title in ("Quality vs compression", "Measured vs paper")):
+            if title == "Measured vs paper":
+                gr.Markdown("Paper rows are each benchmark's printed aggregate; measured rows are the tasks that "
+                            "stand in for it here (e.g. the RULER-style generators), each divided by the full "
+                            "cache's score on the same task, then averaged. Models differ: compare shapes, not levels. "
+                            "The policy filter applies; model, task and source do not.")
+                suite = gr.Dropdown(suites or ["RULER"], value=(suites or ["RULER"])[0], label="Benchmark")
             plot = gr.Plot()
-            table = gr.Dataframe(interactive=False)
+            table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
             outputs += [plot, table, csv]
-    with gr.Accordion("Needle in a haystack grid", open=False):
-        outputs.append(gr.Plot())
-    filters = [model, task, policies, source]
+    filters = [model, task, policies, source, suite]
 
-    def handler(model_value, task_value, policy_values, source_value):
-        return query(store, model_value, task_value, policy_values, source_value)
+    def handler(model_value, task_value, policy_values, source_value, suite_value):
+        return query(store, model_value, task_value, policy_values, source_value, suite_value, colours)
 
     gr.on([app.load, *(widget.change for widget in filters)], handler, filters, outputs, api_name="results",
           api_visibility="undocumented")
