@@ -191,7 +191,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     ]
     out = []
     for figure, frame, name in figures:
-        out += [figure, frame, gr.update(value=_csv(frame, name))]
+        out += [figure, frame.round(4), gr.update(value=_csv(frame, name))]  # the CSV keeps full precision
     return tuple(out)
 
 
