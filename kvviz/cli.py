@@ -183,6 +183,46 @@ def cmd_bench(args) -> int:
     return {"speed": speed.main, "probe": probe_cost.main}[args.bench](args)
 
 
+def cmd_results(args) -> int:
+    """Print the stored sweeps as tables: mean score (and samples) per policy x compression for each task."""
+    import pandas as pd
+
+    from .store import ROOT, Store
+
+    store = Store(args.root or ROOT)
+    for problem in store.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    if args.paper:
+        frame = store.paper_comparison(args.paper, args.policies.split(",") if args.policies else None)
+        if frame.empty:
+            raise ValueError(f"no paper and measured rows on {args.paper!r}; "
+                             f"comparable: {', '.join(store.comparable_suites()) or 'none'}")
+        table = frame.pivot_table(index=["origin", "model", "policy"], columns="compression", values="relative")
+        print(f"{args.paper}: score / full-cache score (paper: printed aggregate; measured: mean over tasks)")
+        print(table.round(3).to_string())
+        return 0
+    frame = store.quality_vs_compression(args.task, args.model, args.policies.split(",") if args.policies else None,
+                                         args.source)
+    if frame.empty:
+        raise ValueError("no rows for these filters; see `kvviz results --help`")
+    if args.csv:
+        frame.to_csv(sys.stdout, index=False)
+        return 0
+    speed = store.speed_vs_quality(args.task, args.model).groupby(["model", "task", "policy"]).decode_tok_s.mean()
+    for (source, model, task), part in frame.groupby(["source", "model", "task"]):
+        full = part[part.policy == "full"]
+        part = part[part.policy != "full"]
+        cells = part.assign(cell=[f"{s:.2f} ({n})" for s, n in zip(part.score, part.samples)])
+        table = cells.pivot(index="policy", columns="compression", values="cell").fillna("")
+        if source == "measured":
+            table["tok/s"] = [f"{speed.get((model, task, p), float('nan')):.2f}" for p in table.index]
+        print(f"\n{task} · {model} · {source}" + (f" · full cache {full.score.iloc[0]:.2f} ({full.samples.iloc[0]})"
+                                                  if len(full) else ""))
+        with pd.option_context("display.width", 200):
+            print(table.to_string())
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .ui.app import launch
 
@@ -262,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ray: run every shard as a Ray task, each writing rows-<i>.jsonl")
     run.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one on loopback)")
     bench.set_defaults(func=cmd_bench)
+
+    res = sub.add_parser("results", help="print the stored sweeps (results_db/) as tables")
+    res.add_argument("--task", help="one task label, e.g. single_needle")
+    res.add_argument("--model", help="one model name")
+    res.add_argument("--policies", help="comma-separated registry names")
+    res.add_argument("--source", choices=("measured", "paper"), help="only measured or only paper rows")
+    res.add_argument("--paper", metavar="SUITE", help="measured vs paper on this benchmark, e.g. RULER")
+    res.add_argument("--csv", action="store_true", help="the long table as CSV instead")
+    res.add_argument("--root", help="results folder (default: the repository's results_db/)")
+    res.set_defaults(func=cmd_results)
 
     serve = sub.add_parser("serve", help="start the Gradio app (same as python app.py)")
     serve.set_defaults(func=cmd_serve)

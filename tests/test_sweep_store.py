@@ -236,3 +236,20 @@ def test_needle_grid_sweep_feeds_the_grid_query(tmp_path, tiny):
     grid = Store(tmp_path).needle_grid()
     assert sorted(zip(grid.length, grid.depth)) == [(150, 0.0), (150, 1.0), (250, 0.0), (250, 1.0)]
     assert set(grid.policy) == {"tova"} and all(0 <= s <= 1 for s in grid.score)
+
+
+def test_results_command_prints_the_stored_tables(tmp_path, capsys):
+    from kvviz.cli import main
+
+    handmade_store(tmp_path)
+    assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured"]) == 0
+    out = capsys.readouterr().out
+    # inertia at 0.9: mean of 0.5 and 1.0 over 2 samples; the full cache is the reference line
+    assert "t · m · measured · full cache 1.00 (1)" in out
+    assert any(line.split()[:2] == ["inertia", "0.75"] for line in out.splitlines())
+    assert "inertia-lazy" not in out  # its row sets refresh = 8: a refresh-sweep point
+    assert main(["results", "--root", str(tmp_path), "--paper", "t"]) == 0
+    out = capsys.readouterr().out
+    assert "0.75" in out and "0.5" in out  # measured 0.75 / 1.0, paper 42 / 84
+    assert main(["results", "--root", str(tmp_path), "--task", "nope"]) == 2
+    assert "no rows for these filters" in capsys.readouterr().err
