@@ -229,7 +229,7 @@ class Prefill:
         """Hand ``sink`` the prefill views it would have seen with an observation ``window`` (≤ ``self.window``)."""
         size = self.cache.size
         for index, layer in enumerate(self.cache.layers):
-            if sink.wants_layer(index):
+            if index in self.queries and sink.wants_layer(index):  # layers without attention record nothing
                 sink.on_prefill_layer(scoring.PrefillView(index, self.queries[index][:, -window:],
                                                           layer.keys[0, :, :size], layer.values[0, :, :size],
                                                           self.scaling[index]))

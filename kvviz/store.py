@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent / "results_db"
 # Columns every query may use; shards that lack one (paper rows have no decode speed) read it as NULL.
 COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table": "VARCHAR", "model": "VARCHAR",
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",
-           "score": "DOUBLE", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
+           "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
            "budget": "INTEGER", "max_cache": "INTEGER", "notes": "VARCHAR"}
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
 QUALITY_METRICS = ("score", "accuracy", "string_match", "exact_match", "rouge_l", "token_f1", "math",
@@ -66,8 +66,9 @@ class Store:
         self.root = Path(root)
         self.defaults = policy_defaults() if defaults is None else defaults
         self.con = duckdb.connect(":memory:")
-        self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR")
-        self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR")
+        # null_handling="special": rows without params (or a policy) still get a setting, '{}'
+        self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
+        self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
         self.problems: list[str] = []
         self.shards = self._readable_shards()
         if self.shards:
@@ -84,8 +85,13 @@ class Store:
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
         # ``setting`` = the row's parameters that differ from its policy's defaults ('{}' at the default);
         # ``suite`` = the benchmark its task belongs to.
-        self.con.execute(f"CREATE TABLE results AS SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, "
-                         f"suite(task) AS suite FROM (SELECT {select} FROM raw_rows)")
+        # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia) counts once.
+        self.con.execute(
+            f"CREATE TABLE results AS SELECT * FROM ("
+            f"SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
+            f"FROM (SELECT {select} FROM raw_rows)) "
+            "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
+            "seed, policy, setting, compression, prompt_len ORDER BY sweep) = 1")
 
     def _setting(self, policy: str | None, params: str | None) -> str:
         """Canonical JSON of the parameters that are neither labels nor equal to the policy's default."""
@@ -129,22 +135,25 @@ class Store:
         where, params = self._filters(task, model, source, policies)
         return self.frame(
             f"""
-            SELECT source, model, task, policy, compression, avg(score) AS score, count(*) AS samples
+            SELECT source, model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression, avg(score) AS score,
+                   count(*) AS samples
             FROM results WHERE setting = '{{}}' AND {where}
-            GROUP BY ALL ORDER BY source, model, task, policy, compression
+            GROUP BY ALL ORDER BY source, model, task, policy, compression NULLS FIRST
             """, params)
 
     def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
-        """InertiaKV's mean score per EMA coefficient α, from the rows that set α explicitly and nothing else."""
+        """InertiaKV's mean score per EMA coefficient α, from rows that change nothing but α (rows at the
+        defaults count at the registry's default α)."""
         where, params = self._filters(task, model, source, None)
+        default_alpha = self.defaults.get("inertia", {}).get("alpha")
         return self.frame(
             f"""
             SELECT source, model, task, compression, alpha, avg(score) AS score, count(*) AS samples FROM (
-                SELECT *, TRY_CAST(json_extract_string(params, '$.alpha') AS DOUBLE) AS alpha
+                SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.alpha') AS DOUBLE), ?) AS alpha
                 FROM results WHERE policy = 'inertia' AND list_has_all(['alpha'], json_keys(setting::JSON))
                   AND {where})
             WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, model, task, compression, alpha
-            """, params)
+            """, [default_alpha, *params])
 
     def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
         """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family,
@@ -167,11 +176,30 @@ class Store:
         where, params = self._filters(task, model, "measured", policies)
         return self.frame(
             f"""
-            SELECT model, task, policy, compression, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
+            SELECT model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression, avg(score) AS score,
+                   avg(decode_tok_s) AS decode_tok_s,
                    avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where}
-            GROUP BY ALL ORDER BY model, task, policy, compression
+            GROUP BY ALL ORDER BY model, task, policy, compression NULLS FIRST
             """, params)
+
+    # Per task, each policy's mean score next to the full cache's on the same task and model (a task whose
+    # full cache scores 0 cannot be normalised and is left out).  Paper rows: the printed aggregate only.
+    _RELATIVE = """
+        WITH rows AS (
+            SELECT suite, CASE source WHEN 'paper' THEN 'paper: ' || paper ELSE 'measured' END AS origin,
+                   model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
+                   score
+            FROM results
+            WHERE setting = '{}' AND list_contains(?, metric) AND (source = 'measured' OR task = suite)),
+        per_task AS (SELECT suite, origin, model, task, policy, compression, avg(score) AS score,
+                            count(*) AS samples FROM rows GROUP BY ALL),
+        full_cache AS (SELECT suite, origin, model, task, score AS full_score FROM per_task
+                       WHERE policy = 'full' AND score > 0),
+        relative AS (SELECT p.*, f.full_score, p.score / f.full_score AS relative
+                     FROM per_task p JOIN full_cache f USING (suite, origin, model, task)
+                     WHERE policy <> 'full' AND compression IS NOT NULL)
+    """
 
     def paper_comparison(self, suite: str = "RULER", policies: list[str] | None = None) -> pd.DataFrame:
         """Paper-reported and measured quality on one benchmark, each relative to its own full cache.
@@ -181,29 +209,20 @@ class Store:
         of the same model, then averaged over tasks.  ``relative`` = 1 is full-cache quality.
         """
         return self.frame(
-            """
-            WITH rows AS (
-                SELECT CASE source WHEN 'paper' THEN 'paper: ' || paper ELSE 'measured' END AS origin,
-                       model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
-                       score
-                FROM results
-                WHERE setting = '{}' AND suite = ? AND list_contains(?, metric)
-                  AND (source = 'measured' OR task = suite)),
-            per_task AS (SELECT origin, model, task, policy, compression, avg(score) AS score, count(*) AS samples
-                         FROM rows GROUP BY ALL),
-            full_cache AS (SELECT origin, model, task, score AS full_score FROM per_task WHERE policy = 'full')
-            SELECT origin, model, policy, compression, avg(p.score) AS score, avg(f.full_score) AS full_score,
-                   avg(p.score / nullif(f.full_score, 0)) AS relative, count(*) AS tasks, sum(samples) AS samples
-            FROM per_task p JOIN full_cache f USING (origin, model, task)
-            WHERE policy <> 'full' AND compression IS NOT NULL AND (? IS NULL OR list_contains(?, policy))
+            self._RELATIVE + """
+            SELECT origin, model, policy, compression, avg(score) AS score, avg(full_score) AS full_score,
+                   avg(relative) AS relative, count(*) AS tasks, sum(samples) AS samples
+            FROM relative WHERE suite = ? AND (? IS NULL OR list_contains(?, policy))
             GROUP BY ALL ORDER BY origin DESC, model, policy, compression
-            """, [suite, list(QUALITY_METRICS), policies, policies])
+            """, [list(QUALITY_METRICS), suite, policies, policies])
 
     def comparable_suites(self) -> list[str]:
-        """Benchmarks that have both paper-reported and measured quality rows."""
+        """Benchmarks on which both a paper and a measurement have quality relative to a full cache."""
         return [row[0] for row in self.con.execute(
-            "SELECT suite FROM results WHERE list_contains(?, metric) GROUP BY suite "
-            "HAVING count(DISTINCT source) = 2 ORDER BY suite", [list(QUALITY_METRICS)]).fetchall()]
+            self._RELATIVE + """
+            SELECT suite FROM relative GROUP BY suite
+            HAVING count(DISTINCT origin = 'measured') = 2 ORDER BY suite
+            """, [list(QUALITY_METRICS)]).fetchall()]
 
     def needle_grid(self, model=None, policies=None, source=None) -> pd.DataFrame:
         """Mean score per (policy, compression, context length, needle depth) of the needle-in-a-haystack grid."""

@@ -130,8 +130,9 @@ def test_store_figures_queries_on_handmade_rows(tmp_path):
     assert both[["source", "score"]].values.tolist() == [["measured", 0.75], ["paper", 42.0]]
     assert store.quality_vs_compression(source="paper").source.unique().tolist() == ["paper"]
     speed = store.speed_vs_quality(task="t")
-    assert speed[["policy", "compression", "score", "decode_tok_s"]].values.tolist() == [
-        ["full", 0.5, 1.0, 9.0], ["inertia", 0.9, 0.75, 10.0], ["score-free", 0.9, 0.1, 13.0],
+    # the full cache has no compression (its rows are stored at the config's first one)
+    assert speed[["policy", "compression", "score", "decode_tok_s"]].fillna(-1).values.tolist() == [
+        ["full", -1, 1.0, 9.0], ["inertia", 0.9, 0.75, 10.0], ["score-free", 0.9, 0.1, 13.0],
         ["tova", 0.5, 0.7, 10.0]]
 
 
@@ -253,3 +254,18 @@ def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     assert "0.75" in out and "0.5" in out  # measured 0.75 / 1.0, paper 42 / 84
     assert main(["results", "--root", str(tmp_path), "--task", "nope"]) == 2
     assert "no rows for these filters" in capsys.readouterr().err
+
+
+def test_a_cell_run_by_two_sweeps_counts_once(tmp_path):
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "policy": "inertia", "compression": 0.9, "metric": "string_match", "score": 1.0}
+    write_rows(tmp_path / "sweep-a", [{**row, "sweep": "sweep-a", "params": {}},
+                                      {**row, "sweep": "sweep-a", "sample": 1, "params": {}, "score": 0.0}])
+    # the same experiment spelled with inertia's default alpha, plus a genuinely different alpha
+    write_rows(tmp_path / "sweep-b", [{**row, "sweep": "sweep-b", "params": {"alpha": 0.8}},
+                                      {**row, "sweep": "sweep-b", "params": {"alpha": 0.3}, "score": 0.0}])
+    store = Store(tmp_path)
+    quality = store.quality_vs_compression()
+    assert quality[["policy", "score", "samples"]].values.tolist() == [["inertia", 0.5, 2]]
+    # sample 0 once (two spellings of one experiment) plus sample 1, both at the default alpha
+    assert store.alpha_sensitivity()[["alpha", "samples"]].values.tolist() == [[0.3, 1], [0.8, 2]]

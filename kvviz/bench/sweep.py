@@ -6,8 +6,8 @@ policy setting at one compression -- becomes one JSON row in ``OUT/rows.jsonl``,
 ``write`` and ``fsync``.  On start the file is cut back to its last complete line, finished cells are
 skipped, so a SIGKILL loses at most the cell in flight and never duplicates a row.
 
-Decode-time policies of one sample share one prefill (:func:`kvviz.engine.prefill`); prefill-time ones
-(SnapKV) do their own.  Rows carry provenance: model, kvviz version and git commit, torch and
+All policies of one sample share one prefill (:func:`kvviz.engine.prefill`); it records the last prompt
+queries that prefill-time policies (SnapKV) score with.  Rows carry provenance: model, kvviz version and git commit, torch and
 transformers versions, device, seed and date.
 """
 

@@ -7,6 +7,7 @@ rows are drawn dashed, and the measured-vs-paper figure puts them in separate pa
 
 from __future__ import annotations
 
+import hashlib
 import math
 import tempfile
 from pathlib import Path
@@ -22,6 +23,10 @@ from ..store import Store
 ALL = "(all)"
 PALETTE = qualitative.Plotly + qualitative.D3 + qualitative.Dark24
 MARGIN = dict(l=50, r=20, t=50, b=40)
+# Marker per model in the measured-vs-paper panels, named in the panel titles.
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon")
+GLYPHS = {"circle": "●", "square": "■", "diamond": "◆", "triangle-up": "▲", "x": "✕", "star": "★", "cross": "✚",
+          "pentagon": "⬟"}
 
 
 class Colours:
@@ -66,10 +71,11 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.
     origins = list(dict.fromkeys(frame.origin)) if not frame.empty else []
     if not origins:
         return _empty(go.Figure(), f"no paper and measured rows to compare on {suite}")
-    titles = [f"{o} ({', '.join(sorted(set(frame[frame.origin == o].model))) })" for o in origins]
+    symbols = dict(zip(sorted(set(frame.model)), SYMBOLS))
+    titles = [f"{o}: " + ", ".join(f"{GLYPHS[symbols[m]]} {m}" for m in sorted(set(frame[frame.origin == o].model)))
+              for o in origins]
     fig = make_subplots(rows=1, cols=len(origins), shared_yaxes=True, subplot_titles=titles)
     shown = set()
-    symbols = {m: s for m, s in zip(sorted(set(frame.model)), ("circle", "square", "diamond", "triangle-up", "x"))}
     for col, origin in enumerate(origins, start=1):
         part = frame[frame.origin == origin]
         for (model, policy), line in part.groupby(["model", "policy"]):
@@ -77,7 +83,7 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.
                 x=line.compression, y=line.relative, mode="lines+markers", name=policy, legendgroup=policy,
                 showlegend=policy not in shown, row=1, col=col,
                 line=dict(color=colours(policy), dash="dash" if origin.startswith("paper") else "solid"),
-                marker=dict(symbol=symbols.get(model, "circle")),
+                marker=dict(symbol=symbols[model]),
                 customdata=line[["score", "full_score", "tasks"]].values,
                 hovertemplate=(f"{policy} · {model}<br>ρ=%{{x}}<br>relative %{{y:.3f}}<br>"
                                "score %{customdata[0]:.3g} of full %{customdata[1]:.3g}<br>"
@@ -117,11 +123,13 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     fig = go.Figure()
     if frame.empty:
         return _empty(fig, "no measured rows with a decode speed for these filters")
-    per_point = frame.groupby(["policy", "compression"], as_index=False, dropna=False)[
+    per_point = frame.groupby(["model", "policy", "compression"], as_index=False, dropna=False)[
         ["score", "decode_tok_s", "max_cache"]].mean()
-    for policy, part in per_point.groupby("policy"):
-        fig.add_scatter(x=part.decode_tok_s, y=part.score, name=policy, mode="markers+text",
-                        text=[f"ρ={c:g}" if c == c else "" for c in part.compression], textposition="top center",
+    several = per_point.model.nunique() > 1
+    for (model, policy), part in per_point.groupby(["model", "policy"]):
+        fig.add_scatter(x=part.decode_tok_s, y=part.score, name=f"{policy} · {model}" if several else policy,
+                        mode="markers+text",
+                        text=[f"ρ={c:g}" if c == c else "full" for c in part.compression], textposition="top center",
                         textfont=dict(size=9), marker=dict(size=10, color=colours(policy)),
                         customdata=part[["compression", "max_cache"]].values,
                         hovertemplate=(f"{policy}<br>ρ=%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
@@ -154,9 +162,16 @@ def _grid_figure(frame: pd.DataFrame) -> go.Figure:
     return fig
 
 
+_CSV_DIR = Path(tempfile.mkdtemp(prefix="kvviz-results-"))
+
+
 def _csv(frame: pd.DataFrame, name: str) -> str:
-    path = Path(tempfile.mkdtemp(prefix="kvviz-")) / f"{name}.csv"
-    frame.to_csv(path, index=False)
+    """Write the table once per distinct content (the file name carries its hash), so that filter changes
+    do not pile up files and concurrent sessions never overwrite each other's download."""
+    text = frame.to_csv(index=False)
+    path = _CSV_DIR / f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:12]}.csv"
+    if not path.exists():
+        path.write_text(text)
     return str(path)
 
 
@@ -213,7 +228,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
         model = gr.Dropdown([ALL, *store.options("model")], value=ALL, label="Model")
         task = gr.Dropdown([ALL, *store.options("task")], value=ALL, label="Task")
         policies = gr.Dropdown(store.options("policy"), value=[], multiselect=True, label="Policies (none = all)")
-        source = gr.Radio([ALL, "measured", "paper"], value=ALL, label="Source")
+        # measured first: paper scores are on each benchmark's own scale (0-100, 0-1, %), ours are 0-1
+        source = gr.Radio([ALL, "measured", "paper"], value="measured", label="Source")
     outputs = []
     suite = None
     for title in SECTIONS:
