@@ -172,6 +172,13 @@ def cmd_bench(args) -> int:
     if args.bench == "run":
         config = sweep.load_config(args.config)
         out = Path(args.out or Path("results_db") / config["name"])
+        if args.status:
+            progress = sweep.status(config, out)
+            for task, (finished, total) in progress.items():
+                print(f"{config['name']} {task}: {finished} of {total} cells")
+            finished, total = (sum(v[i] for v in progress.values()) for i in (0, 1))
+            print(f"{config['name']}: {finished} of {total} cells done")
+            return 0
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_bytes(Path(args.config).read_bytes())
         if args.backend == "ray":
@@ -301,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=("local", "ray"), default="local",
                      help="ray: run every shard as a Ray task, each writing rows-<i>.jsonl")
     run.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one on loopback)")
+    run.add_argument("--status", action="store_true", help="only print how many cells are done, per task")
     bench.set_defaults(func=cmd_bench)
 
     res = sub.add_parser("results", help="print the stored sweeps (results_db/) as tables")

@@ -41,6 +41,11 @@ def test_rerun_skips_finished_cells_and_a_torn_line_is_dropped(tmp_path, tiny):
         handle.write(b'{"cell": "half a row')  # what a kill in the middle of a write leaves
     assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 0
     assert rows(tmp_path) == first
+    # 2 single-needle samples x 7 cells, 1 multi-key sample x 7; drop three rows and status sees it
+    assert sweep.status(config, tmp_path) == {"single_needle": (14, 14), "multi_key_needle": (7, 7)}
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "rows.jsonl").write_text("".join(lines[:-3]))
+    assert sweep.status(config, tmp_path) == {"single_needle": (14, 14), "multi_key_needle": (4, 7)}
 
 
 def test_sigkill_loses_at_most_the_cell_in_flight_and_never_duplicates(tmp_path):

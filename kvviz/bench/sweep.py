@@ -123,6 +123,19 @@ class RowFile:
         self.done.add(row["cell"])
 
 
+def status(config: dict, out_dir: str | Path) -> dict[str, tuple[int, int]]:
+    """Finished and total cells per task label of ``config`` in ``out_dir`` (every shard counted)."""
+    done = set()
+    for shard in Path(out_dir).glob("rows*.jsonl"):
+        done |= {json.loads(line)["cell"] for line in shard.read_text().splitlines() if line.endswith("}")}
+    counts: dict[str, list[int]] = {}
+    for cell in cells(config):
+        entry = counts.setdefault(cell.task, [0, 0])
+        entry[0] += cell.key in done
+        entry[1] += 1
+    return {task: (finished, total) for task, (finished, total) in counts.items()}
+
+
 def provenance(model_name: str, device: str, seed: int) -> dict:
     import transformers
 
