@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvviz-installed
 
-.PHONY: run test test-oldest install browser bench-speed clean
+.PHONY: run test test-oldest install browser bench-speed sweeps clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,19 @@ test-oldest: $(OLDEST)/.done
 
 bench-speed: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvviz bench speed
+
+# The shipped sweeps (results_db/README.md), resumable: rerun to continue. Each config runs as SHARDS
+# one-thread processes, one per core (benchmarks/sweep_threads.py: 1.76x one two-thread process on 2 cores).
+SWEEPS ?= sweep-2k sweep-2k-inertia needle-grid
+SHARDS ?= 2
+sweeps: $(STAMP)
+	for name in $(SWEEPS); do \
+		for i in $$(seq 0 $$(($(SHARDS) - 1))); do \
+			HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/kvviz bench run configs/$$name.toml \
+				--shards $(SHARDS) --shard $$i & \
+		done; wait; \
+		$(VENV)/bin/kvviz bench run configs/$$name.toml --status | tail -1; \
+	done
 
 clean:
 	rm -rf $(VENV)
