@@ -274,3 +274,23 @@ def test_a_cell_run_by_two_sweeps_counts_once(tmp_path):
     assert quality[["policy", "score", "samples"]].values.tolist() == [["inertia", 0.5, 2]]
     # sample 0 once (two spellings of one experiment) plus sample 1, both at the default alpha
     assert store.alpha_sensitivity()[["alpha", "samples"]].values.tolist() == [[0.3, 1], [0.8, 2]]
+
+
+def test_public_benchmark_tasks_from_local_records(tmp_path, tiny):
+    fixtures = Path(__file__).parent / "fixtures"
+    config = {"name": "bench", "max_new_tokens": 3, "compression": [0.5], "policies": ["full", "tova"],
+              "tasks": [{"name": "longbench", "task": "hotpotqa", "path": str(fixtures / "longbench_hotpotqa.jsonl"),
+                         "samples": 2, "truncate": 12},
+                        {"name": "math500", "path": str(fixtures / "math500.jsonl"), "samples": 2}]}
+    model, tokenizer = tiny
+    assert sweep.run(config, tmp_path / "bench", model=model, tokenizer=tokenizer, progress=False) == 8
+    written = rows(tmp_path / "bench")
+    assert {(r["task"], r["metric"]) for r in written} == {("longbench/hotpotqa", "token_f1"), ("math500", "math")}
+    # middle truncation to 12 tokens: the question at the end survives, most of the passages do not
+    hotpot = sweep.make_sample(config["tasks"][0], tokenizer, 0, 0)
+    assert len(tokenizer(hotpot.prompt, add_special_tokens=False)["input_ids"]) <= 13
+    assert hotpot.prompt.endswith("Answer:")
+    assert Store(tmp_path).frame("SELECT DISTINCT suite FROM results ORDER BY 1").suite.tolist() == [
+        "LongBench", "MATH-500"]
+    with pytest.raises(ValueError, match="has 2 records; the config asks for 3"):
+        sweep.make_sample({**config["tasks"][1], "samples": 3}, tokenizer, 0, 0)

@@ -13,6 +13,7 @@ transformers versions, device, seed and date.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -66,11 +67,53 @@ def policy_settings(config: dict) -> list[tuple[str, tuple]]:
     return out
 
 
+# Public benchmarks (kvviz.tasks.loaders): { name = "longbench", task = "hotpotqa", samples = 50 }, read from
+# the hub, or from a local JSONL of the same records with path = "...".  ``truncate`` = N keeps the first and
+# last N/2 prompt tokens (LongBench's middle truncation) so that long records fit the model.
+BENCHMARKS = ("longbench", "longbench_v2", "ruler", "math500", "aime25")
+_loaded: dict[tuple, list] = {}
+
+
+def task_label(task: dict) -> str:
+    """What rows call a task: its ``label``, else ``name`` (``name/task`` for a benchmark subtask)."""
+    if "label" in task:
+        return task["label"]
+    return f"{task['name']}/{task['task']}" if task.get("task") else task["name"]
+
+
 def sample_count(task: dict) -> int:
     """A needle grid has one sample per (length, depth); other tasks say how many they want."""
     if task["name"] == "needle_grid":
         return len(task["lengths"]) * len(task["depths"])
     return task["samples"]
+
+
+def benchmark_samples(task: dict) -> list:
+    """The first ``samples`` records of a public benchmark as samples (loaded once per process)."""
+    from ..tasks import loaders
+
+    key = (task["name"], task.get("task", ""), task.get("path"), task.get("split", "test"))
+    if key not in _loaded:
+        if task.get("path"):
+            records = loaders.read_jsonl(task["path"])
+            _loaded[key] = loaders.from_records(task["name"], records, task.get("task", ""))
+        else:
+            _loaded[key] = loaders.load(task["name"], task.get("task", ""), task.get("split", "test"),
+                                        limit=task["samples"])
+    samples = _loaded[key]
+    if len(samples) < task["samples"]:
+        raise ValueError(f"{task_label(task)} has {len(samples)} records; the config asks for {task['samples']}")
+    return samples
+
+
+def truncate_middle(tokenizer, text: str, tokens: int) -> str:
+    """Keep the first and last ``tokens // 2`` tokens of ``text`` (the middle goes), as LongBench does."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= tokens:
+        return text
+    half = tokens // 2
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:],
+                                                                                     skip_special_tokens=True)
 
 
 def make_sample(task: dict, tokenizer, index: int, seed: int):
@@ -79,9 +122,15 @@ def make_sample(task: dict, tokenizer, index: int, seed: int):
     if task["name"] == "needle_grid":  # sample i is the i-th (length, depth) of the grid, same haystack seed
         length, depth = list(itertools.product(task["lengths"], task["depths"]))[index]
         return needle_grid(tokenizer, [length], [depth], seed=seed, haystack=task.get("haystack", "prose"))[0]
+    if task["name"] in BENCHMARKS:
+        sample = benchmark_samples(task)[index]
+        if task.get("truncate"):
+            sample = dataclasses.replace(sample, prompt=truncate_middle(tokenizer, sample.prompt, task["truncate"]))
+        return sample
+    if task["name"] not in TASKS:
+        raise ValueError(f"unknown task {task['name']!r}; choose one of {', '.join([*TASKS, 'needle_grid', *BENCHMARKS])}")
     options = {k: v for k, v in task.items() if k not in ("name", "label", "length", "samples")}
-    return TASKS[task["name"]](tokenizer, task["length"], _sample_seed(seed, task.get("label", task["name"]), index),
-                               **options)
+    return TASKS[task["name"]](tokenizer, task["length"], _sample_seed(seed, task_label(task), index), **options)
 
 
 def cells(config: dict) -> list[Cell]:
@@ -92,7 +141,7 @@ def cells(config: dict) -> list[Cell]:
             for (policy, params), compression in itertools.product(settings, config["compression"]):
                 if policy == "full" and compression != config["compression"][0]:
                     continue  # the full cache does not depend on the compression: run it once
-                out.append(Cell(task["label"] if "label" in task else task["name"], sample, policy, params,
+                out.append(Cell(task_label(task), sample, policy, params,
                                 float(compression)))
     return out
 
@@ -183,14 +232,14 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
         model, tokenizer = load_model(model_name, device=device)
     seed = int(config.get("seed", 0))
     meta = provenance(model_name, device, seed)
-    tasks = {t.get("label", t["name"]): t for t in config["tasks"]}
+    tasks = {task_label(t): t for t in config["tasks"]}
     max_new = int(config.get("max_new_tokens", 32))
     written = 0
     bar = tqdm(total=len(todo), desc=config["name"], unit="cell", disable=not progress, file=sys.stderr)
 
-    for (task_label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
+    for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
         group = list(group)
-        sample = make_sample(tasks[task_label], tokenizer, sample_index, seed)
+        sample = make_sample(tasks[label], tokenizer, sample_index, seed)
         prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
         policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
         # One prefill per sample, also for prefill-time policies: it records the queries they score with.
@@ -205,7 +254,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
             decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in steps)
             prediction = tokenizer.decode([e.new_token_id for e in events], skip_special_tokens=True)
             rows.append({
-                "cell": cell.key, "source": "measured", "sweep": config["name"], "task": task_label,
+                "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
                 "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
                 "compression": cell.compression, "prompt_len": len(prompt_ids),
                 "budget": budget if budget is not None else len(prompt_ids) + max_new,
@@ -216,7 +265,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
                 "seconds": elapsed, **meta,
             })
             written += 1
-            bar.set_postfix_str(f"{task_label}#{sample_index} {cell.policy} rho={cell.compression}")
+            bar.set_postfix_str(f"{label}#{sample_index} {cell.policy} rho={cell.compression}")
             bar.update()
     bar.close()
     return written

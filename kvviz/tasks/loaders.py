@@ -87,6 +87,8 @@ def load(kind: str, task: str = "", split: str = "test", limit: int | None = Non
     if kind not in HUB:
         raise ValueError(f"unknown benchmark {kind!r}; choose one of {', '.join(HUB)}")
     args = (HUB[kind], task) if kind == "longbench" else (HUB[kind],)
-    rows = datasets.load_dataset(*args, split="train" if kind in ("longbench_v2", "aime25") else split)
+    # THUDM/LongBench is a loading script (run only with trust_remote_code, and only by datasets < 4)
+    extra = {"trust_remote_code": True} if kind == "longbench" else {}
+    rows = datasets.load_dataset(*args, split="train" if kind in ("longbench_v2", "aime25") else split, **extra)
     records = rows.select(range(min(limit, len(rows)))) if limit else rows
     return from_records(kind, records, task)
