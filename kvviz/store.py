@@ -130,13 +130,13 @@ class Store:
 
     def quality_vs_compression(self, task: str | None = None, model: str | None = None,
                                policies: list[str] | None = None, source: str | None = None) -> pd.DataFrame:
-        """Mean score per (source, model, task, policy, compression) of each policy at its default setting
-        (the α and refresh sweeps have their own queries), under optional filters."""
+        """Mean score and its standard error per (source, model, task, policy, compression) of each policy at
+        its default setting (the α and refresh sweeps have their own queries), under optional filters."""
         where, params = self._filters(task, model, source, policies)
         return self.frame(
             f"""
             SELECT source, model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression, avg(score) AS score,
-                   count(*) AS samples
+                   stddev_samp(score) / sqrt(count(*)) AS stderr, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND {where}
             GROUP BY ALL ORDER BY source, model, task, policy, compression NULLS FIRST
             """, params)

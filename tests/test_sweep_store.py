@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from kvviz.bench import sweep
@@ -133,6 +134,8 @@ def test_store_figures_queries_on_handmade_rows(tmp_path):
     assert grid[["length", "depth", "score"]].values.tolist() == [[1000, 0.5, 0.4]]
     both = store.quality_vs_compression(task="t", policies=["inertia"])
     assert both[["source", "score"]].values.tolist() == [["measured", 0.75], ["paper", 42.0]]
+    # standard error of (0.5, 1.0): sample sd 0.3536 / sqrt(2) = 0.25; a single paper number has none
+    assert both.stderr.iloc[0] == pytest.approx(0.25) and pd.isna(both.stderr.iloc[1])
     assert store.quality_vs_compression(source="paper").source.unique().tolist() == ["paper"]
     speed = store.speed_vs_quality(task="t")
     # the full cache has no compression (its rows are stored at the config's first one)

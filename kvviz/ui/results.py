@@ -60,7 +60,11 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             # The full cache does not depend on the compression: draw it as a reference across the range.
             xs, ys, dash = [frame[x].min(), frame[x].max()], [ys.iloc[0]] * 2, "dot"
         colour = colours(policy) if colours and policy else None
-        fig.add_scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(dash=dash, color=colour))
+        # ± one standard error over samples, where there are several (paper rows are single numbers)
+        error = dict(type="data", array=part["stderr"], visible=True, thickness=1) \
+            if "stderr" in part and part["stderr"].notna().any() and len(xs) == len(part) else None
+        fig.add_scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(dash=dash, color=colour),
+                        error_y=error)
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=380, margin=MARGIN,
                       legend=dict(font=dict(size=10)))
     return fig
@@ -195,7 +199,8 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
         speed = speed.iloc[0:0]
     grid = store.needle_grid(model, policies, source)
     figures = [
-        (_line_figure(quality, "compression", "score", "Quality vs compression (each policy at its defaults)",
+        (_line_figure(quality, "compression", "score",
+                      "Quality vs compression (each policy at its defaults; bars: ± 1 standard error)",
                       "compression ρ", "mean score", colours), quality, "quality_vs_compression"),
         (_comparison_figure(comparison, suite, colours), comparison, f"measured_vs_paper_{suite}"),
         (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV)", "α", "mean score"), alpha,
