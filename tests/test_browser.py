@@ -125,6 +125,7 @@ def test_results_tab_shows_figures_and_filters(page):
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => String((p.layout.title || {}).text || '')"
         ".startsWith('Measured vs paper') && new Set(p.data.map(t => t.xaxis)).size === 2)", timeout=30_000)
+    page.screenshot(path=str(ARTIFACTS / "results-measured.png"), full_page=True)
     page.get_by_label("paper", exact=True).check()  # the source filter re-queries the store
     page.wait_for_function(
         "() => { const p = [...document.querySelectorAll('.js-plotly-plot')].find(p => String((p.layout.title || {})"
