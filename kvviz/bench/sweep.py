@@ -172,11 +172,18 @@ class RowFile:
         self.done.add(row["cell"])
 
 
-def status(config: dict, out_dir: str | Path) -> dict[str, tuple[int, int]]:
-    """Finished and total cells per task label of ``config`` in ``out_dir`` (every shard counted)."""
+def finished_cells(out_dir: str | Path, skip: Path | None = None) -> set[str]:
+    """Keys of the cells that any complete line of any shard in ``out_dir`` holds (``skip``: one shard left out)."""
     done = set()
     for shard in Path(out_dir).glob("rows*.jsonl"):
-        done |= {json.loads(line)["cell"] for line in shard.read_text().splitlines() if line.endswith("}")}
+        if shard != skip:
+            done |= {json.loads(line)["cell"] for line in shard.read_text().splitlines() if line.endswith("}")}
+    return done
+
+
+def status(config: dict, out_dir: str | Path) -> dict[str, tuple[int, int]]:
+    """Finished and total cells per task label of ``config`` in ``out_dir`` (every shard counted)."""
+    done = finished_cells(out_dir)
     counts: dict[str, list[int]] = {}
     for cell in cells(config):
         entry = counts.setdefault(cell.task, [0, 0])
@@ -216,14 +223,13 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     out_dir = Path(out_dir)
     index, shards = shard
     rows = RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl"))
-    done = set(rows.done)
-    for other in out_dir.glob("rows*.jsonl"):  # cells another sharding already finished are not rerun
-        if other != rows.path:
-            done |= {json.loads(line)["cell"] for line in other.read_text().splitlines() if line.endswith("}")}
+    # cells another sharding already finished are not rerun
+    done = rows.done | finished_cells(out_dir, skip=rows.path)
     # Shard by sample, not by cell, so that each sample's prompt is prefilled by one shard only.
-    samples = list(dict.fromkeys((c.task, c.sample) for c in cells(config)))
+    grid = cells(config)
+    samples = list(dict.fromkeys((c.task, c.sample) for c in grid))
     mine = set(samples[index::shards])
-    todo = [c for c in cells(config) if (c.task, c.sample) in mine and c.key not in done]
+    todo = [c for c in grid if (c.task, c.sample) in mine and c.key not in done]
     if not todo:
         return 0
     model_name = config.get("model", "SmolLM2-135M-Instruct")
