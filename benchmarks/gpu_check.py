@@ -1,15 +1,21 @@
 """The one prepared script for a GPU session (issue 6): exactness of the static path on the device, then speed.
 
-1. For tiny random Llama / Qwen2 models on the device: the static decode path (eager, and replayed from
-   CUDA graphs) against the reference engine on the same device -- same tokens and keep sets at every
-   step for InertiaKV (r = 1), InertiaKV-Lazy (r = 4) and Score-Free.  One JSON line per case.
-2. ``kvviz bench speed --device DEVICE --config CONFIG --contexts ...``: its JSON lines, unchanged.
+1. For tiny random Llama / Qwen2 models (float32) on the device: the static decode path -- eager, replayed
+   from CUDA graphs, and with each layer through ``torch.compile`` -- against the reference engine on the
+   same device: same tokens and keep sets at every step for InertiaKV (r = 1), InertiaKV-Lazy (r = 4) and
+   Score-Free.  One JSON line per case.
+2. The same tiny Llama in bfloat16 (the speed runs' dtype, where the static step takes float32 logits
+   straight from the half-precision keys): agreement with the reference engine, reported, not required
+   (two different attention kernels round differently in bfloat16).
+3. ``kvviz bench speed --device DEVICE --config CONFIG --contexts ...``: its JSON lines, unchanged, with
+   a time limit so that the whole script ends within ``--budget-s``.
 
 Needs only torch, transformers, pandas, pyarrow and tqdm (no pytest, no network).  On a CPU it runs part 1
-without graphs and part 2 on the tiny config, which is how it is tried before a GPU is spent on it:
+without graphs, skips part 2 and runs part 3 on the tiny config, which is how it is tried before a GPU is
+spent on it:
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py --device cpu --config tiny --contexts 512 --new-tokens 8
-    PYTHONPATH=. python3 benchmarks/gpu_check.py          # on the GPU machine: cuda, llama-3.1-8b, 16k-64k
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out $OUT/speed.jsonl   # GPU: cuda, llama-3.1-8b, 64k-16k
 """
 
 from __future__ import annotations
@@ -22,6 +28,19 @@ import traceback
 
 import torch
 
+PROMPT = "the quick brown fox jumps over the lazy dog " * 6
+
+
+def _case(case: dict, run) -> bool:
+    """Run one check, print its JSON line; an exception is reported and the script goes on."""
+    try:
+        ok = run(case)
+    except Exception as error:  # noqa: BLE001 -- printed with its trace: the point of this script
+        case.update(error=f"{type(error).__name__}: {error}"[:800], trace=traceback.format_exc(limit=4)[-1500:])
+        ok = False
+    print(json.dumps(case), flush=True)
+    return ok
+
 
 def exactness(device: str) -> bool:
     import kvviz
@@ -29,52 +48,82 @@ def exactness(device: str) -> bool:
     from kvviz.models import tiny_model
 
     ok = True
-    graphs = [False, True] if torch.device(device).type == "cuda" else [False]
+    cuda = torch.device(device).type == "cuda"
+    variants = [(False, False), (True, False)] if cuda else [(False, False)]  # (graph, compile)
     for family in ("llama", "qwen2"):
         model, tokenizer = tiny_model(family)
         model.to(device)
-        prompt = tokenizer("the quick brown fox jumps over the lazy dog " * 6, add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
         for refresh in (1, 4, 0):
             reference = kvviz.run(model, tokenizer, prompt, kvviz.make_policy("inertia", refresh=refresh), budget=20,
                                   max_new_tokens=30)
             expected = [e.kept.tolist() for e in reference.trace.decode_steps]
-            for graph in graphs:
-                case = {"check": "static == reference", "device": device, "family": family, "refresh": refresh,
-                        "graph": graph}
-                try:
-                    static = StaticInertia(model, refresh=refresh).generate(tokenizer, prompt, 20, 30,
-                                                                            record_kept=True, graph=graph)
-                    same_tokens = static.token_ids == reference.token_ids
-                    same_kept = static.kept == expected
+            # r = 4 has both step variants (scoring and not): the compiled cases run there.
+            cases = variants + ([(False, True), (True, True)] if refresh == 4 else [])
+            for graph, compile in cases:
+                def check(case, graph=graph, compile=compile):
+                    static = StaticInertia(model, refresh=refresh, compile=compile).generate(
+                        tokenizer, prompt, 20, 30, record_kept=True, graph=graph)
                     first = next((i for i, (a, b) in enumerate(zip(static.kept, expected)) if a != b), None)
-                    case.update(tokens=same_tokens, kept=same_kept, first_different_step=first)
-                    ok &= same_tokens and same_kept
-                except Exception as error:  # report and go on: the speed part still has something to say
-                    case.update(error=f"{type(error).__name__}: {error}", trace=traceback.format_exc(limit=3))
-                    ok = False
-                print(json.dumps(case), flush=True)
+                    case.update(tokens=static.token_ids == reference.token_ids, kept=static.kept == expected,
+                                first_different_step=first)
+                    return case["tokens"] and case["kept"]
+
+                ok &= _case({"check": "static == reference", "device": device, "family": family, "refresh": refresh,
+                             "graph": graph, "compile": compile}, check)
     return ok
+
+
+def bfloat16_agreement(device: str) -> None:
+    import kvviz
+    from kvviz.fast import StaticInertia, fp32_logits_supported
+    from kvviz.models import tiny_model
+
+    model, tokenizer = tiny_model("llama")
+    model.to(device=device, dtype=torch.bfloat16)
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    reference = kvviz.run(model, tokenizer, prompt, "inertia", budget=20, max_new_tokens=30)
+    expected = [set(e.kept.tolist()) for e in reference.trace.decode_steps]
+    for compile in (False, True):
+        def check(case, compile=compile):
+            static = StaticInertia(model, compile=compile).generate(tokenizer, prompt, 20, 30, record_kept=True,
+                                                                    graph=True)
+            same = [a == b for a, b in zip(static.token_ids, reference.token_ids)]
+            overlap = [len(set(a) & b) / len(b) for a, b in zip(static.kept, expected)]
+            case.update(fp32_logits=fp32_logits_supported(model.device, model.dtype),
+                        tokens_equal_until=same.index(False) if False in same else len(same),
+                        kept_overlap_mean=round(sum(overlap) / len(overlap), 4))
+            return True
+
+        _case({"check": "bfloat16 agreement (reported, not required)", "device": device, "compile": compile}, check)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--config", default="llama-3.1-8b")
-    parser.add_argument("--contexts", default="16384,32768,65536")
+    parser.add_argument("--contexts", default="65536,32768,16384", help="the target (64k) first")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="the whole script's time; contexts that would start too late are skipped")
+    parser.add_argument("--context-s", type=float, default=90.0, help="allowance for one context of the speed part")
     parser.add_argument("--out", help="also write the speed rows to this file")
     args = parser.parse_args()
 
     start = time.perf_counter()
     exact = exactness(args.device)
-    print(json.dumps({"check": "exactness done", "all_equal": exact, "seconds": round(time.perf_counter() - start, 1)}),
-          flush=True)
+    if torch.device(args.device).type == "cuda":
+        bfloat16_agreement(args.device)
+    elapsed = time.perf_counter() - start
+    print(json.dumps({"check": "exactness done", "all_equal": exact, "seconds": round(elapsed, 1)}), flush=True)
     from kvviz.cli import main as cli
 
+    limit = max(1.0, args.budget_s - elapsed - args.context_s)
     speed = ["bench", "speed", "--device", args.device, "--config", args.config, "--contexts", args.contexts,
-             "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+             "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--time-limit", f"{limit:.0f}"]
     code = cli(speed + (["--out", args.out] if args.out else []))
+    print(json.dumps({"check": "done", "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     return 0 if exact and code == 0 else 1
 
 

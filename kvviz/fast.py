@@ -10,15 +10,19 @@ sequence of tensor ops with static shapes:
 * the next token (greedy) and the slot to free (lowest ``m``, ties to the older position) are chosen
   with device reductions, so nothing waits on the host.
 
-That is the shape CUDA graphs need (``graph=True`` captures the step on a GPU and replays it).  Prefill
-and the first decode step (which attends to the whole prompt) run as in the reference engine.  Llama,
+That is the shape CUDA graphs need (``graph=True`` captures the step on a GPU and replays it).  Once
+launches are gone, what remains is many small element-wise kernels per layer (norms, RoPE, SiLU gating,
+the EMA); ``compile=True`` fuses them with ``torch.compile`` one layer at a time (one compiled graph
+serves every layer) before the step is captured.  With a half-precision cache on CUDA the logits come
+out of cuBLAS in float32 directly, so the scores never need a float32 copy of the keys.  Prefill and the
+first decode step (which attends to the whole prompt) run as in the reference engine.  Llama,
 Qwen2/2.5/3 and Mistral layouts; batch size 1; greedy.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -33,6 +37,139 @@ class StaticRun:
     token_ids: list[int]
     kept: list[list[int]]  # sorted positions after each decode step (only when record_kept)
     first_token_time: float = 0.0  # perf_counter when token 1 was out (end of prefill), for benchmarks
+    step_seconds: list[float] = field(default_factory=list)  # each static step (token 3 on), device time
+    setup_steps: list[bool] = field(default_factory=list)  # steps that also compiled / captured a graph
+
+    def steady_tok_s(self) -> float:
+        """Tokens per second over the steps that only replayed (or ran) the step: setup excluded."""
+        steady = [s for s, setup in zip(self.step_seconds, self.setup_steps) if not setup]
+        return len(steady) / sum(steady) if steady else float("nan")
+
+
+class StepClock:
+    """Marks the end of each step without waiting for the device; read once, at the end.
+
+    On CUDA these are events on the current stream (a host timestamp would need a sync per step and
+    break the asynchrony that graph replay buys); on a CPU, where every op is synchronous, plain clocks.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def fp32_logits_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` runs here for a ``dtype`` cache (CUDA, half types)."""
+    if dtype == torch.float32 or device.type != "cuda":
+        return False
+    try:
+        probe = torch.ones(1, 2, 2, device=device, dtype=dtype)
+        return torch.bmm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+           fp32_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token against the slot cache; the probabilities serve the output and the scores alike.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``(num_kv_heads, groups, head_dim)``, query heads grouped by their KV head (no ``repeat_kv`` copy).
+    keys, values : torch.Tensor
+        ``(num_kv_heads, slots, head_dim)`` in the model's dtype.
+    fp32_logits : bool
+        Half-precision cache on CUDA: float32 logits straight from the half-precision keys (cuBLAS
+        accumulates in float32 anyway), instead of upcasting a float32 copy of the whole cache per layer.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``(num_kv_heads, groups, head_dim)`` in the model's dtype.
+    probs : torch.Tensor
+        Float32 softmax over the slots, ``(num_kv_heads, groups, slots)``.
+    """
+    if fp32_logits:
+        logits = torch.bmm(query, keys.transpose(1, 2), out_dtype=torch.float32)
+        probs = torch.softmax(logits * scaling, dim=-1)
+        return torch.bmm(probs.to(values.dtype), values), probs
+    logits = torch.bmm(query.float(), keys.float().transpose(1, 2)) * scaling
+    probs = torch.softmax(logits, dim=-1)
+    return torch.bmm(probs, values.float()).to(values.dtype), probs
+
+
+def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, free: torch.Tensor,
+                 keys: torch.Tensor, values: torch.Tensor, ema: torch.Tensor | None, alpha: float,
+                 fp32_logits: bool) -> torch.Tensor:
+    """One decoder layer for one token over the slot cache; updates ``keys``/``values`` (and ``ema``) in place.
+
+    A module-level function of the layer, not a method: compiled once, the same graph serves every layer
+    (their parameters are inputs), so an L-layer model costs one compilation, not L.
+
+    Parameters
+    ----------
+    hidden : torch.Tensor
+        ``(1, 1, hidden_size)``.
+    free : torch.Tensor
+        ``(1,)`` long, the slot the new token's key and value overwrite.
+    keys, values : torch.Tensor
+        ``(1, num_kv_heads, slots, head_dim)``, this layer's slot cache.
+    ema : torch.Tensor or None
+        ``(slots,)`` float32 utilities, updated layer-sequentially ``m <- a*m + (1-a)*s`` with ``s`` the
+        head-mean attention of this layer; ``None`` on steps that do not score.
+    """
+    attn = layer.self_attn
+    heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    x = layer.input_layernorm(hidden)
+    q = attn.q_proj(x).view(1, 1, heads, head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(1, 1, kv_heads, head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(1, 1, kv_heads, head_dim).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    keys.index_copy_(2, free, k)
+    values.index_copy_(2, free, v)
+    out, probs = attend(q.view(kv_heads, heads // kv_heads, head_dim), keys[0], values[0], attn.scaling,
+                        fp32_logits)
+    if ema is not None:
+        ema.mul_(alpha).add_(probs.mean((0, 1)), alpha=1.0 - alpha)
+    hidden = hidden + attn.o_proj(out.reshape(1, 1, heads * head_dim))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+_compiled_layer = None
+
+
+def compiled_decode_layer():
+    """``decode_layer`` through ``torch.compile`` (Inductor fuses the norms, RoPE, SiLU-gating and the EMA).
+
+    Not ``mode="reduce-overhead"``: its CUDA graphs are skipped because the step mutates the cache tensors it
+    is given. We capture the whole step ourselves instead (:meth:`StaticInertia.generate`). Shapes are
+    static (one graph per budget); the recompile limit is raised so that a sweep over budgets and step
+    variants never silently falls back to eager.
+    """
+    global _compiled_layer
+    if _compiled_layer is None:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _compiled_layer = torch.compile(decode_layer, fullgraph=True, dynamic=False)
+    return _compiled_layer
 
 
 class StaticInertia:
@@ -41,39 +178,16 @@ class StaticInertia:
     ``refresh`` as in :class:`~kvviz.policies.inertia.InertiaKV` (1 every step, r lazy, 0 score-free);
     ``scoring=False`` never computes a score, so every utility stays 0 and the oldest entry goes: the
     B-slot cache without scoring (a sliding window, equal to the ``recency`` policy) -- the speed baseline.
+    ``compile=True`` runs each layer through :func:`compiled_decode_layer`.
     """
 
-    def __init__(self, model, *, alpha: float = 0.8, refresh: int = 1, scoring: bool = True):
+    def __init__(self, model, *, alpha: float = 0.8, refresh: int = 1, scoring: bool = True,
+                 compile: bool = False):
         self.model, self.alpha, self.refresh, self.scoring = model, alpha, refresh, scoring
         self.layers = model.model.layers
-        attn = self.layers[0].self_attn
-        self.heads = model.config.num_attention_heads
-        self.kv_heads = model.config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
-
-    def _layer(self, index: int, hidden: torch.Tensor, cos, sin, free: torch.Tensor, keys, values,
-               m: torch.Tensor | None) -> torch.Tensor:
-        layer = self.layers[index]
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(1, 1, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(1, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(1, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys.index_copy_(2, free, k)
-        values.index_copy_(2, free, v)
-        groups = self.heads // self.kv_heads
-        logits = torch.matmul(q.float().view(self.kv_heads, groups, self.head_dim),
-                              keys[0].float().transpose(1, 2)) * self.scaling  # (kv, g, n)
-        probs = torch.softmax(logits, dim=-1)
-        out = torch.matmul(probs, values[0].float()).to(hidden.dtype)  # (kv, g, d)
-        if m is not None:  # layer-sequential EMA from the same probabilities
-            m.mul_(self.alpha).add_(probs.mean((0, 1)), alpha=1.0 - self.alpha)
-        hidden = hidden + attn.o_proj(out.reshape(1, 1, self.heads * self.head_dim))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        self.compiled = compile
+        self.layer_step = compiled_decode_layer() if compile else decode_layer
+        self.fp32_logits = fp32_logits_supported(model.device, model.dtype)
 
     @torch.inference_mode()
     def generate(self, tokenizer, prompt_ids: list[int], budget: int, max_new_tokens: int,
@@ -118,8 +232,9 @@ class StaticInertia:
             positions.index_copy_(0, free, position[0])
             hidden = model.model.embed_tokens(token)
             cos, sin = model.model.rotary_emb(hidden, position)
-            for index in range(len(self.layers)):
-                hidden = self._layer(index, hidden, cos, sin, free, keys[index], values[index], m if scoring else None)
+            for layer, layer_keys, layer_values in zip(self.layers, keys, values):
+                hidden = self.layer_step(layer, hidden, cos, sin, free, layer_keys, layer_values,
+                                         m if scoring else None, self.alpha, self.fp32_logits)
             logits = model.lm_head(model.model.norm(hidden))[0, -1]
             token.copy_(logits.argmax().reshape(1, 1))
             lowest = torch.where(m == m.min(), positions, big).argmin()  # ties: the older position goes
@@ -127,19 +242,35 @@ class StaticInertia:
             position.add_(1)
 
         graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        seen: set[bool] = set()
+        setup_steps: list[bool] = []
+        clock = StepClock(device)
+        clock.mark()
         for k in range(2, max_new_tokens):
             scoring = self.scoring and ((k - 1) % self.refresh == 0 if self.refresh else False)
+            # The first step of a variant compiles or captures, when either is on: not steady-state time.
+            setup_steps.append(scoring not in seen and (self.compiled or (graph and device.type == "cuda")))
+            seen.add(scoring)
             if graph and device.type == "cuda" and scoring in graphs:
                 graphs[scoring].replay()
+            elif graph and device.type == "cuda":
+                # This step runs eagerly on a side stream (it also warms up cuBLAS and compiles), then the
+                # same step is recorded once; later steps of this variant replay the recording.
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    step(scoring)
+                torch.cuda.current_stream().wait_stream(side)
+                graphs[scoring] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[scoring]):  # recorded, not executed
+                    step(scoring)
             else:
-                step(scoring)  # eagerly; on a GPU this also warms up, then the same step is recorded once
-                if graph and device.type == "cuda":
-                    graphs[scoring] = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graphs[scoring]):  # recorded, not executed
-                        step(scoring)
+                step(scoring)
+            clock.mark()
             tokens.append(token.clone())  # stays on the device: converted once at the end
             if record_kept:  # test-only: reading the kept set syncs with the host
                 live = positions[torch.arange(slots, device=device) != free[0]]
                 kept_log.append(sorted(live.tolist()))
+        step_seconds = clock.intervals()
         tokens = tokens[:2] + [int(t) for t in tokens[2:]]
-        return StaticRun(tokens, kept_log, first_token_time)
+        return StaticRun(tokens, kept_log, first_token_time, step_seconds, setup_steps)

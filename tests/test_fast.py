@@ -34,3 +34,42 @@ def test_static_path_without_scoring_is_a_sliding_window(tiny, tiny_prompt):
     reference = kvviz.run(model, tokenizer, tiny_prompt, "recency", budget=20, max_new_tokens=20)
     assert static.token_ids == reference.token_ids
     assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+
+
+def test_compiled_static_path_equals_the_reference_engine_with_one_graph_per_variant(tiny_prompt):
+    """torch.compile fuses each layer; the keep sets and tokens stay the reference engine's, and one compiled
+    graph serves all layers (the parameters are inputs): two graphs for InertiaKV-Lazy, which has a scoring
+    and a non-scoring step, not one per layer."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = kvviz.load_model("tiny-random-llama")
+    assert model.config.num_hidden_layers >= 2
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia", refresh=4), budget=20,
+                          max_new_tokens=16)
+    static = StaticInertia(model, refresh=4, compile=True).generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
+    assert static.token_ids == reference.token_ids
+    assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+    assert counters["stats"]["unique_graphs"] - before == 2
+    # The first step of each variant (k = 2 without scoring, k = 5 with) is where it compiled.
+    assert static.setup_steps == [k in (2, 5) for k in range(2, 16)]
+    assert len(static.step_seconds) == 14 and all(s > 0 for s in static.step_seconds)
+
+
+def test_attention_of_the_static_step_matches_a_plain_softmax():
+    """``attend`` against the textbook formula, per query head, with grouped KV heads."""
+    import torch
+
+    from kvviz.fast import attend
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 3, 8, generator=generator)  # 2 KV heads x 3 query heads each
+    keys, values = torch.randn(2, 5, 8, generator=generator), torch.randn(2, 5, 8, generator=generator)
+    out, probs = attend(query, keys, values, scaling=0.5)
+    for kv in range(2):
+        for group in range(3):
+            weights = torch.softmax(0.5 * keys[kv] @ query[kv, group], dim=0)
+            torch.testing.assert_close(probs[kv, group], weights)
+            torch.testing.assert_close(out[kv, group], weights @ values[kv])

@@ -42,6 +42,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--compression", type=float, default=0.9)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
+    parser.add_argument("--time-limit", type=float, default=0.0,
+                        help="seconds; once passed, the contexts not yet started are skipped (the first always runs)")
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 
@@ -139,6 +143,7 @@ def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_t
 
 STATIC = {"static-no-scoring": dict(scoring=False), "static-inertia": {}, "static-inertia-lazy": dict(refresh=4),
           "static-score-free": dict(refresh=0)}
+UNCOMPILED = ("static-no-scoring", "static-inertia")  # measured again without compile, to show what it buys
 
 
 def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device,
@@ -147,15 +152,25 @@ def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget
     arg-min on the device, one CUDA graph per step variant on a GPU."""
     from ..fast import StaticInertia
 
+    static = StaticInertia(model, **options)  # outside the clock: importing the compiler is not prefill
     _sync(device)
     start = time.perf_counter()
-    run = StaticInertia(model, **options).generate(tokenizer, prompt_ids, budget, new_tokens, graph=True,
-                                                   timer=lambda: _sync(device))
+    run = static.generate(tokenizer, prompt_ids, budget, new_tokens, graph=True, timer=lambda: _sync(device))
     _sync(device)
     end = time.perf_counter()
     decode_s = end - run.first_token_time
-    return {"prefill_s": run.first_token_time - start, "decode_s": decode_s,
-            "decode_tok_s": (new_tokens - 1) / decode_s, "final_cache": budget}
+    setup_s = sum(s for s, setup in zip(run.step_seconds, run.setup_steps) if setup)
+    # decode_tok_s is the steady state (setup steps out); with_setup_tok_s counts compile and capture too.
+    return {"prefill_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": setup_s,
+            "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s,
+            "final_cache": budget}
+
+
+def static_configurations(compile: bool) -> dict[str, dict]:
+    configurations = {name: dict(options, compile=compile) for name, options in STATIC.items()}
+    if compile:
+        configurations.update({f"{name}-uncompiled": dict(STATIC[name], compile=False) for name in UNCOMPILED})
+    return configurations
 
 
 def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
@@ -166,43 +181,71 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     best: dict[str, dict] = {}
     cuda = torch.device(device).type == "cuda"
 
-    def measured(function, *call_args) -> dict:
+    compile = args.compile == "on" or (args.compile == "auto" and cuda)
+    errors: dict[str, str] = {}
+
+    def measured(name, function, *call_args) -> dict | None:
+        """One configuration; a failure becomes an ``error`` row and the run goes on to the next one."""
+        if name in errors:
+            return None
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        result = function(*call_args)
+        try:
+            result = function(*call_args)
+        except Exception as error:  # noqa: BLE001 -- reported in the output, not swallowed
+            errors[name] = f"{type(error).__name__}: {str(error)[:500]}"
+            return None
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()  # a failed capture must not hold memory for the next configuration
         if cuda:
             result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return result
 
     for _ in range(args.repeats):  # interleaved repeats: drift on a shared machine hits every row alike
-        runs = {"generate": measured(time_generate, model, prompt_ids, args.new_tokens, device)}
+        runs = {"generate": measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
         for name in POLICIES:
-            runs[name] = measured(time_engine, model, tokenizer, prompt_ids, name, args.new_tokens, budget, device)
-        for name, options in STATIC.items():
-            runs[name] = measured(time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options)
+            runs[name] = measured(name, time_engine, model, tokenizer, prompt_ids, name, args.new_tokens, budget,
+                                  device)
+        for name, options in static_configurations(compile).items():
+            runs[name] = measured(name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device,
+                                  options)
         for name, result in runs.items():
-            if name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]:
+            if result is not None and (name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]):
                 best[name] = result
-    base = best["generate"]["decode_tok_s"]
+    base = best["generate"]["decode_tok_s"] if "generate" in best else float("nan")
     rows = []
-    for name, result in best.items():
-        rows.append({"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
-                     ("generate", "full") else len(prompt_ids) + args.new_tokens,
-                     "new_tokens": args.new_tokens, **{k: round(v, 5) for k, v in result.items()},
+    for name in ["generate", *POLICIES, *static_configurations(compile)]:
+        row = {"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
+               ("generate", "full") else len(prompt_ids) + args.new_tokens, "new_tokens": args.new_tokens}
+        if name.startswith("static-"):
+            row["compiled"] = compile and not name.endswith("-uncompiled")
+        if name in errors:
+            rows.append({**row, "error": errors[name]})
+            continue
+        result = best[name]
+        rows.append({**row, **{k: round(v, 5) for k, v in result.items()},
                      "vs_generate": round(result["decode_tok_s"] / base, 3)})
-    baseline = best["static-no-scoring"]["decode_tok_s"]
-    for row in rows:  # the static step cannot time its parts; its scoring cost is its slowdown vs no scoring
-        if row["what"].startswith("static-") and row["what"] != "static-no-scoring":
-            row["scoring_overhead_vs_no_scoring"] = round(1 - row["decode_tok_s"] / baseline, 4)
+    # The static step cannot time its parts: its scoring + eviction cost is its slowdown against the same
+    # step without scoring (same compile setting).
+    for row in rows:
+        if not row["what"].startswith("static-") or "error" in row or row["what"].startswith("static-no-scoring"):
+            continue
+        baseline = "static-no-scoring" + ("-uncompiled" if row["what"].endswith("-uncompiled") else "")
+        if baseline in best and baseline not in errors:
+            row["scoring_overhead_vs_no_scoring"] = round(1 - row["decode_tok_s"] / best[baseline]["decode_tok_s"], 4)
     return rows
 
 
 def main(args) -> int:
+    import transformers
+
     from ..models import load_model
 
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "device": args.device}
+            "torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
+            "compile": args.compile}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name()
     if args.config:
@@ -216,15 +259,27 @@ def main(args) -> int:
         model, tokenizer = load_model(args.model, device=args.device)
         prompts = [haystack_prompt(tokenizer, args.prompt_tokens)]
         meta["model"] = args.model
-    lines = [json.dumps({"meta": meta})]
-    print(lines[0], flush=True)
-    for prompt_ids in prompts:
-        for row in measure(model, tokenizer, prompt_ids, args):
-            lines.append(json.dumps(row))
-            print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write("\n".join(lines) + "\n")
+    out = open(args.out, "w") if args.out else None
+
+    def emit(record: dict) -> None:  # line by line: a run cut short by a time limit keeps what it measured
+        print(json.dumps(record), flush=True)
+        if out is not None:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+    emit({"meta": meta})
+    started = time.perf_counter()
+    try:
+        for index, prompt_ids in enumerate(prompts):
+            if index and args.time_limit and time.perf_counter() - started > args.time_limit:
+                emit({"what": "skipped", "prompt_len": len(prompt_ids),
+                      "why": f"--time-limit {args.time_limit:g} s passed"})
+                continue
+            for row in measure(model, tokenizer, prompt_ids, args):
+                emit(row)
+    finally:
+        if out is not None:
+            out.close()
     return 0
 
 
