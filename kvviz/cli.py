@@ -59,10 +59,15 @@ def cmd_generate(args) -> int:
     compression = args.compression if args.budget is None and args.compression is not None else None
     if args.budget is None and args.compression is None and args.policy != "full":
         compression = 0.9  # the papers' aggressive regime
+    if args.static and (args.temperature != 0.0 or args.trace):
+        raise ValueError("--static decodes greedily and keeps no per-step trace: drop --temperature/--trace, "
+                         "or drop --static to use the engine")
     model, tokenizer = load_model(args.model, device=args.device)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     engine.check_prompt(model, prompt_ids, args.max_new_tokens)
     budget = engine.resolve_budget(len(prompt_ids), compression=compression, budget=args.budget)
+    if args.static:
+        return _generate_static(args, model, tokenizer, prompt_ids, policy, budget)
 
     events = []
     start = time.perf_counter()
@@ -100,6 +105,31 @@ def cmd_generate(args) -> int:
         print(f"\n\n-- prompt {summary['prompt_len']} tokens, budget {budget}, final cache "
               f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s",
               file=sys.stderr)
+    return 0
+
+
+def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:
+    """``generate --static``: the static decode path (one CUDA graph per step variant on a GPU)."""
+    from . import engine
+    from .fast import StaticInertia
+
+    static = StaticInertia.from_policy(model, policy, compile=args.compile)
+    start = time.perf_counter()
+    run = static.generate(tokenizer, prompt_ids, budget, args.max_new_tokens, graph=model.device.type == "cuda",
+                          stop_ids=engine.eos_ids(model, tokenizer))
+    elapsed = time.perf_counter() - start
+    text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
+    summary = {"prompt_len": len(prompt_ids), "budget": budget, "new_tokens": len(run.token_ids),
+               "tok_per_s": len(run.token_ids) / elapsed, "decode_tok_per_s": run.steady_tok_s(),
+               "setup_s": sum(t for t, setup in zip(run.step_seconds, run.setup_steps) if setup)}
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": run.token_ids, "policy": args.policy, "params": policy.params(),
+                          "model": args.model, "path": "static", "compiled": args.compile, **summary}))
+    else:
+        print(text)
+        print(f"\n-- static path: prompt {summary['prompt_len']} tokens, budget {budget}, {summary['new_tokens']} "
+              f"new tokens at {summary['tok_per_s']:.1f} tok/s (steady decode {summary['decode_tok_per_s']:.1f} "
+              f"tok/s)", file=sys.stderr)
     return 0
 
 
@@ -271,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--trace", help="save the per-step trace to this parquet file")
+    gen.add_argument("--static", action="store_true",
+                     help="InertiaKV on the static decode path (greedy; a CUDA graph per step on a GPU)")
+    gen.add_argument("--compile", action="store_true", help="with --static: fuse each layer with torch.compile")
     gen.set_defaults(func=cmd_generate)
 
     pol = sub.add_parser("policies", help="list the policy registry")

@@ -172,6 +172,9 @@ def compiled_decode_layer():
     return _compiled_layer
 
 
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # decoder layouts decode_layer reproduces
+
+
 class StaticInertia:
     """InertiaKV decoding over a static slot cache (attention scorer, all layers eligible).
 
@@ -183,15 +186,41 @@ class StaticInertia:
 
     def __init__(self, model, *, alpha: float = 0.8, refresh: int = 1, scoring: bool = True,
                  compile: bool = False):
+        if model.config.model_type not in SUPPORTED:
+            raise ValueError(f"the static path reproduces {', '.join(SUPPORTED)} decoder layers, not "
+                             f"{model.config.model_type!r}: decode this model with the engine instead")
+        if not 0.0 <= alpha <= 1.0 or refresh < 0:
+            raise ValueError(f"alpha must be in [0, 1] and refresh >= 0, got alpha={alpha}, refresh={refresh}")
         self.model, self.alpha, self.refresh, self.scoring = model, alpha, refresh, scoring
         self.layers = model.model.layers
         self.compiled = compile
         self.layer_step = compiled_decode_layer() if compile else decode_layer
         self.fp32_logits = fp32_logits_supported(model.device, model.dtype)
 
+    @classmethod
+    def from_policy(cls, model, policy, *, compile: bool = False) -> "StaticInertia":
+        """The static path for an engine policy, when it is one the static step computes exactly."""
+        if not isinstance(policy, InertiaKV) or (policy.scorer, policy.aggregation, policy.layers) != (
+                "attention", "ema", "all"):
+            raise ValueError("the static path runs InertiaKV with its attention scorer, EMA aggregation and all "
+                             "layers (inertia, inertia-lazy, score-free, single-step; --alpha and --refresh "
+                             f"may change); got {policy.params()}: use the engine for this policy")
+        return cls(model, alpha=policy.alpha, refresh=policy.refresh, compile=compile)
+
     @torch.inference_mode()
     def generate(self, tokenizer, prompt_ids: list[int], budget: int, max_new_tokens: int,
-                 record_kept: bool = False, graph: bool = False, timer=None) -> StaticRun:
+                 record_kept: bool = False, graph: bool = False, timer=None,
+                 stop_ids: set[int] | None = None) -> StaticRun:
+        """Greedy decoding of up to ``max_new_tokens`` tokens under budget ``B`` (``B <= len(prompt_ids) + 1``).
+
+        ``stop_ids``: end after the first of these tokens (it is included).  Checking a token means
+        waiting for the device once per step, so benchmarks leave it out and get a fixed length.
+        """
+        if not 1 <= budget <= len(prompt_ids) + 1:
+            raise ValueError(f"the static path starts once the cache is full at step 1, so the budget must be "
+                             f"between 1 and the prompt length + 1 ({len(prompt_ids) + 1}), got {budget}: "
+                             "lower the budget, or use the engine")
+        stop_ids = stop_ids or set()
         model, device = self.model, self.model.device
         policy = InertiaKV(alpha=self.alpha, refresh=self.refresh) if self.scoring else Recency()
         # Prefill and step 1 through the reference engine: step 1 attends to the whole prompt.
@@ -202,10 +231,12 @@ class StaticInertia:
         if timer is not None:
             timer()
         first_token_time = time.perf_counter()
+        if first.new_token_id in stop_ids:
+            return StaticRun([first.new_token_id], [], first_token_time)
         second = next(events)
         tokens = [first.new_token_id, second.new_token_id]
         kept_log = [second.kept.tolist()] if record_kept else []
-        if max_new_tokens <= 2:
+        if max_new_tokens <= 2 or second.new_token_id in stop_ids:
             return StaticRun(tokens[:max_new_tokens], kept_log, first_token_time)
 
         slots = budget + 1
@@ -271,6 +302,8 @@ class StaticInertia:
             if record_kept:  # test-only: reading the kept set syncs with the host
                 live = positions[torch.arange(slots, device=device) != free[0]]
                 kept_log.append(sorted(live.tolist()))
+            if stop_ids and int(token) in stop_ids:
+                break
         step_seconds = clock.intervals()
         tokens = tokens[:2] + [int(t) for t in tokens[2:]]
         return StaticRun(tokens, kept_log, first_token_time, step_seconds, setup_steps)

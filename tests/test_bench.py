@@ -23,6 +23,7 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     assert all(row["compiled"] == (not name.endswith("-uncompiled")) for name, row in static.items())
     # Compiling is setup, kept out of the steady-state rate; the uncompiled CPU step has none.
     assert static["static-no-scoring"]["setup_s"] > 0
+    assert static["static-no-scoring"]["first_setup_s"] >= static["static-no-scoring"]["setup_s"]
     assert static["static-inertia-uncompiled"]["setup_s"] == 0
     assert all("scoring_overhead_vs_no_scoring" in row for name, row in static.items()
                if not name.startswith("static-no-scoring"))

@@ -75,6 +75,10 @@ def test_plain_output_streams_text_and_summary():
         (["--prompt", TEXT, "--policy", "full", "--alpha", "0.5"], "no parameter"),
         (["--prompt", TEXT * 200, "--max-new-tokens", "10"], "context"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
+        (["--prompt", TEXT, "--static", "--policy", "tova"], "InertiaKV with its attention scorer"),
+        (["--prompt", TEXT, "--static", "--policy", "inertia-vnorm"], "InertiaKV with its attention scorer"),
+        (["--prompt", TEXT, "--static", "--temperature", "0.7"], "greedily"),
+        (["--prompt", TEXT, "--static", "--budget", "100000"], "budget must be between 1 and the prompt length"),
     ],
 )
 def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
@@ -85,6 +89,21 @@ def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
     assert code != 0
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
+
+
+def test_static_generate_prints_what_the_engine_generates(capsys):
+    """``generate --static`` (the fast path) and the engine give the same tokens for the same InertiaKV."""
+    from kvviz.cli import main
+
+    common = ["generate", *TINY, "--prompt", TEXT, "--no-chat", "--policy", "inertia-lazy", "--compression", "0.7",
+              "--max-new-tokens", "14", "--json"]
+    assert main(common) == 0
+    engine = json.loads(capsys.readouterr().out)
+    assert main([*common, "--static"]) == 0
+    static = json.loads(capsys.readouterr().out)
+    assert static["path"] == "static" and static["budget"] == engine["budget"]
+    assert static["token_ids"] == engine["token_ids"] and static["text"] == engine["text"]
+    assert static["params"] == engine["params"] and static["params"]["refresh"] == 4
 
 
 def test_argument_errors_are_one_line(capsys):

@@ -73,3 +73,22 @@ def test_attention_of_the_static_step_matches_a_plain_softmax():
             weights = torch.softmax(0.5 * keys[kv] @ query[kv, group], dim=0)
             torch.testing.assert_close(probs[kv, group], weights)
             torch.testing.assert_close(out[kv, group], weights @ values[kv])
+
+
+def test_static_path_stops_after_a_stop_token(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    full = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 16)
+    stop = full.token_ids[6]
+    first = full.token_ids.index(stop)  # the stop token may already occur earlier
+    stopped = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 16, stop_ids={stop})
+    assert stopped.token_ids == full.token_ids[: first + 1]
+    assert len(stopped.step_seconds) == len(stopped.setup_steps) == max(0, first + 1 - 2)
+
+
+def test_static_path_refuses_what_it_cannot_compute_exactly(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="prompt length"):
+        StaticInertia(model).generate(tokenizer, tiny_prompt, len(tiny_prompt) + 2, 8)
+    with pytest.raises(ValueError, match="attention scorer"):
+        StaticInertia.from_policy(model, kvviz.make_policy("inertia", aggregation="sum"))
+    assert StaticInertia.from_policy(model, kvviz.make_policy("score-free")).refresh == 0
