@@ -8,13 +8,15 @@
    straight from the half-precision keys): agreement with the reference engine, reported, not required
    (two different attention kernels round differently in bfloat16).
 3. ``kvviz bench speed --device DEVICE --config CONFIG --contexts ...``: its JSON lines, unchanged, with
-   a time limit so that the whole script ends within ``--budget-s``.
+   a time limit so that the whole script ends within ``--budget-s``; then a ``targets`` line (issue 6's
+   three targets at the first context) and, if time is left, the ``--also`` config at that context.
 
 Needs only torch, transformers, pandas, pyarrow and tqdm (no pytest, no network).  On a CPU it runs part 1
 without graphs, skips part 2 and runs part 3 on the tiny config, which is how it is tried before a GPU is
 spent on it:
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py --device cpu --config tiny --contexts 512 --new-tokens 8
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --device cpu --config tiny --contexts 512,256 --also tiny \
+        --new-tokens 8 --budget-s 120
     PYTHONPATH=. python3 benchmarks/gpu_check.py --out $OUT/speed.jsonl   # GPU: cuda, llama-3.1-8b, 64k-16k
 """
 
@@ -98,17 +100,37 @@ def bfloat16_agreement(device: str) -> None:
         _case({"check": "bfloat16 agreement (reported, not required)", "device": device, "compile": compile}, check)
 
 
+def targets(rows: list[dict], context: int) -> dict:
+    """Issue 6's targets at one context, from the speed rows (Llama-3.1-8B shape, 90%)."""
+    by_name = {row["what"]: row for row in rows if row.get("prompt_len") == context and "decode_tok_s" in row}
+    verdict: dict = {"check": "targets", "prompt_len": context}
+    inertia, lazy = by_name.get("static-inertia"), by_name.get("static-inertia-lazy")
+    if inertia:
+        verdict["inertia_tok_s"] = inertia["decode_tok_s"]
+        verdict["inertia_at_least_150"] = inertia["decode_tok_s"] >= 150
+        verdict["scoring_overhead"] = inertia.get("scoring_overhead_vs_no_scoring")
+        if verdict["scoring_overhead"] is not None:
+            verdict["scoring_at_most_5_percent"] = verdict["scoring_overhead"] <= 0.05
+    if inertia and lazy:
+        verdict["lazy_gain"] = round(lazy["decode_tok_s"] / inertia["decode_tok_s"], 3)
+        verdict["lazy_gain_at_most_1.05"] = verdict["lazy_gain"] <= 1.05
+    verdict["vs_paper_39.1"] = round(inertia["decode_tok_s"] / 39.1, 2) if inertia else None
+    return verdict
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--config", default="llama-3.1-8b")
     parser.add_argument("--contexts", default="65536,32768,16384", help="the target (64k) first")
+    parser.add_argument("--also", default="qwen2.5-7b", help="then this config at the first context, if time is left "
+                        "('' for none)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="the whole script's time; contexts that would start too late are skipped")
     parser.add_argument("--context-s", type=float, default=90.0, help="allowance for one context of the speed part")
-    parser.add_argument("--out", help="also write the speed rows to this file")
+    parser.add_argument("--out", default="/tmp/kvviz-speed.jsonl", help="the speed rows (JSON lines)")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -119,12 +141,30 @@ def main() -> int:
     print(json.dumps({"check": "exactness done", "all_equal": exact, "seconds": round(elapsed, 1)}), flush=True)
     from kvviz.cli import main as cli
 
-    limit = max(1.0, args.budget_s - elapsed - args.context_s)
-    speed = ["bench", "speed", "--device", args.device, "--config", args.config, "--contexts", args.contexts,
-             "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--time-limit", f"{limit:.0f}"]
-    code = cli(speed + (["--out", args.out] if args.out else []))
+    def speed(config: str, contexts: str, out: str) -> list[dict]:
+        limit = max(1.0, args.budget_s - (time.perf_counter() - start) - args.context_s)
+        cli(["bench", "speed", "--device", args.device, "--config", config, "--contexts", contexts, "--new-tokens",
+             str(args.new_tokens), "--repeats", str(args.repeats), "--time-limit", f"{limit:.0f}", "--out", out])
+        with open(out) as handle:
+            return [json.loads(line) for line in handle]
+
+    rows = speed(args.config, args.contexts, args.out)
+    first = int(args.contexts.split(",")[0])
+    print(json.dumps({"config": args.config, **targets(rows, first)}), flush=True)
+    left = args.budget_s - (time.perf_counter() - start)
+    if args.also and left > 1.5 * args.context_s:
+        import gc
+
+        gc.collect()
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+        also_out = args.out.replace(".jsonl", f"-{args.also}.jsonl")
+        also = speed(args.also, str(first), also_out)
+        print(json.dumps({"config": args.also, **targets(also, first)}), flush=True)
+    elif args.also:
+        print(json.dumps({"check": f"{args.also} skipped", "seconds_left": round(left, 1)}), flush=True)
     print(json.dumps({"check": "done", "seconds": round(time.perf_counter() - start, 1)}), flush=True)
-    return 0 if exact and code == 0 else 1
+    return 0 if exact else 1
 
 
 if __name__ == "__main__":
