@@ -13,6 +13,9 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
                  "--compile", "on", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert "meta" in rows[0]
+    assert rows[1]["what"] == "prefill" and rows[1]["prefill_s"] > 0  # one prefill, shared by engine and static runs
+    assert rows[-1]["what"] == "context done" and rows[-1]["seconds"] > 0
+    rows = [rows[0], *rows[2:-1]]
     names = [row["what"] for row in rows[1:]]
     assert names == ["generate", "full", "inertia", "inertia-lazy", "score-free", "static-no-scoring",
                      "static-inertia", "static-inertia-lazy", "static-score-free", "static-no-scoring-uncompiled",
@@ -34,16 +37,18 @@ def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_pa
 
     real = speed.time_static
 
-    def failing(model, tokenizer, prompt_ids, new_tokens, budget, device, options):
-        if options.get("refresh") == 4:
+    def failing(*args, **kwargs):
+        if args[-1].get("refresh") == 4:  # the static options
             raise RuntimeError("capture failed")
-        return real(model, tokenizer, prompt_ids, new_tokens, budget, device, options)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(speed, "time_static", failing)
     out = tmp_path / "speed.jsonl"
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96,128", "--new-tokens", "5", "--repeats", "1",
                  "--compile", "off", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [row["what"] for row in rows].count("prefill") == 2
+    rows = [row for row in rows if row["what"] not in ("prefill", "context done")]
     assert len(rows) == 2 * 9
     failed = [row for row in rows if "error" in row]
     assert [row["what"] for row in failed] == ["static-inertia-lazy"] * 2
@@ -58,7 +63,11 @@ def test_speed_bench_stops_at_its_time_limit(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert {row["prompt_len"] for row in rows if row["what"] != "skipped"} == {96}  # the first context always runs
     assert [row for row in rows if row["what"] == "skipped"] == [
-        {"what": "skipped", "prompt_len": 128, "why": "--time-limit 1e-09 s passed"}]
+        {"what": "skipped", "prompt_len": 128, "why": "would not end within --time-limit 1e-09 s"}]
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "96,128", "--new-tokens", "4", "--repeats", "1",
+                 "--compile", "off", "--time-limit", "3600", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [row["prompt_len"] for row in rows if row["what"] == "context done"] == [96, 128]
 
 
 def test_probe_bench_compares_batched_with_one_at_a_time(tmp_path):

@@ -7,6 +7,9 @@ a GPU machine, which cannot download weights.
 
 Every figure is measured in the same process and reported next to the ``generate`` baseline as a ratio.
 Each configuration runs ``--repeats`` times, interleaved, and the best run is kept (least disturbed).
+The prompt is prefilled once (the ``prefill`` row) and every engine and static run starts from a copy of
+it; ``generate`` prefills on its own.  ``first_token_s`` is a run's time to its first token from that
+copy, ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
     parser.add_argument("--time-limit", type=float, default=0.0,
-                        help="seconds; once passed, the contexts not yet started are skipped (the first always runs)")
+                        help="seconds for the whole run: a context that would end after it (judged by the last "
+                             "one's duration) is skipped; the first always runs")
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 
@@ -119,7 +123,7 @@ def time_generate(model, prompt_ids: list[int], new_tokens: int, device) -> dict
 
 
 def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
-                device) -> dict:
+                device, shared=None) -> dict:
     from ..engine import decode
     from ..policies import make_policy
 
@@ -128,7 +132,7 @@ def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_t
     start = time.perf_counter()
     prefill_done, score, evict, steps = None, 0.0, 0.0, 0
     for event in decode(model, tokenizer, prompt_ids, policy, budget=None if policy_name == "full" else budget,
-                        max_new_tokens=new_tokens, ignore_eos=True):
+                        max_new_tokens=new_tokens, ignore_eos=True, shared=shared):
         if event.step == 0:
             _sync(device)
             prefill_done = time.perf_counter()
@@ -136,7 +140,7 @@ def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_t
             score, evict, steps = score + event.t_score, evict + event.t_evict, steps + 1
     _sync(device)
     decode_s = time.perf_counter() - prefill_done
-    return {"prefill_s": prefill_done - start, "decode_s": decode_s, "decode_tok_s": steps / decode_s,
+    return {"first_token_s": prefill_done - start, "decode_s": decode_s, "decode_tok_s": steps / decode_s,
             "score_share": score / decode_s, "evict_share": evict / decode_s,
             "final_cache": int(event.cache_size)}
 
@@ -147,7 +151,7 @@ UNCOMPILED = ("static-no-scoring", "static-inertia")  # measured again without c
 
 
 def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device,
-                options: dict) -> dict:
+                options: dict, shared=None) -> dict:
     """The static decode path (:mod:`kvviz.fast`): B + 1 slots, scores from the attention pass, EMA and
     arg-min on the device, one CUDA graph per step variant on a GPU."""
     from ..fast import StaticInertia
@@ -155,13 +159,14 @@ def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget
     static = StaticInertia(model, **options)  # outside the clock: importing the compiler is not prefill
     _sync(device)
     start = time.perf_counter()
-    run = static.generate(tokenizer, prompt_ids, budget, new_tokens, graph=True, timer=lambda: _sync(device))
+    run = static.generate(tokenizer, prompt_ids, budget, new_tokens, graph=True, timer=lambda: _sync(device),
+                          shared=shared)
     _sync(device)
     end = time.perf_counter()
     decode_s = end - run.first_token_time
     setup_s = sum(s for s, setup in zip(run.step_seconds, run.setup_steps) if setup)
     # decode_tok_s is the steady state (setup steps out); with_setup_tok_s counts compile and capture too.
-    return {"prefill_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": setup_s,
+    return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": setup_s,
             "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s,
             "final_cache": budget}
 
@@ -174,7 +179,7 @@ def static_configurations(compile: bool) -> dict[str, dict]:
 
 
 def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
-    from ..engine import resolve_budget
+    from ..engine import prefill, resolve_budget
 
     budget = resolve_budget(len(prompt_ids), compression=args.compression)
     device = args.device
@@ -185,14 +190,27 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     errors: dict[str, str] = {}
     first_setup: dict[str, float] = {}
 
-    def measured(name, function, *call_args) -> dict | None:
+    # One prefill per prompt, copied by every engine and static run (as the sweep runner does): at 64k on
+    # an 8B model a prefill costs seconds, and eleven of them would eat a GPU session. `generate` keeps
+    # its own. Peak memory is reported beyond this resident copy.
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    shared = prefill(model, prompt_ids)
+    _sync(device)
+    resident = shared.cache.nbytes()
+    prefill_row = {"what": "prefill", "prompt_len": len(prompt_ids), "prefill_s": round(shared.seconds, 5)}
+    if cuda:
+        prefill_row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+
+    def measured(name, function, *call_args, **call_kwargs) -> dict | None:
         """One configuration; a failure becomes an ``error`` row and the run goes on to the next one."""
         if name in errors:
             return None
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
-            result = function(*call_args)
+            result = function(*call_args, **call_kwargs)
         except Exception as error:  # noqa: BLE001 -- reported in the output, not swallowed
             errors[name] = f"{type(error).__name__}: {str(error)[:500]}"
             return None
@@ -200,24 +218,25 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
             if cuda:
                 torch.cuda.empty_cache()  # a failed capture must not hold memory for the next configuration
         if cuda:
-            result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            result["peak_memory_gb"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
         return result
 
     for _ in range(args.repeats):  # interleaved repeats: drift on a shared machine hits every row alike
         runs = {"generate": measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
         for name in POLICIES:
             runs[name] = measured(name, time_engine, model, tokenizer, prompt_ids, name, args.new_tokens, budget,
-                                  device)
+                                  device, shared=shared)
         for name, options in static_configurations(compile).items():
             runs[name] = measured(name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device,
-                                  options)
+                                  options, shared=shared)
         for name, result in runs.items():
             if result is not None and "setup_s" in result:
                 first_setup.setdefault(name, result["setup_s"])  # the repeat that compiled, if any did
             if result is not None and (name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]):
                 best[name] = result
+    del shared
     base = best["generate"]["decode_tok_s"] if "generate" in best else float("nan")
-    rows = []
+    rows = [prefill_row]
     for name in ["generate", *POLICIES, *static_configurations(compile)]:
         row = {"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
                ("generate", "full") else len(prompt_ids) + args.new_tokens, "new_tokens": args.new_tokens}
@@ -273,15 +292,20 @@ def main(args) -> int:
             out.flush()
 
     emit({"meta": meta})
-    started = time.perf_counter()
+    started, last = time.perf_counter(), 0.0
     try:
         for index, prompt_ids in enumerate(prompts):
-            if index and args.time_limit and time.perf_counter() - started > args.time_limit:
+            # A context starts only if one as long as the last one would still end in time (contexts
+            # are meant to come longest first, so that is an upper bound).
+            if index and args.time_limit and time.perf_counter() - started + last > args.time_limit:
                 emit({"what": "skipped", "prompt_len": len(prompt_ids),
-                      "why": f"--time-limit {args.time_limit:g} s passed"})
+                      "why": f"would not end within --time-limit {args.time_limit:g} s"})
                 continue
+            context_start = time.perf_counter()
             for row in measure(model, tokenizer, prompt_ids, args):
                 emit(row)
+            last = time.perf_counter() - context_start
+            emit({"what": "context done", "prompt_len": len(prompt_ids), "seconds": round(last, 1)})
     finally:
         if out is not None:
             out.close()
