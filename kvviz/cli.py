@@ -121,7 +121,7 @@ def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:
     text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
     summary = {"prompt_len": len(prompt_ids), "budget": budget, "new_tokens": len(run.token_ids),
                "tok_per_s": len(run.token_ids) / elapsed, "decode_tok_per_s": run.steady_tok_s(),
-               "setup_s": sum(t for t, setup in zip(run.step_seconds, run.setup_steps) if setup)}
+               "setup_s": run.setup_seconds()}
     if args.json:
         print(json.dumps({"text": text, "token_ids": run.token_ids, "policy": args.policy, "params": policy.params(),
                           "model": args.model, "path": "static", "compiled": args.compile, **summary}))

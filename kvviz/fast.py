@@ -21,6 +21,7 @@ Qwen2/2.5/3 and Mistral layouts; batch size 1; greedy.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,10 @@ class StaticRun:
     first_token_time: float = 0.0  # perf_counter when token 1 was out (end of prefill), for benchmarks
     step_seconds: list[float] = field(default_factory=list)  # each static step (token 3 on), device time
     setup_steps: list[bool] = field(default_factory=list)  # steps that also compiled / captured a graph
+
+    def setup_seconds(self) -> float:
+        """Time of the steps that compiled or captured (what :meth:`steady_tok_s` leaves out)."""
+        return sum(s for s, setup in zip(self.step_seconds, self.setup_steps) if setup)
 
     def steady_tok_s(self) -> float:
         """Tokens per second over the steps that only replayed (or ran) the step: setup excluded."""
@@ -72,6 +77,7 @@ class StepClock:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
+@functools.cache  # one probe per device and dtype, not one per StaticInertia
 def fp32_logits_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.bmm(..., out_dtype=torch.float32)`` runs here for a ``dtype`` cache (CUDA, half types)."""
     if dtype == torch.float32 or device.type != "cuda":
@@ -276,6 +282,7 @@ class StaticInertia:
         graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         runs: dict[bool, int] = {}  # steps so far of each variant
         setup_steps: list[bool] = []
+        captured = graph and device.type == "cuda"
         clock = StepClock(device)
         clock.mark()
         for k in range(2, max_new_tokens):
@@ -284,11 +291,10 @@ class StaticInertia:
             # replay (graph upload, and the host gap the capture left).
             count = runs.get(scoring, 0)
             runs[scoring] = count + 1
-            captured = graph and device.type == "cuda"
             setup_steps.append((count == 0 and (self.compiled or captured)) or (count == 1 and captured))
-            if graph and device.type == "cuda" and scoring in graphs:
+            if captured and scoring in graphs:
                 graphs[scoring].replay()
-            elif graph and device.type == "cuda":
+            elif captured:
                 # This step runs eagerly on a side stream (it also warms up cuBLAS and compiles), then the
                 # same step is recorded once; later steps of this variant replay the recording.
                 side = torch.cuda.Stream()

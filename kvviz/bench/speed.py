@@ -164,7 +164,7 @@ def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget
     _sync(device)
     end = time.perf_counter()
     decode_s = end - run.first_token_time
-    setup_s = sum(s for s, setup in zip(run.step_seconds, run.setup_steps) if setup)
+    setup_s = run.setup_seconds()
     # decode_tok_s is the steady state (setup steps out); with_setup_tok_s counts compile and capture too.
     return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": setup_s,
             "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s,

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm  # already a dependency of transformers
 
+from ..tasks import loaders
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -70,7 +72,7 @@ def policy_settings(config: dict) -> list[tuple[str, tuple]]:
 # Public benchmarks (kvviz.tasks.loaders): { name = "longbench", task = "hotpotqa", samples = 50 }, read from
 # the hub, or from a local JSONL of the same records with path = "...".  ``truncate`` = N keeps the first and
 # last N/2 prompt tokens (LongBench's middle truncation) so that long records fit the model.
-BENCHMARKS = ("longbench", "longbench_v2", "ruler", "math500", "aime25")
+BENCHMARKS = tuple(loaders.HUB)
 _loaded: dict[tuple, list] = {}
 
 
@@ -90,8 +92,6 @@ def sample_count(task: dict) -> int:
 
 def benchmark_samples(task: dict) -> list:
     """The first ``samples`` records of a public benchmark as samples (loaded once per process)."""
-    from ..tasks import loaders
-
     key = (task["name"], task.get("task", ""), task.get("path"), task.get("split", "test"))
     if key not in _loaded:
         if task.get("path"):
