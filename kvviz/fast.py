@@ -17,6 +17,12 @@ serves every layer) before the step is captured.  With a half-precision cache on
 out of cuBLAS in float32 directly, so the scores never need a float32 copy of the keys.  Prefill and the
 first decode step (which attends to the whole prompt) run as in the reference engine.  Llama,
 Qwen2/2.5/3 and Mistral layouts; batch size 1; greedy.
+
+Exactness: in float32 the static step computes the engine's formulas, but it sums over slots where the
+engine sums over positions, so scores can differ in the last bit.  Keep sets still agree unless two
+utilities are within an ulp of each other; the one place where such near-ties are systematic, the mean a
+new token enters at, is summed in float64 on both paths so that it does not depend on order.  In
+bfloat16 on a GPU the two paths use different attention kernels and agreement is measured, not promised.
 """
 
 from __future__ import annotations
@@ -153,7 +159,7 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     out, probs = attend(q.view(kv_heads, heads // kv_heads, head_dim), keys[0], values[0], attn.scaling,
                         fp32_logits)
     if ema is not None:
-        ema.mul_(alpha).add_(probs.mean((0, 1)), alpha=1.0 - alpha)
+        ema.copy_(alpha * ema + (1.0 - alpha) * probs.mean((0, 1)))  # the engine's expression, same rounding
     hidden = hidden + attn.o_proj(out.reshape(1, 1, heads * head_dim))
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
@@ -206,7 +212,8 @@ class StaticInertia:
     @classmethod
     def from_policy(cls, model, policy, *, compile: bool = False) -> "StaticInertia":
         """The static path for an engine policy, when it is one the static step computes exactly."""
-        if not isinstance(policy, InertiaKV) or (policy.scorer, policy.aggregation, policy.layers) != (
+        # The exact class: subclasses (inertia-decoupled) change the update rule the static step hard-codes.
+        if type(policy) is not InertiaKV or (policy.scorer, policy.aggregation, policy.layers) != (
                 "attention", "ema", "all"):
             raise ValueError("the static path runs InertiaKV with its attention scorer, EMA aggregation and all "
                              "layers (inertia, inertia-lazy, score-free, single-step; --alpha and --refresh "
@@ -261,10 +268,13 @@ class StaticInertia:
         token = torch.tensor([[tokens[-1]]], device=device)
         position = torch.tensor([[len(prompt_ids) + 1]], device=device)
         big = torch.iinfo(torch.long).max
+        slot_ids = torch.arange(slots, device=device)
 
         def step(scoring: bool) -> None:  # in place only: a CUDA graph replays exactly these kernels
+            # A new token enters at 0 on scoring steps, else at the mean of the entries already cached,
+            # summed in float64 as the engine does (the mean must not depend on slot order).
             m_enter = torch.zeros((), device=device) if scoring else \
-                (m.sum() - m[free].sum()) / (slots - 1)  # mean of the entries already cached
+                (torch.where(slot_ids == free, 0.0, m.double()).sum() / (slots - 1)).float()
             m.index_fill_(0, free, 0.0)
             m.index_add_(0, free, m_enter.reshape(1))
             positions.index_copy_(0, free, position[0])
@@ -310,7 +320,7 @@ class StaticInertia:
             clock.mark()
             tokens.append(token.clone())  # stays on the device: converted once at the end
             if record_kept:  # test-only: reading the kept set syncs with the host
-                live = positions[torch.arange(slots, device=device) != free[0]]
+                live = positions[slot_ids != free[0]]
                 kept_log.append(sorted(live.tolist()))
             if stop_ids and int(token) in stop_ids:
                 break

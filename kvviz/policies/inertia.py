@@ -108,7 +108,11 @@ class InertiaKV(Policy):
     def begin_step(self, step: int, cached: torch.Tensor, new_position: int) -> None:
         self.m = grown(self.m, new_position)
         self.raw.clear()
-        entering = 0.0 if self.wants_scores(step) or cached.numel() == 0 else self.m[cached].mean()
+        # Summed in float64 so that the mean does not depend on the order of the entries: under
+        # Score-Free consecutive new tokens differ by about one float32 ulp, and the static path
+        # (kvviz.fast), which holds the same entries in slot order, must pick the same one to evict.
+        entering = 0.0 if self.wants_scores(step) or cached.numel() == 0 else \
+            float(self.m[cached].double().mean())
         self.m[new_position] = entering
 
     def observe(self, view: LayerView, positions: torch.Tensor) -> None:
