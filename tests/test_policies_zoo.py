@@ -112,6 +112,23 @@ def test_avokv_delay_rule_follows_the_budget():
     assert make_policy("avokv", delay=8).protected(100) == 8  # the W_delay = W_obs ablation
     with pytest.raises(ValueError, match="protects"):
         make_policy("avokv").reset(500, 30, 1)
+    with pytest.raises(ValueError, match="protects"):  # a short prompt does not help: decoding outgrows B
+        make_policy("avokv").reset(14, 30, 1)
+    with pytest.raises(ValueError, match="observe_window"):  # W_delay = 8 at B >= 768 < W_obs = 16
+        make_policy("avokv", observe_window=16).reset(2000, 1000, 1)
+    make_policy("avokv", observe_window=16).reset(2000, 700, 1)  # W_delay = 32 there: allowed
+
+
+def test_avokv_payload_is_normalised_by_the_true_median():
+    """Four candidates with value norms 1, 2, 3, 4: Eq. 7's median is 2.5 (not torch.median's 2), so
+    b = (0.4, 0.8, 1.2, 1.6)."""
+    policy = make_policy("avokv", interval=1, delay=1, observe_window=1, sinks=0)
+    policy.reset(4, 3, 1)
+    policy.begin_step(1, torch.arange(4), 4)
+    values = torch.tensor([[[1.0, 0], [0, 2], [3, 0], [0, 4], [1, 0]]])
+    keys = torch.tensor([[[1.0, 0], [0, 1], [1, 1], [1, -1], [-1, 0]]])
+    policy.observe(LayerView(0, torch.zeros(1, 2), keys, values, 1.0), torch.arange(5))
+    torch.testing.assert_close(policy.features["b"], torch.tensor([0.4, 0.8, 1.2, 1.6]))
 
 
 # -------------------------------------------------------------------------------------------- R-KV

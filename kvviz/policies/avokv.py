@@ -10,7 +10,8 @@ candidates C.  For each candidate, averaged over layers and heads:
 * payload ``b``: ``||v|| / (median ||v|| over C + eps)``.
 
 Each is turned into its percentile rank over C (ties averaged) and combined as
-``S = lp*N(p) - lr*N(r) + lb*N(b)``; the first ``sinks`` entries get ``S = +inf``.  The cache keeps P and
+``S = lp*N(p) - lr*N(r) + lb*N(b)``; the ``sinks`` oldest candidates (the first entries of the sequence,
+which no policy here evicts before them) get ``S = +inf``.  ``W_delay >= W_obs`` is enforced (§4.1).  The cache keeps P and
 the top ``B - |P|`` candidates.  Between checkpoints nothing is evicted, so the cache may exceed B by up
 to ``interval - 1``.
 """
@@ -65,6 +66,10 @@ class AvoKVE(CheckpointPolicy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         super().reset(prompt_len, budget, num_layers)
+        if self.protected(budget) < self.observe_window:  # §4.1: every candidate predates every observing query
+            raise ValueError(f"W_delay ({self.protected(budget)} at budget {budget}) must be >= observe_window "
+                             f"(W_obs = {self.observe_window}): set delay >= {self.observe_window} or lower "
+                             "observe_window")
         self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)")
 
     def pinned(self, budget: int) -> tuple[int, int]:
@@ -77,7 +82,9 @@ class AvoKVE(CheckpointPolicy):
         return {
             "p": attn[:, :, cand].mean((0, 1)),
             "r": max_cosine_to_others(view.keys[:, cand]).mean(0),
-            "b": (norms / (norms.median(-1, keepdim=True).values + PAYLOAD_EPS)).mean(0),
+            # quantile, not median(): for an even count torch's median is the lower middle value, Eq. 7's is
+            # the mean of the two.
+            "b": (norms / (norms.quantile(0.5, dim=-1, keepdim=True) + PAYLOAD_EPS)).mean(0),
         }
 
     def risk(self, features, positions):

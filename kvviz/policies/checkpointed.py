@@ -92,8 +92,11 @@ class CheckpointPolicy(Policy):
         self.layers_seen = 0
 
     def reset_budget_check(self, budget: int, reserved: int, name: str) -> None:
-        if budget < self.prompt_len + 1 and budget <= reserved:
-            raise ValueError(f"budget {budget} must exceed the {reserved} entries {name} always protects")
+        # Whatever the prompt length, decoding grows the cache past any budget, and at that checkpoint a
+        # budget within the reserve would evict everything else, the never-evicted sinks included.
+        if budget <= reserved:
+            raise ValueError(f"budget {budget} must exceed the {reserved} entries {name} always protects: "
+                             f"raise the budget above {reserved} (or shrink what is protected)")
 
     def observe(self, view: LayerView, positions: torch.Tensor) -> None:
         buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
