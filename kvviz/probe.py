@@ -1,8 +1,12 @@
 """Oracle damage probe (AvoKV-E Appendix D): what does removing one cache entry cost the next tokens?
 
-At decode step ``s`` the cache holds positions ``0 .. P-1`` (``P = prompt_len + s - 1``).  For each
-candidate entry ``i`` we remove it and replay the next ``future`` tokens of the full-cache continuation
-teacher-forced, recording ``mean_t KL(p_full,t || p_without_i,t)``.  Candidates go through the model in
+Decode step ``s`` feeds the token at position ``P = prompt_len + s - 1``: its query reads positions
+``0 .. P`` and goes into every policy's utility, and an eviction decided there first affects the query at
+``P + 1``.  So for each candidate entry ``i < P`` we remove it from the cache ``0 .. P`` and replay the
+``future`` tokens from ``P + 1`` of the full-cache continuation teacher-forced, recording
+``mean_t KL(p_full,t || p_without_i,t)`` (AvoKV-E Eq. 10: the next decode steps after the decision; the
+prediction made at ``P`` itself is left out, since no decision at step ``s`` can change it and it is
+driven by the very attention the utilities measure).  Candidates go through the model in
 batches: the prefix cache is prefilled once, repeated over the batch, and row ``j`` of the batch hides
 its candidate with the attention mask -- the same tokens a physically evicted cache would see.
 
@@ -109,15 +113,16 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
     """Run the damage probe at decode step ``step`` (>= 1) and collect each policy's utility there."""
     if step < 1:
         raise ValueError(f"the probe step must be >= 1 (a decode step), got {step}")
+    # Tokens up to P + future: prompt_len + step + future in all.
     full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=step + future, ignore_eos=True))
     generated = [e.new_token_id for e in full]
     sequence = list(prompt_ids) + generated
-    prefix_len = len(prompt_ids) + step - 1
+    prefix_len = len(prompt_ids) + step - 1  # P: the position step `step` feeds
     candidates = np.arange(prefix_len)
     if sample is not None and sample < prefix_len:
         candidates = np.sort(np.random.default_rng(seed).choice(prefix_len, size=sample, replace=False))
     start = time.perf_counter()
-    harm = damage(model, sequence, prefix_len, candidates.tolist(), future=future, batch=batch)
+    harm = damage(model, sequence, prefix_len + 1, candidates.tolist(), future=future, batch=batch)
     seconds = time.perf_counter() - start
     result = ProbeResult(step, candidates, harm, seconds)
     for name, policy in (policies or {}).items():

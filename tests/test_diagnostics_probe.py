@@ -125,3 +125,19 @@ def test_probe_reports_rankings_for_policies_with_utilities(tiny, tiny_prompt):
     assert all(np.isfinite(u).sum() > 0 for u in result.utilities.values())
     with pytest.raises(ValueError):
         probe(model, tokenizer, tiny_prompt, 0)
+
+
+def test_probe_measures_damage_after_the_step_its_utilities_saw(tiny, tiny_prompt):
+    """Step s feeds position P = L + s - 1 and the utilities include that query; an eviction there first
+    affects the query at P + 1.  So the label replays from P + 1 over the cache 0 .. P, on the continuation
+    that plain ``model.generate`` produces."""
+    model, tokenizer = tiny
+    step, future = 4, 3
+    result = probe(model, tokenizer, tiny_prompt, step, sample=10, seed=2, future=future)
+    generated = model.generate(torch.tensor([tiny_prompt]), max_new_tokens=step + future, do_sample=False,
+                               min_new_tokens=step + future)[0].tolist()
+    position = len(tiny_prompt) + step - 1
+    expected = damage(model, generated, position + 1, result.candidates.tolist(), future=future)
+    np.testing.assert_allclose(result.damage, expected, rtol=1e-4, atol=1e-7)
+    too_early = damage(model, generated, position, result.candidates.tolist(), future=future)
+    assert not np.allclose(result.damage, too_early)  # the two alignments are distinguishable
