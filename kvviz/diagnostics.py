@@ -1,6 +1,7 @@
 """Diagnostics computed from traces (InertiaKV Appendix I and §5.1).
 
-* churn: how much a top-k set changes from one step to the next, ``1 - |A_t ∩ A_(t-1)| / k``;
+* churn: how much a top-k set changes from one step to the next, ``1 - Jaccard(A_(t-1), A_t)`` (the
+  "top-B Jaccard churn" of InertiaKV §5.3);
 * raw/EMA Jaccard: agreement of this step's raw top-k (``event.raw``) with the policy's top-k utility;
 * raw-top evicted rate: share of this step's raw top-k that the step evicted;
 * Spearman correlation and top-k Jaccard between two scorers on the same step;
@@ -29,8 +30,8 @@ def jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
-def churn(previous: set, current: set, k: int) -> float:
-    return 1.0 - len(previous & current) / k if k else 0.0
+def churn(previous: set, current: set) -> float:
+    return 1.0 - jaccard(previous, current)
 
 
 def ranks(values: np.ndarray) -> np.ndarray:
@@ -66,24 +67,24 @@ def _utility_top(event: StepEvent, k: int) -> set[int] | None:
     return None if event.utility is None else top_k(event.kept, event.utility, k)
 
 
-def _consecutive_churn(sets: list[tuple[int, set | None]], k: int) -> list[tuple[int, float]]:
+def _consecutive_churn(sets: list[tuple[int, set | None]]) -> list[tuple[int, float]]:
     out = []
     for (step_a, a), (step_b, b) in zip(sets, sets[1:]):
         if a is not None and b is not None and step_b == step_a + 1:
-            out.append((step_b, churn(a, b, k)))
+            out.append((step_b, churn(a, b)))
     return out
 
 
 def raw_churn(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
     """(step, churn of the raw top-k against the previous step), for consecutive scored steps."""
     k = k or trace.budget
-    return _consecutive_churn([(e.step, _raw_top(e, k)) for e in trace.decode_steps], k)
+    return _consecutive_churn([(e.step, _raw_top(e, k)) for e in trace.decode_steps])
 
 
 def utility_churn(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
     """(step, churn of the top-k by the policy's utility (the EMA for InertiaKV) against the previous step)."""
     k = k or trace.budget
-    return _consecutive_churn([(e.step, _utility_top(e, k)) for e in trace.decode_steps], k)
+    return _consecutive_churn([(e.step, _utility_top(e, k)) for e in trace.decode_steps])
 
 
 def raw_utility_jaccard(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:

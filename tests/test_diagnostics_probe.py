@@ -33,8 +33,8 @@ def test_churn_jaccard_and_evicted_rate_on_a_hand_trace():
     trace = hand_trace()
     # Raw churn at step 2: top sets {0, 2} -> {1, 3}: nothing shared, churn 1.
     assert dx.raw_churn(trace) == [(2, 1.0)]
-    # Utility churn: {0, 1} -> {1, 3}: one of two shared, churn .5.
-    assert dx.utility_churn(trace) == [(2, 0.5)]
+    # Utility churn: {0, 1} -> {1, 3}: Jaccard 1/3 (one shared of three), churn 2/3.
+    assert dx.utility_churn(trace) == [(2, pytest.approx(2 / 3))]
     # Raw/utility Jaccard: step 1 {0,2} vs {0,1} = 1/3; step 2 {1,3} vs {1,3} = 1.
     assert dx.raw_utility_jaccard(trace) == [(1, pytest.approx(1 / 3)), (2, 1.0)]
     # Raw-top evicted: step 1 evicts 2, which is in the raw top-2 -> 1/2; step 2 evicts 0, not in {1, 3} -> 0.
