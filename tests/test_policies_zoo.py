@@ -240,6 +240,24 @@ def test_snapkv_votes_with_the_prompt_window_then_never_evicts():
     assert policy.cache_bound(4, 3) == 7
 
 
+def test_snapkv_pools_only_the_positions_before_the_window():
+    """Same prompt and votes as above, kernel 3: pooled_i = (v_(i-1) + v_i + v_(i+1)) / 3 over positions
+    0..3 with zeros beyond them (the window's votes do not leak into position 3)."""
+    keys = torch.tensor([[[3.0, 0], [0, 0], [1, 0], [2, 0], [0, 0], [0, 0]]])
+    view = PrefillView(0, torch.tensor([[[1.0, 0], [1, 0]]]), keys, torch.ones_like(keys), 1.0)
+    row4 = np.exp([3, 0, 1, 2, 0]) / np.exp([3, 0, 1, 2, 0]).sum()
+    row5 = np.exp([3, 0, 1, 2, 0, 0]) / np.exp([3, 0, 1, 2, 0, 0]).sum()
+    v = (np.append(row4, 0) + row5) / 2
+    pooled = [(v[0] + v[1]) / 3, (v[0] + v[1] + v[2]) / 3, (v[1] + v[2] + v[3]) / 3, (v[2] + v[3]) / 3]
+    policy = make_policy("snapkv", window=2, kernel=3)
+    policy.reset(6, 3, 1)
+    policy.observe_prefill(view, torch.arange(6))
+    drop = policy.select_evictions(0, torch.arange(6), 3)
+    assert policy.utility(torch.arange(4)).tolist() == pytest.approx(pooled, rel=1e-5)
+    # Only one of 0..3 stays: position 1 (.243), whose neighbours carry it past position 0 (.215).
+    assert set(range(6)) - set(drop.tolist()) == {1, 4, 5}
+
+
 def test_decoupled_inertia_averages_layers_then_one_ema():
     # alpha = .5.  Step 1 over [0, 1, 2]: layer mean of [.2,.3,.5] and [.6,.1,.3] = [.4, .2, .4]
     #   -> m = .5 * 0 + .5 * s = [.2, .1, .2]; evict 1.

@@ -1,8 +1,9 @@
 """SnapKV: compress the prompt once, at prefill, by what its last ``window`` queries attend to.
 
-Each prompt position is scored by the attention of the last ``window`` prompt queries (head-, query- and
-layer-mean; the original selects per head), smoothed by average pooling over ``kernel`` neighbouring
-positions; the cache keeps the window itself plus the top ``B - window`` other positions.
+Each prompt position before the window is scored by the attention of the last ``window`` prompt queries
+(head-, query- and layer-mean; the original selects per head), smoothed as in the original by average
+pooling over ``kernel`` neighbours among those positions (zero padding counted at the ends, the window's
+own votes left out); the cache keeps the window itself plus the top ``B - window`` other positions.
 
 During decoding SnapKV, like the original, evicts nothing: generated tokens accumulate, so after step
 ``k`` the cache holds ``B + k`` entries.
@@ -50,11 +51,14 @@ class SnapKV(Policy):
         if step != 0 or count <= 0:
             return NO_SLOTS
         order = torch.argsort(positions)
-        pooled = F.avg_pool1d(self.votes.mean(positions[order])[None, None], self.kernel, stride=1,
-                              padding=self.kernel // 2, count_include_pad=False)[0, 0]
-        score = torch.empty_like(pooled)
-        score[order] = pooled
-        score[positions >= self.prompt_len - self.window] = float("inf")  # the window itself stays
+        ordered = positions[order]
+        voted = ordered < self.prompt_len - self.window  # the window itself always stays
+        pooled = F.avg_pool1d(self.votes.mean(ordered[voted])[None, None], self.kernel, stride=1,
+                              padding=self.kernel // 2)[0, 0]
+        in_order = torch.full((positions.numel(),), float("inf"))
+        in_order[voted] = pooled
+        score = torch.empty_like(in_order)
+        score[order] = in_order
         self.score = torch.zeros(int(positions.max()) + 1)
         self.score[positions] = score
         return lowest(score, positions, count)
