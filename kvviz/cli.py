@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import numpy as np
 import time
 from pathlib import Path
-
-
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def _policy_params(args) -> dict:
@@ -30,7 +22,7 @@ def _policy_params(args) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--param takes NAME=VALUE, got {item!r}")
-        params[key] = _parse_value(value)
+        params[key] = value  # the registry converts and checks it (kvviz.policies.coerce)
     return params
 
 
@@ -39,10 +31,11 @@ def _validate_generate(args) -> None:
         raise ValueError(f"--compression must be in [0, 1), got {args.compression}")
     if args.budget is not None and args.budget < 1:
         raise ValueError(f"--budget must be at least 1, got {args.budget}")
-    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
-        raise ValueError(f"--alpha must be in [0, 1], got {args.alpha}")
-    if args.refresh is not None and args.refresh < 1:
-        raise ValueError(f"--refresh must be at least 1, got {args.refresh}")
+    # --alpha and --refresh are checked by the registry with every other parameter (refresh 0 = score-free).
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
 
@@ -88,8 +81,6 @@ def cmd_generate(args) -> int:
         "tok_per_s": len(trace.token_ids) / elapsed,
         "decode_tok_per_s": len(trace.decode_steps) / decode_seconds if decode_seconds else None,
     }
-    if args.trace:
-        trace.save(args.trace)
     if args.json:
         out = {
             "text": tokenizer.decode(trace.token_ids, skip_special_tokens=True),
@@ -105,6 +96,12 @@ def cmd_generate(args) -> int:
         print(f"\n\n-- prompt {summary['prompt_len']} tokens, budget {budget}, final cache "
               f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s",
               file=sys.stderr)
+    if args.trace:  # after the output, so that a bad path does not cost the run's result
+        try:
+            trace.save(args.trace)
+        except OSError as error:
+            raise ValueError(f"the run finished but --trace {args.trace!r} could not be written "
+                             f"({error.strerror or error}): choose a writable path") from None
     return 0
 
 
@@ -119,8 +116,9 @@ def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:
                           stop_ids=engine.eos_ids(model, tokenizer))
     elapsed = time.perf_counter() - start
     text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
+    steady = run.steady_tok_s()  # NaN when no step only replayed (too few tokens): JSON gets null
     summary = {"prompt_len": len(prompt_ids), "budget": budget, "new_tokens": len(run.token_ids),
-               "tok_per_s": len(run.token_ids) / elapsed, "decode_tok_per_s": run.steady_tok_s(),
+               "tok_per_s": len(run.token_ids) / elapsed, "decode_tok_per_s": steady if math.isfinite(steady) else None,
                "setup_s": run.setup_seconds()}
     if args.json:
         print(json.dumps({"text": text, "token_ids": run.token_ids, "policy": args.policy, "params": policy.params(),
@@ -128,8 +126,7 @@ def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:
     else:
         print(text)
         print(f"\n-- static path: prompt {summary['prompt_len']} tokens, budget {budget}, {summary['new_tokens']} "
-              f"new tokens at {summary['tok_per_s']:.1f} tok/s (steady decode {summary['decode_tok_per_s']:.1f} "
-              f"tok/s)", file=sys.stderr)
+              f"new tokens at {summary['tok_per_s']:.1f} tok/s (steady decode {steady:.1f} tok/s)", file=sys.stderr)
     return 0
 
 
@@ -155,6 +152,8 @@ def cmd_probe(args) -> int:
         raise ValueError(f"--step must be >= 1, got {args.step}")
     if args.future < 1 or args.batch < 1:
         raise ValueError("--future and --batch must be >= 1")
+    if args.sample is not None and args.sample < 1:
+        raise ValueError(f"--sample must be >= 1 (leave it out to probe every entry), got {args.sample}")
     names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
     policies = {name: make_policy(name) for name in names}
     prompt = _read_prompt(args)
@@ -291,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--compression", type=float, help="rho in [0, 1): budget = floor((1 - rho) * prompt length)")
     budget.add_argument("--budget", type=int, help="absolute cache budget in tokens")
     gen.add_argument("--alpha", type=float, help="EMA coefficient (InertiaKV family)")
-    gen.add_argument("--refresh", type=int, help="score refresh interval r (inertia-lazy)")
+    gen.add_argument("--refresh", type=int, help="score every r-th step (InertiaKV family; 1 = every step, 0 = score-free)")
     gen.add_argument("--param", action="append", metavar="NAME=VALUE", help="any other policy parameter")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,

@@ -55,6 +55,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     dtype : torch.dtype or str, optional
         Defaults to float32 on CPU and bfloat16 elsewhere.
     """
+    check_device(device)
     if dtype is None:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -68,6 +69,19 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     model = model.to(device=device, dtype=dtype).eval()
     scoring.install(model)
     return model, tokenizer
+
+
+def check_device(device: str) -> None:
+    """Refuse, before loading anything, a device torch does not know or this machine does not have."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} is not available: no CUDA GPU is visible here; use cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} is not available: this machine has {torch.cuda.device_count()} "
+                         "CUDA device(s)")
 
 
 def check_supported(config, name: str) -> None:

@@ -113,6 +113,8 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
     """Run the damage probe at decode step ``step`` (>= 1) and collect each policy's utility there."""
     if step < 1:
         raise ValueError(f"the probe step must be >= 1 (a decode step), got {step}")
+    if sample is not None and sample < 1:
+        raise ValueError(f"sample must be >= 1 entries (None probes them all), got {sample}")
     # Tokens up to P + future: prompt_len + step + future in all.
     full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=step + future, ignore_eos=True))
     generated = [e.new_token_id for e in full]
@@ -126,7 +128,11 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
     seconds = time.perf_counter() - start
     result = ProbeResult(step, candidates, harm, seconds)
     for name, policy in (policies or {}).items():
-        utility = policy_utility_at(model, tokenizer, prompt_ids, policy, step)
+        try:
+            utility = policy_utility_at(model, tokenizer, prompt_ids, policy, step)
+        except ValueError as error:  # e.g. a protected tail longer than the cache at this step
+            raise ValueError(f"{name} cannot be scored at step {step} of a {len(prompt_ids)}-token prompt ({error}); "
+                             f"probe a later step or a longer prompt, or leave {name} out") from None
         if utility is not None:
             result.utilities[name] = utility[candidates]
     return result

@@ -68,12 +68,38 @@ def test_generate_endpoint_streams_what_the_cli_keeps(client, capsys):
         ((PROMPT, "avokv", 0.9, 8, False, TINY, "{}"), "protects"),  # budget under the protected tail
         ((PROMPT, "nope", 0.5, 8, False, TINY, "{}"), "unknown policy"),
         ((PROMPT, "inertia", 0.5, 999, False, TINY, "{}"), "max new tokens"),
+        # Inputs that once escaped as TypeError/OverflowError (an opaque "upstream error" for the client):
+        ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"alpha": [1]}'), "alpha must be a number"),
+        ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"refresh": Infinity}'), "refresh must be a finite number"),
+        ((PROMPT, "inertia", None, 8, False, TINY, "{}"), "compression must be a number"),
+        ((PROMPT, "inertia", 0.5, None, False, TINY, "{}"), "max new tokens must be a whole number"),
+        ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"layers": "99"}'), "beyond this model"),
+        # Silently ignored or misread before:
+        ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"alpah": 0.1}'), "no parameter"),
+        ((PROMPT, "avokv", 0.5, 8, False, TINY, '{"normalise": "maybe"}'), "true or false"),
+        ((PROMPT, "inertia", 0.5, 8, False, TINY, "[1]"), "JSON object"),
+        ((PROMPT, "inertia", 0.5, 8, False, TINY, "{alpha: 1"), "not valid JSON"),
     ],
 )
 def test_bad_input_gets_a_message_and_the_server_keeps_serving(client, args, message):
     with pytest.raises(Exception, match=message):
         client.predict(*args, api_name="/generate")
     assert client.predict(PROMPT, "full", 0.0, 3, False, TINY, "{}", api_name="/generate")["step"] == 2
+
+
+def test_parameter_widgets_take_the_selected_policys_meaning():
+    """Widgets are shared by parameter name; SnapKV's window (>= 1, prompt queries that vote) is not R-KV's
+    (>= 0, recent entries kept), and the strings a JSON client sends are read as what they say."""
+    from kvviz.ui.app import PARAM_NAMES, _show_parameters, policy_from_inputs
+
+    updates = dict(zip(PARAM_NAMES, _show_parameters("snapkv")[1:]))
+    assert updates["window"]["visible"] and updates["window"]["minimum"] == 1
+    assert "vote" in updates["window"]["label"] and "pooling" in updates["kernel"]["label"]
+    rkv = dict(zip(PARAM_NAMES, _show_parameters("rkv")[1:]))
+    assert rkv["window"]["minimum"] == 0 and "recent" in rkv["window"]["label"]
+    assert not updates["alpha"]["visible"]
+    assert policy_from_inputs("avokv", {"normalise": "false"}, strict=True).normalise is False
+    assert policy_from_inputs("inertia", {"refresh": 4.0, "sinks": 3}).refresh == 4  # other policies' widgets ignored
 
 
 def test_a_cancelled_run_leaves_the_server_serving(client):

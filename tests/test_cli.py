@@ -68,8 +68,14 @@ def test_plain_output_streams_text_and_summary():
         (["--prompt", "   "], "prompt is empty"),
         (["--prompt", TEXT, "--compression", "1.0"], "--compression"),
         (["--prompt", TEXT, "--compression", "-0.2"], "--compression"),
-        (["--prompt", TEXT, "--alpha", "1.5"], "--alpha"),
-        (["--prompt", TEXT, "--refresh", "0"], "--refresh"),
+        (["--prompt", TEXT, "--alpha", "1.5"], "alpha must be between 0.0 and 1.0"),
+        (["--prompt", TEXT, "--refresh", "-1"], "refresh must be between 0 and 64"),
+        (["--prompt", TEXT, "--param", "alpha=abc"], "alpha must be a number"),
+        (["--prompt", TEXT, "--param", "refresh=1.5"], "refresh must be a whole number"),
+        (["--prompt", TEXT, "--param", "layers=99"], "beyond this model"),
+        (["--prompt", TEXT, "--policy", "random", "--param", "seed=abc"], "seed must be a number"),
+        (["--prompt", TEXT, "--temperature", "nan"], "--temperature"),
+        (["--prompt", TEXT, "--device", "foo"], "unknown device"),
         (["--prompt", TEXT, "--budget", "0"], "--budget"),
         (["--prompt", TEXT, "--policy", "nope"], "unknown policy"),
         (["--prompt", TEXT, "--policy", "full", "--alpha", "0.5"], "no parameter"),
@@ -89,6 +95,39 @@ def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
     assert code != 0
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
+
+
+def test_refresh_zero_is_score_free(capsys):
+    from kvviz.cli import main
+
+    common = ["generate", *TINY, "--prompt", TEXT, "--no-chat", "--budget", "12", "--max-new-tokens", "10", "--json"]
+    assert main([*common, "--refresh", "0"]) == 0
+    zero = json.loads(capsys.readouterr().out)
+    assert main([*common, "--policy", "score-free"]) == 0
+    score_free = json.loads(capsys.readouterr().out)
+    assert zero["params"] == score_free["params"] and zero["params"]["refresh"] == 0
+    assert [s["kept"] for s in zero["steps"]] == [s["kept"] for s in score_free["steps"]]
+
+
+def test_a_trace_that_cannot_be_written_keeps_the_printed_result(tmp_path, capsys):
+    from kvviz.cli import main
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    code = main(["generate", *TINY, "--prompt", TEXT, "--budget", "12", "--max-new-tokens", "4", "--json",
+                 "--trace", str(blocked / "trace.parquet")])  # a path under a regular file
+    out, err = capsys.readouterr()
+    assert code == 2 and "could not be written" in err
+    assert len(json.loads(out)["token_ids"]) == 4
+
+
+def test_static_json_stays_strict_json_when_no_step_was_steady(capsys):
+    from kvviz.cli import main
+
+    assert main(["generate", *TINY, "--prompt", TEXT, "--static", "--budget", "12", "--max-new-tokens", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda constant: pytest.fail(f"{constant} in JSON"))
+    assert out["decode_tok_per_s"] is None and len(out["token_ids"]) == 2
 
 
 def test_static_generate_prints_what_the_engine_generates(capsys):

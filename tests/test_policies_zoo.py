@@ -297,3 +297,24 @@ def test_pinned_entries_reported_for_the_heatmap():
     assert make_policy("rkv").pinned(100) == (0, 8)
     assert make_policy("h2o").pinned(100) == (0, 50)
     assert make_policy("inertia").pinned(100) == (0, 0)
+
+
+def test_parameters_are_converted_and_checked_by_the_registry():
+    """The CLI's strings, the UI's floats and a config's numbers all go through the same rules."""
+    policy = make_policy("avokv", interval="64", lambda_b="0.5", normalise="off", sinks=2.0)
+    assert (policy.interval, policy.lambda_b, policy.normalise, policy.sinks) == (64, 0.5, False, 2)
+    assert type(policy.interval) is int and type(policy.lambda_b) is float
+    assert make_policy("inertia", layers=3).layers == "3"
+    for params, message in [({"alpha": "abc"}, "alpha must be a number"),
+                            ({"alpha": float("nan")}, "finite"),
+                            ({"alpha": 1.01}, "between 0.0 and 1.0"),
+                            ({"refresh": 2.5}, "whole number"),
+                            ({"refresh": True}, "a number"),
+                            ({"refresh": 65}, "between 0 and 64"),
+                            ({"scorer": "magic"}, "one of attention"),
+                            ({"layers": [1, 2]}, "text"),
+                            ({"layers": "1,x"}, "comma-separated")]:
+        with pytest.raises(ValueError, match=message):
+            make_policy("inertia", **params)
+    with pytest.raises(ValueError, match="true or false"):
+        make_policy("avokv", normalise="maybe")

@@ -6,6 +6,7 @@ Adding a policy: one new file with a :class:`~kvviz.policies.base.Policy` datacl
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -52,14 +53,64 @@ class PolicySpec:
         return out
 
     def build(self, **params: Any) -> Policy:
-        known = {f.name for f in fields(self.cls) if f.init}
-        unknown = sorted(set(params) - known)
+        """The policy with ``params`` over its preset; each value is checked and converted to its type here,
+        so the CLI's strings, the UI's floats and a config's numbers all get the same rules and messages."""
+        known = {p["name"]: p for p in self.parameters()}
+        unknown = sorted(set(params) - set(known))
         if unknown:
             raise ValueError(
                 f"policy {self.name!r} has no parameter(s) {', '.join(unknown)}; "
                 f"it takes: {', '.join(sorted(known)) or 'none'}"
             )
-        return self.cls(**{**self.preset, **params})
+        checked = {name: coerce(self.name, known[name], value) for name, value in params.items()}
+        return self.cls(**{**self.preset, **checked})
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def coerce(policy: str, parameter: dict[str, Any], value: Any) -> Any:
+    """``value`` as the type of the parameter's default, inside its range or choices; ValueError otherwise."""
+    name, default = parameter["name"], parameter["default"]
+
+    def refuse(expected: str):
+        return ValueError(f"policy {policy!r}: {name} must be {expected}, got {value!r}")
+
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise refuse("true or false")
+    if isinstance(default, (int, float)):
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise refuse("a number") from None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise refuse("a number")
+        if not math.isfinite(number):
+            raise refuse("a finite number")
+        if isinstance(default, int):
+            if number != int(number):
+                raise refuse("a whole number")
+            number = int(number)
+        else:
+            number = float(number)
+        low, high = parameter.get("low"), parameter.get("high")
+        if (low is not None and number < low) or (high is not None and number > high):
+            raise refuse(f"between {low} and {high}")
+        return number
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise refuse("text")
+    value = str(value)
+    if parameter.get("choices") and value not in parameter["choices"]:
+        raise refuse(f"one of {', '.join(parameter['choices'])}")
+    return value
 
 
 REGISTRY: dict[str, PolicySpec] = {
@@ -129,4 +180,4 @@ def make_policy(name: str, **params: Any) -> Policy:
     return get_spec(name).build(**params)
 
 
-__all__ = ["REGISTRY", "PolicySpec", "Policy", "default_params", "get_spec", "make_policy"]
+__all__ = ["REGISTRY", "PolicySpec", "Policy", "coerce", "default_params", "get_spec", "make_policy"]

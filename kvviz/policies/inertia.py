@@ -90,9 +90,19 @@ class InertiaKV(Policy):
             raise ValueError(f"aggregation must be 'ema' or 'sum', got {self.aggregation!r}")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {sorted(SCORERS)}, got {self.scorer!r}")
-        self._eligible = None if self.layers == "all" else {int(i) for i in str(self.layers).split(",")}
+        try:
+            self._eligible = None if self.layers == "all" else {int(i) for i in str(self.layers).split(",")}
+        except ValueError:
+            raise ValueError(f"layers must be 'all' or comma-separated layer indices such as '0,5,10', "
+                             f"got {self.layers!r}") from None
+        if self._eligible is not None and min(self._eligible) < 0:
+            raise ValueError(f"layer indices start at 0, got layers={self.layers!r}")
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
+        if num_layers and self._eligible is not None and max(self._eligible) >= num_layers:
+            # Otherwise no layer would ever score and the policy would silently keep the newest tokens.
+            raise ValueError(f"layers={self.layers!r} names a layer beyond this model's {num_layers} layers "
+                             f"(indices 0 to {num_layers - 1})")
         super().reset(prompt_len, budget, num_layers)
         self.m = torch.zeros(prompt_len + 64, dtype=torch.float32)
         self.raw = StepMean()

@@ -1,14 +1,17 @@
 """The Gradio app: Live (stream one policy), Compare (2-4 policies on one shared prefill), Results.
 
 Handlers consume the engine's step events and nothing else.  Every input is validated before any model
-work starts, and every problem reaches the user as a message (``gr.Error``), never as a traceback; a run
-that fails or is stopped drops its state and the server keeps serving.
+work starts and a bad one is refused with what to change (``gr.Error``); anything else that goes wrong
+reaches the user as a one-line message too (its traceback goes to the server log only).  A run that
+fails or is stopped drops its state and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
+import math
 from collections.abc import Iterator
 import tempfile
 import threading
@@ -23,13 +26,14 @@ import plotly.graph_objects as go
 
 from .. import diagnostics, engine
 from ..models import load_model
-from ..policies import REGISTRY, Policy
+from ..policies import REGISTRY, Policy, get_spec
 from ..trace import Trace
 from .config import Limits
 from ..store import Store
 from .figures import RunView
 from .results import build_results_tab
 
+log = logging.getLogger(__name__)
 FIGURE_EVERY_S = 0.1  # figures refresh at most 10 times a second (every token at CPU speeds); text on every token
 EXAMPLES = {
     "Passkey in a haystack": "There is a passkey hidden in this text. Memorise it. "
@@ -60,33 +64,53 @@ def get_model(name: str):
 
 # ----------------------------------------------------------------------------------------- validation
 
-PARAMETERS: dict[str, dict] = {}  # every policy parameter in the registry, by name (first definition wins)
+# One widget per parameter name (first definition wins); _show_parameters relabels and re-ranges it for
+# the selected policy, since e.g. SnapKV's and R-KV's `window` mean different things.
+PARAMETERS: dict[str, dict] = {}
 for _spec in REGISTRY.values():
     for _p in _spec.parameters():
         PARAMETERS.setdefault(_p["name"], _p)
 PARAM_NAMES = sorted(PARAMETERS)
 
 
-def policy_from_inputs(name: str, values: dict) -> Policy:
-    """Build the policy from the parameter widgets that belong to it (others are hidden and ignored)."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(REGISTRY)}")
-    spec = REGISTRY[name]
-    params = {}
-    for p in spec.parameters():
-        value = values.get(p["name"], p["default"])
-        if value is None:
-            continue
-        if isinstance(p["default"], bool):
-            value = bool(value)
-        elif isinstance(p["default"], int):
-            value = int(round(float(value)))
-        elif isinstance(p["default"], float):
-            value = float(value)
-        if p.get("low") is not None and not p["low"] <= value <= p["high"]:
-            raise ValueError(f"{p['name']} must be between {p['low']} and {p['high']}, got {value}")
-        params[p["name"]] = value
-    return spec.build(**params)
+def policy_from_inputs(name: str, values: dict, strict: bool = False) -> Policy:
+    """Build the policy from parameter values; the registry converts and range-checks each one.
+
+    ``strict=False`` (the widgets): values of other policies' parameters are hidden widgets, ignored.
+    ``strict=True`` (the API's JSON): a parameter this policy does not have is an error, not a no-op.
+    """
+    spec = get_spec(name)
+    if not strict:
+        own = {p["name"] for p in spec.parameters()}
+        values = {key: value for key, value in values.items() if key in own}
+    return spec.build(**{key: value for key, value in values.items() if value is not None})
+
+
+def whole_number(label: str, value, low: int, high: int | None = None) -> int:
+    """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{label} must be a whole number, got {value!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise ValueError(f"{label} must be a whole number, got {value!r}")
+    if number < low or (high is not None and number > high):
+        raise ValueError(f"{label} must be between {low} and {high}, got {int(number)}" if high is not None
+                         else f"{label} must be at least {low}, got {int(number)}")
+    return int(number)
+
+
+def fraction(label: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{label} must be a number, got {value!r}") from None
+
+
+def unexpected(what: str, error: Exception) -> gr.Error:
+    """A failure no validation foresaw: logged with its traceback on the server, one line for the user."""
+    log.exception("%s failed", what)
+    return gr.Error(f"{what} failed: {type(error).__name__}: {error}", print_exception=False)
 
 
 @dataclass
@@ -103,11 +127,11 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     """Check everything before any work; raise ValueError with what to change."""
     if model_name not in limits.models:
         raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
-    if not prompt or not prompt.strip():
+    if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty; type some text or pick an example")
-    max_new = int(max_new_tokens)
-    if not 1 <= max_new <= limits.max_new_tokens:
-        raise ValueError(f"max new tokens must be between 1 and {limits.max_new_tokens}, got {max_new}")
+    if budget_mode not in ("compression", "budget"):
+        raise ValueError(f"size the cache by 'compression' or 'budget', got {budget_mode!r}")
+    max_new = whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
     model, tokenizer = get_model(model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
@@ -115,15 +139,13 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
                          "shorten it")
     engine.check_prompt(model, prompt_ids, max_new)
     if budget_mode == "budget":
-        value = int(budget or 0)
-        if value < 1:
-            raise ValueError(f"the budget must be at least 1 token, got {value}")
+        value = whole_number("the budget", budget, 1)
         if value >= len(prompt_ids):
             raise ValueError(f"a budget of {value} holds the whole {len(prompt_ids)}-token prompt, so nothing would be "
                              "evicted; choose a smaller budget")
         resolved = value
     else:
-        resolved = engine.resolve_budget(len(prompt_ids), compression=float(compression))
+        resolved = engine.resolve_budget(len(prompt_ids), compression=fraction("compression", compression))
     for policy in policies:
         policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
     return Request(model, tokenizer, prompt_ids, resolved, max_new)
@@ -164,6 +186,8 @@ def make_live_handler(limits: Limits):
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))  # fresh state
         except ValueError as error:
             raise gr.Error(str(error), print_exception=False) from None
+        except Exception as error:
+            raise unexpected("starting the run", error) from None
         view = RunView(len(request.prompt_ids), request.max_new_tokens, request.budget,
                        token_texts(request.tokenizer, request.prompt_ids), policy.pinned(request.budget))
         text, last_figure, last_fate, start = "", 0.0, 0.0, time.perf_counter()
@@ -195,7 +219,7 @@ def make_live_handler(limits: Limits):
                    gr.update(value=str(path), visible=True), diagnostics_markdown(trace), view,
                    view.step_detail_figure(last_step))
         except Exception as error:  # the run failed: say so, keep serving
-            raise gr.Error(f"generation failed: {error}", print_exception=False) from None
+            raise unexpected("generation", error) from None
         finally:
             gc.collect()
 
@@ -216,12 +240,14 @@ def make_compare_handler(limits: Limits):
         if not 2 <= len(names) <= 4:
             raise gr.Error("choose two to four policies to compare", print_exception=False)
         try:
-            policies = {name: REGISTRY[name].build() for name in names}
+            policies = {name: get_spec(name).build() for name in names}
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
                                list(policies.values()))
-            policies = {name: REGISTRY[name].build() for name in names}
-        except (ValueError, KeyError) as error:
+            policies = {name: get_spec(name).build() for name in names}  # fresh state
+        except ValueError as error:
             raise gr.Error(str(error), print_exception=False) from None
+        except Exception as error:
+            raise unexpected("starting the comparison", error) from None
         tokens = token_texts(request.tokenizer, request.prompt_ids)
         views = {name: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens,
                                policies[name].pinned(request.budget)) for name in names}
@@ -239,7 +265,7 @@ def make_compare_handler(limits: Limits):
                 yield _compare_outputs(names, texts, views, request.tokenizer, figures=refresh, final=False)
             yield _compare_outputs(names, texts, views, request.tokenizer, figures=True, final=True)
         except Exception as error:
-            raise gr.Error(f"comparison failed: {error}", print_exception=False) from None
+            raise unexpected("the comparison", error) from None
         finally:
             gc.collect()
 
@@ -307,16 +333,19 @@ def make_probe_handler(limits: Limits):
             prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
             if len(prompt_ids) > limits.max_prompt_tokens:
                 raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit is {limits.max_prompt_tokens}")
-            step = int(step)
-            if step < 1:
-                raise ValueError("the probe step must be at least 1")
+            step = whole_number("the probe step", step, 1)
+            sample = whole_number("entries sampled", sample or 0, 0)
             engine.check_prompt(model, prompt_ids, step + 8)
-            result = probe(model, tokenizer, prompt_ids, step, policies={n: REGISTRY[n].build() for n in names},
-                           sample=int(sample) if sample else None, future=8)
+            result = probe(model, tokenizer, prompt_ids, step, policies={n: get_spec(n).build() for n in names},
+                           sample=sample or None, future=8)
+            rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
+                                 for n, u in result.utilities.items()])
         except ValueError as error:
             raise gr.Error(str(error), print_exception=False) from None
-        rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
-                             for n, u in result.utilities.items()])
+        except Exception as error:
+            raise unexpected("the probe", error) from None
+        finally:
+            gc.collect()
         missing = sorted(set(names) - set(result.utilities))
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else ""))
@@ -333,12 +362,17 @@ def make_generate_api(limits: Limits):
             values = json.loads(params or "{}")
             if not isinstance(values, dict):
                 raise ValueError("params must be a JSON object of policy parameters")
-            policy_obj = policy_from_inputs(policy, values)
+            policy_obj = policy_from_inputs(policy, values, strict=True)
             request = validate(limits, model or limits.models[0], prompt, "compression", compression, 0,
                                max_new_tokens, chat, [policy_obj])
-            policy_obj = policy_from_inputs(policy, values)
-        except (ValueError, json.JSONDecodeError) as error:
+            policy_obj = policy_from_inputs(policy, values, strict=True)  # fresh state
+        except json.JSONDecodeError as error:
+            raise gr.Error(f"params is not valid JSON ({error}); send an object such as "
+                           '{"alpha": 0.9}', print_exception=False) from None
+        except ValueError as error:
             raise gr.Error(str(error), print_exception=False) from None
+        except Exception as error:
+            raise unexpected("starting the run", error) from None
         text = ""
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy_obj,
@@ -348,7 +382,7 @@ def make_generate_api(limits: Limits):
                        "prompt_len": len(request.prompt_ids), "kept": event.kept.tolist(),
                        "evicted": event.evicted.tolist()}
         except Exception as error:
-            raise gr.Error(f"generation failed: {error}", print_exception=False) from None
+            raise unexpected("generation", error) from None
         finally:
             gc.collect()
 
@@ -379,8 +413,18 @@ def _show_parameters(policy_name: str, model_name: str | None = None):
         weight = spec.build().previous_step_weight(loaded[0].config.num_hidden_layers)
         if weight is not None:
             description += f" Previous-step weight on {model_name}: **{weight:.3g}**."
-    return [description] + [gr.update(visible=name in own, value=own[name]["default"]) if name in own
-                            else gr.update(visible=False) for name in PARAM_NAMES]
+    return [description] + [_parameter_update(own[name]) if name in own else gr.update(visible=False)
+                            for name in PARAM_NAMES]
+
+
+def _parameter_update(p: dict):
+    """Show a shared widget with this policy's default, help text and range."""
+    update = {"visible": True, "value": p["default"], "label": f"{p['name']}: {p.get('help', '')}"}
+    if p.get("choices"):
+        update["choices"] = list(p["choices"])
+    elif p.get("low") is not None and not isinstance(p["default"], bool):
+        update.update(minimum=p["low"], maximum=p["high"])
+    return gr.update(**update)
 
 
 def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
