@@ -128,7 +128,7 @@ REGISTRY: dict[str, PolicySpec] = {
                    {"refresh": 0}),
         PolicySpec("single-step", InertiaKV, "Single-step", "InertiaKV ablation",
                    "alpha = 0: the last eligible layer's scores of the current step (previous-step weight 0).",
-                   f"{INERTIA} Eq. 2", {"alpha": 0.0}),
+                   f"{INERTIA} §5.1 (the α = 0 endpoint, Table 5)", {"alpha": 0.0}),
         PolicySpec("cumulative", InertiaKV, "Cumulative", "InertiaKV ablation",
                    "m <- m + s for every layer and step (no decay, H2O-style; previous-step weight 1).",
                    f"{INERTIA} Eq. 3", {"aggregation": "sum"}),
@@ -137,7 +137,7 @@ REGISTRY: dict[str, PolicySpec] = {
                      {"scorer": scorer}) for scorer in ("vnorm", "entropy", "keydiff", "knorm", "recency")],
         PolicySpec("inertia-decoupled", DecoupledInertiaKV, "InertiaKV (decoupled)", "InertiaKV extension",
                    "Layers averaged first (all, or the last k), then one EMA per step: previous-step weight alpha.",
-                   "kvviz; addresses the coupling named in InertiaKV §6"),
+                   "kvviz; addresses the coupling InertiaKV names in §3.1 and its Limitations"),
         PolicySpec("avokv", AvoKVE, "AvoKV-E", "AvoKV-E",
                    "Delayed eligibility + payload-aware, rank-normalised risk at checkpoints every 128 tokens.",
                    f"{AVOKV} §4"),
@@ -145,7 +145,7 @@ REGISTRY: dict[str, PolicySpec] = {
                    "Pooled attention of the last 8 queries minus key redundancy, at checkpoints every 128 tokens.",
                    f"Cai et al. 2025, as compared in {AVOKV}"),
         PolicySpec("tova", TOVA, "TOVA", "baseline",
-                   "Every step, evict the entry with the lowest current last-query attention.",
+                   "Every step, keep the top B by the current last-query attention (decode-time only).",
                    f"Oren et al. 2024, as compared in {INERTIA}"),
         PolicySpec("h2o", H2O, "H2O", "baseline", "Accumulated attention (heavy hitters) plus a recent window.",
                    "Zhang et al. 2023"),
@@ -180,4 +180,4 @@ def make_policy(name: str, **params: Any) -> Policy:
     return get_spec(name).build(**params)
 
 
-__all__ = ["REGISTRY", "PolicySpec", "Policy", "coerce", "default_params", "get_spec", "make_policy"]
+__all__ = ["REGISTRY", "Policy", "PolicySpec", "coerce", "default_params", "get_spec", "make_policy"]

@@ -3,6 +3,10 @@
 Original H2O accumulates per head; kvviz keeps one token-level set, so the accumulated score is the sum over
 steps of the head- and layer-mean last-query attention.  The most recent ``recent`` share of the budget is
 always kept; the rest of the budget goes to the highest accumulated scores.
+
+Accumulation starts at the first decode step, from 0: the original also sums the prompt queries'
+attention and evicts during prefill, so here the prompt's heavy hitters are first chosen by step 1's
+attention alone.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """R-KV: redundancy-aware compression for reasoning traces.
 
-At a checkpoint (every ``interval`` tokens once the cache reaches B) each candidate (everything but the
-last ``window`` entries) gets
+At a checkpoint (every ``interval``-th generated token, if the cache is over B) each candidate
+(everything but the last ``window`` entries) gets
 
 * importance: attention from the last ``observe_window`` decode queries (softmax, mean over queries and heads),
   max-pooled over ``kernel`` neighbouring positions;
 * redundancy: mean cosine of its key to the other candidates' keys, softmax over the candidates;
 
 and ``score = lam * importance - (1 - lam) * redundancy``.  The top ``B - window`` candidates stay.
-Scores are averaged over layers and heads (the original selects per head).
+Scores are averaged over layers and heads (the original selects per head).  The redundancy term is the
+plain mean cosine to the other candidates: the official code also thresholds similarities (0.5) and
+keeps only the newest of a group of similar keys, which this simpler form leaves out.
 """
 
 from __future__ import annotations

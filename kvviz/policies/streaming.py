@@ -1,4 +1,8 @@
-"""StreamingLLM: the first ``sinks`` tokens (attention sinks) plus the most recent ``B - sinks``."""
+"""StreamingLLM: the first ``sinks`` tokens (attention sinks) plus the most recent ``B - sinks``.
+
+Keys keep the RoPE positions they were written with (as in kvpress); the original re-indexes positions
+within the cache, which matters once generation runs past the model's trained context.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 Original TOVA decides per layer with that layer's head-mean attention; kvviz keeps one token-level keep
 set, so the score here is the head- and layer-mean last-query attention of the current step.
+Decode-time only: the prompt is prefilled whole and step 1 evicts ``L0 + 1 - B`` entries at once (the
+TOVA the InertiaKV paper compares also evicts during prefill, which changes prefill memory, not the rule).
 """
 
 from __future__ import annotations
