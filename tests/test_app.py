@@ -31,7 +31,8 @@ def client():
 
     from kvviz.ui.app import build_app
 
-    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=64, queue_size=8,
+    # max_new_tokens leaves room for a run long enough to be cancelled half-way.
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=3000, queue_size=8,
                     host="127.0.0.1", port=free_port())
     app = build_app(limits)
     app.queue(default_concurrency_limit=1, max_size=limits.queue_size)
@@ -67,7 +68,7 @@ def test_generate_endpoint_streams_what_the_cli_keeps(client, capsys):
         ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"alpha": 3}'), "alpha"),
         ((PROMPT, "avokv", 0.9, 8, False, TINY, "{}"), "protects"),  # budget under the protected tail
         ((PROMPT, "nope", 0.5, 8, False, TINY, "{}"), "unknown policy"),
-        ((PROMPT, "inertia", 0.5, 999, False, TINY, "{}"), "max new tokens"),
+        ((PROMPT, "inertia", 0.5, 99999, False, TINY, "{}"), "max new tokens"),
         # Inputs that once escaped as TypeError/OverflowError (an opaque "upstream error" for the client):
         ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"alpha": [1]}'), "alpha must be a number"),
         ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"refresh": Infinity}'), "refresh must be a finite number"),
@@ -102,9 +103,30 @@ def test_parameter_widgets_take_the_selected_policys_meaning():
     assert policy_from_inputs("inertia", {"refresh": 4.0, "sinks": 3}).refresh == 4  # other policies' widgets ignored
 
 
-def test_a_cancelled_run_leaves_the_server_serving(client):
-    job = client.submit(PROMPT, "inertia", 0.5, 60, False, TINY, "{}", api_name="/generate")
+def test_a_run_cancelled_half_way_stops_frees_its_cache_and_the_server_keeps_serving(client):
+    import gc
+    import time
+
+    from kvviz.engine import EvictingCache
+
+    def live_caches() -> int:
+        gc.collect()
+        return sum(type(o) is EvictingCache for o in gc.get_objects())
+
+    before = live_caches()
+    job = client.submit(PROMPT, "inertia", 0.5, 3000, False, TINY, "{}", api_name="/generate")
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(job.outputs()) >= 3  # streaming has started
     job.cancel()
+    time.sleep(1.0)
+    stopped_at = len(job.outputs())
+    time.sleep(1.0)
+    assert len(job.outputs()) == stopped_at < 3000  # nothing more arrives
+    while live_caches() > before and time.monotonic() < deadline:  # the server thread lets go of it
+        time.sleep(0.1)
+    assert live_caches() == before
     assert client.predict(PROMPT, "tova", 0.5, 4, False, TINY, "{}", api_name="/generate")["step"] == 3
 
 
@@ -176,12 +198,16 @@ def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
     assert "evicted at step" in fate
 
 
-def test_compare_tab_shares_the_prompt_and_reports_divergence(client):
-    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 8, False,
+def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):
+    model, tokenizer = tiny
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False,
                             api_name="/compare")
     texts, divergence = result[:4], result[8]
-    assert texts[0] and texts[1]
-    assert "streaming" in divergence and ("first different token" in divergence or "identical" in divergence)
+    runs = [kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=12)
+            for name in ("inertia", "streaming")]
+    assert [t["value"] for t in texts[:2]] == [run.text for run in runs]  # the shared prefill changes nothing
+    first = next(i for i, (a, b) in enumerate(zip(*(run.token_ids for run in runs))) if a != b)
+    assert f"**streaming** vs **inertia**: first different token at step {first}" in divergence
 
 
 def test_retention_figure_outlines_sinks_and_the_protected_tail(tiny):
