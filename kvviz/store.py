@@ -1,10 +1,11 @@
 """The results store: DuckDB views over the sweeps in ``results_db/`` -- the only code that writes SQL.
 
 Each sweep is a folder with its ``config.toml`` and one or more ``rows*.jsonl`` shards (written by the
-sweep runner).  The store opens an in-memory DuckDB database, checks every shard on its own, and unions
-the readable ones into the in-memory table ``results``; a missing or corrupt shard is reported by name in
-``problems`` and the rest still loads.  Nothing is written back: the files are only read, and every query
-takes its values as parameters.
+sweep runner).  The store opens an in-memory DuckDB database, reads every shard line by line, and unions
+the well-formed rows into the in-memory table ``results``.  A missing or unreadable shard, and every row that
+is not a JSON object or has a value of the wrong type (a string score, a non-finite number, ``params`` that
+is not an object), is reported in ``problems`` by shard and line, and the rest still loads.  Nothing is
+written back: the files are only read, and every query takes its values as parameters.
 
 Two derived columns keep comparisons honest: ``setting`` (the parameters a row changes from its policy's
 registry defaults, ``'{}'`` at the defaults) keeps α and refresh sweeps out of the per-policy curves, and
@@ -27,6 +28,12 @@ COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table":
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
            "budget": "INTEGER", "max_cache": "INTEGER", "notes": "VARCHAR"}
+# What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
+# how a problem names it.  Numbers must also be finite: one NaN score would make its whole group's mean NaN.
+ACCEPTED = {"VARCHAR": (("VARCHAR",), "a string"), "DOUBLE": (("BIGINT", "UBIGINT", "DOUBLE"), "a finite number"),
+            "INTEGER": (("BIGINT", "UBIGINT"), "an integer"), "JSON": (("OBJECT",), "an object")}
+# Bad lines named per shard in a problem; the rest are counted.
+SHOWN_LINES = 5
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
 QUALITY_METRICS = ("score", "accuracy", "string_match", "exact_match", "rouge_l", "token_f1", "math",
                    "edit_similarity")
@@ -70,18 +77,29 @@ class Store:
         self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
         self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
         self.problems: list[str] = []
-        self.shards = self._readable_shards()
-        if self.shards:
-            files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in self.shards)
-            self.con.execute(f"CREATE VIEW raw_rows AS SELECT * FROM read_json([{files}], "
-                             "format = 'newline_delimited', union_by_name = true)")
-            present = {row[0] for row in self.con.execute("DESCRIBE raw_rows").fetchall()}
-        else:
-            self.con.execute("CREATE VIEW raw_rows AS SELECT 1 AS none WHERE false")
-            present = set()
+        self.con.execute("CREATE TABLE shard_lines (shard VARCHAR, line_no INTEGER, text VARCHAR)")
+        self.shards = self._read_shards()
+        fields = "{" + ", ".join(f'"{name}": "JSON"' for name in COLUMNS) + "}"
+        # One parse per line: every column as a JSON value (JSON null reads as NULL), checked before any cast.
+        self.con.execute(
+            "CREATE TABLE checked_lines AS SELECT shard, line_no, value, concat_ws('; ', "
+            "CASE WHEN doc IS NULL THEN 'not valid JSON' "
+            "WHEN json_type(doc) <> 'OBJECT' THEN left(text, 40) || ' is not a JSON object' END, "
+            + ", ".join(self._type_check(name, kind) for name, kind in COLUMNS.items()) +
+            f") AS problem FROM (SELECT *, CASE WHEN json_type(doc) = 'OBJECT' THEN json_transform(doc, '{fields}') "
+            "END AS value FROM (SELECT *, CASE WHEN json_valid(text) THEN text::JSON END AS doc "
+            "FROM shard_lines WHERE trim(text) <> ''))")
+        for shard, bad, total, lines in self.con.execute(
+                "SELECT shard, count(*) FILTER (problem <> '') AS bad, count(*), "
+                "list('line ' || line_no || ': ' || problem ORDER BY line_no) FILTER (problem <> '')[1:?] "
+                "FROM checked_lines GROUP BY shard HAVING bad > 0 ORDER BY shard", [SHOWN_LINES]).fetchall():
+            more = f"; and {bad - len(lines)} more" if bad > len(lines) else ""
+            self.problems.append(f"{shard}: skipped {bad} of {total} rows ({'; '.join(lines)}{more}); "
+                                 "fix or delete those lines")
         select = ", ".join(
-            (f'CAST(to_json("{name}") AS JSON)' if kind == "JSON" else f'CAST("{name}" AS {kind})')
-            + f' AS "{name}"' if name in present else f'NULL::{kind} AS "{name}"' for name, kind in COLUMNS.items())
+            (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
+             if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})') + f' AS "{name}"'
+            for name, kind in COLUMNS.items())
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
         # ``setting`` = the row's parameters that differ from its policy's defaults ('{}' at the default);
         # ``suite`` = the benchmark its task belongs to.
@@ -89,36 +107,50 @@ class Store:
         self.con.execute(
             f"CREATE TABLE results AS SELECT * FROM ("
             f"SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
-            f"FROM (SELECT {select} FROM raw_rows)) "
+            f"FROM (SELECT {select} FROM checked_lines WHERE problem = '')) "
             "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
             "seed, policy, setting, compression, prompt_len ORDER BY sweep) = 1")
+
+    @staticmethod
+    def _type_check(name: str, kind: str) -> str:
+        """SQL for what is wrong with one column's JSON value (NULL when it is absent, null or fine)."""
+        value = f'value."{name}"'
+        types, what = ACCEPTED[kind]
+        # TRY_CAST: OR does not short-circuit, and a cast that raised would abort the whole load
+        wrong = f"json_type({value}) NOT IN ({', '.join(repr(t) for t in types)})" + (
+            f" OR NOT isfinite(TRY_CAST({value} AS DOUBLE))" if kind == "DOUBLE" else
+            f" OR TRY_CAST({value} AS INTEGER) IS NULL" if kind == "INTEGER" else "")
+        return f"CASE WHEN {wrong} THEN '{name} is ' || left(CAST({value} AS VARCHAR), 40) || ', not {what}' END"
 
     def _setting(self, policy: str | None, params: str | None) -> str:
         """Canonical JSON of the parameters that are neither labels nor equal to the policy's default."""
         values = json.loads(params) if params else {}
         defaults = self.defaults.get(policy, {})
-        # DuckDB reads ``params`` of all rows as one struct, so a key another row sets arrives here as null.
+        # A parameter stored as null is unset.
         kept = {k: v for k, v in (values or {}).items()
                 if v is not None and k not in LABEL_PARAMS and not (k in defaults and defaults[k] == v)}
         return json.dumps(kept, sort_keys=True)
 
-    def _readable_shards(self) -> list[Path]:
-        good = []
-        if not self.root.exists():
+    def _read_shards(self) -> list[Path]:
+        """Every line of every readable shard into ``shard_lines``, the shards read in order."""
+        read = []
+        if not self.root.is_dir():
             self.problems.append(f"{self.root}: no results folder")
-            return good
+            return read
         for sweep in sorted(p for p in self.root.iterdir() if p.is_dir()):
             shards = sorted(sweep.glob("rows*.jsonl"))
             if not shards:
                 self.problems.append(f"{sweep.name}: no rows*.jsonl shard")
             for shard in shards:
                 try:
-                    self.con.execute("SELECT count(*) FROM read_json(?, format = 'newline_delimited')",
-                                     [str(shard)]).fetchone()
-                    good.append(shard)
+                    self.con.execute(
+                        "INSERT INTO shard_lines SELECT ?, generate_subscripts(lines, 1), unnest(lines) "
+                        "FROM (SELECT string_split(content, chr(10)) AS lines FROM read_text(?))",
+                        [f"{sweep.name}/{shard.name}", str(shard)])
+                    read.append(shard)
                 except duckdb.Error as error:
                     self.problems.append(f"{sweep.name}/{shard.name}: unreadable ({str(error).splitlines()[0]})")
-        return good
+        return read
 
     def frame(self, sql: str, params: list | None = None) -> pd.DataFrame:
         return self.con.execute(sql, params or []).df()
@@ -157,19 +189,23 @@ class Store:
 
     def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
         """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family,
-        from rows that change nothing but r."""
+        from rows that change nothing but r.  The family is every registered name whose defaults differ from
+        ``inertia``'s in r alone (inertia r = 1, inertia-lazy r = 4, score-free r = 0), at its own default r."""
         where, params = self._filters(task, model, source, None)
+        base = {k: v for k, v in self.defaults.get("inertia", {}).items() if k != "refresh"}
+        family = {name: values["refresh"] for name, values in self.defaults.items()
+                  if "refresh" in values and {k: v for k, v in values.items() if k != "refresh"} == base}
         return self.frame(
             f"""
             SELECT source, model, task, compression, refresh, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
                    count(*) AS samples FROM (
-                SELECT *, CASE WHEN policy = 'score-free' THEN 0 ELSE coalesce(TRY_CAST(
-                    json_extract_string(params, '$.refresh') AS INTEGER),
-                    CASE policy WHEN 'inertia-lazy' THEN 4 ELSE 1 END) END AS refresh
-                FROM results WHERE policy IN ('inertia', 'inertia-lazy', 'score-free')
-                  AND list_has_all(['refresh'], json_keys(setting::JSON)) AND {where})
+                SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.refresh') AS INTEGER),
+                                   default_refresh) AS refresh
+                FROM results JOIN (SELECT unnest(?::VARCHAR[]) AS policy, unnest(?::INTEGER[]) AS default_refresh)
+                     USING (policy)
+                WHERE list_has_all(['refresh'], json_keys(setting::JSON)) AND {where})
             GROUP BY ALL ORDER BY source, model, task, compression, refresh
-            """, params)
+            """, [list(family), list(family.values()), *params])
 
     def speed_vs_quality(self, task=None, model=None, policies=None) -> pd.DataFrame:
         """Measured decode throughput, cache size and score per (model, task, policy, compression) at defaults."""

@@ -297,3 +297,77 @@ def test_public_benchmark_tasks_from_local_records(tmp_path, tiny):
         "LongBench", "MATH-500"]
     with pytest.raises(ValueError, match="has 2 records; the config asks for 3"):
         sweep.make_sample({**config["tasks"][1], "samples": 3}, tokenizer, 0, 0)
+
+
+def test_malformed_rows_are_skipped_and_reported_and_the_rest_loads(tmp_path, capsys):
+    from kvviz.cli import main
+
+    row = {"source": "measured", "model": "m", "task": "t", "policy": "tova", "compression": 0.9, "params": {},
+           "metric": "string_match", "score": 0.5}
+    (tmp_path / "sweep-a").mkdir()
+    (tmp_path / "sweep-a" / "rows.jsonl").write_text("\n".join([
+        json.dumps(row),                                  # line 1: good
+        json.dumps({**row, "score": "n/a"}),              # 2
+        json.dumps({**row, "compression": "high"}),       # 3
+        json.dumps({**row, "score": float("nan")}),       # 4: Python's json writes NaN
+        json.dumps({**row, "score": float("inf")}),       # 5: ... and Infinity
+        "",                                               # 6: blank, not a row
+        json.dumps({**row, "score": 1.0}),                # 7: good
+        json.dumps({**row, "sample": 1.5}),               # 8
+        '{"cell": "half a row']) + "\n")                  # 9: torn write
+    (tmp_path / "sweep-b").mkdir()
+    (tmp_path / "sweep-b" / "rows.jsonl").write_text("\n".join([
+        json.dumps({**row, "policy": "full", "score": 1.0}),
+        "[1, 2, 3]",  # valid JSON but not an object: must not hide the shard's other rows
+        json.dumps({**row, "params": "alpha=0.3"}),
+        json.dumps({**row, "params": [0.3]})]) + "\n")
+    store = Store(tmp_path)
+    # tova: lines 1 and 7 only, (0.5 + 1.0) / 2; the NaN row does not make the mean NaN
+    assert store.quality_vs_compression()[["policy", "score", "samples"]].values.tolist() == [
+        ["full", 1.0, 1], ["tova", 0.75, 2]]
+    assert store.problems == [
+        ('sweep-a/rows.jsonl: skipped 6 of 8 rows (line 2: score is "n/a", not a finite number; '
+         'line 3: compression is "high", not a finite number; line 4: score is NaN, not a finite number; '
+         'line 5: score is Infinity, not a finite number; line 8: sample is 1.5, not an integer; and 1 more); '
+         'fix or delete those lines'),
+        ('sweep-b/rows.jsonl: skipped 3 of 4 rows (line 2: [1, 2, 3] is not a JSON object; '
+         'line 3: params is "alpha=0.3", not an object; line 4: params is [0.3], not an object); '
+         'fix or delete those lines')]
+    assert main(["results", "--root", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: sweep-a/rows.jsonl: skipped 6 of 8 rows" in captured.err
+    assert any(line.split()[:2] == ["tova", "0.75"] for line in captured.out.splitlines())
+
+
+def test_results_tab_draws_more_models_than_marker_symbols(tmp_path):
+    from kvviz.ui.results import query
+
+    models = [f"m{i}" for i in range(10)]
+    write_rows(tmp_path / "sweep", [{"source": "measured", "model": model, "task": "single_needle", "policy": policy,
+                                     "compression": 0.9, "params": {}, "metric": "string_match", "score": score}
+                                    for model in models for policy, score in (("full", 1.0), ("tova", 0.5))])
+    outputs = query(Store(tmp_path), "(all)", "(all)", [], "measured")  # every load of the tab
+    figure, table = outputs[3], outputs[4]
+    assert table.model.tolist() == models and set(table.relative) == {0.5}
+    # eight symbols, then round again
+    assert [trace.marker.symbol for trace in figure.data] == [
+        "circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon", "circle", "square"]
+    assert figure.layout.annotations[0].text == "measured: ● m0, ■ m1, ◆ m2, ▲ m3, ✕ m4, ★ m5, ✚ m6, ⬟ m7, ● m8, ■ m9"
+
+
+def test_refresh_curve_follows_the_registry_presets(tmp_path):
+    from kvviz.policies import default_params
+
+    row = {"source": "measured", "model": "m", "task": "t", "compression": 0.9, "params": {},
+           "metric": "string_match"}
+    write_rows(tmp_path / "sweep", [{**row, "policy": "score-free", "score": 0.1},
+                                    {**row, "policy": "inertia-lazy", "score": 0.4},
+                                    {**row, "policy": "inertia-r8", "score": 0.3},
+                                    {**row, "policy": "single-step", "score": 0.9}])
+    defaults = default_params()
+    # a changed preset (Lazy at r = 2) and a new one (one registry line): no store edit needed
+    defaults["inertia-lazy"] = {**defaults["inertia-lazy"], "refresh": 2}
+    defaults["inertia-r8"] = {**defaults["inertia"], "refresh": 8}
+    refresh = Store(tmp_path, defaults=defaults).refresh_curve()
+    # single-step changes alpha, not only r: not a point of the refresh curve
+    assert refresh[["refresh", "score"]].values.tolist() == [[0, 0.1], [2, 0.4], [8, 0.3]]

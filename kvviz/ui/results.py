@@ -75,7 +75,8 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.
     origins = list(dict.fromkeys(frame.origin)) if not frame.empty else []
     if not origins:
         return _empty(go.Figure(), f"no paper and measured rows to compare on {suite}")
-    symbols = dict(zip(sorted(set(frame.model)), SYMBOLS))
+    # more models than symbols: round again (the hover names the model)
+    symbols = {model: SYMBOLS[i % len(SYMBOLS)] for i, model in enumerate(sorted(set(frame.model)))}
     titles = [f"{o}: " + ", ".join(f"{GLYPHS[symbols[m]]} {m}" for m in sorted(set(frame[frame.origin == o].model)))
               for o in origins]
     fig = make_subplots(rows=1, cols=len(origins), shared_yaxes=True, subplot_titles=titles)
@@ -223,7 +224,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
     """Lay out the tab inside the current Blocks context; figures render on load and on every filter change."""
     store = store or Store()
     if store.problems:
-        gr.Markdown("**Some results could not be read:** " + "; ".join(store.problems))
+        gr.Markdown("**Some results could not be read:**\n" + "\n".join(f"- {p}" for p in store.problems))
     if not store.shards:
         gr.Markdown("No sweep results are stored yet (`results_db/` is empty). Run `kvviz bench run CONFIG` to add some.")
         return
