@@ -68,6 +68,15 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
     trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=20, max_new_tokens=12).trace
     values = dx.summary(trace)
     assert all(0.0 <= v <= 1.0 for v in values.values())
+    # InertiaKV keeps exactly its top-B utilities, so with k = B the utility churn is the churn of the keep
+    # sets themselves: 2/21 when the new token displaces one of 20 entries, 0 when it is itself evicted.
+    steps = trace.decode_steps
+    expected = [(b.step, 1 - len(set(a.kept.tolist()) & set(b.kept.tolist()))
+                 / len(set(a.kept.tolist()) | set(b.kept.tolist()))) for a, b in zip(steps, steps[1:])]
+    measured = dx.utility_churn(trace)
+    assert [step for step, _ in measured] == [step for step, _ in expected]
+    assert [v for _, v in measured] == pytest.approx([v for _, v in expected])
+    assert {round(v, 6) for _, v in expected} <= {0.0, round(2 / 21, 6)} and any(v for _, v in expected)
     lazy = kvviz.run(model, tokenizer, tiny_prompt, "inertia-lazy", budget=20, max_new_tokens=12).trace
     assert len(dx.raw_churn(lazy)) == 0  # no two consecutive scored steps with r = 4
 
@@ -125,6 +134,22 @@ def test_probe_reports_rankings_for_policies_with_utilities(tiny, tiny_prompt):
     assert all(np.isfinite(u).sum() > 0 for u in result.utilities.values())
     with pytest.raises(ValueError):
         probe(model, tokenizer, tiny_prompt, 0)
+
+
+def test_probe_utilities_are_the_policys_own_at_that_step(tiny, tiny_prompt):
+    """InertiaKV's utility in the probe equals the ``utility`` its step-``s`` event reports in an ordinary run
+    whose budget never binds (the probe's full-cache trajectory)."""
+    model, tokenizer = tiny
+    step = 5
+    result = probe(model, tokenizer, tiny_prompt, step, policies={"inertia": kvviz.make_policy("inertia")},
+                   sample=12, seed=3, future=2)
+    run = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=len(tiny_prompt) + 20, max_new_tokens=step + 1)
+    event = run.trace.events[step]
+    assert event.step == step
+    by_position = dict(zip(event.kept.tolist(), event.utility.tolist()))
+    expected = [by_position[p] for p in result.candidates.tolist()]
+    np.testing.assert_allclose(result.utilities["inertia"], expected, rtol=1e-6)
+    assert np.ptp(expected) > 0  # distinct utilities: the comparison can tell positions apart
 
 
 def test_probe_measures_damage_after_the_step_its_utilities_saw(tiny, tiny_prompt):

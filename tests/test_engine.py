@@ -92,7 +92,18 @@ def test_every_policy_respects_its_bound_and_reports_consistent_sets(tiny, tiny_
         assert set(event.evicted.tolist()) <= before
         assert set(event.kept.tolist()) == before - set(event.evicted.tolist())
         assert np.all(np.diff(event.kept) > 0)
+    assert prompt_len > budget
     for event in events:
+        # Cache sizes written out by rule, not read from the policy's own cache_bound().
+        if name == "full":
+            assert event.cache_size == prompt_len + max(event.step, 0)
+        elif name == "snapkv":  # cut to B at prefill, then every generated token stays
+            assert event.cache_size == budget + max(event.step, 0)
+        elif name in ("avokv", "rkv"):  # cut to B at checkpoints (every 16th token), growing in between
+            if event.step >= 16:
+                assert event.cache_size == budget + event.step % 16
+        elif event.step >= 1:  # per-step policies: exactly B after every decode step
+            assert event.cache_size == budget
         bound = policy.cache_bound(budget, event.step)
         if bound is not None and (event.step >= 1 or policy.prefill_window):
             assert event.cache_size <= bound
@@ -184,6 +195,24 @@ def test_resolve_budget(prompt_len, kwargs, expected):
 def test_resolve_budget_rejects(kwargs):
     with pytest.raises(ValueError):
         resolve_budget(50, **kwargs)
+
+
+def test_sampler_draws_from_the_tempered_nucleus():
+    """p = (.5, .3, .2): top_p = .6 keeps the smallest prefix reaching .6, {0, 1}, renormalised to
+    (.625, .375); temperature 2 gives p**(1/2) normalised = (.4155, .3218, .2628).  4000 seeded draws,
+    tolerance about four standard errors."""
+    from kvviz.engine import Sampler
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+
+    def frequencies(sampler):
+        draws = [sampler(logits) for _ in range(4000)]
+        return np.bincount(draws, minlength=3) / len(draws)
+
+    np.testing.assert_allclose(frequencies(Sampler(1.0, 0.6, seed=0)), [0.625, 0.375, 0.0], atol=0.03)
+    np.testing.assert_allclose(frequencies(Sampler(2.0, 1.0, seed=0)), [0.4155, 0.3218, 0.2628], atol=0.03)
+    with pytest.raises(ValueError, match="temperature"):
+        Sampler(float("nan"))
 
 
 def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(tiny, tiny_prompt):
