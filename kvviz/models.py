@@ -178,7 +178,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its progress bar writes blank lines to stdout, into the CLI's output
     )
     backend.train_from_iterator([_TINY_TEXT] * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import kvviz
+
 from conftest import TEXT
 
 TINY = ["--model", "tiny-random-llama"]
@@ -54,11 +56,17 @@ def test_no_chat_tokenises_the_prompt_as_is():
     assert chat["prompt_len"] > json.loads(proc.stdout)["prompt_len"]  # the template adds role markers
 
 
-def test_plain_output_streams_text_and_summary():
+def test_plain_output_streams_text_and_summary(tiny):
     proc = kvviz_cli("generate", *TINY, "--prompt", TEXT, "--policy", "inertia-lazy", "--budget", "20",
                      "--max-new-tokens", "8")
     assert proc.returncode == 0, proc.stderr
     assert "budget 20" in proc.stderr and "final cache 20" in proc.stderr and "tok/s" in proc.stderr
+    model, tokenizer = tiny
+    run = kvviz.run(model, tokenizer, TEXT, "inertia-lazy", budget=20, max_new_tokens=8)  # chat template on
+    streamed = "".join(event.text for event in run.trace.events)  # each token as it comes, specials included
+    # The pipe is read as text, so any "\r" arrives as "\n"; the summary adds the trailing newlines.
+    assert proc.stdout.rstrip("\n") == streamed.replace("\r\n", "\n").replace("\r", "\n").rstrip("\n")
+    assert len(run.token_ids) == 8 and streamed.strip()
 
 
 @pytest.mark.parametrize(
