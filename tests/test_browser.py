@@ -81,6 +81,13 @@ def test_run_watch_scrub(page):
     page.get_by_text("Scrub to step").wait_for(timeout=120_000)
     final = generated_text(page)
     assert len(final) >= len(first) and final  # text appeared and grew
+    # What the page shows is the run itself: the app's defaults (InertiaKV, ρ = 0.9), chat template off.
+    import kvviz
+
+    model, tokenizer = kvviz.load_model(TINY)
+    run = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.9, max_new_tokens=48)
+    streamed = "".join(event.text for event in run.trace.events)
+    assert final == streamed.replace("\r\n", "\n").replace("\r", "\n")  # a textarea holds "\n" line breaks
     page.screenshot(path=str(ARTIFACTS / "live-after-run.png"), full_page=True)
 
     slider = page.locator("input[type=range]").filter(has=page.locator("xpath=.")).last
