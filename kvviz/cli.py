@@ -208,6 +208,8 @@ def cmd_bench(args) -> int:
             finished, total = (sum(v[i] for v in progress.values()) for i in (0, 1))
             print(f"{config['name']}: {finished} of {total} cells done")
             return 0
+        sweep.check_shard(args.shard if args.backend == "local" else 0, args.shards)
+        sweep.check_store(config, out)  # before config.toml is overwritten with this config
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_bytes(Path(args.config).read_bytes())
         if args.backend == "ray":

@@ -1,10 +1,19 @@
-"""The benchmark commands run end to end and print every row they promise (timings are not asserted)."""
+"""The benchmark commands run end to end and print every row they promise (timings are not asserted); a bad
+sweep config, rows file, output folder or shard is refused with one line before anything runs or is lost."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
+import pytest
+import torch
+
+from kvviz.bench import sweep
 from kvviz.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_speed_bench_prints_every_configuration(tmp_path, capsys):
@@ -20,7 +29,12 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     assert names == ["generate", "full", "inertia", "inertia-lazy", "score-free", "static-no-scoring",
                      "static-inertia", "static-inertia-lazy", "static-score-free", "static-no-scoring-uncompiled",
                      "static-inertia-uncompiled"]
-    assert all(row["decode_tok_s"] > 0 and "vs_generate" in row for row in rows[1:])
+    assert all(row["decode_tok_s"] > 0 for row in rows[1:])
+    # Each rate against the generate row's, rounded to 3 places (from unrounded rates: half a unit of slack).
+    generate = rows[1]
+    assert all(abs(row["vs_generate"] - row["decode_tok_s"] / generate["decode_tok_s"]) <= 5e-4 + 1e-6
+               for row in rows[1:])
+    # 90% of a 128-token prompt: floor(12.8) = 12 entries, measured at the end of the engine and static runs.
     assert all(row["final_cache"] == row["budget"] == 12 for row in rows[1:] if row["what"] not in ("generate", "full"))
     static = {row["what"]: row for row in rows[1:] if row["what"].startswith("static-")}
     assert all(row["compiled"] == (not name.endswith("-uncompiled")) for name, row in static.items())
@@ -30,6 +44,27 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     assert static["static-inertia-uncompiled"]["setup_s"] == 0
     assert all("scoring_overhead_vs_no_scoring" in row for name, row in static.items()
                if not name.startswith("static-no-scoring"))
+
+
+def test_speed_bench_reports_what_the_static_path_kept_not_its_budget(tmp_path, monkeypatch):
+    from kvviz import fast
+
+    real = fast.StaticInertia.generate
+
+    def leaky(self, *args, record_kept=False, **kwargs):  # a static step that keeps one entry too many
+        run = real(self, *args, record_kept=record_kept, **kwargs)
+        if record_kept:
+            run.kept[-1] = [*run.kept[-1], -1]
+        return run
+
+    monkeypatch.setattr(fast.StaticInertia, "generate", leaky)
+    out = tmp_path / "speed.jsonl"
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "128", "--new-tokens", "4", "--repeats", "1",
+                 "--compile", "off", "--out", str(out)]) == 0
+    rows = {row["what"]: row for row in map(json.loads, out.read_text().splitlines()[1:])}
+    assert {name: row["final_cache"] for name, row in rows.items() if name.startswith("static-")} == {
+        "static-no-scoring": 13, "static-inertia": 13, "static-inertia-lazy": 13, "static-score-free": 13}
+    assert rows["inertia"]["final_cache"] == 12  # the engine path is untouched
 
 
 def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_path, monkeypatch):
@@ -74,6 +109,171 @@ def test_probe_bench_compares_batched_with_one_at_a_time(tmp_path):
     out = tmp_path / "probe.jsonl"
     assert main(["bench", "probe", "--model", "tiny-random-llama", "--prompt-tokens", "120", "--step", "3",
                  "--sample", "6", "--future", "3", "--batch", "4", "--out", str(out)]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [row.get("what") for row in rows[1:]] == ["one at a time", "batched (4)"]
-    assert rows[-1]["max_abs_diff_vs_one_at_a_time"] < 1e-4
+    meta, one, batched = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [one["what"], batched["what"]] == ["one at a time", "batched (4)"]
+    # Recompute the probe outside the bench: the prompt, its full-cache continuation from model.generate,
+    # and the damage of each candidate removed on its own.
+    from kvviz import load_model, probe
+    from kvviz.bench.speed import haystack_prompt
+
+    model, tokenizer = load_model("tiny-random-llama")
+    prompt_ids = haystack_prompt(tokenizer, 120)
+    with torch.inference_mode():
+        continuation = model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                      pad_token_id=0)[0].tolist()
+    assert meta["meta"]["prefix_len"] == 120 + 3 - 1  # the cache at step 3: the prompt and tokens 1 and 2
+    candidates = meta["meta"]["candidate_positions"]
+    assert len(candidates) == 6 == len(set(candidates)) and all(0 <= c < 122 for c in candidates)
+    expected = probe.damage(model, continuation, 122, candidates, future=3, batch=1)
+    assert np.allclose(one["damage"], expected, rtol=1e-5, atol=1e-7)
+    assert np.allclose(batched["damage"], expected, rtol=1e-4, atol=1e-6)
+    assert batched["max_abs_diff_vs_one_at_a_time"] == pytest.approx(
+        np.abs(np.array(batched["damage"]) - expected).max(), abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- bench run (sweep)
+
+BASE = {"name": '"t"', "model": '"tiny-random-llama"', "max_new_tokens": "3", "compression": "[0.5]",
+        "tasks": '[{ name = "single_needle", length = 100, samples = 1 }]', "policies": '["tova"]'}
+
+
+def write_config(path: Path, **keys: str) -> Path:
+    path.write_text("".join(f"{key} = {value}\n" for key, value in {**BASE, **keys}.items()))
+    return path
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: a bad config must be refused before."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("kvviz.models.load_model", load_model)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("compression", "0.5", "key 'compression': must be a list of ratios in [0, 1)"),
+    ("compression", "[0.5, 1.0]", "key 'compression': 1.0 is not a ratio in [0, 1)"),
+    ("tasks", '"x"', "key 'tasks': must be a list of tables"),
+    ("tasks", '[{ name = "single_needle", length = 100 }]', "tasks[0] (single_needle): has no 'samples'; add samples"),
+    ("tasks", '[{ name = "single_needle", samples = 1 }]', "tasks[0] (single_needle): has no 'length'; add length"),
+    ("tasks", '[{ name = "single_needle", length = 100, samples = 1, colour = "red" }]',
+     "tasks[0] (single_needle): unknown key 'colour'; single_needle takes name, label, length, samples, haystack"),
+    ("tasks", '[{ name = "single_needle", length = 100, samples = 1, haystack = "hay" }]',
+     "tasks[0] (single_needle): haystack must be one of noise, prose"),
+    ("tasks", '[{ name = "needle_grid", depths = [0.5] }]', "tasks[0] (needle_grid): lengths must be a non-empty list"),
+    ("tasks", '[{ name = "single_needl", length = 100, samples = 1 }]', "tasks[0] (single_needl): unknown task"),
+    ("tasks", '[{ name = "single_needle", length = 1, samples = 1 }]',
+     "tasks[0] (single_needle): compression 0.5 leaves no cache for a 1-token prompt"),
+    ("policies", '[{ params = { alpha = 0.5 } }]', "policies[0]: has no name"),
+    ("policies", '[{ name = "inertia", params = 3 }]', "policies[0] (inertia): params must be a table"),
+    ("policies", '[{ name = "inertia", params = { alpha = ["x"] } }]',
+     "policies[0] (inertia): params alpha = 'x' must be a number"),
+    ("policies", '[{ name = "inertia", params = { alpha = [0.5, 2.0] } }]',
+     "policies[0] (inertia): params {'alpha': 2.0} are refused"),
+    ("policies", '[{ name = "inertia-lazy", params = { refresh = 2.0 } }]',
+     "policies[0] (inertia-lazy): params refresh = 2.0 must be a whole number"),
+    ("policies", '["tovaa"]', "policies[0]: unknown policy 'tovaa'; choose one of full, inertia"),
+    ("policies", '["tova", "tova"]', "policies[1]: repeats the setting of policies[0] (tova)"),
+    ("max_new_token", "3", "key 'max_new_token': not a sweep setting"),
+])
+def test_a_malformed_sweep_config_is_refused_in_one_line_before_a_model_loads(tmp_path, capsys, no_model, key,
+                                                                               value, message):
+    config = write_config(tmp_path / "bad.toml", **{key: value})
+    for extra in ([], ["--status"]):
+        assert main(["bench", "run", str(config), "--out", str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvviz: error: sweep config {config}: {message}") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unreadable_sweep_config_names_the_file(tmp_path, capsys, no_model):
+    broken = tmp_path / "broken.toml"
+    broken.write_text('name = "t"\ncompression = [0.5\n')
+    assert main(["bench", "run", str(broken)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvviz: error: sweep config {broken} is not valid TOML: ")
+    assert main(["bench", "run", str(tmp_path / "missing.toml")]) == 2
+    assert capsys.readouterr().err.startswith(f"kvviz: error: cannot read sweep config {tmp_path / 'missing.toml'}")
+
+
+def test_a_length_beyond_the_models_context_is_refused_before_decoding(tmp_path, tiny):
+    model, tokenizer = tiny  # 4096 positions
+    # Known from a config.json on disk: refused while reading the config.
+    model.config.save_pretrained(tmp_path / "model")
+    config = write_config(tmp_path / "long.toml", model=f'"{tmp_path / "model"}"', max_new_tokens="6",
+                          tasks='[{ name = "single_needle", length = 4300, samples = 1 }]')
+    with pytest.raises(ValueError, match=r"long\.toml: tasks\[0\] \(single_needle\): length 4300 \+ max_new_tokens 6 "
+                                         r"exceeds the context of .* \(4096 tokens\); lower length to at most 4090"):
+        sweep.load_config(config)
+    # Known only from the loaded model: refused before the first cell, rows already stored kept as they were.
+    out = tmp_path / "out"
+    good = {"name": "t", "max_new_tokens": 6, "compression": [0.5], "policies": ["tova"],
+            "tasks": [{"name": "single_needle", "length": 100, "samples": 1}]}
+    assert sweep.run(good, out, model=model, tokenizer=tokenizer, progress=False) == 1
+    stored = (out / "rows.jsonl").read_bytes()
+    for length in (4300, 100000):
+        long = {**good, "tasks": [*good["tasks"], {"name": "single_needle", "label": "long", "length": length,
+                                                   "samples": 1}]}
+        with pytest.raises(ValueError, match=f"length {length} \\+ max_new_tokens 6 exceeds .* lower length to at "
+                                             "most 4090"):
+            sweep.run(long, out, model=model, tokenizer=tokenizer, progress=False)
+        assert (out / "rows.jsonl").read_bytes() == stored
+    # A benchmark prompt's length is known only once it is read: refused before its cells decode.
+    bench = {**good, "max_new_tokens": 4090,
+             "tasks": [{"name": "math500", "path": str(FIXTURES / "math500.jsonl"), "samples": 1}]}
+    with pytest.raises(ValueError, match=r"math500 sample 0: prompt \(\d+ tokens\) \+ max_new_tokens \(4090\) exceeds "
+                                         r"the model's context of 4096 tokens"):
+        sweep.run(bench, out, model=model, tokenizer=tokenizer, progress=False)
+    assert (out / "rows.jsonl").read_bytes() == stored
+
+
+def test_resuming_with_a_different_config_is_refused_and_the_store_is_untouched(tmp_path, capsys):
+    out = tmp_path / "out"
+    first = write_config(tmp_path / "first.toml")
+    assert main(["bench", "run", str(first), "--out", str(out)]) == 0
+    capsys.readouterr()
+    stored = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(stored) == ["config.toml", "rows.jsonl"] and stored["config.toml"] == first.read_bytes()
+    other = write_config(tmp_path / "other.toml", tasks='[{ name = "single_needle", length = 100, samples = 2 }]')
+    assert main(["bench", "run", str(other), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"kvviz: error: {out} holds rows of a different config ({out / 'config.toml'} "
+                                       f"differs in tasks); pass --out with a new folder, or resume with "
+                                       f"{out / 'config.toml'}\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == stored
+    # The same config (spelled differently) resumes: nothing left to do.
+    same = tmp_path / "same.toml"
+    same.write_text("# a comment\n" + first.read_text().replace("[0.5]", "[ 0.5 ]"))
+    assert main(["bench", "run", str(same), "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"0 new rows in {out}\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shards", "-1"], "--shards must be at least 1, got -1"),
+    (["--shards", "0"], "--shards must be at least 1, got 0"),
+    (["--shard", "5", "--shards", "2"], "--shard 5 is not one of 2 shard(s); use --shard 0 to 1"),
+    (["--shard", "-1", "--shards", "2"], "--shard -1 is not one of 2 shard(s); use --shard 0 to 1"),
+])
+def test_a_shard_that_does_not_exist_is_refused(tmp_path, capsys, no_model, flags, message):
+    config = write_config(tmp_path / "c.toml")
+    assert main(["bench", "run", str(config), "--out", str(tmp_path / "out"), *flags]) == 2
+    assert capsys.readouterr().err == f"kvviz: error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("garbage", "line 2 is not a JSON row (Expecting value: line 1 column 1 (char 0)); repair or delete that line"),
+    ('{"task": "t"}', 'line 2 has no "cell" key, so it is not a sweep row; repair or delete that line'),
+])
+def test_a_bad_line_in_the_rows_names_the_file_and_changes_nothing(tmp_path, capsys, line, problem):
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.toml")
+    assert main(["bench", "run", str(config), "--out", str(out)]) == 0
+    capsys.readouterr()
+    rows = out / "rows.jsonl"
+    # a bad complete line, then a torn one: neither is dropped while the file is refused
+    damaged = rows.read_bytes() + line.encode() + b"\n" + b'{"cell": "half'
+    rows.write_bytes(damaged)
+    for extra in ([], ["--status"]):
+        assert main(["bench", "run", str(config), "--out", str(out), *extra]) == 2
+        assert capsys.readouterr().err == f"kvviz: error: {rows} {problem}\n"
+        assert rows.read_bytes() == damaged

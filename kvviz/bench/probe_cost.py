@@ -44,14 +44,16 @@ def main(args) -> int:
     candidates = np.sort(np.random.default_rng(0).choice(prefix_len, args.sample, replace=False)).tolist()
     rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
                       "machine": platform.node(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "prompt_len": len(prompt_ids), "step": args.step, "future": args.future}}]
+                      "prompt_len": len(prompt_ids), "step": args.step, "future": args.future,
+                      "prefix_len": prefix_len, "candidate_positions": candidates}}]
     results = {}
     for label, batch in (("one at a time", 1), (f"batched ({args.batch})", args.batch)):
         start = time.perf_counter()
         results[label] = damage(model, sequence, prefix_len, candidates, future=args.future, batch=batch)
         seconds = time.perf_counter() - start
+        # The damage itself goes out too, so that what was timed can be checked against the probe.
         rows.append({"what": label, "candidates": len(candidates), "seconds": round(seconds, 3),
-                     "candidates_per_s": round(len(candidates) / seconds, 2)})
+                     "candidates_per_s": round(len(candidates) / seconds, 2), "damage": results[label].tolist()})
     rows[-1]["vs_one_at_a_time"] = round(rows[-1]["candidates_per_s"] / rows[-2]["candidates_per_s"], 2)
     first, second = results.values()
     rows[-1]["max_abs_diff_vs_one_at_a_time"] = float(np.abs(first - second).max())

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import platform
 import subprocess
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm  # already a dependency of transformers
 
+from ..models import DEFAULT_MODEL
 from ..tasks import loaders
 
 
@@ -47,12 +49,294 @@ class Cell:
 
 
 def load_config(path: str | Path) -> dict:
-    with open(path, "rb") as handle:
-        config = tomllib.load(handle)
+    """Read a sweep config and check all of it (:func:`validate`) before any model is loaded."""
+    try:
+        with open(path, "rb") as handle:
+            config = tomllib.load(handle)
+    except OSError as error:
+        raise ValueError(f"cannot read sweep config {path}: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"sweep config {path} is not valid TOML: {error}") from None
+    validate(config, str(path))
+    context = model_context(config.get("model", DEFAULT_MODEL))
+    if context is not None:  # else run() checks once the model is loaded, still before decoding
+        check_lengths(config, context, str(path))
+    return config
+
+
+TOP_LEVEL = ("name", "model", "device", "chat", "max_new_tokens", "seed", "compression", "tasks", "policies")
+BENCHMARK_KEYS = ("name", "label", "task", "samples", "path", "split", "truncate")
+NEEDLE_GRID_KEYS = ("name", "label", "lengths", "depths", "haystack")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def validate(config: dict, source: str = "the sweep config") -> None:
+    """Check every key of a sweep config; a problem is a ValueError naming ``source``, the table, the key and
+    what to change, so that a bad config fails before a model loads rather than as a traceback mid-sweep."""
+    from ..policies import REGISTRY
+
+    def refuse(where: str, message: str) -> ValueError:
+        return ValueError(f"sweep config {source}: {where}: {message}")
+
+    unknown = sorted(set(config) - set(TOP_LEVEL))
+    if unknown:
+        raise refuse(f"key {unknown[0]!r}", f"not a sweep setting; the keys are {', '.join(TOP_LEVEL)}")
     for required in ("name", "tasks", "policies", "compression"):
         if required not in config:
-            raise ValueError(f"sweep config {path} has no {required!r}")
-    return config
+            raise ValueError(f"sweep config {source} has no {required!r}")
+    for key in ("name", "model", "device"):
+        if key in config and (not isinstance(config[key], str) or not config[key].strip()):
+            raise refuse(f"key {key!r}", f'must be a non-empty string, e.g. {key} = "..."')
+    if "chat" in config and not isinstance(config["chat"], bool):
+        raise refuse("key 'chat'", f"must be true or false, got {config['chat']!r}")
+    if "seed" in config and not _is_int(config["seed"]):
+        raise refuse("key 'seed'", f"must be a whole number, got {config['seed']!r}")
+    if "max_new_tokens" in config and not (_is_int(config["max_new_tokens"]) and config["max_new_tokens"] >= 1):
+        raise refuse("key 'max_new_tokens'", f"must be a whole number >= 1, got {config['max_new_tokens']!r}")
+
+    compression = config["compression"]
+    if not isinstance(compression, list) or not compression:
+        raise refuse("key 'compression'", f"must be a list of ratios in [0, 1), e.g. compression = [0.5, 0.9]; "
+                                          f"got {compression!r}")
+    for rho in compression:
+        if not _is_number(rho) or not 0.0 <= rho < 1.0:
+            raise refuse("key 'compression'", f"{rho!r} is not a ratio in [0, 1) (1 would leave no cache)")
+    if len(set(compression)) != len(compression):
+        raise refuse("key 'compression'", "lists a ratio twice; list each once")
+
+    tasks = config["tasks"]
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) for t in tasks):
+        raise refuse("key 'tasks'", 'must be a list of tables, e.g. tasks = [{ name = "single_needle", '
+                                    'length = 2000, samples = 20 }]')
+    labels: dict[str, int] = {}
+    for index, task in enumerate(tasks):
+        _validate_task(task, f"tasks[{index}]", refuse)
+        label = task_label(task)
+        if label in labels:
+            raise refuse(f"tasks[{index}]", f"has the same label {label!r} as tasks[{labels[label]}]; "
+                                            'give one of them label = "..."')
+        labels[label] = index
+
+    policies = config["policies"]
+    if not isinstance(policies, list) or not policies:
+        raise refuse("key 'policies'", 'must be a list of names or tables, e.g. policies = ["full", '
+                                       '{ name = "inertia", params = { alpha = [0.5, 0.8] } }]')
+    seen: dict[tuple, int] = {}
+    for index, entry in enumerate(policies):
+        where = f"policies[{index}]"
+        if isinstance(entry, dict):
+            if not isinstance(entry.get("name"), str):
+                raise refuse(where, 'has no name; write { name = "inertia", params = { ... } }')
+            where = f"policies[{index}] ({entry['name']})"
+            extra = sorted(set(entry) - {"name", "params"})
+            if extra:
+                raise refuse(where, f"unknown key {extra[0]!r}; a policy table has name and params")
+            params = entry.get("params", {})
+            if not isinstance(params, dict):
+                raise refuse(where, f"params must be a table, e.g. params = {{ alpha = [0.5, 0.8] }}; got {params!r}")
+            for key, value in params.items():
+                values = value if isinstance(value, list) else [value]
+                if not values or not all(isinstance(v, (str, int, float, bool)) for v in values):
+                    raise refuse(where, f"params {key} must be a value or a non-empty list of values, got {value!r}")
+        elif not isinstance(entry, str):
+            raise refuse(where, f"must be a policy name or a table with name and params, got {entry!r}")
+        name = entry["name"] if isinstance(entry, dict) else entry
+        if name not in REGISTRY:
+            raise refuse(where, f"unknown policy {name!r}; choose one of {', '.join(REGISTRY)} (see kvviz policies)")
+        defaults = {p["name"]: p["default"] for p in REGISTRY[name].parameters()}
+        for setting in policy_settings({"policies": [entry]}):
+            _check_policy(setting, defaults, where, refuse)
+            if setting in seen:
+                raise refuse(where, f"repeats the setting of policies[{seen[setting]}] ({_describe(setting)}); "
+                                    "list each setting once")
+            seen[setting] = index
+
+    if any(name != "full" for name, _ in seen):  # a compression that leaves no cache even at the full length
+        for index, task in enumerate(tasks):
+            for length in _lengths(task):
+                for rho in compression:
+                    if math.floor((1.0 - rho) * length + 1e-9) < 1:
+                        raise refuse(f"tasks[{index}] ({task_label(task)})",
+                                     f"compression {rho} leaves no cache for a {length}-token prompt; "
+                                     "lower the compression or raise the length")
+
+
+def _describe(setting: tuple) -> str:
+    name, params = setting
+    return name + (" " + ", ".join(f"{k} = {v!r}" for k, v in params) if params else "")
+
+
+def _check_policy(setting: tuple, defaults: dict, where: str, refuse) -> None:
+    """Build the policy once with these params, so a bad value fails here and not mid-sweep."""
+    from ..policies import make_policy
+
+    name, params = setting
+    for key, value in params:
+        # TOML has typed numbers: a number written as text would be stored as text in the rows' params.
+        if key in defaults and _is_number(defaults[key]) and not _is_number(value):
+            raise refuse(where, f"params {key} = {value!r} must be a number (no quotes)")
+        if key in defaults and _is_int(defaults[key]) and not _is_int(value):
+            raise refuse(where, f"params {key} = {value!r} must be a whole number, written without a point")
+        if key in defaults and isinstance(defaults[key], bool) and not isinstance(value, bool):
+            raise refuse(where, f"params {key} = {value!r} must be true or false")
+    try:
+        make_policy(name, **dict(params))
+    except (ValueError, TypeError) as error:
+        raise refuse(where, f"params {dict(params)} are refused ({error}); change them") from None
+
+
+def _lengths(task: dict) -> list[int]:
+    """The prompt lengths a task asks for, where the config says them (benchmarks: only the record knows)."""
+    if task["name"] == "needle_grid":
+        return list(task["lengths"])
+    return [task["length"]] if "length" in task else []
+
+
+def _validate_task(task: dict, where: str, refuse) -> None:
+    import inspect
+
+    from ..tasks import TASKS
+    from ..tasks.loaders import LONGBENCH_METRICS
+    from ..tasks.synthetic import HAYSTACKS
+
+    name = task.get("name")
+    choices = ", ".join([*TASKS, "needle_grid", *BENCHMARKS])
+    if not isinstance(name, str):
+        raise refuse(where, f'has no name; write {{ name = "single_needle", length = 2000, samples = 20 }} '
+                            f"(tasks: {choices})")
+    where = f"{where} ({name})"
+    if name not in TASKS and name != "needle_grid" and name not in BENCHMARKS:
+        raise refuse(where, f"unknown task {name!r}; choose one of {choices}")
+    if "label" in task and (not isinstance(task["label"], str) or not task["label"].strip()):
+        raise refuse(where, f"label must be a non-empty string, got {task['label']!r}")
+
+    def count(key: str, required: bool = True) -> None:
+        if key not in task:
+            if required:
+                raise refuse(where, f"has no {key!r}; add {key} = N (a whole number >= 1)")
+            return
+        if not (_is_int(task[key]) and task[key] >= 1):
+            raise refuse(where, f"{key} must be a whole number >= 1, got {task[key]!r}")
+
+    def haystack() -> None:
+        if "haystack" in task and task["haystack"] not in HAYSTACKS:
+            raise refuse(where, f"haystack must be one of {', '.join(HAYSTACKS)}, got {task['haystack']!r}")
+
+    if name == "needle_grid":
+        extra = sorted(set(task) - set(NEEDLE_GRID_KEYS))
+        if extra:
+            raise refuse(where, f"unknown key {extra[0]!r}; a needle grid takes {', '.join(NEEDLE_GRID_KEYS)}")
+        for key, example, valid in (("lengths", "[1000, 2000]", lambda v: _is_int(v) and v >= 1),
+                                    ("depths", "[0.0, 0.5, 1.0]", lambda v: _is_number(v) and 0 <= v <= 1)):
+            values = task.get(key)
+            if not isinstance(values, list) or not values:
+                raise refuse(where, f"{key} must be a non-empty list, e.g. {key} = {example}; got {values!r}")
+            bad = [v for v in values if not valid(v)]
+            if bad:
+                kind = "whole numbers >= 1" if key == "lengths" else "numbers in [0, 1]"
+                raise refuse(where, f"{key} must hold {kind}, got {bad[0]!r}")
+        haystack()
+        return
+    if name in BENCHMARKS:
+        extra = sorted(set(task) - set(BENCHMARK_KEYS))
+        if extra:
+            raise refuse(where, f"unknown key {extra[0]!r}; a benchmark task takes {', '.join(BENCHMARK_KEYS)}")
+        count("samples")
+        count("truncate", required=False)
+        for key in ("task", "path", "split"):
+            if key in task and not isinstance(task[key], str):
+                raise refuse(where, f"{key} must be a string, got {task[key]!r}")
+        if name == "longbench" and task.get("task") not in LONGBENCH_METRICS:
+            raise refuse(where, f"task must be a LongBench task, one of {', '.join(sorted(LONGBENCH_METRICS))}; "
+                                f"got {task.get('task')!r}")
+        if "path" in task and not Path(task["path"]).is_file():
+            raise refuse(where, f"path {task['path']!r} is not a file; give the local JSONL of records, "
+                                "or leave path out to read the hub")
+        return
+    count("length")
+    count("samples")
+    # The generator's own keyword arguments (after tokenizer, length and seed) are the task's options.
+    options = dict(list(inspect.signature(TASKS[name]).parameters.items())[3:])
+    for key, value in task.items():
+        if key in ("name", "label", "length", "samples"):
+            continue
+        if key not in options:
+            raise refuse(where, f"unknown key {key!r}; {name} takes name, label, length, samples"
+                                + "".join(f", {option}" for option in options))
+        default = options[key].default
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise refuse(where, f"{key} must be true or false, got {value!r}")
+        if _is_int(default) and not (_is_int(value) and value >= 1):
+            raise refuse(where, f"{key} must be a whole number >= 1, got {value!r}")
+        if key == "depth" and not (_is_number(value) and 0 <= value <= 1):
+            raise refuse(where, f"depth must be a number in [0, 1], got {value!r}")
+    haystack()
+
+
+def model_context(name: str) -> int | None:
+    """The model's context length where its config.json is already on this machine (a local directory, the
+    converted default model, a hub id in the Hugging Face cache); None where only loading the model tells."""
+    from transformers import AutoConfig
+
+    from ..models import DEFAULT_HUB_ID, TINY_PREFIX, cache_dir
+
+    if name.startswith(TINY_PREFIX):
+        return None
+    sources = [cache_dir() / "models" / DEFAULT_MODEL, DEFAULT_HUB_ID] if name in (DEFAULT_MODEL, DEFAULT_HUB_ID) \
+        else [name]
+    for source in sources:
+        try:
+            config = AutoConfig.from_pretrained(source, local_files_only=True)
+        except Exception:  # noqa: BLE001 -- not readable without loading or the network: judged after loading
+            continue
+        return getattr(config, "max_position_embeddings", None)
+    return None
+
+
+def check_lengths(config: dict, context: int, source: str) -> None:
+    """Refuse a task whose prompt length plus ``max_new_tokens`` exceeds the model's context: the model
+    would run past the positions it was trained for (synthetic prompts are at most their length)."""
+    max_new = int(config.get("max_new_tokens", 32))
+    for index, task in enumerate(config["tasks"]):
+        for length in _lengths(task):
+            if length + max_new > context:
+                key = "lengths" if task["name"] == "needle_grid" else "length"
+                raise ValueError(
+                    f"sweep config {source}: tasks[{index}] ({task_label(task)}): {key} {length} + max_new_tokens "
+                    f"{max_new} exceeds the context of {config.get('model', DEFAULT_MODEL)} ({context} tokens); "
+                    f"lower {key} to at most {context - max_new}")
+
+
+def check_shard(index: int, shards: int) -> None:
+    if shards < 1:
+        raise ValueError(f"--shards must be at least 1, got {shards}")
+    if not 0 <= index < shards:
+        raise ValueError(f"--shard {index} is not one of {shards} shard(s); use --shard 0 to {shards - 1}")
+
+
+def check_store(config: dict, out_dir: str | Path) -> None:
+    """Refuse to add rows to a folder whose rows came from a different config: a resumed sweep would then
+    mix two experiments under one name (and the CLI would overwrite the config that made the old rows)."""
+    out_dir = Path(out_dir)
+    saved = out_dir / "config.toml"
+    if not saved.exists() or not any(p.stat().st_size for p in out_dir.glob("rows*.jsonl")):
+        return
+    try:
+        previous = tomllib.loads(saved.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{saved} is not valid TOML ({error}); restore it, or pass --out with a new folder") \
+            from None
+    if previous != config:
+        changed = sorted(key for key in previous.keys() | config.keys() if previous.get(key) != config.get(key))
+        raise ValueError(f"{out_dir} holds rows of a different config ({saved} differs in {', '.join(changed)}); "
+                         f"pass --out with a new folder, or resume with {saved}")
 
 
 def policy_settings(config: dict) -> list[tuple[str, tuple]]:
@@ -152,14 +436,13 @@ class RowFile:
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.done = stored_cells(path) if path.exists() else set()  # read first: a bad line stops before any change
         if path.exists():
             data = path.read_bytes()
             keep = data.rfind(b"\n") + 1  # drop a torn last line left by a kill mid-write
             if keep != len(data):
                 with open(path, "r+b") as handle:
                     handle.truncate(keep)
-        self.done = {json.loads(line)["cell"] for line in path.read_text().splitlines() if line.strip()} \
-            if path.exists() else set()
 
     def append(self, row: dict) -> None:
         line = (json.dumps(row) + "\n").encode()
@@ -172,12 +455,32 @@ class RowFile:
         self.done.add(row["cell"])
 
 
+def stored_cells(path: Path) -> set[str]:
+    """Cell keys of the complete lines of one rows file; a torn last line (no newline yet: a kill mid-write,
+    or another shard writing now) is not a row.  A complete line that is not a row is an error naming it."""
+    data = path.read_bytes()
+    done = set()
+    for number, line in enumerate(data[:data.rfind(b"\n") + 1].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+            raise ValueError(f"{path} line {number} is not a JSON row ({error}); repair or delete that line") \
+                from None
+        if not isinstance(row, dict) or not isinstance(row.get("cell"), str):
+            raise ValueError(f"{path} line {number} has no \"cell\" key, so it is not a sweep row; "
+                             "repair or delete that line")
+        done.add(row["cell"])
+    return done
+
+
 def finished_cells(out_dir: str | Path, skip: Path | None = None) -> set[str]:
     """Keys of the cells that any complete line of any shard in ``out_dir`` holds (``skip``: one shard left out)."""
     done = set()
     for shard in Path(out_dir).glob("rows*.jsonl"):
         if shard != skip:
-            done |= {json.loads(line)["cell"] for line in shard.read_text().splitlines() if line.endswith("}")}
+            done |= stored_cells(shard)
     return done
 
 
@@ -222,6 +525,10 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
 
     out_dir = Path(out_dir)
     index, shards = shard
+    source = repr(config.get("name"))  # messages read "sweep config 'name': ..."
+    validate(config, source)
+    check_shard(index, shards)
+    check_store(config, out_dir)
     rows = RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl"))
     # cells another sharding already finished are not rerun
     done = rows.done | finished_cells(out_dir, skip=rows.path)
@@ -232,10 +539,11 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     todo = [c for c in grid if (c.task, c.sample) in mine and c.key not in done]
     if not todo:
         return 0
-    model_name = config.get("model", "SmolLM2-135M-Instruct")
+    model_name = config.get("model", DEFAULT_MODEL)
     device = config.get("device", "cpu")
     if model is None:
         model, tokenizer = load_model(model_name, device=device)
+    check_lengths(config, model.config.max_position_embeddings, source)
     seed = int(config.get("seed", 0))
     meta = provenance(model_name, device, seed)
     tasks = {task_label(t): t for t in config["tasks"]}
@@ -247,6 +555,11 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
         group = list(group)
         sample = make_sample(tasks[label], tokenizer, sample_index, seed)
         prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
+        try:  # before decoding: a row past the model's context would be stored as if it were valid
+            engine.check_prompt(model, prompt_ids, max_new)
+        except ValueError as error:
+            raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error} (in the config: lower "
+                             "this task's length, set truncate = N, or lower max_new_tokens)") from None
         policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
         # One prefill per sample, also for prefill-time policies: it records the queries they score with.
         shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
@@ -282,6 +595,7 @@ def run_ray(config: dict, out_dir: str | Path, shards: int, address: str | None 
     own ``rows-<i>.jsonl`` that the store unions.  Returns the rows written."""
     import ray
 
+    check_shard(0, shards)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
