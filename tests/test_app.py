@@ -205,9 +205,34 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     texts, divergence = result[:4], result[8]
     runs = [kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=12)
             for name in ("inertia", "streaming")]
-    assert [t["value"] for t in texts[:2]] == [run.text for run in runs]  # the shared prefill changes nothing
+    streamed = ["".join(e.text for e in run.trace.events) for run in runs]  # token by token, as the tab shows it
+    assert [t["value"] for t in texts[:2]] == streamed  # the shared prefill changes nothing
     first = next(i for i, (a, b) in enumerate(zip(*(run.token_ids for run in runs))) if a != b)
     assert f"**streaming** vs **inertia**: first different token at step {first}" in divergence
+
+
+def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):
+    """The long-generation regime: B = L0 + 5 with 20 new tokens evicts from step 6 on.  A budget the run
+    never fills is refused."""
+    model, tokenizer = tiny
+    prompt_len = len(kvviz.engine.encode_prompt(tokenizer, PROMPT, chat=False))
+    budget = prompt_len + 5
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, budget, 20, False,
+                            api_name="/compare")
+    runs = [kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=budget, max_new_tokens=20)
+            for name in ("inertia", "streaming")]
+    assert [t["value"] for t in result[:2]] == ["".join(e.text for e in run.trace.events) for run in runs]
+    sizes = [e.cache_size for e in runs[0].trace.events]
+    assert sizes[5] == budget and sizes[-1] == budget and not any(len(e.evicted) for e in runs[0].trace.events[:5])
+    with pytest.raises(Exception, match="nothing would be evicted"):
+        client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, prompt_len + 19, 20, False,
+                       api_name="/compare")
+    # The same through the API, whose optional last argument is the budget in tokens.
+    job = client.submit(PROMPT, "inertia", 0.5, 20, False, TINY, "{}", budget, api_name="/generate")
+    list(job)  # to the end
+    steps = job.outputs()
+    assert steps[-1]["budget"] == budget
+    assert [u["kept"] for u in steps] == [e.kept.tolist() for e in runs[0].trace.events]
 
 
 def test_retention_figure_outlines_sinks_and_the_protected_tail(tiny):

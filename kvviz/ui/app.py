@@ -140,9 +140,12 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     engine.check_prompt(model, prompt_ids, max_new)
     if budget_mode == "budget":
         value = whole_number("the budget", budget, 1)
-        if value >= len(prompt_ids):
-            raise ValueError(f"a budget of {value} holds the whole {len(prompt_ids)}-token prompt, so nothing would be "
-                             "evicted; choose a smaller budget")
+        # A budget above the prompt is the long-generation regime (AvoKV-E's): eviction starts once the
+        # generated tokens fill it.  Only a budget that the whole run never reaches is refused.
+        fed = len(prompt_ids) + max_new - 1  # the last token is generated, never fed back
+        if value >= fed:
+            raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} tokens "
+                             f"fed back, so nothing would be evicted; choose a budget below {fed} or more new tokens")
         resolved = value
     else:
         resolved = engine.resolve_budget(len(prompt_ids), compression=fraction("compression", compression))
@@ -356,15 +359,20 @@ def make_probe_handler(limits: Limits):
 
 def make_generate_api(limits: Limits):
     def generate(prompt: str, policy: str = "inertia", compression: float = 0.9, max_new_tokens: int = 64,
-                 chat: bool = True, model: str = "", params: str = "{}") -> Iterator[dict]:
-        """Stream one generation as JSON: per step the text so far and the kept and evicted positions."""
+                 chat: bool = True, model: str = "", params: str = "{}", budget: int = 0) -> Iterator[dict]:
+        """Stream one generation as JSON: per step the text so far and the kept and evicted positions.
+
+        ``budget`` > 0 sizes the cache in tokens instead of ``compression`` (it may exceed the prompt: eviction
+        then starts once generation fills it).
+        """
         try:
             values = json.loads(params or "{}")
             if not isinstance(values, dict):
                 raise ValueError("params must be a JSON object of policy parameters")
             policy_obj = policy_from_inputs(policy, values, strict=True)
-            request = validate(limits, model or limits.models[0], prompt, "compression", compression, 0,
-                               max_new_tokens, chat, [policy_obj])
+            by_budget = budget not in (None, 0)
+            request = validate(limits, model or limits.models[0], prompt, "budget" if by_budget else "compression",
+                               compression, budget, max_new_tokens, chat, [policy_obj])
             policy_obj = policy_from_inputs(policy, values, strict=True)  # fresh state
         except json.JSONDecodeError as error:
             raise gr.Error(f"params is not valid JSON ({error}); send an object such as "
