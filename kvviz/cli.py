@@ -136,6 +136,9 @@ def _read_prompt(args) -> str:
             prompt = Path(args.prompt_file).read_text()
         except OSError as error:
             raise ValueError(f"cannot read --prompt-file {args.prompt_file!r}: {error.strerror}") from None
+        except UnicodeDecodeError as error:
+            raise ValueError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text (byte {error.start}); "
+                             "save it as UTF-8") from None
     else:
         prompt = args.prompt
     if not prompt or not prompt.strip():

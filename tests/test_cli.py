@@ -105,6 +105,16 @@ def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
 
 
+def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    from kvviz.cli import main
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    assert main(["generate", *TINY, "--prompt-file", str(latin1)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "latin1.txt" in err and "not UTF-8" in err and "byte 3" in err
+
+
 def test_refresh_zero_is_score_free(capsys):
     from kvviz.cli import main
 
