@@ -163,6 +163,47 @@ def test_figure_payload_stays_small_for_2k_prompt_and_256_steps():
         assert len(figure.to_json()) <= 300_000
 
 
+def test_rank_rows_rank_only_finite_utilities_and_share_ties():
+    """Kept 0..3 with utilities (inf, .5, .2, .5), budget 4: the protected entry is unranked (blank), the two
+    .5 share descending rank 1.5 and .2 is third, drawn as (rank - 1) / B = .125, .125, .5.  A step whose
+    utilities are all equal (nothing scored yet) has no ranks at all, not a ramp by position."""
+    from kvviz.trace import StepEvent
+
+    view = RunView(4, 4, 4)
+    none = np.empty(0, np.int64)
+    view.add(StepEvent(0, 0, 0, "a", np.arange(4), none, np.zeros(4, np.float32)))
+    view.add(StepEvent(1, 0, 0, "b", np.arange(4), np.array([4]), np.array([np.inf, 0.5, 0.2, 0.5], np.float32)))
+    assert np.isnan(view.ranks[0]).all()
+    np.testing.assert_allclose(view.ranks[1][:4], [np.nan, 0.125, 0.5, 0.125])
+    detail = view.step_detail_figure(1)
+    marker = detail.data[0].marker
+    assert list(marker.symbol) == ["circle"] * 4 + ["x"]  # position 4, evicted now, is drawn
+    y = np.asarray(detail.data[0].y, dtype=float)
+    assert np.isnan(y[0]) and np.allclose(y[1:], [0.5, 0.2, 0.5, 0.2])  # the cross sits at the lowest utility
+    assert "1 kept entries with no finite score" in detail.layout.title.text
+
+
+def test_a_reused_retention_figure_keeps_its_title_and_bands_up_to_date():
+    """Streaming updates the figure in place; once the run outgrows 256 rows the cells cover 2 steps and the
+    title must say so, and the sinks band must reach the last step."""
+    from kvviz.trace import StepEvent
+
+    view = RunView(8, 400, 6, pinned=(2, 0))
+    kept = np.arange(6)
+    view.add(StepEvent(0, 0, 0, "x", kept, np.array([6, 7])))
+    first = view.retention_figure()
+    assert "a cell" not in first.layout.title.text
+    for step in range(1, 300):
+        new = 8 + step - 1
+        view.add(StepEvent(step, 0, 0, "x", np.append(kept[:5], new), np.array([kept[5]])))
+        kept = np.append(kept[:5], new)
+    again = view.retention_figure()
+    assert again is first  # reused in place
+    assert "1 positions × 2 steps" in again.layout.title.text
+    sinks = [shape for shape in again.layout.shapes if shape.type == "rect"][0]
+    assert sinks.y1 == 299.5
+
+
 def test_dockerfile_and_space_front_matter_agree_with_the_app():
     readme = (ROOT / "README.md").read_text()
     front = re.match(r"---\n(.*?)\n---\n", readme, re.S).group(1)

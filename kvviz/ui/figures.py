@@ -15,6 +15,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..diagnostics import ranks as ascending_ranks
 from ..trace import StepEvent
 
 MAX_COLUMNS, MAX_ROWS = 512, 256
@@ -51,8 +52,13 @@ class RunView:
         self.left[event.evicted] = event.step
         row = np.full(self.total, np.nan, dtype=np.float32)
         if event.utility is not None and event.kept.size:
-            order = np.argsort(-event.utility, kind="stable")
-            row[event.kept[order]] = np.arange(order.size, dtype=np.float32) / max(self.budget, 1)
+            # Only finite utilities are ranked: +inf marks what a policy protects or has not scored yet, and
+            # ranking those by position would paint a gradient that means nothing.  Ties share their mean
+            # rank, so a row of equal utilities (e.g. before any scoring) is one colour, not a ramp.
+            scored = np.isfinite(event.utility)
+            if scored.any() and np.ptp(event.utility[scored]) > 0:
+                descending = scored.sum() + 1 - ascending_ranks(event.utility[scored])  # 1 = most useful
+                row[event.kept[scored]] = (descending - 1) / max(self.budget, 1)
         self.ranks.append(row)
         if token_text is not None:
             self.tokens.append(token_text)
@@ -80,28 +86,37 @@ class RunView:
         return _binned_share(np.nan_to_num(ranks), present, col, row), col, row
 
     # -- figures ---------------------------------------------------------------------------------------
-    def _reuse(self, name: str, z: np.ndarray, col: int, row: int, marker_step: int | None) -> go.Figure | None:
+    def _reuse(self, name: str, z: np.ndarray, col: int, row: int, marker_step: int | None,
+               title: str) -> go.Figure | None:
         """While streaming, update the cached figure's heatmap in place (building a figure costs ~10x more)."""
         fig = self._live.get(name)
         if fig is None or marker_step is not None:
             return None
         with fig.batch_update():
             fig.data[0].update(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row)
+            fig.layout.title.text = title  # binning can change as the run grows
         return fig
+
+    def _retention_title(self, col: int, row: int) -> str:
+        binned = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps (mixed cells in between)"
+        return f"Retention: dark kept, pale evicted, blank not yet generated (budget {self.budget}){binned}"
 
     def retention_figure(self, marker_step: int | None = None) -> go.Figure:
         z, col, row = self.retention()
-        if (fig := self._reuse("retention", z, col, row, marker_step)) is not None:
-            for shape in fig.layout.shapes:  # the protected tail moves right one position per step
+        title = self._retention_title(col, row)
+        if (fig := self._reuse("retention", z, col, row, marker_step, title)) is not None:
+            last = max(self.steps - 1, 0)
+            for shape in fig.layout.shapes:  # the pinned bands grow down (sinks) and right (tail) per step
                 if shape.type == "path":
                     shape.path = self._tail_path()
+                elif shape.type == "rect":
+                    shape.y1 = last + 0.5
             return fig
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
-        fig = _heatmap(z, col, row, scale, "kept %{z}%")
+        fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)")
         fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888")
         self._pinned_bands(fig)
-        cells = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps"
-        fig.update_layout(title=f"Retention: dark kept, pale evicted, blank not yet generated (budget {self.budget}){cells}")
+        fig.update_layout(title=title)
         _marker(fig, marker_step)
         if marker_step is None:
             self._live["retention"] = fig
@@ -131,12 +146,14 @@ class RunView:
         if all(np.isnan(r).all() for r in self.ranks):
             return None
         z, col, row = self.rank_matrix()
-        if (fig := self._reuse("rank", z, col, row, marker_step)) is not None:
+        binned = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps"
+        title = f"Utility rank of kept tokens (yellow = most useful; blank = no finite score){binned}"
+        if (fig := self._reuse("rank", z, col, row, marker_step, title)) is not None:
             return fig
         scale = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"], [101 / EMPTY, EMPTY_COLOR],
                  [1, EMPTY_COLOR]]
-        fig = _heatmap(z, col, row, scale, "rank %{z}% of budget")
-        fig.update_layout(title="Utility rank of kept tokens (yellow = most useful)")
+        fig = _heatmap(z, col, row, scale, "rank: %{z}% of the budget (200 = no score)")
+        fig.update_layout(title=title)
         _marker(fig, marker_step)
         if marker_step is None:
             self._live["rank"] = fig
@@ -165,23 +182,44 @@ class RunView:
         return fig
 
     def step_detail_figure(self, step: int) -> go.Figure:
-        """One step in detail: each position present, its utility (or raw score), fate and token on hover."""
+        """One step in detail: each position present, its utility (or raw score), fate and token on hover.
+
+        Entries whose utility is not finite (protected, or not scored since the last checkpoint) cannot be
+        placed on the axis and are counted in the title; entries evicted at this step have no recorded
+        utility (events keep it for the kept entries only) and are drawn as crosses along the bottom.
+        """
         event = self.events[min(step, self.steps - 1)]
-        present = event.present
-        util = dict(zip(event.kept.tolist(), event.utility.tolist())) if event.utility is not None else {}
-        rank = {int(p): i + 1 for i, p in enumerate(event.kept[np.argsort(-event.utility, kind="stable")])} \
-            if event.utility is not None else {}
-        evicted = set(event.evicted.tolist())
-        y = [util.get(int(p), np.nan) for p in present] if util else (event.raw if event.raw is not None
-                                                                        else np.zeros(len(present)))
-        text = [f"pos {p} · {html.escape(self.token(p))!s}<br>utility {util.get(int(p), float('nan')):.4g}"
-                f" · rank {rank.get(int(p), '-')}<br>{'evicted now' if p in evicted else 'kept'}" for p in present]
-        colors = [EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present]
-        fig = go.Figure(go.Scattergl(x=present, y=y, mode="markers", marker=dict(color=colors, size=5),
-                                     hovertext=text, hoverinfo="text"))
-        fig.update_layout(title=f"Step {event.step}: utility of every entry present (hover for token, score, rank)",
-                          xaxis_title="absolute position", yaxis_title="utility", height=300,
-                          margin=dict(l=50, r=20, t=40, b=40))
+        present, evicted = event.present, set(event.evicted.tolist())
+        notes = []
+        if event.utility is not None:
+            utility = dict(zip(event.kept.tolist(), event.utility.tolist()))
+            finite = {p: u for p, u in utility.items() if math.isfinite(u)}
+            order = sorted(finite, key=lambda p: (-finite[p], -p))
+            rank = {p: i + 1 for i, p in enumerate(order)}
+            floor = min(finite.values()) if finite else 0.0
+            y = [floor if p in evicted else finite.get(int(p), np.nan) for p in present]
+            label = "utility"
+            unscored = len(utility) - len(finite)
+            if unscored:
+                notes.append(f"{unscored} kept entries with no finite score not drawn")
+        elif event.raw is not None:
+            utility, rank, y, label = {}, {}, list(event.raw), "raw score of this step"
+        else:
+            utility, rank, y, label = {}, {}, [0.0] * len(present), "no per-entry score"
+            notes.append("this policy keeps no per-entry score (it decides by position)")
+        if evicted and event.utility is not None:
+            notes.append("× evicted now, drawn at the lowest utility (its own is not recorded)")
+        text = [f"pos {p} · {html.escape(self.token(p))!s}<br>"
+                + (f"utility {utility[int(p)]:.4g} · rank {rank.get(int(p), '-')}<br>" if int(p) in utility else "")
+                + ("evicted now" if p in evicted else "kept") for p in present]
+        fig = go.Figure(go.Scattergl(
+            x=present, y=y, mode="markers", hovertext=text, hoverinfo="text",
+            marker=dict(color=[EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present], size=6,
+                        symbol=["x" if p in evicted else "circle" for p in present])))
+        title = f"Step {event.step}: {label} of each entry present (hover for token, score, rank)"
+        fig.update_layout(title=title + "".join(f"<br><sup>{note}</sup>" for note in notes),
+                          xaxis_title="absolute position", yaxis_title=label, height=300 + 15 * len(notes),
+                          margin=dict(l=50, r=20, t=40 + 15 * len(notes), b=40))
         return fig
 
     # -- tokens ----------------------------------------------------------------------------------------
