@@ -297,3 +297,8 @@ def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(
     description = _show_parameters("inertia", TINY)[0]
     assert "0.512" in description  # 0.8 ** 3
     assert "0.8" in _show_parameters("inertia-decoupled", TINY)[0].split("Previous-step weight on")[1]
+    # With alpha changed in its widget the weight follows: 0.3 ** 3 = 0.027.
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _describe
+
+    widgets = [0.3 if name == "alpha" else PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    assert "**0.027**" in _describe("inertia", TINY, *widgets)

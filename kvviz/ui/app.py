@@ -414,15 +414,27 @@ def _parameter_widget(p: dict):
 def _show_parameters(policy_name: str, model_name: str | None = None):
     spec = REGISTRY.get(policy_name)
     own = {p["name"]: p for p in spec.parameters()} if spec else {}
-    description = f"**{spec.display}** ({spec.family}). {spec.description}" + (f" *{spec.paper}*" if spec.paper else "") \
-        if spec else ""
+    return [_describe(policy_name, model_name)] + [_parameter_update(own[name]) if name in own
+                                                   else gr.update(visible=False) for name in PARAM_NAMES]
+
+
+def _describe(policy_name: str, model_name: str | None = None, *param_values) -> str:
+    """The policy's description, with the previous-step weight its current parameters give on the loaded model."""
+    spec = REGISTRY.get(policy_name)
+    if spec is None:
+        return ""
+    description = f"**{spec.display}** ({spec.family}). {spec.description}" + (f" *{spec.paper}*" if spec.paper else "")
     loaded = _models.get(model_name or "")
-    if spec and loaded:  # say how much memory across steps this rule keeps on the model in use
-        weight = spec.build().previous_step_weight(loaded[0].config.num_hidden_layers)
+    if loaded:  # how much memory across steps this rule keeps on the model in use
+        try:
+            policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values))) if param_values \
+                else spec.build()
+        except ValueError:
+            return description  # a value being typed; Run reports it
+        weight = policy.previous_step_weight(loaded[0].config.num_hidden_layers)
         if weight is not None:
-            description += f" Previous-step weight on {model_name}: **{weight:.3g}**."
-    return [description] + [_parameter_update(own[name]) if name in own else gr.update(visible=False)
-                            for name in PARAM_NAMES]
+            description += f" Previous-step weight on {model_name} with these parameters: **{weight:.3g}**."
+    return description
 
 
 def _parameter_update(p: dict):
@@ -487,8 +499,14 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                              concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
                              api_visibility="undocumented")  # the API is /generate; /live drives the widgets
             stop.click(None, cancels=[live])
-            step_slider.release(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False)
+            # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
+            step_slider.input(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False,
+                              trigger_mode="always_last")
             policy.change(_show_parameters, [policy, model], [description, *widgets], api_name=False)
+            for widget in widgets:  # e.g. alpha changes the previous-step weight the description states
+                widget.input(_describe, [policy, model, *widgets], description, api_name=False,
+                             trigger_mode="always_last")
+            model.change(_describe, [policy, model, *widgets], description, api_name=False)
             example.change(lambda name: EXAMPLES.get(name, ""), example, prompt, api_name=False)
             app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
