@@ -371,3 +371,20 @@ def test_refresh_curve_follows_the_registry_presets(tmp_path):
     refresh = Store(tmp_path, defaults=defaults).refresh_curve()
     # single-step changes alpha, not only r: not a point of the refresh curve
     assert refresh[["refresh", "score"]].values.tolist() == [[0, 0.1], [2, 0.4], [8, 0.3]]
+
+
+def test_measured_and_paper_scores_get_their_own_panels():
+    """Measured fractions and paper percentages on one axis flatten the measured curves to 0: with both
+    sources selected, each has its own panel and y axis."""
+    import pandas as pd
+
+    from kvviz.ui.results import _line_figure
+
+    frame = pd.DataFrame({"source": ["measured", "measured", "paper", "paper"], "model": ["m"] * 4,
+                          "task": ["t"] * 4, "policy": ["inertia"] * 4, "compression": [0.5, 0.9, 0.5, 0.9],
+                          "score": [0.9, 0.2, 90.0, 40.0]})
+    both = _line_figure(frame, "compression", "score", "title", "ρ", "mean score")
+    assert [(trace.yaxis, trace.name.split(" · ")[0]) for trace in both.data] == [("y", "measured"), ("y2", "paper")]
+    assert [a.text for a in both.layout.annotations] == ["measured (mean score)", "paper (mean score)"]
+    one = _line_figure(frame[frame.source == "measured"], "compression", "score", "title", "ρ", "mean score")
+    assert [trace.yaxis for trace in one.data] == ["y"] and not one.layout.annotations

@@ -46,7 +46,13 @@ def _empty(fig: go.Figure, text: str = "no rows for these filters") -> go.Figure
 
 def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str,
                  colours: Colours | None = None) -> go.Figure:
-    fig = go.Figure()
+    # Measured scores are fractions, papers print percentages: with both sources selected each gets its own
+    # panel and y axis, so neither is flattened against the other's scale.
+    sources = list(dict.fromkeys(frame["source"])) if "source" in frame and not frame.empty else []
+    if len(sources) > 1:
+        fig = make_subplots(rows=1, cols=len(sources), subplot_titles=[f"{s} ({ylabel})" for s in sources])
+    else:
+        fig = go.Figure()
     if frame.empty:
         _empty(fig)
     group_cols = [c for c in ("source", "model", "task", "policy", "compression") if c in frame and c not in (x,)]
@@ -63,10 +69,12 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
         # ± one standard error over samples, where there are several (paper rows are single numbers)
         error = dict(type="data", array=part["stderr"], visible=True, thickness=1) \
             if "stderr" in part and part["stderr"].notna().any() and len(xs) == len(part) else None
+        panel = dict(row=1, col=sources.index(keys[group_cols.index("source")]) + 1) if len(sources) > 1 else {}
         fig.add_scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(dash=dash, color=colour),
-                        error_y=error)
-    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=380, margin=MARGIN,
-                      legend=dict(font=dict(size=10)))
+                        error_y=error, **panel)
+    fig.update_layout(title=title, height=380, margin=MARGIN, legend=dict(font=dict(size=10)))
+    fig.update_xaxes(title_text=xlabel)
+    fig.update_yaxes(title_text=ylabel)
     return fig
 
 
