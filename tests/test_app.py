@@ -183,6 +183,25 @@ def test_rank_rows_rank_only_finite_utilities_and_share_ties():
     assert "1 kept entries with no finite score" in detail.layout.title.text
 
 
+def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_say_why_over_budget(tiny):
+    from kvviz.ui.app import stats_markdown
+
+    model, tokenizer = tiny
+    streaming = kvviz.run(model, tokenizer, PROMPT, "streaming", chat=False, budget=20, max_new_tokens=6).trace
+    view = RunView(streaming.prompt_len, 6, 20)
+    for event in streaming.events:
+        view.add(event)
+    panel = view.rank_figure()
+    assert "no per-entry utility" in panel.layout.annotations[0].text
+    assert "**tokens** 6 / 6" in stats_markdown(view, 1.0) and "over B" not in stats_markdown(view, 1.0)
+    snapkv = kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("snapkv", window=4), chat=False, budget=20,
+                       max_new_tokens=6).trace
+    view = RunView(snapkv.prompt_len, 6, 20)
+    for event in snapkv.events:
+        view.add(event)
+    assert snapkv.events[-1].cache_size == 25 and "over B" in stats_markdown(view, 1.0)
+
+
 def test_a_reused_retention_figure_keeps_its_title_and_bands_up_to_date():
     """Streaming updates the figure in place; once the run outgrows 256 rows the cells cover 2 steps and the
     title must say so, and the sinks band must reach the last step."""

@@ -166,8 +166,12 @@ def stats_markdown(view: RunView, elapsed: float) -> str:
     decode_time = forward + score + evict
     rate = len(steps) / decode_time if decode_time else 0.0
     share = (lambda x: f"{x / decode_time:.0%}") if decode_time else (lambda x: "-")
-    return (f"**prompt** {view.prompt_len} tokens · **budget** {view.budget} · **cache** {last.cache_size} entries "
-            f"({last.cache_bytes / 2**20:.2f} MiB) · **evicted this step** {last.evicted.size} · **decode** {rate:.1f} tok/s"
+    tokens = view.total - view.prompt_len
+    # Some policies evict only at checkpoints (AvoKV-E, R-KV) or at prefill (SnapKV): say why the cache is over B.
+    over = " (over B: this policy does not evict at every step)" if last.cache_size > view.budget else ""
+    return (f"**tokens** {last.step + 1} / {tokens} · **prompt** {view.prompt_len} tokens · **budget** "
+            f"{view.budget} · **cache** {last.cache_size} entries ({last.cache_bytes / 2**20:.2f} MiB){over} · "
+            f"**evicted this step** {last.evicted.size} · **decode** {rate:.1f} tok/s"
             f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)} · {elapsed:.1f} s")
 
 

@@ -144,7 +144,10 @@ class RunView:
 
     def rank_figure(self, marker_step: int | None = None) -> go.Figure | None:
         if all(np.isnan(r).all() for r in self.ranks):
-            return None
+            if any(e.utility is not None for e in self.events) or not self.events:
+                return None  # nothing ranked yet (a scoring policy before its first finite scores)
+            return _empty_figure("This policy keeps no per-entry utility: it decides by position alone "
+                                 "(e.g. StreamingLLM, Recency), so there is nothing to rank.")
         z, col, row = self.rank_matrix()
         binned = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps"
         title = f"Utility rank of kept tokens (yellow = most useful; blank = no finite score){binned}"
@@ -171,13 +174,15 @@ class RunView:
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                             subplot_titles=("cache entries", "evicted this step", "time per step (ms)"))
         fig.add_scatter(x=steps, y=[e.cache_size for e in self.events], name="cache", row=1, col=1)
-        fig.add_hline(y=self.budget, line_dash="dot", line_color="#c44", row=1, col=1)
+        fig.add_hline(y=self.budget, line_dash="dot", line_color="#c44", row=1, col=1,
+                      annotation_text=f"budget B = {self.budget}", annotation_position="top left")
         fig.add_bar(x=steps, y=[e.evicted.size for e in self.events], name="evicted", row=2, col=1)
         for field, label in (("t_forward", "forward"), ("t_score", "scoring"), ("t_evict", "eviction")):
             fig.add_scatter(x=steps[1:], y=[1e3 * getattr(e, field) for e in self.events[1:]], name=label,
                             stackgroup="time", row=3, col=1)
-        fig.update_layout(height=420, margin=dict(l=50, r=20, t=30, b=30), showlegend=True,
-                          legend=dict(orientation="h", y=-0.1))
+        fig.update_xaxes(title_text="decode step (0 = prefill)", row=3, col=1)
+        fig.update_layout(height=440, margin=dict(l=50, r=20, t=30, b=40), showlegend=True,
+                          legend=dict(orientation="h", y=-0.15, traceorder="normal"))
         self._live["timeline"] = fig
         return fig
 
@@ -269,6 +274,13 @@ def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str) -> go.Fi
     fig.update_layout(xaxis_title="absolute position", yaxis_title="decode step", height=360,
                       margin=dict(l=50, r=20, t=40, b=40))
     fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def _empty_figure(text: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(height=160, margin=dict(l=20, r=20, t=20, b=20), xaxis_visible=False, yaxis_visible=False)
     return fig
 
 
