@@ -211,14 +211,14 @@ def test_a_reused_retention_figure_keeps_its_title_and_bands_up_to_date():
     kept = np.arange(6)
     view.add(StepEvent(0, 0, 0, "x", kept, np.array([6, 7])))
     first = view.retention_figure()
-    assert "a cell" not in first.layout.title.text
+    assert "cell =" not in first.layout.title.text
     for step in range(1, 300):
         new = 8 + step - 1
         view.add(StepEvent(step, 0, 0, "x", np.append(kept[:5], new), np.array([kept[5]])))
         kept = np.append(kept[:5], new)
     again = view.retention_figure()
     assert again is first  # reused in place
-    assert "1 positions × 2 steps" in again.layout.title.text
+    assert "cell = 1 pos × 2 steps" in again.layout.title.text
     sinks = [shape for shape in again.layout.shapes if shape.type == "rect"][0]
     assert sinks.y1 == 299.5
 

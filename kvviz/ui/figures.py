@@ -98,8 +98,8 @@ class RunView:
         return fig
 
     def _retention_title(self, col: int, row: int) -> str:
-        binned = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps (mixed cells in between)"
-        return f"Retention: dark kept, pale evicted, blank not yet generated (budget {self.budget}){binned}"
+        binned = "" if col == row == 1 else f" · cell = {col} pos × {row} steps"  # mixed cells shade in between
+        return f"Retention (B = {self.budget}): dark kept, pale evicted, blank not yet generated{binned}"
 
     def retention_figure(self, marker_step: int | None = None) -> go.Figure:
         z, col, row = self.retention()
@@ -149,8 +149,8 @@ class RunView:
             return _empty_figure("This policy keeps no per-entry utility: it decides by position alone "
                                  "(e.g. StreamingLLM, Recency), so there is nothing to rank.")
         z, col, row = self.rank_matrix()
-        binned = "" if col == row == 1 else f" · a cell = {col} positions × {row} steps"
-        title = f"Utility rank of kept tokens (yellow = most useful; blank = no finite score){binned}"
+        binned = "" if col == row == 1 else f" · cell = {col} pos × {row} steps"
+        title = f"Utility rank of kept tokens (yellow = most useful, blank = unscored){binned}"
         if (fig := self._reuse("rank", z, col, row, marker_step, title)) is not None:
             return fig
         scale = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"], [101 / EMPTY, EMPTY_COLOR],
