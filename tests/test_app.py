@@ -202,6 +202,19 @@ def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_s
     assert snapkv.events[-1].cache_size == 25 and "over B" in stats_markdown(view, 1.0)
 
 
+def test_the_prompt_size_shows_before_a_run(tiny):
+    from kvviz.ui.app import _models, make_prompt_counter
+
+    count = make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=50))
+    _models.pop("tiny-random-qwen2", None)
+    assert "once tiny-random-qwen2 is loaded" in count("tiny-random-qwen2", PROMPT, False)
+    _models[TINY] = tiny
+    tokens = len(kvviz.engine.encode_prompt(tiny[1], PROMPT, chat=False))
+    assert tokens > 50 and count(TINY, PROMPT, False) == f"*{tokens} tokens: over the limit of 50, shorten it*"
+    assert count(TINY, "short", False) == f"*{len(kvviz.engine.encode_prompt(tiny[1], 'short', chat=False))} tokens (limit 50)*"
+    assert count(TINY, "   ", True) == "*empty prompt*"
+
+
 def test_a_reused_retention_figure_keeps_its_title_and_bands_up_to_date():
     """Streaming updates the figure in place; once the run outgrows 256 rows the cells cover 2 steps and the
     title must say so, and the sinks band must reach the last step."""

@@ -415,6 +415,22 @@ def _parameter_widget(p: dict):
     return gr.Textbox(value=str(p["default"]), label=label, visible=False)
 
 
+def make_prompt_counter(limits: Limits):
+    def count_tokens(model_name: str, prompt: str, chat: bool) -> str:
+        """The prompt's length in the model's tokens, before Run (once the model is loaded: no load here)."""
+        if not prompt or not prompt.strip():
+            return "*empty prompt*"
+        loaded = _models.get(model_name or "")
+        if loaded is None:
+            return f"*the token count shows once {model_name} is loaded (at its first run)*"
+        tokens = len(engine.encode_prompt(loaded[1], prompt, chat=bool(chat)))
+        over = f": over the limit of {limits.max_prompt_tokens}, shorten it" if tokens > limits.max_prompt_tokens \
+            else f" (limit {limits.max_prompt_tokens})"
+        return f"*{tokens} tokens{over}*"
+
+    return count_tokens
+
+
 def _show_parameters(policy_name: str, model_name: str | None = None):
     spec = REGISTRY.get(policy_name)
     own = {p["name"]: p for p in spec.parameters()} if spec else {}
@@ -473,6 +489,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             with gr.Row():
                 with gr.Column(scale=1):
                     prompt = gr.Textbox(label="Prompt", lines=8, value=EXAMPLES["Passkey in a haystack"])
+                    prompt_size = gr.Markdown()
                     example = gr.Dropdown(list(EXAMPLES), label="Examples", value="Passkey in a haystack")
                     model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
                     policy = gr.Dropdown(policy_choices, value="inertia", label="Policy")
@@ -512,6 +529,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                              trigger_mode="always_last")
             model.change(_describe, [policy, model, *widgets], description, api_name=False)
             example.change(lambda name: EXAMPLES.get(name, ""), example, prompt, api_name=False)
+            counter, count_inputs = make_prompt_counter(limits), [model, prompt, chat]
+            for trigger in (prompt.change, model.change, chat.change):
+                trigger(counter, count_inputs, prompt_size, api_name=False, trigger_mode="always_last")
+            app.load(counter, count_inputs, prompt_size, api_name=False)
+            live.then(counter, count_inputs, prompt_size, api_name=False)  # the first run loads the model
             app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
         with gr.Tab("Compare"):
