@@ -250,8 +250,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
         with gr.Accordion(title, open=title in ("Quality vs compression", "Measured vs paper")):
             if title == "Measured vs paper":
                 gr.Markdown("Paper rows are each benchmark's printed aggregate; measured rows are the tasks that "
-                            "stand in for it here (e.g. the RULER-style generators), each divided by the full "
-                            "cache's score on the same task, then averaged. Models differ: compare shapes, not levels. "
+                            "stand in for it here (e.g. the RULER-style generators): their mean score divided by "
+                            "the full cache's mean score on the same tasks. Models differ: compare shapes, not levels. "
                             "The policy filter applies; model, task and source do not.")
                 suite = gr.Dropdown(suites or ["RULER"], value=(suites or ["RULER"])[0], label="Benchmark")
             plot = gr.Plot()
