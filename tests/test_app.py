@@ -202,6 +202,11 @@ def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_s
     assert snapkv.events[-1].cache_size == 25 and "over B" in stats_markdown(view, 1.0)
 
 
+def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
+    with pytest.raises(Exception, match="probing step 5000 decodes 5008 tokens"):
+        client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")
+
+
 def test_the_prompt_size_shows_before_a_run(tiny):
     from kvviz.ui.app import _models, make_prompt_counter
 

@@ -115,6 +115,14 @@ def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path, capsys):
     assert err.count("\n") == 0 and "latin1.txt" in err and "not UTF-8" in err and "byte 3" in err
 
 
+def test_a_probe_step_past_the_context_names_the_step(capsys):
+    from kvviz.cli import main
+
+    assert main(["probe", *TINY, "--prompt", TEXT, "--step", "5000", "--policies", "inertia"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--step 5000" in err and "context of 4096" in err
+
+
 def test_refresh_zero_is_score_free(capsys):
     from kvviz.cli import main
 
