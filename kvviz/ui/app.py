@@ -197,7 +197,7 @@ def make_live_handler(limits: Limits):
             raise unexpected("starting the run", error) from None
         view = RunView(len(request.prompt_ids), request.max_new_tokens, request.budget,
                        token_texts(request.tokenizer, request.prompt_ids), policy.pinned(request.budget))
-        text, last_figure, last_fate, start = "", 0.0, 0.0, time.perf_counter()
+        text, last_figure, last_secondary, last_fate, start = "", 0.0, 0.0, 0.0, time.perf_counter()
         # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming.
         yield ("", "", None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
                None, None)
@@ -209,11 +209,16 @@ def make_live_handler(limits: Limits):
                 now = time.perf_counter()
                 if now - last_figure >= FIGURE_EVERY_S:
                     last_figure = now
-                    fate = gr.skip()
-                    if now - last_fate >= 10 * FIGURE_EVERY_S:  # the token view is larger: once a second
+                    # The retention heatmap animates at the full rate; the rank heatmap, the per-step plot and
+                    # the token view every half second or second: each redraw costs the browser more than
+                    # the server, and a fast model otherwise saturates the page.
+                    fate = rank = timeline = gr.skip()
+                    if now - last_secondary >= 5 * FIGURE_EVERY_S:
+                        last_secondary, rank, timeline = now, view.rank_figure(), view.timeline_figure()
+                    if now - last_fate >= 10 * FIGURE_EVERY_S:
                         last_fate, fate = now, view.fate_html()
-                    yield (text, stats_markdown(view, now - start), view.retention_figure(), view.rank_figure(),
-                           view.timeline_figure(), fate, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                    yield (text, stats_markdown(view, now - start), view.retention_figure(), rank, timeline, fate,
+                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
                 else:
                     yield (text, *[gr.skip()] * 10)
             trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events)
