@@ -162,12 +162,7 @@ def cmd_probe(args) -> int:
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
-    limit = model.config.max_position_embeddings
-    if len(prompt_ids) + args.step + args.future > limit:  # the probe decodes step + future tokens
-        raise ValueError(f"--step {args.step} with --future {args.future} decodes past the model's context of {limit} "
-                         f"after this {len(prompt_ids)}-token prompt; use --step "
-                         f"{max(limit - len(prompt_ids) - args.future, 0)} or less, or a shorter prompt")
-    engine.check_prompt(model, prompt_ids, args.step + args.future)
+    probe.check_fits(model, prompt_ids, args.step, args.future, step_name="--step")
     result = probe.probe(model, tokenizer, prompt_ids, args.step, policies=policies, sample=args.sample,
                          seed=args.seed, future=args.future, batch=args.batch)
     quality = {name: probe.ranking_quality(u, result.damage) for name, u in result.utilities.items()}

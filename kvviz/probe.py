@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from .diagnostics import ranks, spearman
-from .engine import cache_kwarg, decode
+from .engine import cache_kwarg, check_prompt, decode
 from .policies import Policy
 from .policies.checkpointed import CheckpointPolicy
 from .policies.full import FullCache
@@ -106,6 +106,16 @@ def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy, s
         pass
     utility = policy.utility(torch.arange(prefix_len))
     return None if utility is None else utility.float().numpy()
+
+
+def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: str = "step") -> None:
+    """Refuse, in terms of the probed step, a probe whose ``step + future`` decoded tokens pass the context."""
+    limit = model.config.max_position_embeddings
+    if len(prompt_ids) + step + future > limit:
+        raise ValueError(f"probing {step_name} {step} decodes {step + future} tokens after this {len(prompt_ids)}-token "
+                         f"prompt, beyond the model's context of {limit}; choose {step_name} "
+                         f"{max(limit - len(prompt_ids) - future, 0)} or less, or a shorter prompt")
+    check_prompt(model, prompt_ids, step + future)
 
 
 def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[str, Policy] | None = None,

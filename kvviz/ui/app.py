@@ -333,7 +333,7 @@ def jaccard_figure(names, views) -> go.Figure:
 
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import probe, ranking_quality
+        from ..probe import check_fits, probe, ranking_quality
 
         names = list(dict.fromkeys(names or []))
         try:
@@ -347,12 +347,7 @@ def make_probe_handler(limits: Limits):
                 raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit is {limits.max_prompt_tokens}")
             step = whole_number("the probe step", step, 1)
             sample = whole_number("entries sampled", sample or 0, 0)
-            limit = model.config.max_position_embeddings
-            if len(prompt_ids) + step + 8 > limit:  # the probe decodes step + 8 tokens after the prompt
-                raise ValueError(f"probing step {step} decodes {step + 8} tokens after this {len(prompt_ids)}-token "
-                                 f"prompt, beyond the model's context of {limit}; choose a step of at most "
-                                 f"{max(limit - len(prompt_ids) - 8, 0)} or a shorter prompt")
-            engine.check_prompt(model, prompt_ids, step + 8)
+            check_fits(model, prompt_ids, step, 8)
             result = probe(model, tokenizer, prompt_ids, step, policies={n: get_spec(n).build() for n in names},
                            sample=sample or None, future=8)
             rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
