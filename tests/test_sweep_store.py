@@ -384,7 +384,57 @@ def test_measured_and_paper_scores_get_their_own_panels():
                           "task": ["t"] * 4, "policy": ["inertia"] * 4, "compression": [0.5, 0.9, 0.5, 0.9],
                           "score": [0.9, 0.2, 90.0, 40.0]})
     both = _line_figure(frame, "compression", "score", "title", "ρ", "mean score")
-    assert [(trace.yaxis, trace.name.split(" · ")[0]) for trace in both.data] == [("y", "measured"), ("y2", "paper")]
-    assert [a.text for a in both.layout.annotations] == ["measured (mean score)", "paper (mean score)"]
+    assert [(trace.yaxis, list(trace.y), trace.line.dash) for trace in both.data] == [
+        ("y", [0.9, 0.2], "solid"), ("y2", [90.0, 40.0], "dash")]
+    assert [a.text for a in both.layout.annotations] == ["measured", "paper"]
+    assert both.layout.yaxis2.matches is None  # the two scales are never tied together
+    assert both.layout.title.text == "title · m · t"  # what every panel shares is said once
     one = _line_figure(frame[frame.source == "measured"], "compression", "score", "title", "ρ", "mean score")
     assert [trace.yaxis or "y" for trace in one.data] == ["y"] and not one.layout.annotations  # one plain axis
+
+
+def test_quality_figure_has_a_panel_per_task_and_a_line_per_policy():
+    """With every task selected, small multiples: a panel per task on one x and one y range, each policy in
+    its own colour in every panel and listed once in the legend; the full cache a flat reference line."""
+    import pandas as pd
+
+    from kvviz.ui.results import Colours, _line_figure
+
+    rows = [("t1", "full", None, 1.0), ("t1", "tova", 0.5, 0.8), ("t1", "tova", 0.9, 0.3),
+            ("t2", "full", None, 0.6), ("t2", "tova", 0.5, 0.5), ("t2", "tova", 0.75, 0.1),
+            ("t3", "tova", 0.9, 0.0), ("t3", "h2o", 0.9, 0.2)]
+    frame = pd.DataFrame([{"source": "measured", "model": "m", "task": t, "policy": p, "compression": c,
+                           "score": v} for t, p, c, v in rows])
+    colours = Colours(["full", "h2o", "tova"])
+    fig = _line_figure(frame, "compression", "score", "Q", "ρ", "mean score", colours)
+    assert [a.text for a in fig.layout.annotations] == ["t1", "t2", "t3"]
+    drawn = [(trace.xaxis, trace.name, list(trace.x), list(trace.y), trace.line.color, trace.showlegend)
+             for trace in fig.data]
+    assert drawn == [
+        ("x", "full", [0.5, 0.9], [1.0, 1.0], colours("full"), True),  # across this panel's own ρ range
+        ("x", "tova", [0.5, 0.9], [0.8, 0.3], colours("tova"), True),
+        ("x2", "full", [0.5, 0.75], [0.6, 0.6], colours("full"), False),
+        ("x2", "tova", [0.5, 0.75], [0.5, 0.1], colours("tova"), False),
+        ("x3", "h2o", [0.9], [0.2], colours("h2o"), True),
+        ("x3", "tova", [0.9], [0.0], colours("tova"), False)]
+    assert len({trace.legendgroup for trace in fig.data}) == 3  # one legend click toggles a policy everywhere
+    assert (fig.layout.xaxis2.matches, fig.layout.xaxis3.matches) == ("x", "x")
+    assert (fig.layout.yaxis2.matches, fig.layout.yaxis3.matches) == ("y", "y")
+    assert fig.layout.title.text == "Q · measured · m"
+
+
+def test_refresh_figure_has_a_panel_per_task_with_speed_on_a_shared_right_axis():
+    import pandas as pd
+
+    from kvviz.ui.results import _refresh_figure
+
+    frame = pd.DataFrame([{"source": "measured", "model": "m", "task": t, "compression": 0.9, "refresh": r,
+                           "score": score, "decode_tok_s": speed}
+                          for t, r, score, speed in (("a", 0, 0.5, 9.0), ("a", 4, 0.6, 8.0), ("b", 0, 0.1, 9.5),
+                                                     ("b", 4, 0.2, 8.5))])
+    fig = _refresh_figure(frame)
+    assert [(trace.name, trace.yaxis, list(trace.y)) for trace in fig.data] == [
+        ("ρ=0.9 score", "y", [0.5, 0.6]), ("ρ=0.9 tok/s", "y2", [9.0, 8.0]),
+        ("ρ=0.9 score", "y3", [0.1, 0.2]), ("ρ=0.9 tok/s", "y4", [9.5, 8.5])]
+    assert (fig.layout.yaxis3.matches, fig.layout.yaxis4.matches) == ("y", "y2")
+    assert fig.layout.yaxis4.title.text == "decode tok/s (measured)" and fig.layout.yaxis2.title.text is None

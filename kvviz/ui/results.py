@@ -44,37 +44,100 @@ def _empty(fig: go.Figure, text: str = "no rows for these filters") -> go.Figure
     return fig
 
 
-def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str,
-                 colours: Colours | None = None) -> go.Figure:
-    # Measured scores are fractions, papers print percentages: with both sources selected each gets its own
-    # panel and y axis, so neither is flattened against the other's scale.
-    sources = list(dict.fromkeys(frame["source"])) if "source" in frame and not frame.empty else []
-    if len(sources) > 1:
-        fig = make_subplots(rows=1, cols=len(sources), subplot_titles=[f"{s} ({ylabel})" for s in sources])
-    else:
-        fig = go.Figure()
+FACETS = ("source", "model", "task")  # what splits a figure into panels, when it varies
+
+
+def _label(column: str, value) -> str:
+    if column == "compression":
+        return "full" if value != value else f"ρ={value:g}"  # NaN: the full cache has no ρ
+    return str(value)
+
+
+def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = None, columns: int = 3):
+    """Small multiples: one panel per combination of source / model / task that varies in ``frame``.
+
+    A column that takes one value goes into the title instead. Panels of one source share their y range
+    (measured scores are fractions, papers print percentages, so sources never share one); ``y2label``
+    gives every panel a right-hand axis, shared the same way and titled on the right edge. Returns the
+    figure and ``[(panel keys, rows, row, col)]`` in drawing order; :func:`_axis_titles` labels the x axes
+    once the traces are in.
+    """
+    varying = [c for c in FACETS if c in frame and frame[c].nunique(dropna=False) > 1]
+    fixed = [_label(c, frame[c].iloc[0]) for c in FACETS if c in frame and c not in varying and not frame.empty]
+    groups = list(frame.groupby(varying, dropna=False, sort=True)) if varying else [((), frame)]
+    columns = min(columns, len(groups))
+    rows = math.ceil(len(groups) / columns)
+    titles = [" · ".join(_label(c, v) for c, v in zip(varying, keys if isinstance(keys, tuple) else (keys,)))
+              for keys, _ in groups] if varying else None
+    height = 120 + 260 * rows
+    fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.1 if y2label else 0.06,
+                        vertical_spacing=70 / (height - MARGIN["t"] - MARGIN["b"]),  # room for ticks and a title
+                        specs=[[{"secondary_y": bool(y2label)}] * columns] * rows)
+    panels, first_axis = [], {}  # (source, secondary) -> the axis the others of that source match
+    for index, (keys, part) in enumerate(groups):
+        row, col = index // columns + 1, index % columns + 1
+        panels.append((keys, part, row, col))
+        source = part["source"].iloc[0] if "source" in part and not part.empty else None
+        for secondary in (False, True) if y2label else (False,):
+            axis = fig.get_subplot(row, col, secondary_y=secondary).yaxis.plotly_name.replace("axis", "")  # "y3"
+            if (source, secondary) in first_axis:
+                fig.update_yaxes(matches=first_axis[source, secondary], row=row, col=col, secondary_y=secondary)
+            else:
+                first_axis[source, secondary] = axis
+        if y2label and (col == columns or index == len(groups) - 1):
+            fig.update_yaxes(title_text=y2label, row=row, col=col, secondary_y=True)
+        fig.update_yaxes(title_text=ylabel if col == 1 else None, row=row, col=col, secondary_y=False)
+        if index:
+            fig.update_xaxes(matches="x", row=row, col=col)  # one x range: panels compare at a glance
+    fig.update_layout(title=title + (f" · {' · '.join(fixed)}" if fixed else ""), height=height,
+                      margin=MARGIN, legend=dict(font=dict(size=10)))
+    fig.update_annotations(font_size=11)
     if frame.empty:
         _empty(fig)
-    group_cols = [c for c in ("source", "model", "task", "policy", "compression") if c in frame and c not in (x,)]
-    for keys, part in frame.groupby(group_cols, dropna=False):
-        keys = keys if isinstance(keys, tuple) else (keys,)
-        label = " · ".join(str(k) for k in keys)
-        dash = "dash" if "source" in group_cols and keys[group_cols.index("source")] == "paper" else "solid"
-        policy = keys[group_cols.index("policy")] if "policy" in group_cols else None
-        xs, ys = part[x], part[y]
-        if x == "compression" and policy == "full" and len(part) == 1 and frame[x].notna().any():
-            # The full cache does not depend on the compression: draw it as a reference across the range.
-            xs, ys, dash = [frame[x].min(), frame[x].max()], [ys.iloc[0]] * 2, "dot"
-        colour = colours(policy) if colours and policy else None
-        # ± one standard error over samples, where there are several (paper rows are single numbers)
-        error = dict(type="data", array=part["stderr"], visible=True, thickness=1) \
-            if "stderr" in part and part["stderr"].notna().any() and len(xs) == len(part) else None
-        panel = dict(row=1, col=sources.index(keys[group_cols.index("source")]) + 1) if len(sources) > 1 else {}
-        fig.add_scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(dash=dash, color=colour),
-                        error_y=error, **panel)
-    fig.update_layout(title=title, height=380, margin=MARGIN, legend=dict(font=dict(size=10)))
-    fig.update_xaxes(title_text=xlabel)
-    fig.update_yaxes(title_text=ylabel)
+    return fig, panels
+
+
+def _axis_titles(fig: go.Figure, panels: list, xlabel: str) -> None:
+    """The x title under the lowest panel of each column only: above, it would collide with the titles of
+    the panels below."""
+    lowest = {}
+    for _, _, row, col in panels:
+        lowest[col] = max(row, lowest.get(col, 0))
+    for col, row in lowest.items():
+        fig.update_xaxes(title_text=xlabel, row=row, col=col)
+
+
+def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str,
+                 colours: Colours | None = None) -> go.Figure:
+    """``y`` against ``x``, a panel per source / model / task, a line per policy (and compression, if not x).
+
+    A line has one colour and one legend entry across the panels (a policy its usual colour); clicking it
+    in the legend toggles it everywhere.  Paper rows are dashed.
+    """
+    fig, panels = _facets(frame, title, ylabel)
+    line_cols = [c for c in ("policy", "compression") if c in frame and c != x]
+    palette = {}  # lines that are not a single policy (α sensitivity: one per ρ) share colours across panels
+    shown = set()
+    for _, panel, row, col in panels:
+        for keys, part in panel.groupby(line_cols, dropna=False, sort=True):
+            keys = keys if isinstance(keys, tuple) else (keys,)
+            values = dict(zip(line_cols, keys))
+            policy = values.get("policy")
+            label = " · ".join(_label(c, v) for c, v in values.items())
+            colour = colours(policy) if colours and line_cols == ["policy"] else None
+            colour = colour or palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
+            dash = "dash" if part["source"].iloc[0] == "paper" else "solid"
+            xs, ys = part[x], part[y]
+            if x == "compression" and policy == "full" and len(part) == 1 and panel[x].notna().any():
+                # The full cache does not depend on the compression: a reference across the panel's range.
+                xs, ys, dash = [panel[x].min(), panel[x].max()], [ys.iloc[0]] * 2, "dot"
+            # ± one standard error over samples, where there are several (paper rows are single numbers)
+            error = dict(type="data", array=part["stderr"], visible=True, thickness=1) \
+                if "stderr" in part and part["stderr"].notna().any() and len(xs) == len(part) else None
+            fig.add_scatter(x=xs, y=ys, name=label, legendgroup=label, showlegend=label not in shown,
+                            mode="lines+markers", line=dict(dash=dash, color=colour), error_y=error, row=row, col=col)
+            shown.add(label)
+    _axis_titles(fig, panels, xlabel)
     return fig
 
 
@@ -111,23 +174,27 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.
 
 
 def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
-    """Score (left axis) and decode speed (right axis, dotted) against the refresh interval."""
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    if frame.empty:
-        _empty(fig)
-    for keys, part in frame.groupby(["source", "model", "task", "compression"], dropna=False):
-        label = " · ".join(str(k) for k in keys)
-        dash = "dash" if keys[0] == "paper" else "solid"
-        fig.add_scatter(x=part.refresh, y=part.score, name=f"{label} score", mode="lines+markers",
-                        line=dict(dash=dash), secondary_y=False)
-        if part.decode_tok_s.notna().any():
-            fig.add_scatter(x=part.refresh, y=part.decode_tok_s, name=f"{label} tok/s", mode="lines+markers",
-                            line=dict(dash="dot"), marker=dict(symbol="diamond"), secondary_y=True)
-    fig.update_layout(title="Refresh interval r (0 = score-free): quality and decode speed", height=380,
-                      margin=MARGIN, legend=dict(font=dict(size=10)))
-    fig.update_xaxes(title_text="r")
-    fig.update_yaxes(title_text="mean score", secondary_y=False)
-    fig.update_yaxes(title_text="decode tok/s (measured)", secondary_y=True)
+    """Score (left axis) and decode speed (right axis, dotted) against the refresh interval, a panel per
+    source / model / task and a colour per compression."""
+    fig, panels = _facets(frame, "Refresh interval r (0 = score-free): quality and decode speed", "mean score",
+                          y2label="decode tok/s (measured)")
+    palette, shown = {}, set()
+    for _, panel, row, col in panels:
+        for compression, part in panel.groupby("compression", dropna=False, sort=True):
+            label = _label("compression", compression)
+            colour = palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
+            dash = "dash" if part["source"].iloc[0] == "paper" else "solid"
+            fig.add_scatter(x=part.refresh, y=part.score, name=f"{label} score", legendgroup=f"{label} score",
+                            showlegend=f"{label} score" not in shown, mode="lines+markers",
+                            line=dict(dash=dash, color=colour), row=row, col=col, secondary_y=False)
+            shown.add(f"{label} score")
+            if part.decode_tok_s.notna().any():
+                fig.add_scatter(x=part.refresh, y=part.decode_tok_s, name=f"{label} tok/s", legendgroup=f"{label} tok/s",
+                                showlegend=f"{label} tok/s" not in shown, mode="lines+markers",
+                                line=dict(dash="dot", color=colour), marker=dict(symbol="diamond"), row=row, col=col,
+                                secondary_y=True)
+                shown.add(f"{label} tok/s")
+    _axis_titles(fig, panels, "r")
     return fig
 
 
