@@ -287,6 +287,12 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     assert [t["value"] for t in texts[:2]] == streamed  # the shared prefill changes nothing
     first = next(i for i, (a, b) in enumerate(zip(*(run.token_ids for run in runs))) if a != b)
     assert f"**streaming** vs **inertia**: first different token at step {first}" in divergence
+    # Each narrow panel: titled by its policy with the colour key below; only StreamingLLM pins entries
+    # (its sinks), so only its key explains the green band.
+    layouts = [json.loads(figure["value"]["plot"])["layout"] for figure in result[4:6]]  # gr.update payloads
+    assert [layout["title"]["text"].split("<br>")[0] for layout in layouts] == ["inertia", "streaming"]
+    assert ["green never evicted" in layout["title"]["text"] for layout in layouts] == [False, True]
+    assert not [a for layout in layouts for a in layout.get("annotations", []) if a["text"].startswith("green:")]
 
 
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):

@@ -141,3 +141,13 @@ def test_results_tab_shows_figures_and_filters(page):
         timeout=30_000)  # one source left: named once in the title, every line a paper's (dashed)
     page.screenshot(path=str(ARTIFACTS / "results-tab.png"), full_page=True)
 
+
+def test_a_refused_comparison_keeps_its_message_on_screen(page):
+    """What to change stays until closed: a toast that vanished after 10 s left only bare "Error" badges."""
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_label("Prompt").nth(1).fill(PROMPT * 40)  # past this app's 2000-token limit
+    page.get_by_role("button", name="Compare", exact=True).click()
+    message = page.get_by_text("the limit here is 2000, shorten it")
+    message.wait_for(timeout=30_000)
+    time.sleep(12)
+    assert message.is_visible()

@@ -107,10 +107,16 @@ def fraction(label: str, value) -> float:
         raise ValueError(f"{label} must be a number, got {value!r}") from None
 
 
+def refused(message: str) -> gr.Error:
+    """What the user must change, in a toast that stays until closed: a timed one is easily missed while
+    watching the plots, and the outputs then show a bare "Error"."""
+    return gr.Error(message, duration=None, print_exception=False)
+
+
 def unexpected(what: str, error: Exception) -> gr.Error:
     """A failure no validation foresaw: logged with its traceback on the server, one line for the user."""
     log.exception("%s failed", what)
-    return gr.Error(f"{what} failed: {type(error).__name__}: {error}", print_exception=False)
+    return refused(f"{what} failed: {type(error).__name__}: {error}")
 
 
 @dataclass
@@ -192,7 +198,7 @@ def make_live_handler(limits: Limits):
                                [policy])
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))  # fresh state
         except ValueError as error:
-            raise gr.Error(str(error), print_exception=False) from None
+            raise refused(str(error)) from None
         except Exception as error:
             raise unexpected("starting the run", error) from None
         view = RunView(len(request.prompt_ids), request.max_new_tokens, request.budget,
@@ -250,14 +256,14 @@ def make_compare_handler(limits: Limits):
     def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
         names = list(dict.fromkeys(names or []))
         if not 2 <= len(names) <= 4:
-            raise gr.Error("choose two to four policies to compare", print_exception=False)
+            raise refused("choose two to four policies to compare")
         try:
             policies = {name: get_spec(name).build() for name in names}
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
                                list(policies.values()))
             policies = {name: get_spec(name).build() for name in names}  # fresh state
         except ValueError as error:
-            raise gr.Error(str(error), print_exception=False) from None
+            raise refused(str(error)) from None
         except Exception as error:
             raise unexpected("starting the comparison", error) from None
         tokens = token_texts(request.tokenizer, request.prompt_ids)
@@ -292,8 +298,14 @@ def _compare_outputs(names, texts, views, tokenizer, figures: bool, final: bool)
                    else gr.update(value="", visible=False))
     for i in range(slots):
         if i < len(names) and figures:
-            figure = views[names[i]].retention_figure()
-            figure.update_layout(title=f"{names[i]}: kept (dark) / evicted (pale)", height=320)  # narrow columns
+            view = views[names[i]]
+            figure = view.retention_figure()
+            # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
+            # long title and band annotation, which ran past the panel's edge).
+            key = "dark kept · pale evicted" + ("<br>green never evicted" if any(view.pinned) else "")
+            figure.update_layout(title=dict(text=f"{names[i]}<br><span style='font-size:10px'>{key}</span>"),
+                                 height=340, margin=dict(t=85))
+            figure.layout.annotations = [a for a in figure.layout.annotations if not a.text.startswith("green:")]
             out.append(gr.update(value=figure, visible=True))
         else:
             out.append(gr.skip() if i < len(names) else gr.update(visible=False))
@@ -353,7 +365,7 @@ def make_probe_handler(limits: Limits):
             rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
                                  for n, u in result.utilities.items()])
         except ValueError as error:
-            raise gr.Error(str(error), print_exception=False) from None
+            raise refused(str(error)) from None
         except Exception as error:
             raise unexpected("the probe", error) from None
         finally:
@@ -384,10 +396,10 @@ def make_generate_api(limits: Limits):
                                compression, budget, max_new_tokens, chat, [policy_obj])
             policy_obj = policy_from_inputs(policy, values, strict=True)  # fresh state
         except json.JSONDecodeError as error:
-            raise gr.Error(f"params is not valid JSON ({error}); send an object such as "
-                           '{"alpha": 0.9}', print_exception=False) from None
+            raise refused(f"params is not valid JSON ({error}); send an object such as "
+                          '{"alpha": 0.9}') from None
         except ValueError as error:
-            raise gr.Error(str(error), print_exception=False) from None
+            raise refused(str(error)) from None
         except Exception as error:
             raise unexpected("starting the run", error) from None
         text = ""
