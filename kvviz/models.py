@@ -66,6 +66,8 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     else:
         model, tokenizer = _load_pretrained(name, dtype)
     check_supported(model.config, name)
+    # Traces record this as their model: the name to load it by again (not the converted checkpoint's path).
+    model.config.name_or_path = name
     model = model.to(device=device, dtype=dtype).eval()
     scoring.install(model)
     return model, tokenizer

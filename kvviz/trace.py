@@ -117,14 +117,45 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        table = pq.read_table(path)
-        meta = json.loads(table.schema.metadata[b"kvviz"])
-        events = []
-        for row in table.to_pylist():
-            row["kept"] = np.asarray(row["kept"], dtype=np.int64)
-            row["evicted"] = np.asarray(row["evicted"] or [], dtype=np.int64)
-            for key in ("utility", "raw"):
-                if row[key] is not None:
-                    row[key] = np.asarray(row[key], dtype=np.float32)
-            events.append(StepEvent(**row))
-        return cls(events=events, **meta)
+        """Read a trace written by :meth:`save`; anything else raises ``ValueError`` saying what is wrong."""
+        name = Path(path).name
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowException) as error:
+            raise ValueError(f"{name} is not a readable parquet file ({error})") from None
+        raw_meta = (table.schema.metadata or {}).get(b"kvviz")
+        if raw_meta is None:
+            raise ValueError(f"{name} is a parquet file but not a kvviz trace (no kvviz metadata); save one with "
+                             "`kvviz generate --trace FILE` or the Live tab's download")
+        try:
+            meta = json.loads(raw_meta)
+            events = []
+            for row in table.to_pylist():
+                row["kept"] = np.asarray(row["kept"], dtype=np.int64)
+                row["evicted"] = np.asarray(row["evicted"] or [], dtype=np.int64)
+                for key in ("utility", "raw"):
+                    if row[key] is not None:
+                        row[key] = np.asarray(row[key], dtype=np.float32)
+                events.append(StepEvent(**row))
+            trace = cls(events=events, **meta)
+        except (TypeError, ValueError, KeyError) as error:  # a column or a metadata key missing or of a wrong type
+            raise ValueError(f"{name} is not a kvviz trace this version reads ({type(error).__name__}: {error})") \
+                from None
+        trace.check(name)
+        return trace
+
+    def check(self, name: str = "the trace") -> None:
+        """Raise ``ValueError`` unless the events form one run: steps 0, 1, 2, ... and every position kept,
+        evicted or scored one that existed at that step (the prompt plus the tokens fed back so far)."""
+        if not self.events:
+            raise ValueError(f"{name} holds no steps")
+        for index, event in enumerate(self.events):
+            if event.step != index:
+                raise ValueError(f"{name}: row {index} is step {event.step}; a trace's steps run 0, 1, 2, ...")
+            end = self.prompt_len + event.step  # positions 0 .. end - 1 exist during step k
+            for what, positions in (("kept", event.kept), ("evicted", event.evicted)):
+                if positions.size and (positions.min() < 0 or positions.max() >= end):
+                    raise ValueError(f"{name}: step {event.step} has {what} positions outside 0..{end - 1}")
+            if event.utility is not None and event.utility.shape != event.kept.shape:
+                raise ValueError(f"{name}: step {event.step} has {event.utility.size} utilities for "
+                                 f"{event.kept.size} kept positions")

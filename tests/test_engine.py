@@ -229,11 +229,61 @@ def test_trace_round_trips_through_parquet(tiny, tiny_prompt, tmp_path):
     trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=8).trace
     trace.save(tmp_path / "t.parquet")
     loaded = kvviz.Trace.load(tmp_path / "t.parquet")
+    assert trace.model == "tiny-random-llama"  # the name to load it by again
     assert loaded.meta() == trace.meta()
     assert loaded.token_ids == trace.token_ids
     for a, b in zip(loaded.events, trace.events):
         assert a.kept.tolist() == b.kept.tolist() and a.evicted.tolist() == b.evicted.tolist()
         assert np.allclose(a.utility, b.utility) and a.text == b.text and a.step == b.step
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_policys_trace_loads_back_as_one_consistent_run(tiny, tiny_prompt, tmp_path, name):
+    """Saved and loaded, a trace passes Trace.check: steps 0, 1, 2, ..., positions that exist at each step,
+    one utility per kept entry (budget below the prompt, and above it: eviction once generation fills it)."""
+    model, tokenizer = tiny
+    # checkpoints every 4 tokens and a short SnapKV window, so that 10 steps evict under every policy
+    params = {"avokv": {"interval": 4}, "rkv": {"interval": 4}, "snapkv": {"window": 8}}.get(name, {})
+    for budget in (40, len(tiny_prompt) + 4):
+        policy = kvviz.make_policy(name, **params)
+        trace = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=10).trace
+        prefill_only = name == "snapkv" and budget > len(tiny_prompt)  # SnapKV compresses the prompt only
+        assert (name == "full" or prefill_only) == (sum(e.evicted.size for e in trace.events) == 0)
+        trace.save(tmp_path / "t.parquet")
+        assert [e.kept.tolist() for e in kvviz.Trace.load(tmp_path / "t.parquet").events] == \
+            [e.kept.tolist() for e in trace.events]
+
+
+def test_a_file_that_is_not_a_consistent_trace_is_refused_with_the_reason(tiny, tiny_prompt, tmp_path):
+    import pandas as pd
+
+    model, tokenizer = tiny
+    (tmp_path / "notes.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match="notes.parquet is not a readable parquet file"):
+        kvviz.Trace.load(tmp_path / "notes.parquet")
+    pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "table.parquet")
+    with pytest.raises(ValueError, match="not a kvviz trace .no kvviz metadata"):
+        kvviz.Trace.load(tmp_path / "table.parquet")
+    trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=12, max_new_tokens=6).trace
+    prompt_len = trace.prompt_len
+    broken = [
+        (lambda t: t.events.pop(2), "row 2 is step 3"),
+        (lambda t: setattr(t.events[3], "kept", np.append(t.events[3].kept, prompt_len + 3)),
+         f"step 3 has kept positions outside 0..{prompt_len + 2}"),
+        (lambda t: setattr(t.events[1], "evicted", np.array([-1])), "step 1 has evicted positions outside"),
+        (lambda t: setattr(t.events[4], "utility", t.events[4].utility[:-1]), "step 4 has 11 utilities for 12 kept"),
+    ]
+    for damage, message in broken:
+        damaged = kvviz.Trace.load(_saved(trace, tmp_path / "ok.parquet"))
+        damage(damaged)
+        damaged.save(tmp_path / "bad.parquet")
+        with pytest.raises(ValueError, match=message):
+            kvviz.Trace.load(tmp_path / "bad.parquet")
+
+
+def _saved(trace, path):
+    trace.save(path)
+    return path
 
 
 def test_step_k_consumes_token_k(tiny, tiny_prompt):
