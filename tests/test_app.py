@@ -276,6 +276,28 @@ def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
     assert "evicted at step" in fate
 
 
+def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
+    """A trace saved by the CLI (library), opened in the Live tab: the same text, heatmaps, per-step plot,
+    scrubber and diagnostics as the run itself showed when it ended; a file that is not a trace is refused."""
+    from gradio_client import handle_file
+
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *widgets, api_name="/live")
+    trace_file = live[7]["value"] if isinstance(live[7], dict) else live[7]
+    opened = client.predict(handle_file(trace_file), api_name="/open_trace")
+    plots = lambda result: [json.loads(result[i]["plot"])["data"] for i in (2, 3, 4, 9)]  # + step detail
+    assert opened[0] == live[0] and plots(opened) == plots(live)
+    assert opened[5] == live[5] and opened[8] == live[8]  # prompt tokens by fate, diagnostics
+    assert opened[6]["maximum"] == live[6]["maximum"] and opened[6]["visible"]  # the scrubber
+    assert opened[1].startswith(f"**opened** {Path(trace_file).name}: `inertia` (alpha=0.8, refresh=1")
+    assert opened[1].split("\n", 1)[1] == live[1].rsplit(" · ", 1)[0]  # the stats, less the wall time
+    (tmp_path / "notes.parquet").write_text("not a trace")
+    with pytest.raises(Exception, match="notes.parquet is not a readable parquet file"):
+        client.predict(handle_file(str(tmp_path / "notes.parquet")), api_name="/open_trace")
+
+
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):
     model, tokenizer = tiny
     result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False,

@@ -164,7 +164,7 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
 
-def stats_markdown(view: RunView, elapsed: float) -> str:
+def stats_markdown(view: RunView, elapsed: float | None) -> str:
     events = view.events
     last = events[-1]
     steps = events[1:]
@@ -178,7 +178,8 @@ def stats_markdown(view: RunView, elapsed: float) -> str:
     return (f"**tokens** {last.step + 1} / {tokens} · **prompt** {view.prompt_len} tokens · **budget** "
             f"{view.budget} · **cache** {last.cache_size} entries ({last.cache_bytes / 2**20:.2f} MiB){over} · "
             f"**evicted this step** {last.evicted.size} · **decode** {rate:.1f} tok/s"
-            f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)} · {elapsed:.1f} s")
+            f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)}"
+            + (f" · {elapsed:.1f} s" if elapsed is not None else ""))
 
 
 def diagnostics_markdown(trace: Trace) -> str:
@@ -230,18 +231,58 @@ def make_live_handler(limits: Limits):
             trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events)
             path = Path(tempfile.mkdtemp(prefix="kvviz-")) / f"trace-{policy_name}.parquet"
             trace.save(path)
-            last_step = view.steps - 1
-            yield (text, stats_markdown(view, time.perf_counter() - start), view.retention_figure(),
-                   view.rank_figure(), view.timeline_figure(), view.fate_html(),
-                   gr.update(maximum=max(last_step, 1), value=last_step, visible=True, interactive=True),
-                   gr.update(value=str(path), visible=True), diagnostics_markdown(trace), view,
-                   view.step_detail_figure(last_step))
+            yield finished_outputs(view, trace, text, stats_markdown(view, time.perf_counter() - start), path)
         except Exception as error:  # the run failed: say so, keep serving
             raise unexpected("generation", error) from None
         finally:
             gc.collect()
 
     return live_run
+
+
+def finished_outputs(view: RunView, trace: Trace, text: str, stats: str, path: Path | None) -> tuple:
+    """The Live tab once a run is over (or a saved one is opened): every view, the scrubber, the download."""
+    last_step = view.steps - 1
+    return (text, stats, view.retention_figure(), view.rank_figure(), view.timeline_figure(), view.fate_html(),
+            gr.update(maximum=max(last_step, 1), value=last_step, visible=True, interactive=True),
+            gr.update(value=str(path), visible=True) if path else gr.update(value=None, visible=False),
+            diagnostics_markdown(trace), view, view.step_detail_figure(last_step))
+
+
+def make_open_handler(limits: Limits):
+    """Show a saved trace (the Live tab's download, or ``kvviz generate --trace``) as if its run had just ended."""
+
+    def open_trace(path):
+        if not path:
+            return (gr.skip(),) * 11
+        try:
+            trace = Trace.load(path)
+        except ValueError as error:
+            raise refused(str(error)) from None
+        except Exception as error:
+            raise unexpected("opening the trace", error) from None
+        try:
+            tokens = None
+            if trace.model in limits.models:  # the prompt's own token texts; other models' tokens show as ids
+                tokens = token_texts(get_model(trace.model)[1], trace.prompt_ids)
+            spec = REGISTRY.get(trace.policy)
+            pinned = spec.build(**trace.params).pinned(trace.budget) if spec else (0, 0)
+        except Exception:  # a model that fails to load, parameters this version refuses: the trace still shows
+            log.warning("opening a trace of %s / %s: token texts or pinned bands left out", trace.model,
+                        trace.policy, exc_info=True)
+            tokens, pinned = None, (0, 0)
+        view = RunView(trace.prompt_len, len(trace.events), trace.budget,
+                       tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned)
+        for event in trace.events:
+            view.add(event, event.text)
+        params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
+        origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
+                  + f" on {trace.model or 'an unnamed model'}"
+                  + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n")
+        text = "".join(event.text for event in trace.events)
+        return finished_outputs(view, trace, text, origin + stats_markdown(view, None), None)
+
+    return open_trace
 
 
 def scrub(view: RunView | None, step):
@@ -517,6 +558,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     with gr.Row():
                         run = gr.Button("Run", variant="primary", elem_id="live-run")
                         stop = gr.Button("Stop", elem_id="live-stop")
+                    with gr.Accordion("Open a saved trace", open=False):
+                        saved = gr.File(label="Trace (parquet): this tab's download or `kvviz generate --trace`",
+                                        file_types=[".parquet"], type="filepath", elem_id="live-open")
                 with gr.Column(scale=2):
                     text = gr.Textbox(label="Generated text", lines=5)
                     stats = gr.Markdown()
@@ -537,6 +581,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                              concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
                              api_visibility="undocumented")  # the API is /generate; /live drives the widgets
             stop.click(None, cancels=[live])
+            opened = saved.upload(make_open_handler(limits), saved,
+                         [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
+                          detail], api_name="open_trace", api_visibility="undocumented")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             step_slider.input(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False,
                               trigger_mode="always_last")
@@ -550,7 +597,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             for trigger in (prompt.change, model.change, chat.change):
                 trigger(counter, count_inputs, prompt_size, api_name=False, trigger_mode="always_last")
             app.load(counter, count_inputs, prompt_size, api_name=False)
-            live.then(counter, count_inputs, prompt_size, api_name=False)  # the first run loads the model
+            for loaded in (live, opened):  # the first run (or opened trace) loads the model
+                loaded.then(counter, count_inputs, prompt_size, api_name=False)
             app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
         with gr.Tab("Compare"):
