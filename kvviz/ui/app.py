@@ -651,4 +651,6 @@ def launch(limits: Limits | None = None, **kwargs):
     limits = limits or Limits.from_env()
     app = build_app(limits)
     app.queue(default_concurrency_limit=limits.runs_per_model, max_size=limits.queue_size)
+    # Uploads are saved traces: a 64k-token prompt with 256 steps is ~13 MB; refuse what no trace needs.
+    kwargs.setdefault("max_file_size", "100mb")
     return app.launch(server_name=limits.host, server_port=limits.port, show_error=False, **kwargs)
