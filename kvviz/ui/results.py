@@ -1,8 +1,9 @@
 """The Results tab: Plotly figures over the DuckDB store, with filters and CSV export of each table.
 
-Measured and paper-reported rows are never mixed silently: each line is labelled with its source, paper
-rows are drawn dashed, and the measured-vs-paper figure puts them in separate panels on a common scale
-(quality relative to each source's own full cache).  A policy has the same colour in every figure.
+Measured and paper-reported rows are never mixed silently: they sit in separate panels named by their
+source (small multiples, a panel per source / model / task), paper rows are drawn dashed, and the
+measured-vs-paper figure puts them side by side on a common scale (quality relative to each source's own
+full cache).  A policy has the same colour in every panel and every figure.
 """
 
 from __future__ import annotations
