@@ -142,6 +142,23 @@ def test_results_tab_shows_figures_and_filters(page):
     page.screenshot(path=str(ARTIFACTS / "results-tab.png"), full_page=True)
 
 
+def test_a_saved_trace_opens_into_the_live_views(page, tmp_path):
+    import kvviz
+
+    model, tokenizer = kvviz.load_model(TINY)
+    run = kvviz.run(model, tokenizer, PROMPT, "tova", chat=False, budget=30, max_new_tokens=12)
+    run.trace.save(tmp_path / "tova-run.parquet")
+    page.get_by_role("tab", name="Live").click()
+    page.get_by_text("Open a saved trace").click()
+    page.locator("#live-open input[type=file]").set_input_files(str(tmp_path / "tova-run.parquet"))
+    page.get_by_text("tova-run.parquet: tova on tiny-random-llama").wait_for(timeout=60_000)
+    assert generated_text(page) == "".join(e.text for e in run.trace.events).replace("\r\n", "\n").replace("\r", "\n")
+    assert page.get_by_text("Scrub to step").is_visible()
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => String((p.layout.title || {}).text || '')"
+        ".startsWith('Retention (B = 30)'))", timeout=30_000)
+
+
 def test_a_refused_comparison_keeps_its_message_on_screen(page):
     """What to change stays until closed: a toast that vanished after 10 s left only bare "Error" badges."""
     page.get_by_role("tab", name="Compare").click()
