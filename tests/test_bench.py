@@ -176,6 +176,15 @@ def no_model(monkeypatch):
     ("policies", '["tovaa"]', "policies[0]: unknown policy 'tovaa'; choose one of full, inertia"),
     ("policies", '["tova", "tova"]', "policies[1]: repeats the setting of policies[0] (tova)"),
     ("max_new_token", "3", "key 'max_new_token': not a sweep setting"),
+    ("policies", '[{ name = "snapkv", compression = 0.5 }]',
+     "policies[0] (snapkv) compression: must be a list of ratios in [0, 1)"),
+    ("policies", '[{ name = "snapkv", colour = "red" }]',
+     "policies[0] (snapkv): unknown key 'colour'; a policy table has name, params and compression"),
+    # 100 tokens at ρ = 0.5: budget 50, not above a SnapKV window of 64
+    ("policies", '[{ name = "snapkv", params = { window = 64 } }]',
+     "1 policy × task × compression cell(s) cannot run: snapkv window = 64 at compression 0.5 on single_needle "
+     "(100 tokens, budget 50): budget 50 must exceed SnapKV's observation window of 64 tokens. In the config: "
+     'give such a policy its own compressions (e.g. { name = "snapkv", compression = [0.5, 0.75] })'),
 ])
 def test_a_malformed_sweep_config_is_refused_in_one_line_before_a_model_loads(tmp_path, capsys, no_model, key,
                                                                                value, message):
@@ -185,6 +194,48 @@ def test_a_malformed_sweep_config_is_refused_in_one_line_before_a_model_loads(tm
         err = capsys.readouterr().err
         assert err.startswith(f"kvviz: error: sweep config {config}: {message}") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_policy_runs_at_its_own_compressions_where_the_sweeps_would_refuse_it(tmp_path, tiny):
+    """A policy table's own compression list replaces the sweep's for that policy only; every cell it leaves
+    out is listed, before a model loads, when it is missing."""
+    model, tokenizer = tiny
+    config = {"name": "t", "max_new_tokens": 3, "compression": [0.5, 0.75],
+              "tasks": [{"name": "single_needle", "length": 100, "samples": 1}],
+              "policies": ["full", "tova", {"name": "avokv", "params": {"interval": 4}}]}
+    # budget 50 holds AvoKV-E's 32-entry tail and 4 sinks; budget 25 does not
+    with pytest.raises(ValueError, match=r"1 policy × task × compression cell\(s\) cannot run: avokv interval = 4 "
+                                         r"at compression 0.75 on single_needle \(100 tokens, budget 25\): budget 25 "
+                                         r"must exceed the 36 entries AvoKV-E"):
+        sweep.validate(config)
+    config["policies"][2]["compression"] = [0.1, 0.5]
+    assert [(c.policy, c.compression) for c in sweep.cells(config)] == [
+        ("full", 0.5), ("tova", 0.5), ("tova", 0.75), ("avokv", 0.1), ("avokv", 0.5)]
+    assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 5
+    stored = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [(r["policy"], r["compression"]) for r in stored][-2:] == [("avokv", 0.1), ("avokv", 0.5)]
+    assert [r["budget"] for r in stored][-2:] == [int(0.9 * stored[0]["prompt_len"]), stored[0]["prompt_len"] // 2]
+
+
+def test_a_benchmark_prompt_too_short_for_a_policys_budget_is_refused_before_its_cells_decode(tmp_path, tiny):
+    """A benchmark record's length is known only at run time: a cell whose budget the policy refuses stops
+    the sweep before that sample decodes, naming the sample, the cell and the fix; stored rows stay."""
+    model, tokenizer = tiny
+    out = tmp_path / "out"
+    good = {"name": "t", "max_new_tokens": 3, "compression": [0.5], "policies": ["tova"],
+            "tasks": [{"name": "single_needle", "length": 400, "samples": 1}]}
+    assert sweep.run(good, out, model=model, tokenizer=tokenizer, progress=False) == 1
+    stored = (out / "rows.jsonl").read_bytes()
+    # window 100: within the needle's budget of 200, beyond a short math500 prompt's
+    bench = {**good, "policies": ["tova", {"name": "snapkv", "params": {"window": 100}}],
+             "tasks": [*good["tasks"], {"name": "math500", "path": str(FIXTURES / "math500.jsonl"), "samples": 1}]}
+    sweep.validate(bench)  # nothing to judge before the record is read
+    with pytest.raises(ValueError, match=r"math500 sample 0 \(\d+ tokens\): snapkv window = 100 at compression 0.5 "
+                                         r"\(budget \d+\): budget \d+ must exceed SnapKV's observation window of 100 "
+                                         r"tokens. In the config: give such a policy its own compressions"):
+        sweep.run(bench, out, model=model, tokenizer=tokenizer, progress=False)
+    assert (out / "rows.jsonl").read_bytes().startswith(stored)
+    assert {json.loads(line)["task"] for line in (out / "rows.jsonl").read_text().splitlines()} == {"single_needle"}
 
 
 def test_an_unreadable_sweep_config_names_the_file(tmp_path, capsys, no_model):

@@ -101,15 +101,16 @@ def validate(config: dict, source: str = "the sweep config") -> None:
     if "max_new_tokens" in config and not (_is_int(config["max_new_tokens"]) and config["max_new_tokens"] >= 1):
         raise refuse("key 'max_new_tokens'", f"must be a whole number >= 1, got {config['max_new_tokens']!r}")
 
-    compression = config["compression"]
-    if not isinstance(compression, list) or not compression:
-        raise refuse("key 'compression'", f"must be a list of ratios in [0, 1), e.g. compression = [0.5, 0.9]; "
-                                          f"got {compression!r}")
-    for rho in compression:
-        if not _is_number(rho) or not 0.0 <= rho < 1.0:
-            raise refuse("key 'compression'", f"{rho!r} is not a ratio in [0, 1) (1 would leave no cache)")
-    if len(set(compression)) != len(compression):
-        raise refuse("key 'compression'", "lists a ratio twice; list each once")
+    def check_compressions(compression, where: str) -> None:
+        if not isinstance(compression, list) or not compression:
+            raise refuse(where, f"must be a list of ratios in [0, 1), e.g. compression = [0.5, 0.9]; got {compression!r}")
+        for rho in compression:
+            if not _is_number(rho) or not 0.0 <= rho < 1.0:
+                raise refuse(where, f"{rho!r} is not a ratio in [0, 1) (1 would leave no cache)")
+        if len(set(compression)) != len(compression):
+            raise refuse(where, "lists a ratio twice; list each once")
+
+    check_compressions(config["compression"], "key 'compression'")
 
     tasks = config["tasks"]
     if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) for t in tasks):
@@ -135,9 +136,11 @@ def validate(config: dict, source: str = "the sweep config") -> None:
             if not isinstance(entry.get("name"), str):
                 raise refuse(where, 'has no name; write { name = "inertia", params = { ... } }')
             where = f"policies[{index}] ({entry['name']})"
-            extra = sorted(set(entry) - {"name", "params"})
+            extra = sorted(set(entry) - {"name", "params", "compression"})
             if extra:
-                raise refuse(where, f"unknown key {extra[0]!r}; a policy table has name and params")
+                raise refuse(where, f"unknown key {extra[0]!r}; a policy table has name, params and compression")
+            if "compression" in entry:
+                check_compressions(entry["compression"], f"{where} compression")
             params = entry.get("params", {})
             if not isinstance(params, dict):
                 raise refuse(where, f"params must be a table, e.g. params = {{ alpha = [0.5, 0.8] }}; got {params!r}")
@@ -158,14 +161,45 @@ def validate(config: dict, source: str = "the sweep config") -> None:
                                     "list each setting once")
             seen[setting] = index
 
+    compressions = setting_compressions(config)
     if any(name != "full" for name, _ in seen):  # a compression that leaves no cache even at the full length
         for index, task in enumerate(tasks):
             for length in _lengths(task):
-                for rho in compression:
+                for rho in sorted({rho for rhos in compressions.values() for rho in rhos}):
                     if math.floor((1.0 - rho) * length + 1e-9) < 1:
                         raise refuse(f"tasks[{index}] ({task_label(task)})",
                                      f"compression {rho} leaves no cache for a {length}-token prompt; "
                                      "lower the compression or raise the length")
+    infeasible = unrunnable_cells(config, compressions)
+    if infeasible:
+        shown = "; ".join(infeasible[:6]) + (f"; and {len(infeasible) - 6} more" if len(infeasible) > 6 else "")
+        raise ValueError(
+            f"sweep config {source}: {len(infeasible)} policy × task × compression cell(s) cannot run: {shown}. In the "
+            'config: give such a policy its own compressions (e.g. { name = "snapkv", compression = [0.5, 0.75] }), '
+            "change its params, or raise the task's length")
+
+
+def unrunnable_cells(config: dict, compressions: dict[tuple, list]) -> list[str]:
+    """Each (policy setting, task length, compression) whose budget the policy refuses (e.g. SnapKV's window,
+    AvoKV-E's protected tail), judged at the task's nominal length, so that the sweep does not stop there
+    hours in.  Benchmark tasks (lengths known only per record) are judged per sample at run time."""
+    from ..engine import resolve_budget
+    from ..policies import make_policy
+
+    problems = []
+    for (name, params), rhos in compressions.items():
+        if name == "full":
+            continue
+        for task in config["tasks"]:
+            for length in _lengths(task):
+                for rho in rhos:
+                    budget = resolve_budget(length, compression=rho)
+                    try:
+                        make_policy(name, **dict(params)).reset(length, budget)
+                    except ValueError as error:
+                        problems.append(f"{_describe((name, params))} at compression {rho} on {task_label(task)} "
+                                        f"({length} tokens, budget {budget}): {error}")
+    return problems
 
 
 def _describe(setting: tuple) -> str:
@@ -339,6 +373,16 @@ def check_store(config: dict, out_dir: str | Path) -> None:
                          f"pass --out with a new folder, or resume with {saved}")
 
 
+def setting_compressions(config: dict) -> dict[tuple, list]:
+    """Each policy setting's compressions: its table's own ``compression``, else the sweep's."""
+    out = {}
+    for entry in config["policies"]:
+        own = entry.get("compression") if isinstance(entry, dict) else None
+        for setting in policy_settings({"policies": [entry]}):
+            out[setting] = list(own or config["compression"])
+    return out
+
+
 def policy_settings(config: dict) -> list[tuple[str, tuple]]:
     """Expand ``policies``: a name, or {name, params = {p = [values...]}} into every parameter combination."""
     out = []
@@ -418,15 +462,13 @@ def make_sample(task: dict, tokenizer, index: int, seed: int):
 
 
 def cells(config: dict) -> list[Cell]:
-    settings = policy_settings(config)
+    compressions = setting_compressions(config)
     out = []
     for task in config["tasks"]:
         for sample in range(sample_count(task)):
-            for (policy, params), compression in itertools.product(settings, config["compression"]):
-                if policy == "full" and compression != config["compression"][0]:
-                    continue  # the full cache does not depend on the compression: run it once
-                out.append(Cell(task_label(task), sample, policy, params,
-                                float(compression)))
+            for (policy, params), rhos in compressions.items():
+                for compression in rhos[:1] if policy == "full" else rhos:  # the full cache: one run
+                    out.append(Cell(task_label(task), sample, policy, params, float(compression)))
     return out
 
 
@@ -518,10 +560,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
         progress: bool = True) -> int:
     """Run every unfinished cell of ``config`` whose sample falls in shard ``index`` of ``shards`` (samples are
     dealt round-robin); return the rows written."""
-    from .. import engine
     from ..models import load_model
-    from ..policies import make_policy
-    from ..tasks import METRICS
 
     out_dir = Path(out_dir)
     index, shards = shard
@@ -550,43 +589,70 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     max_new = int(config.get("max_new_tokens", 32))
     written = 0
     bar = tqdm(total=len(todo), desc=config["name"], unit="cell", disable=not progress, file=sys.stderr)
+    try:
+        for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
+            written += _run_sample(config, source, tasks[label], label, sample_index, list(group), model,
+                                   tokenizer, seed, max_new, meta, rows, bar)
+    finally:  # ends the progress line, so that an error is printed on a line of its own
+        bar.close()
+    return written
 
-    for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
-        group = list(group)
-        sample = make_sample(tasks[label], tokenizer, sample_index, seed)
-        prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
-        try:  # before decoding: a row past the model's context would be stored as if it were valid
-            engine.check_prompt(model, prompt_ids, max_new)
+
+def _run_sample(config: dict, source: str, task: dict, label: str, sample_index: int, group: list[Cell], model,
+                tokenizer, seed: int, max_new: int, meta: dict, rows: RowFile, bar) -> int:
+    """Every cell of one sample from one shared prefill; returns the rows written."""
+    from .. import engine
+    from ..policies import make_policy
+    from ..tasks import METRICS
+
+    written = 0
+    sample = make_sample(task, tokenizer, sample_index, seed)
+    prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
+    try:  # before decoding: a row past the model's context would be stored as if it were valid
+        engine.check_prompt(model, prompt_ids, max_new)
+    except ValueError as error:
+        raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error} (in the config: lower "
+                         "this task's length, set truncate = N, or lower max_new_tokens)") from None
+    policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
+    budgets = [None if cell.policy == "full" else engine.resolve_budget(len(prompt_ids), compression=cell.compression)
+               for cell in group]
+    refused = []  # the real prompt length can differ from the task's nominal one that validate() judged
+    for cell, policy, budget in zip(group, policies, budgets):
+        try:
+            if budget is not None:
+                policy.reset(len(prompt_ids), budget, model.config.num_hidden_layers)
         except ValueError as error:
-            raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error} (in the config: lower "
-                             "this task's length, set truncate = N, or lower max_new_tokens)") from None
-        policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
-        # One prefill per sample, also for prefill-time policies: it records the queries they score with.
-        shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
-        for cell, policy in zip(group, policies):
-            budget = None if cell.policy == "full" else engine.resolve_budget(len(prompt_ids), compression=cell.compression)
-            t0 = time.perf_counter()
-            events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
-                                        shared=shared))
-            elapsed = time.perf_counter() - t0
-            steps = events[1:]
-            decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in steps)
-            prediction = tokenizer.decode([e.new_token_id for e in events], skip_special_tokens=True)
-            rows.append({
-                "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
-                "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
-                "compression": cell.compression, "prompt_len": len(prompt_ids),
-                "budget": budget if budget is not None else len(prompt_ids) + max_new,
-                "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
-                "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
-                "answers": sample.answers, "meta": sample.meta, "prefill_ms": 1e3 * shared.seconds,
-                "decode_tok_s": len(steps) / decode_seconds if decode_seconds else None,
-                "seconds": elapsed, **meta,
-            })
-            written += 1
-            bar.set_postfix_str(f"{label}#{sample_index} {cell.policy} rho={cell.compression}")
-            bar.update()
-    bar.close()
+            refused.append(f"{_describe((cell.policy, cell.params))} at compression {cell.compression} "
+                           f"(budget {budget}): {error}")
+    if refused:
+        raise ValueError(f"sweep config {source}: {label} sample {sample_index} ({len(prompt_ids)} tokens): "
+                         + "; ".join(refused) + '. In the config: give such a policy its own compressions '
+                         '(e.g. { name = "snapkv", compression = [0.5, 0.75] }), change its params, or raise '
+                         "the task's length")
+    # One prefill per sample, also for prefill-time policies: it records the queries they score with.
+    shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
+    for cell, policy, budget in zip(group, policies, budgets):
+        t0 = time.perf_counter()
+        events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
+                                    shared=shared))
+        elapsed = time.perf_counter() - t0
+        steps = events[1:]
+        decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in steps)
+        prediction = tokenizer.decode([e.new_token_id for e in events], skip_special_tokens=True)
+        rows.append({
+            "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
+            "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
+            "compression": cell.compression, "prompt_len": len(prompt_ids),
+            "budget": budget if budget is not None else len(prompt_ids) + max_new,
+            "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
+            "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
+            "answers": sample.answers, "meta": sample.meta, "prefill_ms": 1e3 * shared.seconds,
+            "decode_tok_s": len(steps) / decode_seconds if decode_seconds else None,
+            "seconds": elapsed, **meta,
+        })
+        written += 1
+        bar.set_postfix_str(f"{label}#{sample_index} {cell.policy} rho={cell.compression}")
+        bar.update()
     return written
 
 
