@@ -16,6 +16,7 @@ with a paper's aggregate.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,16 @@ ROOT = Path(__file__).resolve().parent.parent / "results_db"
 COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table": "VARCHAR", "model": "VARCHAR",
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
-           "budget": "INTEGER", "max_cache": "INTEGER", "notes": "VARCHAR"}
+           "budget": "INTEGER", "max_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
+           "notes": "VARCHAR"}
 # What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
 # how a problem names it.  Numbers must also be finite: one NaN score would make its whole group's mean NaN.
 ACCEPTED = {"VARCHAR": (("VARCHAR",), "a string"), "DOUBLE": (("BIGINT", "UBIGINT", "DOUBLE"), "a finite number"),
-            "INTEGER": (("BIGINT", "UBIGINT"), "an integer"), "JSON": (("OBJECT",), "an object")}
+            "INTEGER": (("BIGINT", "UBIGINT"), "an integer"), "JSON": (("OBJECT",), "an object"),
+            "BOOLEAN": (("BOOLEAN",), "true or false")}
+# How a sweep generated (the runner's defaults where its config is silent): rows that differ here are
+# different experiments, never one cell counted once.
+GENERATION = {"max_new_tokens": 32, "chat": True}
 # Bad lines named per shard in a problem; the rest are counted.
 SHOWN_LINES = 5
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
@@ -78,6 +84,7 @@ class Store:
         self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
         self.problems: list[str] = []
         self.con.execute("CREATE TABLE shard_lines (shard VARCHAR, line_no INTEGER, text VARCHAR)")
+        self.con.execute("CREATE TABLE sweep_settings (folder VARCHAR, max_new_tokens INTEGER, chat BOOLEAN)")
         self.shards = self._read_shards()
         fields = "{" + ", ".join(f'"{name}": "JSON"' for name in COLUMNS) + "}"
         # One parse per line: every column as a JSON value (JSON null reads as NULL), checked before any cast.
@@ -99,17 +106,35 @@ class Store:
         select = ", ".join(
             (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
              if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})') + f' AS "{name}"'
-            for name, kind in COLUMNS.items())
+            for name, kind in COLUMNS.items() if name not in GENERATION)
+        # Rows written before they carried their generation settings take them from their sweep's config.
+        select += ", " + ", ".join(f'coalesce(CAST(value."{name}" AS {COLUMNS[name]}), settings."{name}") AS "{name}"'
+                                   for name in GENERATION)
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
         # ``setting`` = the row's parameters that differ from its policy's defaults ('{}' at the default);
         # ``suite`` = the benchmark its task belongs to.
-        # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia) counts once.
+        # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia) counts once;
+        # a cell generated with other settings (max_new_tokens, chat template) is another experiment and stays.
         self.con.execute(
             f"CREATE TABLE results AS SELECT * FROM ("
             f"SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
-            f"FROM (SELECT {select} FROM checked_lines WHERE problem = '')) "
+            f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
+            "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')) "
             "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
-            "seed, policy, setting, compression, prompt_len ORDER BY sweep) = 1")
+            "seed, policy, setting, compression, prompt_len, max_new_tokens, chat ORDER BY sweep) = 1")
+        self._report_mixed_generation()
+
+    def _report_mixed_generation(self) -> None:
+        """Say where the figures average rows generated differently: the same task and policy from sweeps
+        that gave the model a different number of new tokens or a different prompt format."""
+        for model, task, sweeps, settings in self.con.execute(
+                "SELECT model, task, list(DISTINCT sweep ORDER BY sweep), "
+                "list(DISTINCT coalesce(CAST(max_new_tokens AS VARCHAR), '?') || ' new tokens, chat ' || "
+                "coalesce(CAST(chat AS VARCHAR), '?')) FROM results WHERE source = 'measured' "
+                "GROUP BY model, task HAVING count(DISTINCT (max_new_tokens, chat)) > 1 ORDER BY model, task").fetchall():
+            self.problems.append(f"{model} / {task}: sweeps {', '.join(sweeps)} generated with different settings "
+                                 f"({'; '.join(sorted(settings))}) are averaged together; give one of them "
+                                 "another task label to keep them apart")
 
     @staticmethod
     def _type_check(name: str, kind: str) -> str:
@@ -137,7 +162,11 @@ class Store:
         if not self.root.is_dir():
             self.problems.append(f"{self.root}: no results folder")
             return read
-        for sweep in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        # The root holds sweep folders; a sweep's own folder (the runner's --out) is read as the one sweep.
+        sweeps = [self.root] if any(self.root.glob("rows*.jsonl")) else \
+            sorted(p for p in self.root.iterdir() if p.is_dir())
+        for sweep in sweeps:
+            self._read_settings(sweep)
             shards = sorted(sweep.glob("rows*.jsonl"))
             if not shards:
                 self.problems.append(f"{sweep.name}: no rows*.jsonl shard")
@@ -151,6 +180,24 @@ class Store:
                 except duckdb.Error as error:
                     self.problems.append(f"{sweep.name}/{shard.name}: unreadable ({str(error).splitlines()[0]})")
         return read
+
+    def _read_settings(self, sweep: Path) -> None:
+        """The generation settings of a sweep folder's ``config.toml`` (none for a folder without one, e.g.
+        the paper rows)."""
+        try:
+            with open(sweep / "config.toml", "rb") as handle:
+                config = tomllib.load(handle)
+        except FileNotFoundError:
+            return
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            self.problems.append(f"{sweep.name}/config.toml: unreadable ({error}); its rows' generation settings "
+                                 "are taken from the rows alone")
+            return
+        values = [config.get(name, default) for name, default in GENERATION.items()]
+        if not (isinstance(values[0], int) and isinstance(values[1], bool)):
+            self.problems.append(f"{sweep.name}/config.toml: max_new_tokens or chat of the wrong type; ignored")
+            return
+        self.con.execute("INSERT INTO sweep_settings VALUES (?, ?, ?)", [sweep.name, *values])
 
     def frame(self, sql: str, params: list | None = None) -> pd.DataFrame:
         return self.con.execute(sql, params or []).df()
@@ -273,6 +320,16 @@ class Store:
                    avg(score) AS score, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND {where}
             GROUP BY ALL ORDER BY source, policy, compression NULLS FIRST, length, depth
+            """, params)
+
+    def other_settings(self, task=None, model=None, policies=None, source=None) -> pd.DataFrame:
+        """Rows that the per-policy queries leave out because they change a parameter from its default (α and
+        refresh sweeps, ablations): how many per (policy, setting), so that a table can say what it omits."""
+        where, params = self._filters(task, model, source, policies)
+        return self.frame(
+            f"""
+            SELECT policy, setting, count(*) AS rows FROM results WHERE setting <> '{{}}' AND {where}
+            GROUP BY ALL ORDER BY policy, setting
             """, params)
 
     def options(self, column: str) -> list[str]:

@@ -38,6 +38,7 @@ def test_rerun_skips_finished_cells_and_a_torn_line_is_dropped(tmp_path, tiny):
     first = rows(tmp_path)
     assert len(first) == 21 and all(r["source"] == "measured" and 0 <= r["score"] <= 1 for r in first)
     assert {"model", "git_commit", "torch", "transformers", "device", "seed", "date"} <= set(first[0])
+    assert (first[0]["max_new_tokens"], first[0]["chat"]) == (6, True)  # how it generated: part of the experiment
     with open(tmp_path / "rows.jsonl", "ab") as handle:
         handle.write(b'{"cell": "half a row')  # what a kill in the middle of a write leaves
     assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 0
@@ -277,6 +278,42 @@ def test_a_cell_run_by_two_sweeps_counts_once(tmp_path):
     assert quality[["policy", "score", "samples"]].values.tolist() == [["inertia", 0.5, 2]]
     # sample 0 once (two spellings of one experiment) plus sample 1, both at the default alpha
     assert store.alpha_sensitivity()[["alpha", "samples"]].values.tolist() == [[0.3, 1], [0.8, 2]]
+
+
+def test_cells_generated_with_other_settings_are_other_experiments_and_the_mix_is_reported(tmp_path):
+    """The same cell from sweeps that generated 2 and 6 new tokens (or with and without the chat template)
+    is two experiments: both rows stay, and the store says that the figures average them.  A row that
+    predates the max_new_tokens / chat fields takes them from its sweep's config.toml."""
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "policy": "tova", "compression": 0.9, "metric": "string_match", "params": {}}
+    write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 2, "chat": True, "score": 0.0}])
+    write_rows(tmp_path / "long", [{**row, "sweep": "long", "score": 1.0}])  # an older row: no such fields
+    (tmp_path / "long" / "config.toml").write_text('name = "long"\nmax_new_tokens = 6\n')
+    store = Store(tmp_path)
+    assert store.frame("SELECT sweep, max_new_tokens, chat, score FROM results ORDER BY sweep").values.tolist() == [
+        ["long", 6, True, 1.0], ["short", 2, True, 0.0]]
+    assert store.quality_vs_compression()[["score", "samples"]].values.tolist() == [[0.5, 2]]
+    assert store.problems == ["m / t: sweeps long, short generated with different settings (2 new tokens, chat "
+                              "true; 6 new tokens, chat true) are averaged together; give one of them another task "
+                              "label to keep them apart"]
+    # the same settings spelled out in one and read from the config in the other: one experiment, counted once
+    write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 6, "chat": True, "score": 0.0}])
+    store = Store(tmp_path)
+    assert len(store.frame("SELECT * FROM results")) == 1 and not store.problems
+
+
+def test_a_sweeps_own_folder_reads_as_a_store_and_left_out_settings_are_counted(tmp_path):
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "compression": 0.9, "metric": "string_match", "score": 1.0}
+    write_rows(tmp_path / "sweep", [{**row, "policy": "inertia", "params": {}},
+                                    {**row, "policy": "inertia", "params": {"alpha": 0.3}},
+                                    {**row, "policy": "inertia", "params": {"alpha": 0.3}, "sample": 1},
+                                    {**row, "policy": "snapkv", "params": {"window": 8}}])
+    for root in (tmp_path, tmp_path / "sweep"):  # the folder of sweeps, or the runner's --out folder itself
+        store = Store(root)
+        assert len(store.frame("SELECT * FROM results")) == 4 and not store.problems
+        assert store.other_settings()[["policy", "setting", "rows"]].values.tolist() == [
+            ["inertia", '{"alpha": 0.3}', 2], ["snapkv", '{"window": 8}', 1]]
 
 
 def test_public_benchmark_tasks_from_local_records(tmp_path, tiny):

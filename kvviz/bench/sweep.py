@@ -642,7 +642,8 @@ def _run_sample(config: dict, source: str, task: dict, label: str, sample_index:
         rows.append({
             "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
             "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
-            "compression": cell.compression, "prompt_len": len(prompt_ids),
+            "compression": cell.compression, "prompt_len": len(prompt_ids), "max_new_tokens": max_new,
+            "chat": config.get("chat", True),
             "budget": budget if budget is not None else len(prompt_ids) + max_new,
             "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
             "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
