@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -38,6 +39,29 @@ def _validate_generate(args) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.compile and not args.static:  # otherwise it would be silently ignored: only the static path compiles
+        raise ValueError("--compile applies to --static only; add --static or drop --compile")
+    if args.trace:
+        _check_writable(args.trace, "--trace")
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Refuse an output file that cannot be written, before minutes of loading and decoding are spent.
+
+    Checks what can be known up front (a folder that exists and may be written into; the path itself not
+    a folder nor a read-only file); the save afterwards still reports anything else (a full disk).
+    """
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"{option} {path!r} is a folder; give a file path such as {str(target / 'trace.parquet')!r}")
+    if not folder.exists():
+        raise ValueError(f"{option} {path!r}: the folder {str(folder)!r} does not exist; create it or choose "
+                         "another path")
+    if not folder.is_dir():
+        raise ValueError(f"{option} {path!r}: {str(folder)!r} is a file, not a folder; choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{option} {path!r} is not writable (permission denied); choose a writable path")
 
 
 def cmd_generate(args) -> int:
@@ -96,7 +120,7 @@ def cmd_generate(args) -> int:
         print(f"\n\n-- prompt {summary['prompt_len']} tokens, budget {budget}, final cache "
               f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s",
               file=sys.stderr)
-    if args.trace:  # after the output, so that a bad path does not cost the run's result
+    if args.trace:  # checked before the run; still after the output, so that a failing save keeps the result
         try:
             trace.save(args.trace)
         except OSError as error:

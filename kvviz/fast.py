@@ -217,7 +217,8 @@ class StaticInertia:
                 "attention", "ema", "all"):
             raise ValueError("the static path runs InertiaKV with its attention scorer, EMA aggregation and all "
                              "layers (inertia, inertia-lazy, score-free, single-step; --alpha and --refresh "
-                             f"may change); got {policy.params()}: use the engine for this policy")
+                             f"may change); got {type(policy).__name__} {policy.params()}: use the engine for this "
+                             "policy")
         return cls(model, alpha=policy.alpha, refresh=policy.refresh, compile=compile)
 
     @torch.inference_mode()

@@ -90,6 +90,8 @@ def test_plain_output_streams_text_and_summary(tiny):
         (["--prompt", TEXT * 200, "--max-new-tokens", "10"], "context"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
         (["--prompt", TEXT, "--static", "--policy", "tova"], "InertiaKV with its attention scorer"),
+        (["--prompt", TEXT, "--static", "--policy", "tova"], "got TOVA {}"),  # names the policy refused
+        (["--prompt", TEXT, "--compile"], "--compile applies to --static only; add --static or drop --compile"),
         (["--prompt", TEXT, "--static", "--policy", "inertia-vnorm"], "InertiaKV with its attention scorer"),
         (["--prompt", TEXT, "--static", "--temperature", "0.7"], "greedily"),
         (["--prompt", TEXT, "--static", "--budget", "100000"], "budget must be between 1 and the prompt length"),
@@ -135,16 +137,48 @@ def test_refresh_zero_is_score_free(capsys):
     assert [s["kept"] for s in zero["steps"]] == [s["kept"] for s in score_free["steps"]]
 
 
-def test_a_trace_that_cannot_be_written_keeps_the_printed_result(tmp_path, capsys):
+def test_a_trace_that_cannot_be_written_keeps_the_printed_result(tmp_path, capsys, monkeypatch):
     from kvviz.cli import main
 
-    blocked = tmp_path / "file"
-    blocked.write_text("")
+    def disk_full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kvviz.Trace, "save", disk_full)  # what no check before the run can foresee
     code = main(["generate", *TINY, "--prompt", TEXT, "--budget", "12", "--max-new-tokens", "4", "--json",
-                 "--trace", str(blocked / "trace.parquet")])  # a path under a regular file
+                 "--trace", str(tmp_path / "trace.parquet")])
     out, err = capsys.readouterr()
-    assert code == 2 and "could not be written" in err
+    assert code == 2 and "could not be written" in err and "No space left" in err
     assert len(json.loads(out)["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("where, message", [
+    ("folder", "is a folder"),
+    ("missing/trace.parquet", "does not exist"),
+    ("file/trace.parquet", "is a file, not a folder"),
+])
+def test_an_unwritable_trace_path_is_refused_before_the_model_loads(where, message, tmp_path, capsys, monkeypatch):
+    from kvviz.cli import main
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the --trace path was checked")
+
+    monkeypatch.setattr("kvviz.models.load_model", no_loading)
+    code = main(["generate", *TINY, "--prompt", TEXT, "--trace", str(tmp_path / where)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "--trace" in err and message in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any folder")
+def test_a_trace_folder_without_write_permission_is_refused(tmp_path, capsys):
+    from kvviz.cli import main
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["generate", *TINY, "--prompt", TEXT, "--trace", str(locked / "t.parquet")]) == 2
+    assert "not writable" in capsys.readouterr().err
 
 
 def test_static_json_stays_strict_json_when_no_step_was_steady(capsys):
