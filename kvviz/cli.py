@@ -136,8 +136,10 @@ def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:
 
     static = StaticInertia.from_policy(model, policy, compile=args.compile)
     start = time.perf_counter()
+    # --json reports every step's keep set, as the engine's does: reading it costs one small device-to-host
+    # copy per step, next to the sync the EOS check already makes.
     run = static.generate(tokenizer, prompt_ids, budget, args.max_new_tokens, graph=model.device.type == "cuda",
-                          stop_ids=engine.eos_ids(model, tokenizer))
+                          stop_ids=engine.eos_ids(model, tokenizer), record_kept=args.json)
     elapsed = time.perf_counter() - start
     text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
     steady = run.steady_tok_s()  # NaN when no step only replayed (too few tokens): JSON gets null
@@ -146,12 +148,31 @@ def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:
                "setup_s": run.setup_seconds()}
     if args.json:
         print(json.dumps({"text": text, "token_ids": run.token_ids, "policy": args.policy, "params": policy.params(),
-                          "model": args.model, "path": "static", "compiled": args.compile, **summary}))
+                          "model": args.model, "path": "static", "compiled": args.compile, **summary,
+                          "steps": _static_steps(len(prompt_ids), run.token_ids, run.kept)}))
     else:
         print(text)
         print(f"\n-- static path: prompt {summary['prompt_len']} tokens, budget {budget}, {summary['new_tokens']} "
               f"new tokens at {summary['tok_per_s']:.1f} tok/s (steady decode {steady:.1f} tok/s)", file=sys.stderr)
     return 0
+
+
+def _static_steps(prompt_len: int, token_ids: list[int], kept: list[list[int]]) -> list[dict]:
+    """The engine's ``--json`` steps, as far as the static path knows them: step, token_id, kept, evicted.
+
+    ``kept[i]`` is the keep set after decode step ``i + 1`` (step 1 runs through the engine, later steps
+    statically).  The static path decodes step 1 even when only one token is asked for, so only the first
+    ``len(token_ids) - 1`` entries are steps of this run.  InertiaKV never evicts at prefill, so the
+    cache before step 1 is the whole prompt, and each step's evictions follow from consecutive keep sets.
+    """
+    steps = []
+    before = set(range(prompt_len))
+    for step, (consumed, after) in enumerate(zip(token_ids, kept[:len(token_ids) - 1]), start=1):
+        present = before | {prompt_len + step - 1}  # step k feeds generated token k at position L0 + k - 1
+        steps.append({"step": step, "token_id": consumed, "kept": after,
+                      "evicted": sorted(present - set(after))})
+        before = set(after)
+    return steps
 
 
 def _read_prompt(args) -> str:

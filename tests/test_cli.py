@@ -190,6 +190,24 @@ def test_static_json_stays_strict_json_when_no_step_was_steady(capsys):
     assert out["decode_tok_per_s"] is None and len(out["token_ids"]) == 2
 
 
+@pytest.mark.parametrize("policy, new_tokens", [("inertia-lazy", 14), ("score-free", 9), ("inertia", 2),
+                                                ("inertia", 1)])
+def test_static_json_steps_are_the_engines(policy, new_tokens, capsys):
+    """``--static --json`` has the engine's ``steps``: the same step, token_id, kept and evicted at every step
+    (one token: no decode step on either path, although the static path runs step 1 anyway)."""
+    from kvviz.cli import main
+
+    common = ["generate", *TINY, "--prompt", TEXT, "--no-chat", "--policy", policy, "--compression", "0.7",
+              "--max-new-tokens", str(new_tokens), "--json"]
+    assert main(common) == 0
+    engine = json.loads(capsys.readouterr().out)
+    assert main([*common, "--static"]) == 0
+    static = json.loads(capsys.readouterr().out)
+    fields = ("step", "token_id", "kept", "evicted")
+    assert len(engine["steps"]) == new_tokens - 1
+    assert static["steps"] == [{name: step[name] for name in fields} for step in engine["steps"]]
+
+
 def test_static_generate_prints_what_the_engine_generates(capsys):
     """``generate --static`` (the fast path) and the engine give the same tokens for the same InertiaKV."""
     from kvviz.cli import main
