@@ -207,7 +207,7 @@ def cmd_probe(args) -> int:
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
-    probe.check_fits(model, prompt_ids, args.step, args.future, step_name="--step")
+    probe.check_fits(model, prompt_ids, args.step, args.future, step_name="--step", future_name="--future")
     result = probe.probe(model, tokenizer, prompt_ids, args.step, policies=policies, sample=args.sample,
                          seed=args.seed, future=args.future, batch=args.batch)
     quality = {name: probe.ranking_quality(u, result.damage) for name, u in result.utilities.items()}

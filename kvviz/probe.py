@@ -108,13 +108,29 @@ def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy, s
     return None if utility is None else utility.float().numpy()
 
 
-def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: str = "step") -> None:
-    """Refuse, in terms of the probed step, a probe whose ``step + future`` decoded tokens pass the context."""
+def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: str = "step",
+               future_name: str | None = None) -> None:
+    """Refuse a probe whose ``step + future`` decoded tokens pass the model's context, saying what to change.
+
+    Parameters
+    ----------
+    step_name, future_name : str
+        What the caller calls the step and the future (``"--step"``, ``"--future"``) in the message.
+        ``future_name=None``: the caller's future is fixed, so only the step or the prompt can change.
+    """
     limit = model.config.max_position_embeddings
+    room = limit - len(prompt_ids)  # decoded tokens the context still holds after this prompt
     if len(prompt_ids) + step + future > limit:
-        raise ValueError(f"probing {step_name} {step} decodes {step + future} tokens after this {len(prompt_ids)}-token "
-                         f"prompt, beyond the model's context of {limit}; choose {step_name} "
-                         f"{max(limit - len(prompt_ids) - future, 0)} or less, or a shorter prompt")
+        if room - future >= 1:  # some earlier step fits with this future
+            fix = f"choose {step_name} {room - future} or less, or a shorter prompt"
+        elif future_name is not None and room >= 2:  # even step 1 does not fit: the future must shrink
+            at = step if step < room else 1  # keep the step asked for where a future of 1 or more still fits
+            fix = (f"lower {future_name} to {room - at} or less" + (f" (with {step_name} 1)" if at != step else "")
+                   + ", or use a shorter prompt")
+        else:  # not even step 1 and one future token fit
+            fix = "use a shorter prompt"
+        raise ValueError(f"probing {step_name} {step} decodes {step + future} tokens after this "
+                         f"{len(prompt_ids)}-token prompt, beyond the model's context of {limit}; {fix}")
     check_prompt(model, prompt_ids, step + future)
 
 

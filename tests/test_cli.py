@@ -125,6 +125,15 @@ def test_a_probe_step_past_the_context_names_the_step(capsys):
     assert err.count("\n") == 0 and "--step 5000" in err and "context of 4096" in err
 
 
+def test_a_probe_future_past_the_context_says_to_lower_the_future(capsys):
+    from kvviz.cli import main
+
+    assert main(["probe", *TINY, "--prompt", TEXT, "--future", "5000", "--policies", "inertia"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "lower --future to" in err and "shorter prompt" in err
+    assert "--step 0" not in err and "choose --step" not in err
+
+
 def test_refresh_zero_is_score_free(capsys):
     from kvviz.cli import main
 

@@ -9,7 +9,7 @@ import torch
 import kvviz
 from kvviz import diagnostics as dx
 from kvviz.cache import SlotCache
-from kvviz.probe import auroc, average_precision, damage, probe, ranking_quality
+from kvviz.probe import auroc, average_precision, check_fits, damage, probe, ranking_quality
 from kvviz.trace import StepEvent, Trace
 
 
@@ -166,3 +166,21 @@ def test_probe_measures_damage_after_the_step_its_utilities_saw(tiny, tiny_promp
     np.testing.assert_allclose(result.damage, expected, rtol=1e-4, atol=1e-7)
     too_early = damage(model, generated, position, result.candidates.tolist(), future=future)
     assert not np.allclose(result.damage, too_early)  # the two alignments are distinguishable
+
+
+def test_check_fits_says_what_can_change_when_no_step_fits():
+    """A 100-token context and a 90-token prompt leave 10 decoded tokens: step + future <= 10."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100))
+    prompt = list(range(90))
+    with pytest.raises(ValueError, match="choose --step 2 or less"):  # a step fits with this future
+        check_fits(model, prompt, 5, 8, step_name="--step", future_name="--future")
+    with pytest.raises(ValueError, match="lower --future to 5 or less, or use a shorter prompt"):
+        check_fits(model, prompt, 5, 50, step_name="--step", future_name="--future")  # keeps the step asked for
+    with pytest.raises(ValueError, match="lower --future to 9 or less .with --step 1., or use a shorter prompt"):
+        check_fits(model, prompt, 12, 50, step_name="--step", future_name="--future")
+    with pytest.raises(ValueError, match="; use a shorter prompt$"):  # a fixed future (the app's 8): prompt only
+        check_fits(model, list(range(95)), 1, 8)
+    with pytest.raises(ValueError, match="; use a shorter prompt$"):  # not even step 1 and one future token
+        check_fits(model, list(range(99)), 1, 1, step_name="--step", future_name="--future")
