@@ -119,6 +119,9 @@ class Trace:
     def load(cls, path: str | Path) -> "Trace":
         """Read a trace written by :meth:`save`; anything else raises ``ValueError`` saying what is wrong."""
         name = Path(path).name
+        if not Path(path).exists():  # said plainly: arrow's message for this would read as a corrupt file
+            raise ValueError(f"{path} does not exist; give the path of a trace saved with "
+                             "`kvviz generate --trace FILE` or the Live tab's download")
         try:
             table = pq.read_table(path)
         except (OSError, pa.ArrowException) as error:

@@ -281,6 +281,13 @@ def test_a_file_that_is_not_a_consistent_trace_is_refused_with_the_reason(tiny, 
             kvviz.Trace.load(tmp_path / "bad.parquet")
 
 
+def test_a_missing_trace_file_is_said_not_to_exist(tmp_path):
+    missing = tmp_path / "missing.parquet"
+    with pytest.raises(ValueError, match="missing.parquet does not exist") as refused:
+        kvviz.Trace.load(missing)
+    assert "not a readable parquet file" not in str(refused.value)
+
+
 def _saved(trace, path):
     trace.save(path)
     return path
