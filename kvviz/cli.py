@@ -247,8 +247,11 @@ def cmd_bench(args) -> int:
     from .bench import probe_cost, speed, sweep
 
     if args.bench == "run":
+        from . import store
+
         config = sweep.load_config(args.config)
-        out = Path(args.out or Path("results_db") / config["name"])
+        # The store's folder, not ./results_db: wherever this runs from, `kvviz results` reads what it writes.
+        out = Path(args.out) if args.out else store.ROOT / config["name"]
         if args.status:
             progress = sweep.status(config, out)
             for task, (finished, total) in progress.items():
@@ -275,11 +278,19 @@ def cmd_results(args) -> int:
 
     from .store import ROOT, Store
 
-    store = Store(args.root or ROOT)
+    root = Path(args.root) if args.root else ROOT
+    store = Store(root)
     for problem in store.problems:
         print(f"warning: {problem}", file=sys.stderr)
+    if not store.shards:  # nothing to filter: say where results were looked for, not "no rows for these filters"
+        raise ValueError(f"no sweep results under {root} (expected {root}/<sweep>/rows*.jsonl, or "
+                         f"{root}/rows*.jsonl for one sweep's folder); run `kvviz bench run CONFIG` or pass --root")
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()] if args.policies else None
+    _check_filters(store, root, {"--task": ("task", [args.task] if args.task else []),
+                                 "--model": ("model", [args.model] if args.model else []),
+                                 "--policies": ("policy", policies or [])})
     if args.paper:
-        frame = store.paper_comparison(args.paper, args.policies.split(",") if args.policies else None)
+        frame = store.paper_comparison(args.paper, policies)
         if frame.empty:
             raise ValueError(f"no paper and measured rows on {args.paper!r}; "
                              f"comparable: {', '.join(store.comparable_suites()) or 'none'}")
@@ -287,10 +298,9 @@ def cmd_results(args) -> int:
         print(f"{args.paper}: score / full-cache score (paper: printed aggregate; measured: mean over tasks)")
         print(table.round(3).to_string())
         return 0
-    frame = store.quality_vs_compression(args.task, args.model, args.policies.split(",") if args.policies else None,
-                                         args.source)
-    if frame.empty:
-        raise ValueError("no rows for these filters; see `kvviz results --help`")
+    frame = store.quality_vs_compression(args.task, args.model, policies, args.source)
+    if frame.empty:  # each value is stored (checked above), but not in combination
+        raise ValueError("no rows for these filters together; drop one, or see `kvviz results --help`")
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
@@ -307,6 +317,19 @@ def cmd_results(args) -> int:
         with pd.option_context("display.width", 200):
             print(table.to_string())
     return 0
+
+
+def _check_filters(store, root: Path, filters: dict[str, tuple[str, list[str]]]) -> None:
+    """Refuse a filter value the store does not hold, listing the values it does.
+
+    ``filters`` maps an option to the store column it filters and the values given (empty: not given).
+    """
+    for option, (column, values) in filters.items():
+        stored = store.options(column) if values else []
+        unknown = [value for value in values if value not in stored]
+        if unknown:
+            raise ValueError(f"{option} {', '.join(unknown)}: not in the results under {root}; stored: "
+                             f"{', '.join(stored) or 'none'}")
 
 
 def cmd_serve(args) -> int:
@@ -384,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe_cost.add_arguments(bench_sub.add_parser("probe", help="damage-probe cost: batched vs one at a time"))
     run = bench_sub.add_parser("run", help="run (or resume) a sweep from a TOML config")
     run.add_argument("config")
-    run.add_argument("--out", help="folder for rows and config (default results_db/<name>)")
+    run.add_argument("--out", help="folder for rows and config (default: the repository's results_db/<name>, "
+                     "kvviz.store.ROOT, where `kvviz results` and the app read; not relative to the current folder)")
     run.add_argument("--shards", type=int, default=1, help="split the cells into this many shards")
     run.add_argument("--shard", type=int, default=0, help="which shard this process runs")
     run.add_argument("--backend", choices=("local", "ray"), default="local",

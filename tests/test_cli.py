@@ -268,3 +268,74 @@ def test_policies_lists_the_registry():
     assert set(listed) == set(REGISTRY)
     lazy = {p["name"]: p for p in listed["inertia-lazy"]["parameters"]}
     assert lazy["refresh"]["default"] == 4 and lazy["alpha"]["low"] == 0.0 and lazy["alpha"]["high"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------- results, bench
+
+def _store_root(folder):
+    """A results folder with one sweep of two measured rows (task single_needle, policies full and inertia)."""
+    sweep = folder / "mini"
+    sweep.mkdir(parents=True)
+    rows = [{"sweep": "mini", "source": "measured", "model": "tiny-random-llama", "task": "single_needle",
+             "policy": policy, "params": {}, "compression": 0.5, "metric": "string_match", "score": 1.0,
+             "sample": 0, "seed": 0} for policy in ("full", "inertia")]
+    (sweep / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+@pytest.mark.parametrize("filters, message", [
+    (["--task", "bogus"], "--task bogus: not in the results under"),
+    (["--policies", "inertia,bogus"], "--policies bogus: not in the results under"),
+    (["--model", "bogus"], "--model bogus: not in the results under"),
+])
+def test_results_names_an_unknown_filter_value_and_the_stored_ones(filters, message, tmp_path, capsys):
+    from kvviz.cli import main
+
+    root = _store_root(tmp_path)
+    assert main(["results", "--root", str(root), *filters]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err
+    stored = {"--task": "single_needle", "--policies": "full, inertia", "--model": "tiny-random-llama"}[filters[0]]
+    assert f"stored: {stored}" in err
+
+
+def test_results_with_valid_filters_prints_the_table(tmp_path, capsys):
+    from kvviz.cli import main
+
+    assert main(["results", "--root", str(_store_root(tmp_path)), "--task", "single_needle",
+                 "--policies", "inertia"]) == 0
+    assert "single_needle" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("folders", [[], ["."], ["./sweep-without-rows"]])  # no root; empty; no shard
+def test_results_without_any_sweep_says_where_it_looked(folders, tmp_path, capsys):
+    from kvviz.cli import main
+
+    root = tmp_path / "results"
+    for folder in folders:
+        (root / folder).mkdir(parents=True)
+    assert main(["results", "--root", str(root), "--task", "single_needle"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"no sweep results under {root} (expected {root}/<sweep>/rows*.jsonl" in err
+    assert "filters" not in err
+
+
+def test_bench_run_writes_where_results_reads_by_default(tmp_path, monkeypatch, capsys):
+    """Without --out, ``bench run`` uses the store's folder (kvviz.store.ROOT), not ./results_db."""
+    from pathlib import Path
+
+    import kvviz.store
+    from kvviz.bench import sweep
+    from kvviz.cli import main
+
+    config = Path(__file__).parent / "fixtures" / "sweep_tiny.toml"
+    monkeypatch.setattr(kvviz.store, "ROOT", tmp_path / "store_root")
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr(sweep, "status", lambda config, out: seen.append(Path(out)) or {})
+    assert main(["bench", "run", str(config), "--status"]) == 0
+    assert seen == [tmp_path / "store_root" / "tiny-test"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["bench", "run", "--help"])
+    assert "kvviz.store.ROOT" in " ".join(capsys.readouterr().out.split())  # the default, said in --help
