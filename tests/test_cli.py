@@ -270,6 +270,21 @@ def test_policies_lists_the_registry():
     assert lazy["refresh"]["default"] == 4 and lazy["alpha"]["low"] == 0.0 and lazy["alpha"]["high"] == 1.0
 
 
+def test_policies_prints_decoupled_alpha_as_the_previous_step_weight(capsys):
+    from kvviz.cli import main
+
+    assert main(["policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    def alpha_help(policy: str) -> str:  # the first --param alpha line after the policy's own line
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{policy} "))
+        return next(line for line in lines[start + 1:] if "--param alpha=" in line)
+
+    assert "previous step keeps alpha" in alpha_help("inertia-decoupled")
+    assert "alpha**K" not in alpha_help("inertia-decoupled")
+    assert "alpha**K" in alpha_help("inertia")  # InertiaKV's own help is still right for InertiaKV
+
+
 # ------------------------------------------------------------------------------------------- results, bench
 
 def _store_root(folder):

@@ -23,6 +23,8 @@ from .inertia import SCORERS, InertiaKV
 class DecoupledInertiaKV(InertiaKV):
     """One EMA per step over a layer-averaged score; previous-step weight = alpha."""
 
+    # Redeclared only for its help: InertiaKV's says alpha**K, which is the coupling this policy removes.
+    alpha: float = param(0.8, low=0.0, high=1.0, help="EMA coefficient per step; the previous step keeps alpha")
     layer_weighting: str = param("mean", choices=("mean", "last"), help="mean of all layers, or of the last k")
     last_k: int = param(8, low=1, high=128, help="layers averaged when layer_weighting='last'")
 
