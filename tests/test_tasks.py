@@ -8,7 +8,7 @@ import pytest
 
 from kvviz.engine import encode_prompt
 from kvviz.tasks import TASKS, needle_grid
-from kvviz.tasks.loaders import from_records, read_jsonl
+from kvviz.tasks.loaders import from_records, longbench, read_jsonl
 from kvviz.tasks.metrics import (edit_similarity, exact_match, last_boxed, math_equal, rouge_l_f, string_match,
                                  token_f1)
 
@@ -95,3 +95,38 @@ def test_loaders_on_local_fixtures():
     assert math_equal(r"\boxed{\dfrac{3}{4}}", math[0].answers) == 1.0
     with pytest.raises(ValueError, match="unknown"):
         from_records("nope", [])
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"foo": 1}'], r"junk.jsonl line 1: missing fields 'context', 'input', 'answers' "
+                     r"\(LongBench records need context, input, answers\)"),
+    (['{"context": "c", "input": "q", "answers": ["a"]}', "", '{"context": "c", "answers": ["a"]}'],
+     "junk.jsonl line 3: missing field 'input' "),  # blank lines still count
+    (['{"context": "c", "input": "q", "answers": ["a"]}', "not json"],
+     r"junk.jsonl line 2: not valid JSON \(Expecting value at column 1\)"),
+    (['["context", "input"]'], "junk.jsonl line 1: a record must be a JSON object"),
+    (['{"context": "c", "input": "q", "answers": "Paris"}'], "junk.jsonl line 1: field 'answers' must be a list"),
+])
+def test_a_malformed_local_benchmark_file_names_file_line_and_field(lines, message, tmp_path):
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        from_records("longbench", read_jsonl(junk), task="hotpotqa")
+
+
+def test_records_from_elsewhere_are_named_by_index_and_other_benchmarks_are_checked():
+    with pytest.raises(ValueError, match=r"record 2: missing field 'answer' \(MATH-500 records need problem, answer\)"):
+        from_records("math500", [{"problem": "1+1", "answer": "2"}, {"problem": "2+2"}])
+    with pytest.raises(ValueError, match="record 1: missing fields 'choice_C', 'choice_D'"):
+        from_records("longbench_v2", [{"context": "", "question": "", "choice_A": "", "choice_B": "", "answer": "A"}])
+    with pytest.raises(ValueError, match="cannot read .*nowhere.jsonl"):
+        read_jsonl("/nonexistent/nowhere.jsonl")
+
+
+def test_longbench_prompts_are_documented_as_one_generic_template():
+    """Scores on these prompts must not be read as LongBench's: the docstring and README say so."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "generic prompt template" in longbench.__doc__ and "not LongBench's per-task templates" in longbench.__doc__
+    assert "not comparable with the numbers LongBench papers report" in " ".join(readme.split())
+    sample = longbench([{"context": "C", "input": "Q", "answers": ["A"]}], "hotpotqa")[0]
+    assert sample.prompt == "C\n\nQuestion: Q\nAnswer:"
