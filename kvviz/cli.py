@@ -360,8 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--policy", default="inertia", help="a name from `kvviz policies`")
     budget = gen.add_mutually_exclusive_group()
-    budget.add_argument("--compression", type=float, help="rho in [0, 1): budget = floor((1 - rho) * prompt length)")
-    budget.add_argument("--budget", type=int, help="absolute cache budget in tokens")
+    budget.add_argument("--compression", type=float,
+                        help="rho in [0, 1): budget = floor((1 - rho) * prompt length); default 0.9 when neither "
+                             "this nor --budget is given (except --policy full: no eviction). The library's "
+                             "kvviz.run defaults to no compression instead")
+    budget.add_argument("--budget", type=int, help="absolute cache budget in tokens (instead of --compression)")
     gen.add_argument("--alpha", type=float, help="EMA coefficient (InertiaKV family)")
     gen.add_argument("--refresh", type=int, help="score every r-th step (InertiaKV family; 1 = every step, 0 = score-free)")
     gen.add_argument("--param", action="append", metavar="NAME=VALUE", help="any other policy parameter")

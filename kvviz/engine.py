@@ -409,7 +409,12 @@ class Result:
 
 
 def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inertia", **kwargs) -> Result:
-    """Generate to completion; return the text and the full trace."""
+    """Generate to completion; return the text and the full trace.
+
+    The budget comes from ``compression=rho`` (``floor((1 - rho) * prompt length)``) or ``budget=B``; with
+    neither, nothing is compressed (budget = prompt length: eviction starts only once generation adds
+    tokens).  The CLI differs: ``kvviz generate`` defaults to ``--compression 0.9``.
+    """
     policy_obj = make_policy(policy, **{k: v for k, v in kwargs.items() if k not in _RUN_ARGS}) \
         if isinstance(policy, str) else policy
     run_kwargs = {k: v for k, v in kwargs.items() if k in _RUN_ARGS}
