@@ -316,6 +316,13 @@ def cmd_results(args) -> int:
                                                   if len(full) else ""))
         with pd.option_context("display.width", 200):
             print(table.to_string())
+    # These tables are each policy at its defaults: say what they leave out rather than hide it.
+    others = store.other_settings(args.task, args.model, policies, args.source)
+    if len(others):
+        listed = ", ".join(f"{policy} {setting} ({rows})" for policy, setting, rows in others.values[:8])
+        more = f", and {len(others) - 8} more" if len(others) > 8 else ""
+        print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
+              f"rows): {listed}{more}; the app's Results tab plots the α and refresh sweeps")
     return 0
 
 

@@ -257,12 +257,14 @@ def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     # inertia at 0.9: mean of 0.5 and 1.0 over 2 samples; the full cache is the reference line
     assert "t · m · measured · full cache 1.00 (1)" in out
     assert any(line.split()[:2] == ["inertia", "0.75"] for line in out.splitlines())
-    assert "inertia-lazy" not in out  # its row sets refresh = 8: a refresh-sweep point
+    assert "inertia-lazy" not in out.split("not in these tables")[0]  # its row sets refresh = 8: a refresh point
+    assert 'not in these tables: 2 rows with non-default parameters (policy, setting, rows): inertia ' \
+           '{"alpha": 0.3} (1), inertia-lazy {"refresh": 8} (1)' in out  # ... and said to be left out
     assert main(["results", "--root", str(tmp_path), "--paper", "t"]) == 0
     out = capsys.readouterr().out
     assert "0.75" in out and "0.5" in out  # measured 0.75 / 1.0, paper 42 / 84
     assert main(["results", "--root", str(tmp_path), "--task", "nope"]) == 2
-    assert "no rows for these filters" in capsys.readouterr().err
+    assert "--task nope: not in the results under" in capsys.readouterr().err
 
 
 def test_a_cell_run_by_two_sweeps_counts_once(tmp_path):
