@@ -3,10 +3,13 @@
 The library surface::
 
     model, tokenizer = kvviz.load_model()                      # SmolLM2-135M-Instruct by default
-    result = kvviz.run(model, tokenizer, "Why is the sky blue?", "inertia", compression=0.9)
-    for event in kvviz.stream(model, tokenizer, prompt, "inertia-lazy", budget=256): ...
-    with kvviz.attach(model, "inertia", compression=0.9) as cache:
+    result = kvviz.run(model, tokenizer, long_prompt, "inertia", compression=0.5)   # B = half the prompt
+    for event in kvviz.stream(model, tokenizer, long_prompt, "inertia-lazy", budget=256): ...
+    input_ids = torch.tensor([kvviz.encode_prompt(tokenizer, long_prompt, chat=True)])
+    with kvviz.attach(model, "inertia", compression=0.5) as cache:
         model.generate(input_ids, cache=cache, max_new_tokens=64, do_sample=False)
+
+Without ``compression`` or ``budget`` the library compresses nothing (B = the prompt length).
 """
 
 from .engine import EvictingCache, Result, Sampler, attach, decode, encode_prompt, resolve_budget, run, stream

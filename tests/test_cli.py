@@ -354,3 +354,12 @@ def test_bench_run_writes_where_results_reads_by_default(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit):
         main(["bench", "run", "--help"])
     assert "kvviz.store.ROOT" in " ".join(capsys.readouterr().out.split())  # the default, said in --help
+
+
+def test_decoupled_offers_only_the_aggregation_it_runs(capsys):
+    """inertia-decoupled is one EMA per step: 'sum' is not offered (it was listed, then refused)."""
+    from kvviz.cli import main
+
+    assert main(["generate", "--model", "tiny-random-llama", "--prompt", "hello there", "--policy",
+                 "inertia-decoupled", "--param", "aggregation=sum", "--budget", "2", "--max-new-tokens", "2"]) == 2
+    assert "aggregation must be one of ema, got 'sum'" in capsys.readouterr().err

@@ -25,6 +25,8 @@ class DecoupledInertiaKV(InertiaKV):
 
     # Redeclared only for its help: InertiaKV's says alpha**K, which is the coupling this policy removes.
     alpha: float = param(0.8, low=0.0, high=1.0, help="EMA coefficient per step; the previous step keeps alpha")
+    # Redeclared with one choice: a sum over steps has no per-step weight to decouple ('cumulative' is that).
+    aggregation: str = param("ema", choices=("ema",), help="ema: one a*m + (1-a)*s per step")
     layer_weighting: str = param("mean", choices=("mean", "last"), help="mean of all layers, or of the last k")
     last_k: int = param(8, low=1, high=128, help="layers averaged when layer_weighting='last'")
 
