@@ -253,6 +253,7 @@ def cmd_bench(args) -> int:
         # The store's folder, not ./results_db: wherever this runs from, `kvviz results` reads what it writes.
         out = Path(args.out) if args.out else store.ROOT / config["name"]
         if args.status:
+            sweep.check_store(config, out)  # counts against another config's rows would mean nothing
             progress = sweep.status(config, out)
             for task, (finished, total) in progress.items():
                 print(f"{config['name']} {task}: {finished} of {total} cells")

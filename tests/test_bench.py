@@ -286,10 +286,11 @@ def test_resuming_with_a_different_config_is_refused_and_the_store_is_untouched(
     stored = {p.name: p.read_bytes() for p in out.iterdir()}
     assert sorted(stored) == ["config.toml", "rows.jsonl"] and stored["config.toml"] == first.read_bytes()
     other = write_config(tmp_path / "other.toml", tasks='[{ name = "single_needle", length = 100, samples = 2 }]')
-    assert main(["bench", "run", str(other), "--out", str(out)]) == 2
-    assert capsys.readouterr().err == (f"kvviz: error: {out} holds rows of a different config ({out / 'config.toml'} "
-                                       f"differs in tasks); pass --out with a new folder, or resume with "
-                                       f"{out / 'config.toml'}\n")
+    for status in ([], ["--status"]):  # --status too: another config's counts would mean nothing
+        assert main(["bench", "run", str(other), "--out", str(out), *status]) == 2
+        assert capsys.readouterr().err == (f"kvviz: error: {out} holds rows of a different config "
+                                           f"({out / 'config.toml'} differs in tasks); pass --out with a new folder, "
+                                           f"or resume with {out / 'config.toml'}\n")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == stored
     # The same config (spelled differently) resumes: nothing left to do.
     same = tmp_path / "same.toml"
