@@ -144,21 +144,42 @@ class Trace:
         except (TypeError, ValueError, KeyError) as error:  # a column or a metadata key missing or of a wrong type
             raise ValueError(f"{name} is not a kvviz trace this version reads ({type(error).__name__}: {error})") \
                 from None
-        trace.check(name)
+        trace.check(name)  # ValueError only: every setting's type is checked before it is used
         return trace
 
     def check(self, name: str = "the trace") -> None:
-        """Raise ``ValueError`` unless the events form one run: steps 0, 1, 2, ... and every position kept,
-        evicted or scored one that existed at that step (the prompt plus the tokens fed back so far)."""
+        """Raise ``ValueError`` unless this is one run: settings of the right types, steps 0, 1, 2, ..., and
+        at each step distinct kept and evicted positions that existed then (the prompt plus the tokens fed
+        back so far), one utility per kept entry and one raw score per entry present."""
+        settings = [("prompt_ids", isinstance(self.prompt_ids, list) and all(_is_int(i) for i in self.prompt_ids),
+                     "a list of token ids"), ("budget", _is_int(self.budget) and self.budget >= 1, "a whole number >= 1"),
+                    ("policy", isinstance(self.policy, str), "a string"), ("model", isinstance(self.model, str), "a string"),
+                    ("params", isinstance(self.params, dict), "an object")]
+        for key, ok, kind in settings:
+            if not ok:
+                raise ValueError(f"{name}: its {key} is {getattr(self, key)!r:.60}, not {kind}")
         if not self.events:
             raise ValueError(f"{name} holds no steps")
         for index, event in enumerate(self.events):
             if event.step != index:
                 raise ValueError(f"{name}: row {index} is step {event.step}; a trace's steps run 0, 1, 2, ...")
+            if not isinstance(event.text, str) or not _is_int(event.new_token_id):
+                raise ValueError(f"{name}: step {event.step} has no text or token id of the right type")
             end = self.prompt_len + event.step  # positions 0 .. end - 1 exist during step k
             for what, positions in (("kept", event.kept), ("evicted", event.evicted)):
                 if positions.size and (positions.min() < 0 or positions.max() >= end):
                     raise ValueError(f"{name}: step {event.step} has {what} positions outside 0..{end - 1}")
+                if np.unique(positions).size != positions.size:
+                    raise ValueError(f"{name}: step {event.step} lists a {what} position twice")
+            if np.intersect1d(event.kept, event.evicted).size:
+                raise ValueError(f"{name}: step {event.step} has positions both kept and evicted")
             if event.utility is not None and event.utility.shape != event.kept.shape:
                 raise ValueError(f"{name}: step {event.step} has {event.utility.size} utilities for "
                                  f"{event.kept.size} kept positions")
+            if event.raw is not None and event.raw.size != event.kept.size + event.evicted.size:
+                raise ValueError(f"{name}: step {event.step} has {event.raw.size} raw scores for "
+                                 f"{event.kept.size + event.evicted.size} entries present")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

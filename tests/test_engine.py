@@ -272,6 +272,14 @@ def test_a_file_that_is_not_a_consistent_trace_is_refused_with_the_reason(tiny, 
          f"step 3 has kept positions outside 0..{prompt_len + 2}"),
         (lambda t: setattr(t.events[1], "evicted", np.array([-1])), "step 1 has evicted positions outside"),
         (lambda t: setattr(t.events[4], "utility", t.events[4].utility[:-1]), "step 4 has 11 utilities for 12 kept"),
+        (lambda t: setattr(t.events[2], "raw", t.events[2].raw[:-1]), "step 2 has 12 raw scores for 13 entries"),
+        (lambda t: setattr(t.events[2], "evicted", t.events[2].kept[:1]), "step 2 has positions both kept and evicted"),
+        (lambda t: setattr(t.events[2], "kept", np.sort(np.append(t.events[2].kept, t.events[2].kept[0]))),
+         "step 2 lists a kept position twice"),
+        (lambda t: setattr(t, "budget", "24"), "its budget is '24', not a whole number >= 1"),
+        (lambda t: setattr(t, "budget", None), "its budget is None, not a whole number >= 1"),
+        (lambda t: setattr(t, "params", [1]), "its params is \\[1\\], not an object"),
+        (lambda t: setattr(t, "prompt_ids", 5), "its prompt_ids is 5, not a list of token ids"),
     ]
     for damage, message in broken:
         damaged = kvviz.Trace.load(_saved(trace, tmp_path / "ok.parquet"))

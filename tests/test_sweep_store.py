@@ -427,6 +427,11 @@ def test_measured_and_paper_scores_get_their_own_panels():
         ("y", [0.9, 0.2], "solid"), ("y2", [90.0, 40.0], "dash")]
     assert [a.text for a in both.layout.annotations] == ["measured", "paper"]
     assert both.layout.yaxis2.matches is None  # the two scales are never tied together
+    # two paper tables on their own scales (LongBench-v2 prints fractions, RULER percentages): never tied
+    papers = pd.DataFrame({"source": ["paper"] * 2, "model": ["m"] * 2, "task": ["LongBench-v2", "RULER"],
+                           "policy": ["inertia"] * 2, "compression": [0.9] * 2, "score": [0.25, 80.0]})
+    two = _line_figure(papers, "compression", "score", "title", "ρ", "mean score")
+    assert [trace.yaxis for trace in two.data] == ["y", "y2"] and two.layout.yaxis2.matches is None
     assert both.layout.title.text == "title · m · t"  # what every panel shares is said once
     one = _line_figure(frame[frame.source == "measured"], "compression", "score", "title", "ρ", "mean score")
     assert [trace.yaxis or "y" for trace in one.data] == ["y"] and not one.layout.annotations  # one plain axis

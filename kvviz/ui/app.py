@@ -271,16 +271,19 @@ def make_open_handler(limits: Limits):
             log.warning("opening a trace of %s / %s: token texts or pinned bands left out", trace.model,
                         trace.policy, exc_info=True)
             tokens, pinned = None, (0, 0)
-        view = RunView(trace.prompt_len, len(trace.events), trace.budget,
-                       tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned)
-        for event in trace.events:
-            view.add(event, event.text)
-        params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
-        origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
-                  + f" on {trace.model or 'an unnamed model'}"
-                  + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n")
-        text = "".join(event.text for event in trace.events)
-        return finished_outputs(view, trace, text, origin + stats_markdown(view, None), None)
+        try:  # Trace.load checked what the views rely on; anything it missed is still one line, not "Error"
+            view = RunView(trace.prompt_len, len(trace.events), trace.budget,
+                           tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned)
+            for event in trace.events:
+                view.add(event, event.text)
+            params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
+            origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
+                      + f" on {trace.model or 'an unnamed model'}"
+                      + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n")
+            text = "".join(event.text for event in trace.events)
+            return finished_outputs(view, trace, text, origin + stats_markdown(view, None), None)
+        except Exception as error:
+            raise unexpected(f"showing {Path(path).name}", error) from None
 
     return open_trace
 
@@ -581,9 +584,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                              concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
                              api_visibility="undocumented")  # the API is /generate; /live drives the widgets
             stop.click(None, cancels=[live])
+            # In the runs' concurrency group: opening a trace of a listed model may load that model.
             opened = saved.upload(make_open_handler(limits), saved,
-                         [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
-                          detail], api_name="open_trace", api_visibility="undocumented")
+                                  [text, stats, retention, ranks, timeline, fate, step_slider, download, diag,
+                                   view_state, detail], concurrency_limit=limits.runs_per_model,
+                                  concurrency_id="model", api_name="open_trace", api_visibility="undocumented")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             step_slider.input(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False,
                               trigger_mode="always_last")

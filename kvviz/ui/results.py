@@ -57,8 +57,8 @@ def _label(column: str, value) -> str:
 def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = None, columns: int = 3):
     """Small multiples: one panel per combination of source / model / task that varies in ``frame``.
 
-    A column that takes one value goes into the title instead. Panels of one source share their y range
-    (measured scores are fractions, papers print percentages, so sources never share one); ``y2label``
+    A column that takes one value goes into the title instead. Measured panels share their y range (all
+    fractions); paper panels keep their own, as each printed table has its own scale; ``y2label``
     gives every panel a right-hand axis, shared the same way and titled on the right edge. Returns the
     figure and ``[(panel keys, rows, row, col)]`` in drawing order; :func:`_axis_titles` labels the x axes
     once the traces are in.
@@ -81,6 +81,8 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
         source = part["source"].iloc[0] if "source" in part and not part.empty else None
         for secondary in (False, True) if y2label else (False,):
             axis = fig.get_subplot(row, col, secondary_y=secondary).yaxis.plotly_name.replace("axis", "")  # "y3"
+            if source == "paper" and not secondary:
+                continue  # each printed table has its own scale (0-100, 0-1, %): each paper panel its own axis
             if (source, secondary) in first_axis:
                 fig.update_yaxes(matches=first_axis[source, secondary], row=row, col=col, secondary_y=secondary)
             else:
