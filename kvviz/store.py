@@ -107,9 +107,14 @@ class Store:
             (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
              if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})') + f' AS "{name}"'
             for name, kind in COLUMNS.items() if name not in GENERATION)
-        # Rows written before they carried their generation settings take them from their sweep's config.
-        select += ", " + ", ".join(f'coalesce(CAST(value."{name}" AS {COLUMNS[name]}), settings."{name}") AS "{name}"'
-                                   for name in GENERATION)
+        # Rows written before they carried their generation settings take them from their sweep's config, and
+        # failing that the runner's defaults (counted in unknown_settings and reported below).
+        measured = """json_extract_string(value."source", '$') = 'measured'"""  # papers print no such settings
+        select += ", " + ", ".join(f'CASE WHEN {measured} THEN coalesce(CAST(value."{name}" AS {COLUMNS[name]}), '
+                                   f'settings."{name}", {json.dumps(default)}) END AS "{name}"'
+                                   for name, default in GENERATION.items())
+        select += ", " + " AND ".join(f'value."{name}" IS NULL AND settings."{name}" IS NULL'
+                                      for name in GENERATION) + " AS unknown_settings, split_part(shard, '/', 1) AS folder"
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
         # ``setting`` = the row's parameters that differ from its policy's defaults ('{}' at the default);
         # ``suite`` = the benchmark its task belongs to.
@@ -122,16 +127,26 @@ class Store:
             "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')) "
             "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
             "seed, policy, setting, compression, prompt_len, max_new_tokens, chat ORDER BY sweep) = 1")
+        for folder, rows in self.con.execute(
+                "SELECT folder, count(*) FROM results WHERE source = 'measured' AND unknown_settings "
+                "GROUP BY folder ORDER BY folder").fetchall():
+            self.problems.append(f"{folder}: {rows} rows say neither max_new_tokens nor chat and their folder has no "
+                                 f"config.toml; read as the runner's defaults ({GENERATION['max_new_tokens']} new "
+                                 "tokens, chat template on)")
         self._report_mixed_generation()
 
     def _report_mixed_generation(self) -> None:
         """Say where the figures average rows generated differently: the same task and policy from sweeps
         that gave the model a different number of new tokens or a different prompt format."""
+        # Grouped as the figures average: per model, task, policy, setting and compression.
         for model, task, sweeps, settings in self.con.execute(
-                "SELECT model, task, list(DISTINCT sweep ORDER BY sweep), "
-                "list(DISTINCT coalesce(CAST(max_new_tokens AS VARCHAR), '?') || ' new tokens, chat ' || "
-                "coalesce(CAST(chat AS VARCHAR), '?')) FROM results WHERE source = 'measured' "
-                "GROUP BY model, task HAVING count(DISTINCT (max_new_tokens, chat)) > 1 ORDER BY model, task").fetchall():
+                "SELECT model, task, list(DISTINCT sweep ORDER BY sweep), list(DISTINCT generation) FROM ("
+                "SELECT model, task, unnest(sweeps) AS sweep, unnest(generations) AS generation FROM ("
+                "SELECT model, task, list(sweep) AS sweeps, list(max_new_tokens || ' new tokens, chat ' || chat) "
+                "AS generations FROM results WHERE source = 'measured' "
+                "GROUP BY model, task, policy, setting, compression "
+                "HAVING count(DISTINCT (max_new_tokens, chat)) > 1)) GROUP BY model, task ORDER BY model, task"
+                ).fetchall():
             self.problems.append(f"{model} / {task}: sweeps {', '.join(sweeps)} generated with different settings "
                                  f"({'; '.join(sorted(settings))}) are averaged together; give one of them "
                                  "another task label to keep them apart")
@@ -163,7 +178,7 @@ class Store:
             self.problems.append(f"{self.root}: no results folder")
             return read
         # The root holds sweep folders; a sweep's own folder (the runner's --out) is read as the one sweep.
-        sweeps = [self.root] if any(self.root.glob("rows*.jsonl")) else \
+        sweeps = ([self.root] if any(self.root.glob("rows*.jsonl")) else []) + \
             sorted(p for p in self.root.iterdir() if p.is_dir())
         for sweep in sweeps:
             self._read_settings(sweep)
@@ -194,7 +209,7 @@ class Store:
                                  "are taken from the rows alone")
             return
         values = [config.get(name, default) for name, default in GENERATION.items()]
-        if not (isinstance(values[0], int) and isinstance(values[1], bool)):
+        if not (isinstance(values[0], int) and not isinstance(values[0], bool) and isinstance(values[1], bool)):
             self.problems.append(f"{sweep.name}/config.toml: max_new_tokens or chat of the wrong type; ignored")
             return
         self.con.execute("INSERT INTO sweep_settings VALUES (?, ?, ?)", [sweep.name, *values])

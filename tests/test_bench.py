@@ -184,7 +184,7 @@ def no_model(monkeypatch):
     ("policies", '[{ name = "snapkv", params = { window = 64 } }]',
      "1 policy × task × compression cell(s) cannot run: snapkv window = 64 at compression 0.5 on single_needle "
      "(100 tokens, budget 50): budget 50 must exceed SnapKV's observation window of 64 tokens. In the config: "
-     'give such a policy its own compressions (e.g. { name = "snapkv", compression = [0.5, 0.75] })'),
+     "change such a policy's params, or, where its budget is too small, give it its own compressions"),
 ])
 def test_a_malformed_sweep_config_is_refused_in_one_line_before_a_model_loads(tmp_path, capsys, no_model, key,
                                                                                value, message):
@@ -230,12 +230,31 @@ def test_a_benchmark_prompt_too_short_for_a_policys_budget_is_refused_before_its
     bench = {**good, "policies": ["tova", {"name": "snapkv", "params": {"window": 100}}],
              "tasks": [*good["tasks"], {"name": "math500", "path": str(FIXTURES / "math500.jsonl"), "samples": 1}]}
     sweep.validate(bench)  # nothing to judge before the record is read
-    with pytest.raises(ValueError, match=r"math500 sample 0 \(\d+ tokens\): snapkv window = 100 at compression 0.5 "
-                                         r"\(budget \d+\): budget \d+ must exceed SnapKV's observation window of 100 "
-                                         r"tokens. In the config: give such a policy its own compressions"):
+    with pytest.raises(ValueError, match=r"1 policy × task × compression cell\(s\) cannot run on this model: snapkv "
+                                         r"window = 100 at compression 0.5 on math500 \(1 sample\(s\), first sample 0: "
+                                         r"\d+ tokens, budget \d+: budget \d+ must exceed SnapKV's observation window "
+                                         r"of 100 tokens\). In the config: change such a policy's params"):
         sweep.run(bench, out, model=model, tokenizer=tokenizer, progress=False)
     assert (out / "rows.jsonl").read_bytes().startswith(stored)
     assert {json.loads(line)["task"] for line in (out / "rows.jsonl").read_text().splitlines()} == {"single_needle"}
+
+
+def test_every_cell_is_judged_on_its_real_prompt_and_model_before_anything_decodes(tmp_path, tiny):
+    """validate() judges nominal lengths without a model; the run judges the real prompts (shorter without
+    the chat template) and the loaded model's layers, for every cell, before the first one decodes."""
+    model, tokenizer = tiny
+    config = {"name": "t", "max_new_tokens": 3, "compression": [0.5], "chat": False,
+              "tasks": [{"name": "single_needle", "length": 200, "samples": 2}],
+              "policies": ["tova", {"name": "snapkv", "params": {"window": 99}},
+                           {"name": "inertia", "params": {"layers": "40"}}]}
+    sweep.validate(config)  # nominal: budget 100 holds a 99-token window; no model, no layer count
+    with pytest.raises(ValueError, match=r"2 policy × task × compression cell\(s\) cannot run on this model: snapkv "
+                                         r"window = 99 at compression 0.5 on single_needle \(2 sample\(s\), first "
+                                         r"sample 0: \d+ tokens, budget \d+: budget \d+ must exceed SnapKV's "
+                                         r"observation window of 99 tokens\); inertia layers = '40' .*names a layer "
+                                         r"beyond this model's"):
+        sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False)
+    assert not (tmp_path / "rows.jsonl").exists() or not (tmp_path / "rows.jsonl").read_bytes()  # nothing decoded
 
 
 def test_an_unreadable_sweep_config_names_the_file(tmp_path, capsys, no_model):

@@ -302,6 +302,23 @@ def test_cells_generated_with_other_settings_are_other_experiments_and_the_mix_i
     write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 6, "chat": True, "score": 0.0}])
     store = Store(tmp_path)
     assert len(store.frame("SELECT * FROM results")) == 1 and not store.problems
+    # a row that says nothing and has no config.toml: the runner's defaults, said so, and deduplicated with them
+    (tmp_path / "long" / "config.toml").unlink()
+    write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 32, "chat": True, "score": 0.0}])
+    store = Store(tmp_path)
+    assert store.frame("SELECT sweep, max_new_tokens, chat FROM results").values.tolist() == [["long", 32, True]]
+    assert store.problems == ["long: 1 rows say neither max_new_tokens nor chat and their folder has no "
+                              "config.toml; read as the runner's defaults (32 new tokens, chat template on)"]
+
+
+def test_the_generation_warning_names_only_what_a_figure_averages(tmp_path):
+    """Different policies generated with different settings are never averaged together: no warning."""
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "compression": 0.9, "metric": "string_match", "params": {}, "score": 1.0, "chat": True}
+    write_rows(tmp_path / "a", [{**row, "sweep": "a", "policy": "tova", "max_new_tokens": 32}])
+    write_rows(tmp_path / "b", [{**row, "sweep": "b", "policy": "h2o", "max_new_tokens": 64},
+                                {**row, "sweep": "b", "policy": "tova", "max_new_tokens": 64, "compression": 0.5}])
+    assert not Store(tmp_path).problems
 
 
 def test_a_sweeps_own_folder_reads_as_a_store_and_left_out_settings_are_counted(tmp_path):
@@ -313,7 +330,9 @@ def test_a_sweeps_own_folder_reads_as_a_store_and_left_out_settings_are_counted(
                                     {**row, "policy": "snapkv", "params": {"window": 8}}])
     for root in (tmp_path, tmp_path / "sweep"):  # the folder of sweeps, or the runner's --out folder itself
         store = Store(root)
-        assert len(store.frame("SELECT * FROM results")) == 4 and not store.problems
+        assert len(store.frame("SELECT * FROM results")) == 4 and store.problems == [
+            "sweep: 4 rows say neither max_new_tokens nor chat and their folder has no config.toml; read as the "
+            "runner's defaults (32 new tokens, chat template on)"]
         assert store.other_settings()[["policy", "setting", "rows"]].values.tolist() == [
             ["inertia", '{"alpha": 0.3}', 2], ["snapkv", '{"window": 8}', 1]]
 
@@ -342,7 +361,7 @@ def test_malformed_rows_are_skipped_and_reported_and_the_rest_loads(tmp_path, ca
     from kvviz.cli import main
 
     row = {"source": "measured", "model": "m", "task": "t", "policy": "tova", "compression": 0.9, "params": {},
-           "metric": "string_match", "score": 0.5}
+           "metric": "string_match", "score": 0.5, "max_new_tokens": 24, "chat": True}
     (tmp_path / "sweep-a").mkdir()
     (tmp_path / "sweep-a" / "rows.jsonl").write_text("\n".join([
         json.dumps(row),                                  # line 1: good

@@ -165,7 +165,7 @@ def validate(config: dict, source: str = "the sweep config") -> None:
     if any(name != "full" for name, _ in seen):  # a compression that leaves no cache even at the full length
         for index, task in enumerate(tasks):
             for length in _lengths(task):
-                for rho in sorted({rho for rhos in compressions.values() for rho in rhos}):
+                for rho in sorted({rho for (name, _), rhos in compressions.items() if name != "full" for rho in rhos}):
                     if math.floor((1.0 - rho) * length + 1e-9) < 1:
                         raise refuse(f"tasks[{index}] ({task_label(task)})",
                                      f"compression {rho} leaves no cache for a {length}-token prompt; "
@@ -175,8 +175,8 @@ def validate(config: dict, source: str = "the sweep config") -> None:
         shown = "; ".join(infeasible[:6]) + (f"; and {len(infeasible) - 6} more" if len(infeasible) > 6 else "")
         raise ValueError(
             f"sweep config {source}: {len(infeasible)} policy × task × compression cell(s) cannot run: {shown}. In the "
-            'config: give such a policy its own compressions (e.g. { name = "snapkv", compression = [0.5, 0.75] }), '
-            "change its params, or raise the task's length")
+            "config: change such a policy's params, or, where its budget is too small, give it its own compressions "
+            '(e.g. { name = "snapkv", compression = [0.5, 0.75] }) or raise the task\'s length')
 
 
 def unrunnable_cells(config: dict, compressions: dict[tuple, list]) -> list[str]:
@@ -587,48 +587,70 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     meta = provenance(model_name, device, seed)
     tasks = {task_label(t): t for t in config["tasks"]}
     max_new = int(config.get("max_new_tokens", 32))
+    check_cells(config, source, tasks, todo, model, tokenizer, seed, max_new)
     written = 0
     bar = tqdm(total=len(todo), desc=config["name"], unit="cell", disable=not progress, file=sys.stderr)
     try:
         for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
-            written += _run_sample(config, source, tasks[label], label, sample_index, list(group), model,
-                                   tokenizer, seed, max_new, meta, rows, bar)
+            written += _run_sample(config, tasks[label], label, sample_index, list(group), model, tokenizer,
+                                   seed, max_new, meta, rows, bar)
     finally:  # ends the progress line, so that an error is printed on a line of its own
         bar.close()
     return written
 
 
-def _run_sample(config: dict, source: str, task: dict, label: str, sample_index: int, group: list[Cell], model,
-                tokenizer, seed: int, max_new: int, meta: dict, rows: RowFile, bar) -> int:
+def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model, tokenizer, seed: int,
+                max_new: int) -> None:
+    """Before anything decodes: every sample's real prompt fits the model, and every cell's policy accepts
+    its real budget on this model (validate() judged nominal lengths without a model; a chat template, a
+    tokenizer or a benchmark record makes them differ).  All refusals are listed, one line per policy
+    setting, task and compression, with how many samples it hits."""
+    from .. import engine
+    from ..policies import make_policy
+
+    refused: dict[tuple, list] = {}
+    for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
+        sample = make_sample(tasks[label], tokenizer, sample_index, seed)
+        prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
+        try:  # a row past the model's context would be stored as if it were valid
+            engine.check_prompt(model, prompt_ids, max_new)
+        except ValueError as error:
+            raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error} (in the config: lower "
+                             "this task's length, set truncate = N, or lower max_new_tokens)") from None
+        for cell in group:
+            if cell.policy == "full":
+                continue
+            budget = engine.resolve_budget(len(prompt_ids), compression=cell.compression)
+            try:
+                make_policy(cell.policy, **dict(cell.params)).reset(len(prompt_ids), budget,
+                                                                    model.config.num_hidden_layers)
+            except ValueError as error:
+                refused.setdefault((cell.policy, cell.params, label, cell.compression), []).append(
+                    f"sample {sample_index}: {len(prompt_ids)} tokens, budget {budget}: {error}")
+    if refused:
+        lines = [f"{_describe((policy, params))} at compression {rho} on {label} ({len(errors)} sample(s), first "
+                 f"{errors[0]})" for (policy, params, label, rho), errors in refused.items()]
+        raise ValueError(f"sweep config {source}: {len(lines)} policy × task × compression cell(s) cannot run on "
+                         f"this model: " + "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6
+                                                                    else "")
+                         + ". In the config: change such a policy's params, or, where its budget is too small, give "
+                         'it its own compressions (e.g. { name = "snapkv", compression = [0.5, 0.75] }) or longer '
+                         "prompts")
+
+
+def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: list[Cell], model, tokenizer,
+                seed: int, max_new: int, meta: dict, rows: RowFile, bar) -> int:
     """Every cell of one sample from one shared prefill; returns the rows written."""
     from .. import engine
     from ..policies import make_policy
     from ..tasks import METRICS
 
-    written = 0
+    written = 0  # check_cells() has judged this sample's prompt and every cell's budget
     sample = make_sample(task, tokenizer, sample_index, seed)
     prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
-    try:  # before decoding: a row past the model's context would be stored as if it were valid
-        engine.check_prompt(model, prompt_ids, max_new)
-    except ValueError as error:
-        raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error} (in the config: lower "
-                         "this task's length, set truncate = N, or lower max_new_tokens)") from None
     policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
     budgets = [None if cell.policy == "full" else engine.resolve_budget(len(prompt_ids), compression=cell.compression)
                for cell in group]
-    refused = []  # the real prompt length can differ from the task's nominal one that validate() judged
-    for cell, policy, budget in zip(group, policies, budgets):
-        try:
-            if budget is not None:
-                policy.reset(len(prompt_ids), budget, model.config.num_hidden_layers)
-        except ValueError as error:
-            refused.append(f"{_describe((cell.policy, cell.params))} at compression {cell.compression} "
-                           f"(budget {budget}): {error}")
-    if refused:
-        raise ValueError(f"sweep config {source}: {label} sample {sample_index} ({len(prompt_ids)} tokens): "
-                         + "; ".join(refused) + '. In the config: give such a policy its own compressions '
-                         '(e.g. { name = "snapkv", compression = [0.5, 0.75] }), change its params, or raise '
-                         "the task's length")
     # One prefill per sample, also for prefill-time policies: it records the queries they score with.
     shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
     for cell, policy, budget in zip(group, policies, budgets):
