@@ -293,7 +293,7 @@ def _store_root(folder):
     sweep.mkdir(parents=True)
     rows = [{"sweep": "mini", "source": "measured", "model": "tiny-random-llama", "task": "single_needle",
              "policy": policy, "params": {}, "compression": 0.5, "metric": "string_match", "score": 1.0,
-             "sample": 0, "seed": 0} for policy in ("full", "inertia")]
+             "sample": 0, "seed": 0, "max_new_tokens": 8, "chat": False} for policy in ("full", "inertia")]
     (sweep / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return folder
 
