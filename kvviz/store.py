@@ -16,6 +16,7 @@ with a paper's aggregate.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,9 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent / "results_db"
+# The repository's results_db/ (the package is installed editable, or run from the checkout as the Space
+# image does); KVVIZ_RESULTS points elsewhere, e.g. for an installed copy.
+ROOT = Path(os.environ.get("KVVIZ_RESULTS") or Path(__file__).resolve().parent.parent / "results_db")
 # Columns every query may use; shards that lack one (paper rows have no decode speed) read it as NULL.
 COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table": "VARCHAR", "model": "VARCHAR",
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",

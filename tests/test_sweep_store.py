@@ -501,3 +501,11 @@ def test_refresh_figure_has_a_panel_per_task_with_speed_on_a_shared_right_axis()
         ("ρ=0.9 score", "y3", [0.1, 0.2]), ("ρ=0.9 tok/s", "y4", [9.5, 8.5])]
     assert (fig.layout.yaxis3.matches, fig.layout.yaxis4.matches) == ("y", "y2")
     assert fig.layout.yaxis4.title.text == "decode tok/s (measured)" and fig.layout.yaxis2.title.text is None
+
+
+def test_the_results_folder_can_be_moved_with_an_environment_variable(tmp_path):
+    """An installed copy has no repository results_db/ beside it: KVVIZ_RESULTS names the folder."""
+    script = "import kvviz.store as s, kvviz.cli as c; print(s.ROOT); print(s.Store().root)"
+    env = {**os.environ, "KVVIZ_RESULTS": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(tmp_path), str(tmp_path)]
