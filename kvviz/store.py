@@ -143,13 +143,12 @@ class Store:
         that gave the model a different number of new tokens or a different prompt format."""
         # Grouped as the figures average: per model, task, policy, setting and compression.
         for model, task, sweeps, settings in self.con.execute(
-                "SELECT model, task, list(DISTINCT sweep ORDER BY sweep), list(DISTINCT generation) FROM ("
-                "SELECT model, task, unnest(sweeps) AS sweep, unnest(generations) AS generation FROM ("
-                "SELECT model, task, list(sweep) AS sweeps, list(max_new_tokens || ' new tokens, chat ' || chat) "
-                "AS generations FROM results WHERE source = 'measured' "
-                "GROUP BY model, task, policy, setting, compression "
-                "HAVING count(DISTINCT (max_new_tokens, chat)) > 1)) GROUP BY model, task ORDER BY model, task"
-                ).fetchall():
+                "WITH mixed AS (SELECT model, task, policy, setting, compression FROM results "
+                "WHERE source = 'measured' GROUP BY ALL HAVING count(DISTINCT (max_new_tokens, chat)) > 1) "
+                "SELECT model, task, list(DISTINCT sweep ORDER BY sweep), "
+                "list(DISTINCT max_new_tokens || ' new tokens, chat ' || chat) "
+                "FROM results JOIN mixed USING (model, task, policy, setting, compression) "
+                "WHERE source = 'measured' GROUP BY model, task ORDER BY model, task").fetchall():
             self.problems.append(f"{model} / {task}: sweeps {', '.join(sweeps)} generated with different settings "
                                  f"({'; '.join(sorted(settings))}) are averaged together; give one of them "
                                  "another task label to keep them apart")

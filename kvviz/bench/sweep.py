@@ -172,20 +172,13 @@ def validate(config: dict, source: str = "the sweep config") -> None:
                                      "lower the compression or raise the length")
     infeasible = unrunnable_cells(config, compressions)
     if infeasible:
-        shown = "; ".join(infeasible[:6]) + (f"; and {len(infeasible) - 6} more" if len(infeasible) > 6 else "")
-        raise ValueError(
-            f"sweep config {source}: {len(infeasible)} policy × task × compression cell(s) cannot run: {shown}. In the "
-            "config: change such a policy's params, or, where its budget is too small, give it its own compressions "
-            '(e.g. { name = "snapkv", compression = [0.5, 0.75] }) or raise the task\'s length')
+        raise _refused_cells(source, "", infeasible, "raise the task's length")
 
 
 def unrunnable_cells(config: dict, compressions: dict[tuple, list]) -> list[str]:
     """Each (policy setting, task length, compression) whose budget the policy refuses (e.g. SnapKV's window,
     AvoKV-E's protected tail), judged at the task's nominal length, so that the sweep does not stop there
     hours in.  Benchmark tasks (lengths known only per record) are judged per sample at run time."""
-    from ..engine import resolve_budget
-    from ..policies import make_policy
-
     problems = []
     for (name, params), rhos in compressions.items():
         if name == "full":
@@ -193,13 +186,35 @@ def unrunnable_cells(config: dict, compressions: dict[tuple, list]) -> list[str]
         for task in config["tasks"]:
             for length in _lengths(task):
                 for rho in rhos:
-                    budget = resolve_budget(length, compression=rho)
-                    try:
-                        make_policy(name, **dict(params)).reset(length, budget)
-                    except ValueError as error:
+                    budget, error = _budget_refusal(name, params, length, rho)
+                    if error:
                         problems.append(f"{_describe((name, params))} at compression {rho} on {task_label(task)} "
                                         f"({length} tokens, budget {budget}): {error}")
     return problems
+
+
+def _budget_refusal(name: str, params: tuple, prompt_len: int, compression: float,
+                    num_layers: int = 0) -> tuple[int, str | None]:
+    """The budget a cell gets, and the policy's reason to refuse it (None: it runs); ``num_layers`` is 0
+    while no model is known."""
+    from ..engine import resolve_budget
+    from ..policies import make_policy
+
+    budget = resolve_budget(prompt_len, compression=compression)
+    try:
+        make_policy(name, **dict(params)).reset(prompt_len, budget, num_layers)
+    except ValueError as error:
+        return budget, str(error)
+    return budget, None
+
+
+def _refused_cells(source: str, where: str, lines: list[str], longer: str) -> ValueError:
+    """One error listing the cells that cannot run (the first six), with what to change in the config."""
+    shown = "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6 else "")
+    return ValueError(f"sweep config {source}: {len(lines)} policy × task × compression cell(s) cannot run{where}: "
+                      f"{shown}. In the config: change such a policy's params, or, where its budget is too small, "
+                      f'give it its own compressions (e.g. {{ name = "snapkv", compression = [0.5, 0.75] }}) or '
+                      f"{longer}")
 
 
 def _describe(setting: tuple) -> str:
@@ -606,7 +621,6 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
     tokenizer or a benchmark record makes them differ).  All refusals are listed, one line per policy
     setting, task and compression, with how many samples it hits."""
     from .. import engine
-    from ..policies import make_policy
 
     refused: dict[tuple, list] = {}
     for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
@@ -620,22 +634,15 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
         for cell in group:
             if cell.policy == "full":
                 continue
-            budget = engine.resolve_budget(len(prompt_ids), compression=cell.compression)
-            try:
-                make_policy(cell.policy, **dict(cell.params)).reset(len(prompt_ids), budget,
-                                                                    model.config.num_hidden_layers)
-            except ValueError as error:
+            budget, error = _budget_refusal(cell.policy, cell.params, len(prompt_ids), cell.compression,
+                                            model.config.num_hidden_layers)
+            if error:
                 refused.setdefault((cell.policy, cell.params, label, cell.compression), []).append(
                     f"sample {sample_index}: {len(prompt_ids)} tokens, budget {budget}: {error}")
     if refused:
         lines = [f"{_describe((policy, params))} at compression {rho} on {label} ({len(errors)} sample(s), first "
                  f"{errors[0]})" for (policy, params, label, rho), errors in refused.items()]
-        raise ValueError(f"sweep config {source}: {len(lines)} policy × task × compression cell(s) cannot run on "
-                         f"this model: " + "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6
-                                                                    else "")
-                         + ". In the config: change such a policy's params, or, where its budget is too small, give "
-                         'it its own compressions (e.g. { name = "snapkv", compression = [0.5, 0.75] }) or longer '
-                         "prompts")
+        raise _refused_cells(source, " on this model", lines, "longer prompts")
 
 
 def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: list[Cell], model, tokenizer,
@@ -645,7 +652,9 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     from ..policies import make_policy
     from ..tasks import METRICS
 
-    written = 0  # check_cells() has judged this sample's prompt and every cell's budget
+    # check_cells() judged this sample's prompt and every cell's budget; the prompt is built again rather
+    # than kept from there, so that a long sweep does not hold every prompt in memory at once.
+    written = 0
     sample = make_sample(task, tokenizer, sample_index, seed)
     prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
     policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
