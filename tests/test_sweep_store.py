@@ -248,6 +248,46 @@ def test_needle_grid_sweep_feeds_the_grid_query(tmp_path, tiny):
     assert set(grid.policy) == {"tova"} and all(0 <= s <= 1 for s in grid.score)
 
 
+HITS_CONFIG = {"name": "hits", "model": "tiny-random-llama", "max_new_tokens": 5, "compression": [0.5],
+               "tasks": [{"name": "single_needle", "length": 160, "samples": 2}], "policies": ["full", "tova"]}
+
+
+def test_rows_record_max_length_hits_when_end_of_sequence_cannot_occur(tmp_path, tiny):
+    model, tokenizer = tiny
+    # The tiny model's EOS (id 2) has an all-zero output row, so its logit is 0 while greedy picks a positive
+    # one: every generation runs to the cap.
+    assert model.generation_config.eos_token_id == 2 and not model.lm_head.weight[2].any()
+    assert sweep.run(HITS_CONFIG, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 4
+    assert [(r["new_tokens"], r["hit_max_tokens"]) for r in rows(tmp_path)] == [(5, True)] * 4
+
+
+def test_a_generation_that_ends_with_end_of_sequence_is_not_a_max_length_hit(tmp_path):
+    """Make the token the model emits first (or at the cap) its EOS: the generation ends there by itself."""
+    import torch
+
+    import kvviz
+    from kvviz import engine
+
+    model, tokenizer = kvviz.load_model("tiny-random-llama")  # its own copy: the EOS is changed below
+    sample = sweep.make_sample(HITS_CONFIG["tasks"][0], tokenizer, 0, 0)
+    prompt_ids = engine.encode_prompt(tokenizer, sample.prompt)
+    # plain transformers greedy decoding, which never stops early here (see the test above)
+    greedy = model.generate(torch.tensor([prompt_ids]), max_new_tokens=5, do_sample=False)[0, len(prompt_ids):]
+    greedy = greedy.tolist()
+    one_sample = {**HITS_CONFIG, "tasks": [{**HITS_CONFIG["tasks"][0], "samples": 1}]}
+
+    # EOS = the first token: every policy (the first token comes from the shared prefill) stops after 1 of 5
+    model.generation_config.eos_token_id = greedy[0]
+    assert sweep.run(one_sample, tmp_path / "first", model=model, tokenizer=tokenizer, progress=False) == 2
+    assert [(r["new_tokens"], r["hit_max_tokens"]) for r in rows(tmp_path / "first")] == [(1, False)] * 2
+
+    # EOS = the k-th token with max_new_tokens = k: the full cache ends exactly at the cap, by itself
+    k = max(i for i in range(2, 6) if greedy[i - 1] not in greedy[:i - 1])
+    model.generation_config.eos_token_id = greedy[k - 1]
+    at_cap = {**one_sample, "max_new_tokens": k, "policies": ["full"]}
+    assert sweep.run(at_cap, tmp_path / "at-cap", model=model, tokenizer=tokenizer, progress=False) == 1
+    assert [(r["new_tokens"], r["hit_max_tokens"]) for r in rows(tmp_path / "at-cap")] == [(k, False)]
+
 def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     from kvviz.cli import main
 

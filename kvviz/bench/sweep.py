@@ -662,6 +662,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
                for cell in group]
     # One prefill per sample, also for prefill-time policies: it records the queries they score with.
     shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
+    eos = engine.eos_ids(model, tokenizer)  # the ids decode() stops at
     for cell, policy, budget in zip(group, policies, budgets):
         t0 = time.perf_counter()
         events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
@@ -670,11 +671,14 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
         steps = events[1:]
         decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in steps)
         prediction = tokenizer.decode([e.new_token_id for e in events], skip_special_tokens=True)
+        # One event per generated token; decode() stops after an EOS or at max_new tokens.  A generation whose
+        # last token is EOS ended by itself, even when that token is the max_new-th.
+        hit_max_tokens = len(events) == max_new and events[-1].new_token_id not in eos
         rows.append({
             "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
             "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
             "compression": cell.compression, "prompt_len": len(prompt_ids), "max_new_tokens": max_new,
-            "chat": config.get("chat", True),
+            "chat": config.get("chat", True), "new_tokens": len(events), "hit_max_tokens": hit_max_tokens,
             "budget": budget if budget is not None else len(prompt_ids) + max_new,
             "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
             "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
