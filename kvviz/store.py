@@ -32,7 +32,7 @@ COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table":
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
            "budget": "INTEGER", "max_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
-           "notes": "VARCHAR"}
+           "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR"}
 # What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
 # how a problem names it.  Numbers must also be finite: one NaN score would make its whole group's mean NaN.
 ACCEPTED = {"VARCHAR": (("VARCHAR",), "a string"), "DOUBLE": (("BIGINT", "UBIGINT", "DOUBLE"), "a finite number"),
@@ -280,6 +280,24 @@ class Store:
                    avg(decode_tok_s) AS decode_tok_s,
                    avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where}
+            GROUP BY ALL ORDER BY model, task, policy, compression NULLS FIRST
+            """, params)
+
+    def max_length_hits(self, task=None, model=None, policies=None) -> pd.DataFrame:
+        """How many generations reached ``max_new_tokens`` instead of ending with end-of-sequence, per (model,
+        task, policy, compression) of each policy at its defaults (AvoKV-E's Table 2 counts the same).
+
+        ``rows`` counts every row of the group, ``recorded`` those that record ``hit_max_tokens`` (older rows
+        lack it and are never guessed), ``hits`` those that reached the cap; ``hit_rate`` = hits / recorded,
+        NULL where no row records it.  Measured rows only: the papers print counts per table, not per run.
+        """
+        where, params = self._filters(task, model, "measured", policies)
+        return self.frame(
+            f"""
+            SELECT model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
+                   count(*) AS rows, count(hit_max_tokens) AS recorded, count(*) FILTER (hit_max_tokens) AS hits,
+                   count(*) FILTER (hit_max_tokens) / nullif(count(hit_max_tokens), 0) AS hit_rate
+            FROM results WHERE setting = '{{}}' AND {where}
             GROUP BY ALL ORDER BY model, task, policy, compression NULLS FIRST
             """, params)
 

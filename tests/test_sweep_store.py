@@ -288,6 +288,43 @@ def test_a_generation_that_ends_with_end_of_sequence_is_not_a_max_length_hit(tmp
     assert sweep.run(at_cap, tmp_path / "at-cap", model=model, tokenizer=tokenizer, progress=False) == 1
     assert [(r["new_tokens"], r["hit_max_tokens"]) for r in rows(tmp_path / "at-cap")] == [(k, False)]
 
+def hits_store(tmp_path: Path) -> Store:
+    """Hand-written rows with and without the max-length fields (older rows lack them)."""
+    row = {"source": "measured", "model": "m", "task": "t", "seed": 0, "prompt_len": 100, "params": {},
+           "metric": "string_match", "score": 0.5, "max_new_tokens": 8, "chat": True, "compression": 0.5}
+    hit, ended = {"new_tokens": 8, "hit_max_tokens": True}, {"new_tokens": 3, "hit_max_tokens": False}
+    write_rows(tmp_path / "sweep-a", [
+        {**row, "sweep": "sweep-a", "policy": "tova", "sample": 0, **hit},
+        {**row, "sweep": "sweep-a", "policy": "tova", "sample": 1, **ended},
+        {**row, "sweep": "sweep-a", "policy": "tova", "sample": 2, **hit},
+        {**row, "sweep": "sweep-a", "policy": "tova", "sample": 3},  # older row: counted, never guessed
+        {**row, "sweep": "sweep-a", "policy": "inertia", "sample": 0, "new_tokens": 8, "hit_max_tokens": False},
+        {**row, "sweep": "sweep-a", "policy": "inertia", "sample": 0, "params": {"alpha": 0.3}, **hit},
+        {**row, "sweep": "sweep-a", "policy": "full", "sample": 0, "new_tokens": 2, "hit_max_tokens": False},
+        {**row, "sweep": "sweep-a", "policy": "h2o", "sample": 0},
+        {**row, "sweep": "sweep-a", "policy": "h2o", "sample": 1, "hit_max_tokens": "yes"}])  # malformed
+    # the same tova cell run by a second sweep counts once
+    write_rows(tmp_path / "sweep-b", [{**row, "sweep": "sweep-b", "policy": "tova", "sample": 0, **hit}])
+    write_rows(tmp_path / "paper", [{"source": "paper", "sweep": "paper", "paper": "AvoKV-E", "table": "Table 2",
+                                     "model": "m", "task": "t", "policy": "rkv", "compression": None,
+                                     "params": {"budget": 256}, "metric": "max_length_hits", "score": 105.0}])
+    return Store(tmp_path)
+
+
+def test_max_length_hits_per_policy_at_its_defaults(tmp_path):
+    store = hits_store(tmp_path)
+    assert store.problems == ['sweep-a/rows.jsonl: skipped 1 of 9 rows (line 9: hit_max_tokens is "yes", not true '
+                              'or false); fix or delete those lines']
+    table = store.max_length_hits()
+    # tova: samples 0-3, of which 3 record the field and 2 hit the cap; inertia's alpha = 0.3 row is another
+    # setting; h2o's only row predates the field (no rate); the paper's Table 2 count is not a per-run row
+    assert table.drop(columns="hit_rate").fillna(-1).values.tolist() == [
+        ["m", "t", "full", -1, 1, 1, 0], ["m", "t", "h2o", 0.5, 1, 0, 0], ["m", "t", "inertia", 0.5, 1, 1, 0],
+        ["m", "t", "tova", 0.5, 4, 3, 2]]
+    assert table.hit_rate.fillna(-1).tolist() == [0.0, -1, 0.0, pytest.approx(2 / 3)]
+    assert store.max_length_hits(policies=["tova"]).policy.tolist() == ["tova"]
+    assert store.max_length_hits(task="other").empty
+
 def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     from kvviz.cli import main
 
