@@ -317,6 +317,8 @@ def cmd_results(args) -> int:
                                                   if len(full) else ""))
         with pd.option_context("display.width", 200):
             print(table.to_string())
+    if args.source != "paper":  # papers print no per-run max-length hits
+        _print_max_length_hits(store.max_length_hits(args.task, args.model, policies))
     # These tables are each policy at its defaults: say what they leave out rather than hide it.
     others = store.other_settings(args.task, args.model, policies, args.source)
     if len(others):
@@ -325,6 +327,31 @@ def cmd_results(args) -> int:
         print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
               f"rows): {listed}{more}; the app's Results tab plots the α and refresh sweeps")
     return 0
+
+
+def _print_max_length_hits(frame) -> None:
+    """Per task and model, the share of generations that reached max_new_tokens instead of ending, policy x
+    compression; nothing when no selected row records it (rows written before the field)."""
+    import pandas as pd
+
+    if not frame.recorded.sum():
+        return
+    print("\nmax-length hits: share of generations that reached max_new_tokens instead of ending "
+          "(hits/rows that record it)")
+    for (model, task), part in frame[frame.recorded > 0].groupby(["model", "task"]):
+        full = part[part.policy == "full"]
+        part = part[part.policy != "full"]
+        print(f"\n{task} · {model} · max-length hits" + (
+            f" · full cache {full.hit_rate.iloc[0]:.2f} ({full.hits.iloc[0]}/{full.recorded.iloc[0]})" if len(full)
+            else ""))
+        if len(part):
+            cells = part.assign(cell=[f"{rate:.2f} ({hits}/{recorded})"
+                                      for rate, hits, recorded in zip(part.hit_rate, part.hits, part.recorded)])
+            with pd.option_context("display.width", 200):
+                print(cells.pivot(index="policy", columns="compression", values="cell").fillna("").to_string())
+    unrecorded = int((frame.rows - frame.recorded).sum())
+    if unrecorded:
+        print(f"\nnot in the max-length tables: {unrecorded} rows written before sweeps recorded hit_max_tokens")
 
 
 def _check_filters(store, root: Path, filters: dict[str, tuple[str, list[str]]]) -> None:

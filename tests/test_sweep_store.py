@@ -325,6 +325,21 @@ def test_max_length_hits_per_policy_at_its_defaults(tmp_path):
     assert store.max_length_hits(policies=["tova"]).policy.tolist() == ["tova"]
     assert store.max_length_hits(task="other").empty
 
+
+def test_results_command_prints_max_length_hits_only_where_rows_record_them(tmp_path, capsys):
+    from kvviz.cli import main
+
+    hits_store(tmp_path / "hits")
+    assert main(["results", "--root", str(tmp_path / "hits")]) == 0
+    out = capsys.readouterr().out.split("max-length hits: ")[1]
+    assert "t · m · max-length hits · full cache 0.00 (0/1)" in out
+    lines = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+    assert lines["tova"] == ["0.67", "(2/3)"] and lines["inertia"] == ["0.00", "(0/1)"] and "h2o" not in lines
+    assert "not in the max-length tables: 2 rows written before sweeps recorded hit_max_tokens" in out
+    handmade_store(tmp_path / "older")  # no row records the field: nothing extra
+    assert main(["results", "--root", str(tmp_path / "older")]) == 0
+    assert "max-length" not in capsys.readouterr().out
+
 def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     from kvviz.cli import main
 
