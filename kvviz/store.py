@@ -294,7 +294,8 @@ class Store:
         where, params = self._filters(task, model, "measured", policies)
         return self.frame(
             f"""
-            SELECT model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
+            SELECT source, model, task, policy,
+                   CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
                    count(*) AS rows, count(hit_max_tokens) AS recorded, count(*) FILTER (hit_max_tokens) AS hits,
                    count(*) FILTER (hit_max_tokens) / nullif(count(hit_max_tokens), 0) AS hit_rate
             FROM results WHERE setting = '{{}}' AND {where}

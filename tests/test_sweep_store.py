@@ -190,7 +190,7 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         everything = client.predict("(all)", "(all)", [], "(all)", "t", api_name="/results")
         only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", api_name="/results")
-        assert len(everything) == 18  # six figures, each with its table and CSV
+        assert len(everything) == 21  # seven figures, each with its table and CSV
 
         def policies(table):
             column = table["headers"].index("policy")
@@ -204,15 +204,15 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
         assert policies(only_tova[1]) == {"tova"}
         assert path(only_tova[2]).read_text().startswith("source,model,task,policy")
         # measured vs paper: each source relative to its own full cache (0.75 / 1.0 and 42 / 84 for inertia)
-        comparison = everything[4]
+        comparison = everything[7]
         rows_ = {(r[comparison["headers"].index("origin")], r[comparison["headers"].index("policy")]):
                  r[comparison["headers"].index("relative")] for r in comparison["data"]}
         assert rows_[("measured", "inertia")] == pytest.approx(0.75)
         assert rows_[("paper: InertiaKV", "inertia")] == pytest.approx(0.5)
-        assert policies(only_tova[4]) == {"tova"}
-        assert path(everything[5]).read_text().startswith("origin,model,policy,compression")
-        assert policies(everything[13]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
-        assert policies(only_tova[16]) == {"tova"}  # the needle grid follows the filter
+        assert policies(only_tova[7]) == {"tova"}
+        assert path(everything[8]).read_text().startswith("origin,model,policy,compression")
+        assert policies(everything[16]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
+        assert policies(only_tova[19]) == {"tova"}  # the needle grid follows the filter
     finally:
         app.close()
 
@@ -318,13 +318,57 @@ def test_max_length_hits_per_policy_at_its_defaults(tmp_path):
     table = store.max_length_hits()
     # tova: samples 0-3, of which 3 record the field and 2 hit the cap; inertia's alpha = 0.3 row is another
     # setting; h2o's only row predates the field (no rate); the paper's Table 2 count is not a per-run row
-    assert table.drop(columns="hit_rate").fillna(-1).values.tolist() == [
+    assert table.drop(columns=["source", "hit_rate"]).fillna(-1).values.tolist() == [
         ["m", "t", "full", -1, 1, 1, 0], ["m", "t", "h2o", 0.5, 1, 0, 0], ["m", "t", "inertia", 0.5, 1, 1, 0],
         ["m", "t", "tova", 0.5, 4, 3, 2]]
+    assert set(table.source) == {"measured"}
     assert table.hit_rate.fillna(-1).tolist() == [0.0, -1, 0.0, pytest.approx(2 / 3)]
     assert store.max_length_hits(policies=["tova"]).policy.tolist() == ["tova"]
     assert store.max_length_hits(task="other").empty
 
+
+def test_max_length_hits_figure_draws_the_store_frame(tmp_path):
+    """A panel per task, a line per policy in its usual colour (the full cache a flat reference), the values
+    of the store's frame; groups where no row records the field are not drawn."""
+    from kvviz.ui.results import Colours, query
+
+    hits_store(tmp_path)
+    row = {"source": "measured", "sweep": "sweep-c", "model": "m", "seed": 0, "prompt_len": 100, "params": {},
+           "metric": "string_match", "score": 0.5, "max_new_tokens": 8, "chat": True}
+    write_rows(tmp_path / "sweep-c", [
+        {**row, "task": "t", "policy": "tova", "compression": 0.9, "sample": 0, "hit_max_tokens": True},
+        {**row, "task": "t2", "policy": "full", "compression": 0.5, "sample": 0, "hit_max_tokens": False},
+        {**row, "task": "t2", "policy": "tova", "compression": 0.5, "sample": 0, "hit_max_tokens": True},
+        *({**row, "task": "t2", "policy": "tova", "compression": 0.9, "sample": i, "hit_max_tokens": i < 2}
+          for i in range(3))])
+    store = Store(tmp_path)
+    figure, table = query(store, "(all)", "(all)", [], "measured")[3:5]
+    frame = store.max_length_hits()
+    pd.testing.assert_frame_equal(table, frame.round(4))
+    colours = Colours(store.options("policy"))
+    assert [(trace.xaxis, trace.name, list(trace.x), list(trace.y), trace.line.color, trace.line.dash)
+            for trace in figure.data] == [
+        ("x", "full", [0.5, 0.9], [0.0, 0.0], colours("full"), "dot"),  # h2o records nothing: no line
+        ("x", "inertia", [0.5], [0.0], colours("inertia"), "solid"),
+        ("x", "tova", [0.5, 0.9], [pytest.approx(2 / 3), 1.0], colours("tova"), "solid"),
+        ("x2", "full", [0.5, 0.9], [0.0, 0.0], colours("full"), "dot"),
+        ("x2", "tova", [0.5, 0.9], [1.0, pytest.approx(2 / 3)], colours("tova"), "solid")]
+    drawn = frame[frame.recorded > 0]
+    assert sorted(y for trace in figure.data if trace.name != "full" for y in trace.y) == \
+        pytest.approx(sorted(drawn[drawn.policy != "full"].hit_rate))
+    assert [a.text for a in figure.layout.annotations] == ["t", "t2"]
+    assert figure.layout.title.text.startswith("Max-length hits vs compression")
+
+
+def test_max_length_hits_figure_says_what_is_missing(tmp_path):
+    from kvviz.ui.results import query
+
+    store = handmade_store(tmp_path)  # rows written before the field: 6 at their policy's defaults
+    figure = query(store, "(all)", "(all)", [], "measured")[3]
+    assert not figure.data and figure.layout.annotations[0].text.startswith(
+        "none of the 6 measured rows for these filters records max-length hits (hit_max_tokens)")
+    figure = query(store, "(all)", "(all)", [], "paper")[3]
+    assert figure.layout.annotations[0].text.startswith("no measured rows for these filters (papers print")
 
 def test_results_command_prints_max_length_hits_only_where_rows_record_them(tmp_path, capsys):
     from kvviz.cli import main
@@ -497,7 +541,7 @@ def test_results_tab_draws_more_models_than_marker_symbols(tmp_path):
                                      "compression": 0.9, "params": {}, "metric": "string_match", "score": score}
                                     for model in models for policy, score in (("full", 1.0), ("tova", 0.5))])
     outputs = query(Store(tmp_path), "(all)", "(all)", [], "measured")  # every load of the tab
-    figure, table = outputs[3], outputs[4]
+    figure, table = outputs[6], outputs[7]
     assert table.model.tolist() == models and set(table.relative) == {0.5}
     # eight symbols, then round again
     assert [trace.marker.symbol for trace in figure.data] == [

@@ -144,6 +144,22 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
     return fig
 
 
+def _hits_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
+    """The quality figure's panels and lines for the share of generations that reached max_new_tokens instead
+    of ending, from the groups where some row records it (rows written before the field do not)."""
+    recorded = frame[frame.recorded > 0]
+    if recorded.empty:
+        return _empty(go.Figure(), "no measured rows for these filters (papers print max-length hits per table, "
+                                   "not per run)" if frame.empty else
+                      f"none of the {int(frame.rows.sum())} measured rows for these filters records max-length hits "
+                      "(hit_max_tokens): they were written before sweeps recorded it; a new sweep records it")
+    fig = _line_figure(recorded, "compression", "hit_rate", "Max-length hits vs compression (share of generations "
+                       "that reached max_new_tokens instead of ending; each policy at its defaults)",
+                       "compression ρ", "max-length hit rate", colours)
+    fig.update_yaxes(range=[-0.05, 1.05])  # a share: 1 of 20 should not fill the panel
+    return fig
+
+
 def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.Figure:
     """Paper panel(s) and the measured panel side by side, each source relative to its own full cache."""
     origins = list(dict.fromkeys(frame.origin)) if not frame.empty else []
@@ -270,17 +286,19 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     suite = suite if suite in suites else (suites[0] if suites else "RULER")
 
     quality = store.quality_vs_compression(task, model, policies, source)
+    hits = store.max_length_hits(task, model, policies)
     comparison = store.paper_comparison(suite, policies)
     alpha = store.alpha_sensitivity(task, model, source)
     refresh = store.refresh_curve(task, model, source)
     speed = store.speed_vs_quality(task, model, policies)
-    if source == "paper":  # the papers report no per-run decode speed
-        speed = speed.iloc[0:0]
+    if source == "paper":  # the papers report no per-run decode speed or max-length hits
+        speed, hits = speed.iloc[0:0], hits.iloc[0:0]
     grid = store.needle_grid(model, policies, source)
     figures = [
         (_line_figure(quality, "compression", "score",
                       "Quality vs compression (each policy at its defaults; bars: ± 1 standard error)",
                       "compression ρ", "mean score", colours), quality, "quality_vs_compression"),
+        (_hits_figure(hits, colours), hits, "max_length_hits"),
         (_comparison_figure(comparison, suite, colours), comparison, f"measured_vs_paper_{suite}"),
         (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV)", "α", "mean score"), alpha,
          "alpha_sensitivity"),
@@ -294,8 +312,8 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     return tuple(out)
 
 
-SECTIONS = ("Quality vs compression", "Measured vs paper", "α sensitivity", "Refresh interval",
-            "Quality vs decode speed", "Needle in a haystack grid")
+SECTIONS = ("Quality vs compression", "Max-length hits vs compression", "Measured vs paper", "α sensitivity",
+            "Refresh interval", "Quality vs decode speed", "Needle in a haystack grid")
 
 
 def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
