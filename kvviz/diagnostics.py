@@ -5,7 +5,9 @@
 * raw/EMA Jaccard: agreement of this step's raw top-k (``event.raw``) with the policy's top-k utility;
 * raw-top evicted rate: share of this step's raw top-k that the step evicted;
 * Spearman correlation and top-k Jaccard between two scorers on the same step;
-* mean pairwise Jaccard of the keep sets of several policies run on the same prompt.
+* mean pairwise Jaccard of the keep sets of several policies run on the same prompt;
+* token history: one token's raw score, utility and their ranks at every step, and how often its raw rank
+  crosses the budget boundary (InertiaKV Fig. 4 and Appendix I's rank traces).
 
 Raw scores are the policy's un-aggregated score of the step over every position present before eviction
 (``event.present``); utilities are over the positions kept after it (``event.kept``).
@@ -13,9 +15,11 @@ Raw scores are the policy's un-aggregated score of the step over every position 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from itertools import combinations
 
 import numpy as np
+import pandas as pd
 
 from .trace import StepEvent, Trace
 
@@ -135,3 +139,71 @@ def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
         "raw_utility_jaccard": mean(raw_utility_jaccard(trace, k)),
         "raw_top_evicted_rate": mean(raw_top_evicted_rate(trace, k)),
     }
+
+
+HISTORY_COLUMNS = ["step", "position", "present", "kept", "evicted", "raw", "raw_rank", "utility", "utility_rank",
+                   "cached"]
+
+
+def descending_rank(values: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """Rank of each of ``of`` among ``values``, 1 = highest; ties share their average rank (``+inf`` ranks top)."""
+    values, of = np.asarray(values, np.float64)[None, :], np.asarray(of, np.float64)[:, None]
+    return 1 + (values > of).sum(1) + ((values == of).sum(1) - 1) / 2
+
+
+def token_history(events: Iterable[StepEvent], positions: Sequence[int]) -> pd.DataFrame:
+    """What happened to each of ``positions`` at every step: InertiaKV's rank traces (Fig. 4, Appendix I).
+
+    Parameters
+    ----------
+    events : iterable of StepEvent
+        A run's events in step order (``trace.events``; step 0, the prefill, included).
+    positions : sequence of int
+        Absolute positions to follow.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per (step, position) with ``HISTORY_COLUMNS``: ``present`` (in the cache during the step,
+        before its eviction), ``kept`` (still there after it), ``evicted`` (dropped at this step), ``raw`` and
+        ``raw_rank`` (the step's un-aggregated score and its rank among the entries present; NaN on steps
+        that computed none), ``utility`` and ``utility_rank`` (the policy's utility after the step and its
+        rank among the entries kept; NaN when not kept or the policy has none), ``cached`` (entries present).
+        Ranks count from 1 = highest, ties averaged.  A position not yet generated is not present.
+    """
+    positions = np.asarray(list(positions), dtype=np.int64)
+    rows = []
+    for event in events:
+        present = event.present
+        where_present = np.isin(positions, present)
+        where_kept = np.isin(positions, event.kept)
+        raw = np.full(positions.size, np.nan)
+        raw_rank = np.full(positions.size, np.nan)
+        if event.raw is not None and where_present.any():
+            index = np.searchsorted(present, positions[where_present])
+            raw[where_present] = event.raw[index]
+            raw_rank[where_present] = descending_rank(event.raw, event.raw[index])
+        utility = np.full(positions.size, np.nan)
+        utility_rank = np.full(positions.size, np.nan)
+        if event.utility is not None and where_kept.any():
+            index = np.searchsorted(event.kept, positions[where_kept])
+            utility[where_kept] = event.utility[index]
+            utility_rank[where_kept] = descending_rank(event.utility, event.utility[index])
+        for i, position in enumerate(positions.tolist()):
+            rows.append((event.step, position, bool(where_present[i]), bool(where_kept[i]),
+                         bool(where_present[i] and not where_kept[i]), raw[i], raw_rank[i], utility[i],
+                         utility_rank[i], present.size))
+    return pd.DataFrame(rows, columns=HISTORY_COLUMNS)
+
+
+def boundary_crossings(history: pd.DataFrame, k: int, rank: str = "raw_rank") -> dict[int, int]:
+    """Per position: how often its ``rank`` column moves across the top-``k`` boundary between consecutive
+    steps that both rank it (InertiaKV Fig. 4: raw scores near the boundary flip, the EMA does not)."""
+    crossings = {}
+    for position, rows in history.groupby("position", sort=False):
+        rows = rows.sort_values("step")
+        ranked = rows[rows[rank].notna()]
+        consecutive = ranked["step"].diff().eq(1).to_numpy()
+        inside = (ranked[rank] <= k).to_numpy()
+        crossings[int(position)] = int((consecutive[1:] & (inside[1:] != inside[:-1])).sum())
+    return crossings

@@ -44,6 +44,34 @@ def test_churn_jaccard_and_evicted_rate_on_a_hand_trace():
     assert summary["raw_utility_jaccard"] == pytest.approx(2 / 3)
 
 
+def test_token_history_on_a_hand_trace():
+    history = dx.token_history(hand_trace().events, [0, 2, 3]).set_index(["step", "position"])
+    # Step 0: only the prompt {0, 1}; 2 and 3 do not exist yet, and nothing was scored.
+    assert history.loc[(0, 0), ["present", "kept", "evicted"]].tolist() == [True, True, False]
+    assert not history.loc[(0, 2), "present"] and not history.loc[(0, 3), "present"]
+    assert np.isnan(history.loc[(0, 0), "raw_rank"]) and np.isnan(history.loc[(0, 0), "utility_rank"])
+    # Step 1: raw [.5, .1, .4] over {0, 1, 2}: 0 ranks 1st, 2 ranks 2nd; utility [.6, .3] over {0, 1}: 0 is 1st.
+    assert history.loc[(1, 0), ["raw", "raw_rank", "utility", "utility_rank"]].tolist() == pytest.approx(
+        [0.5, 1, 0.6, 1])
+    assert history.loc[(1, 2), ["present", "kept", "evicted", "raw_rank"]].tolist() == [True, False, True, 2]
+    assert np.isnan(history.loc[(1, 2), "utility"])  # evicted: no utility is recorded for it
+    # Step 2: raw [.1, .6, .3] over {0, 1, 3}: 0 is last (3rd) and evicted; 3 is 2nd by raw and by utility.
+    assert history.loc[(2, 0), ["evicted", "raw_rank"]].tolist() == [True, 3]
+    assert history.loc[(2, 3), ["kept", "raw_rank", "utility_rank", "cached"]].tolist() == [True, 2, 2, 3]
+    assert not history.loc[(2, 2), "present"]  # gone after its eviction
+    # Position 0 is inside the raw top-2 at step 1 and outside at step 2: one crossing; 2 and 3 are ranked
+    # on one step only, so they cannot cross.
+    crossings = dx.boundary_crossings(history.reset_index(), 2)
+    assert crossings == {0: 1, 2: 0, 3: 0}
+    assert dx.boundary_crossings(history.reset_index(), 2, "utility_rank") == {0: 0, 2: 0, 3: 0}
+
+
+def test_descending_rank_shares_ties_and_ranks_infinity_first():
+    # 9 first; the two 5s share ranks 2 and 3 -> 2.5; +inf above everything.
+    assert dx.descending_rank(np.array([5, 5, 9]), np.array([5, 9])).tolist() == [2.5, 1.0]
+    assert dx.descending_rank(np.array([np.inf, 1.0, 2.0]), np.array([np.inf, 1.0])).tolist() == [1.0, 3.0]
+
+
 def test_spearman_and_topk_jaccard():
     # Ranks of a: [1, 2, 3, 4]; of b: [2, 1, 4, 3] -> d^2 = 1+1+1+1 = 4; rho = 1 - 6*4/(4*15) = 0.6.
     assert dx.spearman(np.array([1, 2, 3, 4]), np.array([20, 10, 40, 30])) == pytest.approx(0.6)
@@ -79,6 +107,32 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
     assert {round(v, 6) for _, v in expected} <= {0.0, round(2 / 21, 6)} and any(v for _, v in expected)
     lazy = kvviz.run(model, tokenizer, tiny_prompt, "inertia-lazy", budget=20, max_new_tokens=12).trace
     assert len(dx.raw_churn(lazy)) == 0  # no two consecutive scored steps with r = 4
+
+
+def test_token_history_of_a_real_run_agrees_with_its_events(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=20, max_new_tokens=12).trace
+    positions = sorted({int(trace.decode_steps[-1].evicted[0]), int(trace.events[-1].kept[0]), 3})
+    history = dx.token_history(trace.events, positions)
+    assert len(history) == len(trace.events) * len(positions)
+    for event in trace.events:
+        rows = history[history.step == event.step].set_index("position")
+        for position in positions:
+            row = rows.loc[position]
+            assert row.present == (position in event.present) and row.kept == (position in event.kept)
+            if row.kept and event.utility is not None:  # ascending ranks turned around: 1 = highest
+                index = event.kept.tolist().index(position)
+                assert row.utility_rank == event.kept.size + 1 - dx.ranks(event.utility)[index]
+                assert event.step == 0 or row.utility_rank <= trace.budget  # it keeps exactly its top B
+            if row.present and event.raw is not None:
+                index = event.present.tolist().index(position)
+                assert row.raw_rank == event.present.size + 1 - dx.ranks(event.raw)[index]
+    # An evicted position is present once more at its eviction step and never again.
+    for position in positions:
+        rows = history[history.position == position]
+        if rows.evicted.any():
+            step = int(rows[rows.evicted].step.iloc[0])
+            assert not rows[rows.step > step].present.any()
 
 
 def test_auroc_and_average_precision_by_hand():
