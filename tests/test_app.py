@@ -202,6 +202,56 @@ def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_s
     assert snapkv.events[-1].cache_size == 25 and "over B" in stats_markdown(view, 1.0)
 
 
+def follow_view() -> RunView:
+    """Prompt "ab 7342 519 cd" as tokens [ab][ 73][42][ 5][19][ cd], budget 4.  Step 1 (consumes token
+    "!" at 6): present 0..6, evicts 1 and 3, keeps 0, 2, 4, 5, 6 with utilities .9, .1, .5, .3, .8 (one over
+    B: the policy may hold more, as checkpointed ones do).  Step 2 (consumes "?" at 7): evicts 5."""
+    from kvviz.trace import StepEvent
+
+    view = RunView(6, 3, 4, ["ab", " 73", "42", " 5", "19", " cd"])
+    view.add(StepEvent(0, 0, 0, "!", np.arange(6), np.empty(0, np.int64), np.zeros(6, np.float32)), "!")
+    view.add(StepEvent(1, 0, 0, "?", np.array([0, 2, 4, 5, 6]), np.array([1, 3]),
+                       np.array([0.9, 0.1, 0.5, 0.3, 0.8], np.float32),
+                       np.array([0.4, 0.0, 0.1, 0.2, 0.3, 0.05, 0.6], np.float32), scored=True), "?")
+    view.add(StepEvent(2, 0, 0, ".", np.array([0, 2, 4, 6, 7]), np.array([5]),
+                       np.array([0.9, 0.2, 0.4, 0.7, 0.6], np.float32)), ".")
+    return view
+
+
+def test_follow_finds_text_across_token_boundaries_and_positions_by_number():
+    view = follow_view()
+    assert view.follow("7342", 2)[0] == [1, 2]  # " 73" + "42"
+    assert view.follow("42 5", 2)[0] == [2, 3]
+    assert view.follow("CD", 2)[0] == [5]  # case-insensitive
+    assert view.follow("?", 2)[0] == [7]  # generated tokens too: "?" is position 7
+    assert view.follow("#0, #4-#5", 2)[0] == [0, 4, 5]
+    positions, note = view.follow("#3, #99", 2)
+    assert positions == [3] and "past the last (8)" in note
+    positions, note = view.follow("zzz", 2)
+    assert positions == [] and "no token text contains 'zzz'" in note
+    # Empty: what the step evicted, then its lowest-utility kept entries (step 1: evicted 1 and 3, then
+    # 2 at .1 and 5 at .3); step 0 evicted nothing and its utilities are all 0: the oldest first.
+    assert view.follow("", 1)[0] == [1, 3, 2, 5]
+    assert view.follow("", 0)[0] == [0, 1, 2, 3]
+
+
+def test_the_history_figure_draws_each_followed_token_from_its_events():
+    view = follow_view()
+    figure = view.history_figure([5, 1], "test", marker_step=1)
+    lines = {trace.name: trace for trace in figure.data if trace.showlegend is not False}
+    # Position 5: kept at step 1 with utility .3, 4th of 5 kept (.9, .8, .5 above it); raw .05 is 6th of
+    # 7 present; evicted at step 2 (a cross, just past B = 4).  Position 1: evicted at step 1, raw 0 (7th).
+    five = lines["#5 ' cd' · raw crossed B 0×"]
+    assert list(five.x) == [0, 1, 2] and list(five.y)[1] == 4 and np.isnan(list(five.y)[2])
+    raw = [t for t in figure.data if t.name == "#5 ' cd' raw"][0]
+    assert list(raw.y)[1] == 6 and np.isnan(list(raw.y)[2])
+    crosses = [t for t in figure.data if t.mode == "markers"]
+    assert sorted((t.legendgroup, list(t.x)[0], list(t.y)[0]) for t in crosses) == [
+        ("#1 ' 73'", 1, 5), ("#5 ' cd'", 2, 5)]
+    assert "test" in figure.layout.title.text
+    assert "no token" in view.history_figure([], "").layout.annotations[0].text
+
+
 def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
     with pytest.raises(Exception, match="probing step 5000 decodes 5008 tokens"):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")

@@ -96,6 +96,12 @@ def test_run_watch_scrub(page):
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => (p.layout && p.layout.title && "
         "String(p.layout.title.text || '').startsWith('Step ')))", timeout=30_000)
+    # The token history follows the scrubbed step's boundary entries, then what is typed.
+    history = ("() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.layout && p.layout.title && "
+               "String(p.layout.title.text || '').startsWith(%r))")
+    page.wait_for_function(history % "Token history: at step ", timeout=30_000)
+    page.get_by_label("Follow tokens").fill("passkey")
+    page.wait_for_function(history % "Token history: 'passkey'", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "live-scrubbed.png"), full_page=True)
 
 

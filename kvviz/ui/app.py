@@ -288,12 +288,20 @@ def make_open_handler(limits: Limits):
     return open_trace
 
 
-def scrub(view: RunView | None, step):
+def scrub(view: RunView | None, step, follow: str = ""):
     if view is None or not view.events:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
     step = int(step)
     return (view.retention_figure(step), view.rank_figure(step), view.step_detail_figure(step),
-            view.fate_html(step, prompt_only=False))
+            view.fate_html(step, prompt_only=False), token_history(view, follow, step))
+
+
+def token_history(view: RunView | None, follow: str, step) -> go.Figure | None:
+    """The followed tokens' ranks over the run (the entries at the eviction boundary when none is typed)."""
+    if view is None or not view.events:
+        return None
+    step = min(int(step or 0), view.steps - 1)
+    return view.history_figure(*view.follow(follow, step), marker_step=step)
 
 
 def make_compare_handler(limits: Limits):
@@ -571,6 +579,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     ranks = gr.Plot(label="Utility rank")
                     step_slider = gr.Slider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
                     detail = gr.Plot(label="Step detail")
+                    follow = gr.Textbox(label="Follow tokens", elem_id="live-follow",
+                                        placeholder="text to find (e.g. 7342519) or positions (#12, #40-45); "
+                                        "empty: the entries at the eviction boundary at the scrubbed step")
+                    history = gr.Plot(label="Token history")
                     fate = gr.HTML(label="Tokens by fate")
                     timeline = gr.Plot(label="Per step")
                     with gr.Row():
@@ -590,8 +602,13 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                    view_state, detail], concurrency_limit=limits.runs_per_model,
                                   concurrency_id="model", api_name="open_trace", api_visibility="undocumented")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
-            step_slider.input(scrub, [view_state, step_slider], [retention, ranks, detail, fate], api_name=False,
-                              trigger_mode="always_last")
+            step_slider.input(scrub, [view_state, step_slider, follow], [retention, ranks, detail, fate, history],
+                              api_name=False, trigger_mode="always_last")
+            follow.change(token_history, [view_state, follow, step_slider], history, api_name=False,
+                         trigger_mode="always_last")
+            run.click(lambda: None, None, history, api_name=False, queue=False)  # the last run's, until this ends
+            for shown in (live, opened):
+                shown.then(token_history, [view_state, follow, step_slider], history, api_name=False)
             policy.change(_show_parameters, [policy, model], [description, *widgets], api_name=False)
             for widget in widgets:  # e.g. alpha changes the previous-step weight the description states
                 widget.input(_describe, [policy, model, *widgets], description, api_name=False,

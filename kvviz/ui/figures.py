@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import html
 import math
+import re
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..diagnostics import boundary_crossings, token_history
 from ..diagnostics import ranks as ascending_ranks
 from ..trace import StepEvent
 
@@ -24,6 +26,10 @@ MAX_COLUMNS, MAX_ROWS = 512, 256
 EMPTY = 200
 NEVER = np.iinfo(np.int32).max
 KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR = "#1f3b73", "#f1c9a5", "#ffffff"
+MAX_FOLLOWED = 12  # lines in the token-history figure: more is unreadable
+FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
+                 "#7f7f7f", "#bcbd22", "#393b79", "#637939"]
+POSITIONS = re.compile(r"^\s*#\d+(\s*-\s*#?\d+)?(\s*[,\s]\s*#\d+(\s*-\s*#?\d+)?)*\s*$")
 
 
 class RunView:
@@ -227,6 +233,93 @@ class RunView:
                           margin=dict(l=50, r=20, t=40 + 15 * len(notes), b=40))
         return fig
 
+    # -- token history ---------------------------------------------------------------------------------
+    def follow(self, query: str | None, step: int) -> tuple[list[int], str]:
+        """The positions a token-history figure follows, and a note on how they were chosen.
+
+        ``#12, #40-45`` names positions; any other text is looked up in the tokens' text (case-insensitive,
+        across token boundaries: ``7342519`` finds every token of each occurrence).  Empty: the entries at
+        the eviction boundary at ``step`` -- those it evicted, then the lowest-utility kept ones, four in all.
+        """
+        query = (query or "").strip()
+        known = len(self.tokens) if self.tokens else self.prompt_len + max(self.steps - 1, 0)
+        if not query:
+            event = self.events[min(step, self.steps - 1)]
+            chosen = event.evicted.tolist()[:4]
+            if event.utility is not None and len(chosen) < 4:
+                finite = np.isfinite(event.utility)
+                order = np.lexsort((event.kept[finite], event.utility[finite]))  # lowest first, older first
+                chosen += event.kept[finite][order][: 4 - len(chosen)].tolist()
+            what = f"at step {event.step}: " + (f"evicted {len(event.evicted)}, " if event.evicted.size else "")
+            return chosen, (what + "the next in line for eviction" if chosen
+                            else what + "nothing to follow (no eviction, no utility); type a token or #position")
+        if POSITIONS.match(query):
+            positions = []
+            for low, high in re.findall(r"#(\d+)(?:\s*-\s*#?(\d+))?", query):
+                positions += range(int(low), int(high or low) + 1)
+            beyond = [p for p in positions if p >= known]
+            positions = list(dict.fromkeys(p for p in positions if p < known))
+            note = f"{len(beyond)} position(s) past the last ({known - 1}) left out; " if beyond else ""
+        else:
+            text = "".join(self.token(p) for p in range(known))
+            starts = np.cumsum([0] + [len(self.token(p)) for p in range(known)])
+            positions = []
+            for match in re.finditer(re.escape(query), text, re.IGNORECASE):
+                first = int(np.searchsorted(starts, match.start(), side="right") - 1)
+                last = int(np.searchsorted(starts, match.end() - 1, side="right") - 1)
+                positions += [p for p in range(first, last + 1) if p not in positions]
+            if not positions:
+                return [], f"no token text contains {query!r}; type other text, or positions as #12, #40-45"
+            note = f"{query!r}: "
+        if len(positions) > MAX_FOLLOWED:
+            note += f"the first {MAX_FOLLOWED} of {len(positions)} positions"
+            positions = positions[:MAX_FOLLOWED]
+        else:
+            note += f"{len(positions)} position(s)"
+        return positions, note
+
+    def history_figure(self, positions: list[int], note: str = "", marker_step: int | None = None) -> go.Figure:
+        """Each followed token's rank at every step: by the policy's utility (solid) and by the step's raw
+        score (dotted), against the budget line; a cross where it was evicted (InertiaKV Fig. 4)."""
+        if not positions:
+            return _empty_figure(note or "no token to follow")
+        history = token_history(self.events, positions)
+        crossings = boundary_crossings(history, self.budget)
+        fig = go.Figure()
+        for index, (position, rows) in enumerate(history.groupby("position", sort=False)):
+            color, name = FOLLOW_COLORS[index % len(FOLLOW_COLORS)], f"#{position} {self.token(position)!r}"
+            gone = rows[rows["evicted"]]
+            legend = name + (f" · raw crossed B {crossings[position]}×" if rows["raw_rank"].notna().any() else "")
+            hover = [f"{name} · step {s}<br>utility {u:.4g} · rank {r:g} of {c}" for s, u, r, c in
+                     zip(rows["step"], rows["utility"], rows["utility_rank"], rows["cached"])]
+            fig.add_scatter(x=rows["step"], y=rows["utility_rank"], mode="lines+markers", name=legend,
+                            legendgroup=name, line=dict(color=color), marker=dict(size=4), hovertext=hover,
+                            hoverinfo="text")
+            if rows["raw_rank"].notna().any():
+                hover = [f"{name} · step {s}<br>raw {v:.4g} · rank {r:g} of {c}" for s, v, r, c in
+                         zip(rows["step"], rows["raw"], rows["raw_rank"], rows["cached"])]
+                fig.add_scatter(x=rows["step"], y=rows["raw_rank"], mode="lines", name=name + " raw",
+                                legendgroup=name, showlegend=False, line=dict(color=color, dash="dot", width=1.5),
+                                hovertext=hover, hoverinfo="text", connectgaps=False)
+            if len(gone):  # drawn just past the budget line: its utility that step is not recorded
+                fig.add_scatter(x=gone["step"], y=[self.budget + 1] * len(gone), mode="markers",
+                                legendgroup=name, showlegend=False, marker=dict(color=color, symbol="x", size=10),
+                                hovertext=[f"{name} evicted at step {s}" for s in gone["step"]], hoverinfo="text")
+        fig.add_hline(y=self.budget + 0.5, line_dash="dash", line_color="#888",
+                      annotation_text=f"budget B = {self.budget}", annotation_position="bottom left")
+        _marker_x(fig, marker_step)
+        # Around the boundary: the prefill and the first cut rank the whole prompt, and would flatten it; a
+        # line that leaves through the bottom fell further than twice the budget.
+        decoding = history[history["step"] >= 1]
+        deepest = np.nanmax(decoding[["raw_rank", "utility_rank"]].to_numpy(), initial=0.0)
+        bottom = max(self.budget + 1, min(deepest, 2 * self.budget))
+        fig.update_yaxes(range=[bottom + 0.7, 0.3], title="rank (1 = most useful)")
+        fig.update_layout(title=f"Token history: {note}<br><sup>solid: rank by the policy's utility · dotted: "
+                          "rank by the step's raw score · ×: evicted · below the dashed line: out of the top B</sup>",
+                          xaxis_title="decode step", height=380, margin=dict(l=50, r=20, t=60, b=40),
+                          legend=dict(orientation="h", y=-0.2))
+        return fig
+
     # -- tokens ----------------------------------------------------------------------------------------
     def token(self, position: int) -> str:
         return self.tokens[position] if position < len(self.tokens) else ""
@@ -287,3 +380,8 @@ def _empty_figure(text: str) -> go.Figure:
 def _marker(fig: go.Figure, step: int | None) -> None:
     if step is not None:
         fig.add_hline(y=step, line_color="#d62728", line_width=1)
+
+
+def _marker_x(fig: go.Figure, step: int | None) -> None:
+    if step is not None:
+        fig.add_vline(x=step, line_color="#d62728", line_width=1)
