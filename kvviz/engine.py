@@ -59,6 +59,7 @@ class EvictingCache(SlotCache):
         self.budget = budget
         self.step = -1
         self.score_seconds = 0.0
+        self.components: dict[str, np.ndarray] | None = None
         self.events: list[StepEvent] = []
 
     # -- score sink -----------------------------------------------------------------------------------
@@ -101,7 +102,8 @@ class EvictingCache(SlotCache):
         """Apply the policy's evictions for the current step.
 
         Returns the evicted positions, the policy's raw scores of this step for every position present
-        before eviction (sorted by position; ``None`` if it computed none) and the seconds it took.
+        before eviction (sorted by position; ``None`` if it computed none) and the seconds it took; the
+        named terms of the decision, aligned the same way, are left in ``self.components``.
         """
         start = time.perf_counter()
         positions = self.live_positions()
@@ -109,6 +111,11 @@ class EvictingCache(SlotCache):
         if raw is not None:
             raw = raw[torch.argsort(positions)].float().numpy().copy()
         slots = self.policy.select_evictions(self.step, positions, self.budget)
+        recording = time.perf_counter()  # the terms are recorded for the views: not the policy's cost
+        components = self.policy.components(positions)
+        self.components = None if not components else {  # by position, like raw
+            name: values[torch.argsort(positions)].float().numpy().copy() for name, values in components.items()}
+        start += time.perf_counter() - recording
         evicted = positions[slots].sort().values.numpy().copy()
         self.evict(slots)
         bound = self.final_bound if self.final_bound is not None else self.policy.cache_bound(self.budget, self.step)
@@ -138,12 +145,15 @@ class EvictingCache(SlotCache):
         """Finish the step in flight (generate mode) and record its event (token fields unknown: -1)."""
         if self.step < 0 or (self.events and self.events[-1].step >= self.step):
             return
+        components = None
         if self.step == 0 and self.policy.prefill_window == 0:
             evicted, raw, seconds = np.empty(0, np.int64), None, 0.0  # decode-time: never evicts at prefill
         else:
             evicted, raw, seconds = self.finish_step()
+            components = self.components
         kept, utility = self.kept_and_utility()
-        self.events.append(StepEvent(self.step, -1, -1, "", kept, evicted, utility, raw, t_evict=seconds))
+        self.events.append(StepEvent(self.step, -1, -1, "", kept, evicted, utility, raw, t_evict=seconds,
+                                     components=components))
 
 
 @contextmanager
@@ -316,7 +326,8 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     generated = [token]
     kept, utility = cache.kept_and_utility()
     yield StepEvent(0, -1, token, _piece(tokenizer, generated), kept, evicted, utility, raw, prefill_scores,
-                    t_forward, cache.score_seconds, t_evict, cache.nbytes())
+                    t_forward, cache.score_seconds, t_evict, cache.nbytes(),
+                    cache.components if prefill_scores else None)
 
     for step in range(1, max_new_tokens):
         if token in eos:
@@ -333,7 +344,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         generated.append(token)
         kept, utility = cache.kept_and_utility()
         yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility, raw, scores,
-                        t_forward, cache.score_seconds, t_evict, cache.nbytes())
+                        t_forward, cache.score_seconds, t_evict, cache.nbytes(), cache.components)
 
 
 def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Policy], *,

@@ -36,6 +36,10 @@ class StepEvent:
         Seconds in the model forward (scoring excluded), in scoring, and in choosing and applying evictions.
     cache_bytes : int
         Bytes the cache's key/value buffers hold after this step (allocated slots, all layers).
+    components : dict of str to np.ndarray, or None
+        The named terms of this step's eviction decision (e.g. AvoKV-E's ``p``, ``r``, ``b``, ``N(p)``, ...,
+        ``S``), each aligned with ``present`` like ``raw`` (NaN for entries not judged); ``None`` on steps
+        that decided nothing this way.
     """
 
     step: int
@@ -51,6 +55,7 @@ class StepEvent:
     t_score: float = 0.0
     t_evict: float = 0.0
     cache_bytes: int = 0
+    components: dict[str, np.ndarray] | None = None
 
     @property
     def cache_size(self) -> int:
@@ -111,6 +116,8 @@ class Trace:
         for row in rows:
             for key in ("kept", "evicted", "utility", "raw"):
                 row[key] = None if row[key] is None else row[key].tolist()
+            if row["components"] is not None:
+                row["components"] = {name: values.tolist() for name, values in row["components"].items()}
         table = pa.Table.from_pandas(pd.DataFrame(rows), preserve_index=False)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"kvviz": json.dumps(self.meta())})
         pq.write_table(table, path)
@@ -139,6 +146,9 @@ class Trace:
                 for key in ("utility", "raw"):
                     if row[key] is not None:
                         row[key] = np.asarray(row[key], dtype=np.float32)
+                if row.get("components") is not None:  # NaN (not judged) comes back from parquet as null
+                    row["components"] = {name: np.asarray(values, dtype=np.float32)
+                                         for name, values in row["components"].items() if values is not None}
                 events.append(StepEvent(**row))
             trace = cls(events=events, **meta)
         except (TypeError, ValueError, KeyError) as error:  # a column or a metadata key missing or of a wrong type
@@ -150,7 +160,7 @@ class Trace:
     def check(self, name: str = "the trace") -> None:
         """Raise ``ValueError`` unless this is one run: settings of the right types, steps 0, 1, 2, ..., and
         at each step distinct kept and evicted positions that existed then (the prompt plus the tokens fed
-        back so far), one utility per kept entry and one raw score per entry present."""
+        back so far), one utility per kept entry, and one raw score and one value of each term per entry present."""
         settings = [("prompt_ids", isinstance(self.prompt_ids, list) and all(_is_int(i) for i in self.prompt_ids),
                      "a list of token ids"), ("budget", _is_int(self.budget) and self.budget >= 1, "a whole number >= 1"),
                     ("policy", isinstance(self.policy, str), "a string"), ("model", isinstance(self.model, str), "a string"),
@@ -176,9 +186,14 @@ class Trace:
             if event.utility is not None and event.utility.shape != event.kept.shape:
                 raise ValueError(f"{name}: step {event.step} has {event.utility.size} utilities for "
                                  f"{event.kept.size} kept positions")
-            if event.raw is not None and event.raw.size != event.kept.size + event.evicted.size:
-                raise ValueError(f"{name}: step {event.step} has {event.raw.size} raw scores for "
-                                 f"{event.kept.size + event.evicted.size} entries present")
+            present = event.kept.size + event.evicted.size
+            if event.raw is not None and event.raw.size != present:
+                raise ValueError(f"{name}: step {event.step} has {event.raw.size} raw scores for {present} "
+                                 "entries present")
+            for term, values in (event.components or {}).items():
+                if values.shape != (present,):
+                    raise ValueError(f"{name}: step {event.step} has {values.size} values of {term!r} for "
+                                     f"{present} entries present")
 
 
 def _is_int(value) -> bool:

@@ -133,6 +133,49 @@ def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
 
+def test_checkpoint_terms_explain_each_eviction_and_survive_generate_and_parquet(tiny, tiny_prompt, tmp_path):
+    """AvoKV-E's recorded terms at each checkpoint: S from the percentile ranks by its own formula, the
+    protected tail unjudged, the kept candidates exactly the top of S (their utility S), and the same terms
+    from model.generate through an evicting cache and after a parquet round trip."""
+    from kvviz.diagnostics import ranks
+
+    model, tokenizer = tiny
+    policy = dict(interval=8, delay=16, sinks=2)
+    result = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("avokv", **policy), budget=40,
+                       max_new_tokens=20)
+    decided = [e for e in result.trace.events if e.components is not None]
+    assert [e.step for e in decided] == [e.step for e in result.trace.events if e.evicted.size]
+    assert len(decided) >= 2
+    for event in decided:
+        terms, present = event.components, event.present
+        judged = ~np.isnan(terms["S"])
+        assert judged.sum() == present.size - 16 and not judged[-16:].any()  # the newest 16: the tail
+        for name in ("p", "r", "b"):  # (rank - 1) / (n - 1), from our own tie-averaging ranks
+            values = terms[name][judged].astype(np.float64)
+            assert terms[f"N({name})"][judged] == pytest.approx((ranks(values) - 1) / (values.size - 1), abs=1e-6)
+        finite = judged & np.isfinite(terms["S"])
+        assert np.isinf(terms["S"][judged]).sum() == 2  # the sinks
+        expected = 0.1 * terms["N(p)"] - 0.9 * terms["N(r)"] + 0.05 * terms["N(b)"]
+        assert terms["S"][finite] == pytest.approx(expected[finite], abs=1e-6)
+        kept = np.isin(present, event.kept)
+        assert terms["S"][judged & ~kept].max() <= terms["S"][judged & kept].min()
+        kept_judged = np.isin(event.kept, present[judged])
+        assert event.utility[kept_judged] == pytest.approx(terms["S"][judged & kept])
+    with kvviz.attach(model, kvviz.make_policy("avokv", **policy), budget=40) as cache:
+        model.generate(torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=20,
+                       do_sample=False)
+    for ours, theirs in zip(result.trace.events, cache.events):
+        assert (ours.components is None) == (theirs.components is None)
+        if ours.components:
+            assert all(np.array_equal(ours.components[k], theirs.components[k], equal_nan=True) for k in ours.components)
+    result.trace.save(tmp_path / "avokv.parquet")
+    loaded = kvviz.Trace.load(tmp_path / "avokv.parquet")
+    for ours, theirs in zip(result.trace.events, loaded.events):
+        assert (ours.components is None) == (theirs.components is None)
+        if ours.components:
+            assert all(np.array_equal(ours.components[k], theirs.components[k], equal_nan=True) for k in ours.components)
+
+
 class Recorder:
     prefill_window = 0
 
@@ -273,6 +316,8 @@ def test_a_file_that_is_not_a_consistent_trace_is_refused_with_the_reason(tiny, 
         (lambda t: setattr(t.events[1], "evicted", np.array([-1])), "step 1 has evicted positions outside"),
         (lambda t: setattr(t.events[4], "utility", t.events[4].utility[:-1]), "step 4 has 11 utilities for 12 kept"),
         (lambda t: setattr(t.events[2], "raw", t.events[2].raw[:-1]), "step 2 has 12 raw scores for 13 entries"),
+        (lambda t: setattr(t.events[2], "components", {"S": np.zeros(3, np.float32)}),
+         "step 2 has 3 values of 'S' for 13 entries"),
         (lambda t: setattr(t.events[2], "evicted", t.events[2].kept[:1]), "step 2 has positions both kept and evicted"),
         (lambda t: setattr(t.events[2], "kept", np.sort(np.append(t.events[2].kept, t.events[2].kept[0]))),
          "step 2 lists a kept position twice"),

@@ -79,6 +79,15 @@ def test_avokv_keep_rule_on_a_hand_made_cache():
     # S = .05 - .9 N(r) + .05 N(b): 1 -> -.494, 2 -> -.4625, 3 -> -.494, 4 -> +.069.  Keep 0 (sink) and 4.
     policy = make_policy("avokv", interval=1, delay=2, observe_window=2, sinks=1)
     assert run_avokv_step(policy) == {0, 4, 5, 6}
+    # The terms it decided from, per entry present (0..6); the protected tail {5, 6} was not judged.
+    terms = {name: values.tolist() for name, values in policy.components(torch.arange(7)).items()}
+    assert set(terms) == {"p", "r", "b", "N(p)", "N(r)", "N(b)", "S"}
+    nan = float("nan")
+    assert terms["N(p)"] == pytest.approx([0.5] * 5 + [nan] * 2, nan_ok=True)
+    assert terms["N(r)"] == pytest.approx([0.625] * 4 + [0, nan, nan], nan_ok=True)
+    assert terms["N(b)"] == pytest.approx([0.375, 0.375, 1, 0.375, 0.375, nan, nan], nan_ok=True)
+    assert terms["b"] == pytest.approx([1, 1, 4, 1, 1, nan, nan], nan_ok=True)
+    assert terms["S"] == pytest.approx([float("inf"), -0.49375, -0.4625, -0.49375, 0.06875, nan, nan], nan_ok=True)
     # With lambda_r = 0 the payload decides: 2 has the largest value norm.
     policy = make_policy("avokv", interval=1, delay=2, observe_window=2, sinks=1, lambda_r=0.0)
     assert run_avokv_step(policy) == {0, 2, 5, 6}
@@ -146,6 +155,11 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
     policy.observe(avokv_view(torch.zeros(1, 2)), positions)
     drop = policy.select_evictions(1, positions, 4)
     assert set(range(7)) - set(positions[drop].tolist()) == {1, 4, 5, 6}
+    terms = {name: np.array(values.tolist()) for name, values in policy.components(positions).items()}
+    assert set(terms) == {"importance", "redundancy", "score"}
+    assert np.isnan(terms["score"][5:]).all() and terms["importance"][:5] == pytest.approx([1 / 7] * 5)
+    assert terms["score"][:5] == pytest.approx(0.1 * terms["importance"][:5] - 0.9 * terms["redundancy"][:5])
+    assert terms["redundancy"][2] == terms["redundancy"][3] > terms["redundancy"][0] > terms["redundancy"][4]
 
 
 # -------------------------------------------------------------------------------------------- per-step rules

@@ -87,6 +87,11 @@ class AvoKVE(CheckpointPolicy):
             "b": (norms / (norms.quantile(0.5, dim=-1, keepdim=True) + PAYLOAD_EPS)).mean(0),
         }
 
+    def explain(self, features, score):
+        """Table 5 of the paper, per candidate: p, r, b, their percentile ranks and S."""
+        ranked = {f"N({name})": percentile_rank(features[name]) for name in ("p", "r", "b")} if self.normalise else {}
+        return {**features, **ranked, "S": score}
+
     def risk(self, features, positions):
         score = eviction_risk(features["p"], features["r"], features["b"], self.lambda_p, self.lambda_r,
                               self.lambda_b, self.normalise)

@@ -69,6 +69,12 @@ class Policy:
         """This step's un-aggregated score (e.g. layer-mean attention) for ``positions``, if it computed one."""
         return None
 
+    def components(self, positions: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The named terms this step's eviction decision was computed from, per entry of ``positions`` (the
+        entries present before it), if the policy combines several: e.g. AvoKV-E's read pressure, key
+        redundancy and payload, their percentile ranks and the risk.  NaN where an entry was not judged."""
+        return None
+
     def cache_bound(self, budget: int, step: int) -> int | None:
         """Most live entries after step ``step``'s eviction; ``None`` means unbounded (no eviction).
 

@@ -90,6 +90,7 @@ class CheckpointPolicy(Policy):
         self.new_position = new_position
         self.features: dict[str, torch.Tensor] = {}
         self.layers_seen = 0
+        self.terms = None  # (candidate positions, named terms over them) once this step's checkpoint is decided
 
     def reset_budget_check(self, budget: int, reserved: int, name: str) -> None:
         # Whatever the prompt length, decoding grows the cache past any budget, and at that checkpoint a
@@ -118,6 +119,10 @@ class CheckpointPolicy(Policy):
         """Per-candidate score, higher = keep."""
         raise NotImplementedError
 
+    def explain(self, features: dict[str, torch.Tensor], score: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The terms to show for each candidate at a checkpoint: the layer-mean features and the score."""
+        return {**features, "score": score}
+
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
         if not self.checkpoint or not self.layers_seen:
             return NO_SLOTS
@@ -125,6 +130,7 @@ class CheckpointPolicy(Policy):
         candidates = self.candidates
         score = self.risk(features, positions[candidates])
         self.last_score = dict(zip(positions[candidates].tolist(), score.tolist()))
+        self.terms = (positions[candidates], self.explain(features, score))
         keep = max(budget - (positions.numel() - candidates.numel()), 0)
         return candidates[lowest(score, positions[candidates], candidates.numel() - keep)]
 
@@ -132,6 +138,17 @@ class CheckpointPolicy(Policy):
         if not hasattr(self, "last_score"):
             return None
         return torch.tensor([self.last_score.get(p, float("inf")) for p in positions.tolist()])
+
+    def components(self, positions: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if self.terms is None:
+            return None
+        candidates, terms = self.terms
+        index = {position: i for i, position in enumerate(positions.tolist())}
+        rows = torch.tensor([index[p] for p in candidates.tolist()], dtype=torch.long)
+        out = {}
+        for name, values in terms.items():  # protected entries were not judged: NaN
+            out[name] = torch.full((positions.numel(),), float("nan")).index_copy_(0, rows, values.float().cpu())
+        return out
 
     def cache_bound(self, budget: int, step: int) -> int:
         return budget + self.interval - 1
