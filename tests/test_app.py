@@ -252,6 +252,34 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     assert "no token" in view.history_figure([], "").layout.annotations[0].text
 
 
+def test_the_terms_table_lists_the_last_decision_lowest_score_first():
+    """Checkpoints at steps 1 and 3 of a view over prompt 0..3, budget 2: step 1 judged 0, 1, 2 (4 is the
+    unjudged tail) with S = .5, -.2, .1 and evicted 1 and 2.  Scrubbed to step 2, the table is step 1's:
+    1 (-.2) then 2 (.1) then 0 (.5); step 0 had no decision yet."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.app import scrub
+
+    nan, none = float("nan"), np.empty(0, np.int64)
+    view = RunView(4, 4, 2, ["a", "b", "c", "d"])
+    view.add(StepEvent(0, 0, 0, "e", np.arange(4), none), "e")
+    terms = {"p": np.array([0.3, 0.1, 0.2, nan, nan], np.float32), "S": np.array([0.5, -0.2, 0.1, nan, nan], np.float32)}
+    view.add(StepEvent(1, 0, 0, "f", np.array([0, 3, 4]), np.array([1, 2]), np.array([0.5, np.inf, np.inf], np.float32),
+                       components=terms), "f")
+    view.add(StepEvent(2, 0, 0, "g", np.array([0, 3, 4, 5]), none, np.array([0.5, np.inf, np.inf, np.inf], np.float32)),
+             "g")
+    frame, caption = view.terms_frame(2)
+    assert frame["position"].tolist() == [1, 2, 0] and frame["token"].tolist() == ["b", "c", "a"]
+    assert frame["S"].tolist() == pytest.approx([-0.2, 0.1, 0.5]) and frame["p"].tolist() == pytest.approx([0.1, 0.2, 0.3])
+    assert frame["fate"].tolist() == ["evicted", "evicted", "kept"]
+    assert "**Step 1**" in caption and "3 entries judged, 2 evicted" in caption and "2 protected" in caption
+    assert view.terms_frame(0) == (None, "No decision by step 0 yet; the next at step 1.")
+    outputs = scrub(view, 2, "")
+    assert len(outputs) == 7 and "**Step 1**" in outputs[5] and outputs[6]["visible"]
+    assert outputs[6]["value"]["position"].tolist() == [1, 2, 0]
+    detail = view.step_detail_figure(1)
+    assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[3]  # 3: not judged
+
+
 def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
     with pytest.raises(Exception, match="probing step 5000 decodes 5008 tokens"):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")

@@ -290,10 +290,10 @@ def make_open_handler(limits: Limits):
 
 def scrub(view: RunView | None, step, follow: str = ""):
     if view is None or not view.events:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return (gr.skip(),) * 7
     step = int(step)
     return (view.retention_figure(step), view.rank_figure(step), view.step_detail_figure(step),
-            view.fate_html(step, prompt_only=False), token_history(view, follow, step))
+            view.fate_html(step, prompt_only=False), *step_views(view, follow, step))
 
 
 def token_history(view: RunView | None, follow: str, step) -> go.Figure | None:
@@ -302,6 +302,18 @@ def token_history(view: RunView | None, follow: str, step) -> go.Figure | None:
         return None
     step = min(int(step or 0), view.steps - 1)
     return view.history_figure(*view.follow(follow, step), marker_step=step)
+
+
+def step_views(view: RunView | None, follow: str, step) -> tuple:
+    """What follows the scrubbed step besides the heatmaps: the token history and the last decision's terms."""
+    if view is None or not view.events:
+        return None, "", gr.update(value=None, visible=False)
+    frame, caption = view.terms_frame(min(int(step or 0), view.steps - 1))
+    if frame is not None:  # four significant digits: attention probabilities are often below 1e-4
+        numbers = frame.select_dtypes("number").columns.drop("position")
+        frame[numbers] = frame[numbers].apply(lambda column: column.map(lambda value: float(f"{value:.4g}")))
+    table = gr.update(visible=False) if frame is None else gr.update(value=frame, visible=True)
+    return token_history(view, follow, step), caption, table
 
 
 def make_compare_handler(limits: Limits):
@@ -579,6 +591,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     ranks = gr.Plot(label="Utility rank")
                     step_slider = gr.Slider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
                     detail = gr.Plot(label="Step detail")
+                    with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV)", open=False):
+                        terms_note = gr.Markdown()
+                        terms = gr.Dataframe(label="Terms per judged entry", visible=False, interactive=False,
+                                             max_height=360)
                     follow = gr.Textbox(label="Follow tokens", elem_id="live-follow",
                                         placeholder="text to find (e.g. 7342519) or positions (#12, #40-45); "
                                         "empty: the entries at the eviction boundary at the scrubbed step")
@@ -602,13 +618,15 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                    view_state, detail], concurrency_limit=limits.runs_per_model,
                                   concurrency_id="model", api_name="open_trace", api_visibility="undocumented")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
-            step_slider.input(scrub, [view_state, step_slider, follow], [retention, ranks, detail, fate, history],
+            after = [history, terms_note, terms]
+            step_slider.input(scrub, [view_state, step_slider, follow], [retention, ranks, detail, fate, *after],
                               api_name=False, trigger_mode="always_last")
             follow.change(token_history, [view_state, follow, step_slider], history, api_name=False,
-                         trigger_mode="always_last")
-            run.click(lambda: None, None, history, api_name=False, queue=False)  # the last run's, until this ends
+                          trigger_mode="always_last")
+            # The last run's views would otherwise stay up, beside the new run, until it ends.
+            run.click(lambda: step_views(None, "", 0), None, after, api_name=False, queue=False)
             for shown in (live, opened):
-                shown.then(token_history, [view_state, follow, step_slider], history, api_name=False)
+                shown.then(step_views, [view_state, follow, step_slider], after, api_name=False)
             policy.change(_show_parameters, [policy, model], [description, *widgets], api_name=False)
             for widget in widgets:  # e.g. alpha changes the previous-step weight the description states
                 widget.input(_describe, [policy, model, *widgets], description, api_name=False,

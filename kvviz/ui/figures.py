@@ -13,6 +13,7 @@ import math
 import re
 
 import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -220,9 +221,13 @@ class RunView:
             notes.append("this policy keeps no per-entry score (it decides by position)")
         if evicted and event.utility is not None:
             notes.append("× evicted now, drawn at the lowest utility (its own is not recorded)")
+        terms = event.components or {}
+        if terms:
+            notes.append("hover: the terms this checkpoint decided from")
         text = [f"pos {p} · {html.escape(self.token(p))!s}<br>"
                 + (f"utility {utility[int(p)]:.4g} · rank {rank.get(int(p), '-')}<br>" if int(p) in utility else "")
-                + ("evicted now" if p in evicted else "kept") for p in present]
+                + "".join(f"{name} {values[i]:.3g} · " for name, values in terms.items() if not np.isnan(values[i]))
+                + ("evicted now" if p in evicted else "kept") for i, p in enumerate(present)]
         fig = go.Figure(go.Scattergl(
             x=present, y=y, mode="markers", hovertext=text, hoverinfo="text",
             marker=dict(color=[EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present], size=6,
@@ -232,6 +237,32 @@ class RunView:
                           xaxis_title="absolute position", yaxis_title=label, height=300 + 15 * len(notes),
                           margin=dict(l=50, r=20, t=40 + 15 * len(notes), b=40))
         return fig
+
+    def terms_frame(self, step: int) -> tuple[pd.DataFrame | None, str]:
+        """The terms of the last decision made at or before ``step`` (a checkpoint), one row per judged entry,
+        lowest score first (the first to go), and a caption; ``None`` and why when there is none."""
+        upto = self.events[: min(step, self.steps - 1) + 1]
+        decided = [event for event in upto if event.components]
+        if not decided:
+            later = [event.step for event in self.events[len(upto):] if event.components][:3]
+            return None, ("This policy records no terms per entry: its utility is the whole story."
+                          if not any(event.components for event in self.events) else
+                          f"No decision by step {upto[-1].step} yet; the next at step{'s' if len(later) > 1 else ''} "
+                          + ", ".join(map(str, later)) + ".")
+        event = decided[-1]
+        terms = event.components
+        judged = ~np.all([np.isnan(values) for values in terms.values()], axis=0)
+        present = event.present[judged]
+        frame = pd.DataFrame({"position": present, "token": [self.token(int(p)) for p in present],
+                              **{name: values[judged].astype(np.float64) for name, values in terms.items()}})
+        frame["fate"] = np.where(np.isin(present, event.evicted), "evicted", "kept")
+        score = list(terms)[-1]  # the combined score comes last (AvoKV-E's S, R-KV's score)
+        frame = frame.sort_values([score, "position"], kind="stable").reset_index(drop=True)
+        unjudged = event.present.size - int(judged.sum())
+        caption = (f"**Step {event.step}** (the decision behind step {upto[-1].step}'s cache): {int(judged.sum())} "
+                   f"entries judged, {event.evicted.size} evicted, lowest `{score}` first"
+                   + (f"; {unjudged} protected, not judged" if unjudged else "") + ".")
+        return frame, caption
 
     # -- token history ---------------------------------------------------------------------------------
     def follow(self, query: str | None, step: int) -> tuple[list[int], str]:
