@@ -280,6 +280,28 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[3]  # 3: not judged
 
 
+def test_compare_follows_prompt_tokens_through_each_policy():
+    """Prompt [The][ key][ is][ 42], budget 4: at step 1 policy a evicts 1 (" key"), b evicts 3 (" 42")."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.app import compare_fates
+
+    views = {}
+    for name, evicted in (("a", 1), ("b", 3)):
+        view = RunView(4, 2, 4, ["The", " key", " is", " 42"])
+        view.add(StepEvent(0, 0, 0, "!", np.arange(4), np.empty(0, np.int64)), "!")
+        view.add(StepEvent(1, 0, 0, "?", np.array([p for p in range(5) if p != evicted]), np.array([evicted])), "?")
+        views[name] = view
+    note, table = compare_fates(views, "42")
+    frame = table["value"]
+    assert frame["position"].tolist() == [3] and frame["a"].tolist() == ["kept"]
+    assert frame["b"].tolist() == ["evicted at step 1"]
+    assert "**a** 1, **b** 0" in note
+    note, table = compare_fates(views, "")  # what they disagree on: " key" (a drops it) and " 42" (b does)
+    assert table["value"]["position"].tolist() == [1, 3] and "2 prompt tokens" in note
+    assert compare_fates(views, "?")[1]["visible"] is False  # generated text differs per policy: prompt only
+    assert "Run a comparison first" in compare_fates(None, "42")[0]
+
+
 def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
     with pytest.raises(Exception, match="probing step 5000 decodes 5008 tokens"):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")

@@ -30,7 +30,7 @@ from ..policies import REGISTRY, Policy, get_spec
 from ..trace import Trace
 from .config import Limits
 from ..store import Store
-from .figures import RunView
+from .figures import MAX_FOLLOWED, RunView
 from .results import build_results_tab
 
 log = logging.getLogger(__name__)
@@ -407,6 +407,34 @@ def jaccard_figure(names, views) -> go.Figure:
     return fig
 
 
+def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
+    """For each followed prompt token, what each compared policy did with it: kept to the end, or the step
+    that evicted it.  With nothing typed: the prompt tokens the policies disagree on at the end."""
+    if not views:
+        return "*Run a comparison first, then follow the prompt tokens that matter (e.g. the needle).*", \
+            gr.update(value=None, visible=False)
+    names = list(views)
+    first = views[names[0]]
+    if (query or "").strip():
+        positions, note = first.follow(query, first.steps - 1, prompt_only=True)
+    else:
+        kept = {name: {p for p in range(first.prompt_len) if views[name].evicted_at(p) is None} for name in names}
+        disputed = sorted(set.union(*kept.values()) - set.intersection(*kept.values()))
+        positions = disputed[:MAX_FOLLOWED]
+        note = (f"{len(disputed)} prompt tokens some policies keep to the end and others evict"
+                + (f" (the first {MAX_FOLLOWED})" if len(disputed) > MAX_FOLLOWED else "")
+                if disputed else "the policies keep the same prompt tokens to the end")
+    if not positions:
+        return f"*{note}*", gr.update(value=None, visible=False)
+    fates = {name: [views[name].evicted_at(p) for p in positions] for name in names}
+    frame = pd.DataFrame({"position": positions, "token": [first.token(p) for p in positions],
+                          **{name: ["kept" if step is None else f"evicted at step {step}" for step in steps]
+                             for name, steps in fates.items()}})
+    kept_counts = ", ".join(f"**{name}** {sum(step is None for step in steps)}" for name, steps in fates.items())
+    return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.", \
+        gr.update(value=frame, visible=True)
+
+
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
         from ..probe import check_fits, probe, ranking_quality
@@ -659,6 +687,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         c_figs = [gr.Plot(visible=i < 3) for i in range(4)]
                     c_divergence = gr.Markdown()
                     c_jaccard = gr.Plot(label="Keep-set Jaccard")
+                    c_follow = gr.Textbox(label="Follow prompt tokens", elem_id="compare-follow",
+                                          placeholder="text to find (e.g. 9074615) or positions (#12, #40-45); "
+                                          "empty: the prompt tokens the policies disagree on")
+                    c_fates_note = gr.Markdown()
+                    c_fates = gr.Dataframe(label="Fate per policy", visible=False, interactive=False, max_height=360)
                     with gr.Accordion("Oracle damage probe", open=False):
                         gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
                                     "of the full-cache continuation, and ranks each policy's utility against the damage.")
@@ -676,6 +709,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                   concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="compare",
                                   api_visibility="undocumented")
             c_stop.click(None, cancels=[compare])
+            c_run.click(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False, queue=False)
+            compare.then(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False)
+            c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
+                            trigger_mode="always_last")
             p_run.click(make_probe_handler(limits), [c_model, c_prompt, c_policies, c_chat, p_step, p_sample],
                         [p_table, p_note], concurrency_limit=limits.runs_per_model, concurrency_id="model",
                         api_name="probe")

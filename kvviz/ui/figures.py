@@ -265,15 +265,22 @@ class RunView:
         return frame, caption
 
     # -- token history ---------------------------------------------------------------------------------
-    def follow(self, query: str | None, step: int) -> tuple[list[int], str]:
+    def evicted_at(self, position: int) -> int | None:
+        """The step whose eviction removed ``position``, or ``None`` if it is still cached."""
+        left = int(self.left[position])
+        return None if left == NEVER else left
+
+    def follow(self, query: str | None, step: int, prompt_only: bool = False) -> tuple[list[int], str]:
         """The positions a token-history figure follows, and a note on how they were chosen.
 
         ``#12, #40-45`` names positions; any other text is looked up in the tokens' text (case-insensitive,
         across token boundaries: ``7342519`` finds every token of each occurrence).  Empty: the entries at
         the eviction boundary at ``step`` -- those it evicted, then the lowest-utility kept ones, four in all.
+        ``prompt_only``: look in the prompt alone (the part several runs of one prompt share).
         """
         query = (query or "").strip()
         known = len(self.tokens) if self.tokens else self.prompt_len + max(self.steps - 1, 0)
+        known = min(known, self.prompt_len) if prompt_only else known
         if not query:
             event = self.events[min(step, self.steps - 1)]
             chosen = event.evicted.tolist()[:4]
