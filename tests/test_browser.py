@@ -108,6 +108,8 @@ def test_run_watch_scrub(page):
 def test_stop_cancels_a_long_run(page):
     set_inputs(page, 500)
     page.locator("#live-run").click()
+    # The last run's views stay up until this one passes its checks; its first update hides the scrubber.
+    page.get_by_text("Scrub to step").wait_for(state="hidden", timeout=60_000)
     deadline = time.time() + 60
     while len(generated_text(page)) < 5 and time.time() < deadline:
         time.sleep(0.2)
@@ -174,3 +176,5 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     message.wait_for(timeout=30_000)
     time.sleep(12)
     assert message.is_visible()
+    # Refused by the check before the run: only the toast says "Error", not a badge over every panel.
+    assert page.get_by_text("Error", exact=True).count() == 1

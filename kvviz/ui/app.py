@@ -128,16 +128,21 @@ class Request:
     max_new_tokens: int
 
 
-def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
-             max_new_tokens: float, chat: bool, policies: list[Policy]) -> Request:
-    """Check everything before any work; raise ValueError with what to change."""
+def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
+    """What can be checked without the model; returns max new tokens.  Raises ValueError with what to change."""
     if model_name not in limits.models:
         raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty; type some text or pick an example")
     if budget_mode not in ("compression", "budget"):
         raise ValueError(f"size the cache by 'compression' or 'budget', got {budget_mode!r}")
-    max_new = whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
+    return whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
+
+
+def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
+             max_new_tokens: float, chat: bool, policies: list[Policy]) -> Request:
+    """Check everything before any work; raise ValueError with what to change."""
+    max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
     model, tokenizer = get_model(model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
@@ -190,6 +195,49 @@ def diagnostics_markdown(trace: Trace) -> str:
 
 
 # ----------------------------------------------------------------------------------------- handlers
+
+# Each button first runs a check with no outputs: a refusal raised there is only the toast, while one raised
+# by the run itself also marks every output panel "Error".  The runs check again (the API calls them alone).
+
+def make_live_check(limits: Limits):
+    def check_live(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat,
+                   *param_values):
+        try:
+            policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
+            _check_inputs(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, [policy])
+        except ValueError as error:
+            raise refused(str(error)) from None
+
+    return check_live
+
+
+def make_compare_check(limits: Limits):
+    def check_compare(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
+        names = list(dict.fromkeys(names or []))
+        if not 2 <= len(names) <= 4:
+            raise refused("choose two to four policies to compare")
+        try:
+            _check_inputs(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
+                          [get_spec(name).build() for name in names])
+        except ValueError as error:
+            raise refused(str(error)) from None
+
+    return check_compare
+
+
+def _check_inputs(limits: Limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
+                  policies) -> None:
+    # The settings first: a model is loaded (once, for the run that follows) only for a request that passes them.
+    check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
+    validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, policies)
+
+
+def check_trace(path) -> None:
+    if path:
+        try:
+            Trace.load(path)
+        except ValueError as error:
+            raise refused(str(error)) from None
 
 def make_live_handler(limits: Limits):
     def live_run(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat, *param_values):
@@ -634,17 +682,18 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         diag = gr.Markdown()
             view_state = gr.State(None)
             inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, *widgets]
-            live = run.click(make_live_handler(limits), inputs,
-                             [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
-                              detail],
-                             concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
-                             api_visibility="undocumented")  # the API is /generate; /live drives the widgets
-            stop.click(None, cancels=[live])
+            live_outputs = [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
+                            detail]
+            checked = run.click(make_live_check(limits), inputs, None, api_name=False)
+            live = checked.success(make_live_handler(limits), inputs, live_outputs,
+                                   concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
+                                   api_visibility="undocumented")  # the API is /generate; /live drives the widgets
+            stop.click(None, cancels=[checked, live])  # a click during the check stops the run before it starts
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
-            opened = saved.upload(make_open_handler(limits), saved,
-                                  [text, stats, retention, ranks, timeline, fate, step_slider, download, diag,
-                                   view_state, detail], concurrency_limit=limits.runs_per_model,
-                                  concurrency_id="model", api_name="open_trace", api_visibility="undocumented")
+            trace_checked = saved.upload(check_trace, saved, None, api_name=False)
+            opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
+                                           concurrency_limit=limits.runs_per_model, concurrency_id="model",
+                                           api_name="open_trace", api_visibility="undocumented")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             after = [history, terms_note, terms]
             step_slider.input(scrub, [view_state, step_slider, follow], [retention, ranks, detail, fate, *after],
@@ -652,7 +701,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             follow.change(token_history, [view_state, follow, step_slider], history, api_name=False,
                           trigger_mode="always_last")
             # The last run's views would otherwise stay up, beside the new run, until it ends.
-            run.click(lambda: step_views(None, "", 0), None, after, api_name=False, queue=False)
+            checked.success(lambda: step_views(None, "", 0), None, after, api_name=False, queue=False)
             for shown in (live, opened):
                 shown.then(step_views, [view_state, follow, step_slider], after, api_name=False)
             policy.change(_show_parameters, [policy, model], [description, *widgets], api_name=False)
@@ -703,13 +752,15 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                                interactive=False)
                         p_note = gr.Markdown()
             c_state = gr.State(None)
-            compare = c_run.click(make_compare_handler(limits),
-                                  [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat],
-                                  [*c_texts, *c_figs, c_divergence, c_jaccard, c_state],
-                                  concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="compare",
-                                  api_visibility="undocumented")
-            c_stop.click(None, cancels=[compare])
-            c_run.click(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False, queue=False)
+            c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat]
+            c_checked = c_run.click(make_compare_check(limits), c_inputs, None, api_name=False)
+            compare = c_checked.success(make_compare_handler(limits), c_inputs,
+                                        [*c_texts, *c_figs, c_divergence, c_jaccard, c_state],
+                                        concurrency_limit=limits.runs_per_model, concurrency_id="model",
+                                        api_name="compare", api_visibility="undocumented")
+            c_stop.click(None, cancels=[c_checked, compare])
+            c_checked.success(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False,
+                              queue=False)
             compare.then(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False)
             c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
                             trigger_mode="always_last")
