@@ -227,6 +227,67 @@ def cmd_probe(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    """A saved run (``kvviz generate --trace``, the app's download): what it was, its diagnostics, and what
+    happened to the tokens ``--follow`` names."""
+    from . import diagnostics
+    from .trace import Trace
+
+    trace = Trace.load(args.file)
+    steps = trace.decode_steps
+    if not args.follow:
+        params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
+        print(f"{trace.policy}" + (f" ({params})" if params else "") + f" on {trace.model or 'an unnamed model'}: "
+              f"prompt {trace.prompt_len} tokens, budget B = {trace.budget}, {len(steps)} decode steps, "
+              f"{sum(e.evicted.size for e in trace.events)} evictions")
+        seconds = {part: sum(getattr(e, f"t_{part}") for e in steps) for part in ("forward", "score", "evict")}
+        total = sum(seconds.values())
+        if total:
+            print(f"decode {len(steps) / total:.1f} tok/s: " + ", ".join(
+                f"{part} {value / total:.0%}" for part, value in seconds.items()))
+        for name, value in diagnostics.summary(trace).items():
+            print(f"{name.replace('_', ' '):<22}{'n/a' if np.isnan(value) else f'{value:.4f}'}")
+        decided = [e.step for e in trace.events if e.components]
+        if decided:
+            print(f"terms recorded at {len(decided)} decision(s), steps {', '.join(map(str, decided[:8]))}"
+                  + (" ..." if len(decided) > 8 else ""))
+        return 0
+    tokens = _trace_tokens(trace, args.model)
+    positions, note = diagnostics.find_positions(tokens, args.follow)
+    history = diagnostics.token_history(trace.events, positions)
+    history.insert(2, "token", [tokens[p] for p in history["position"]])
+    if args.csv:
+        print(history.to_csv(index=False), end="")
+        return 0
+    crossings = diagnostics.boundary_crossings(history, trace.budget)
+    print(f"{note}{len(positions)} position(s); B = {trace.budget}; ranks count from 1 = most useful")
+    print(f"{'position':>8}  {'token':<12}{'fate':<20}{'raw crossed B':>14}{'utility rank (mean, worst)':>28}")
+    for position, rows in history.groupby("position", sort=False):
+        gone = rows[rows["evicted"]]
+        fate = f"evicted at step {int(gone['step'].iloc[0])}" if len(gone) else (
+            "kept" if rows["kept"].iloc[-1] else "never cached")
+        ranked = rows.loc[rows["step"] >= 1, "utility_rank"].dropna()
+        rank = f"{ranked.mean():.1f}, {ranked.max():g}" if len(ranked) else "-"
+        raw = crossings[position] if rows["raw_rank"].notna().any() else "-"
+        print(f"{position:>8}  {repr(tokens[position])[:11]:<12}{fate:<20}{raw:>14}{rank:>28}")
+    return 0
+
+
+def _trace_tokens(trace, model_name: str | None) -> list[str]:
+    """Each position's text: the prompt through the run's tokenizer (ids where it cannot load), then the
+    generated tokens as the run recorded them."""
+    try:
+        from .models import load_model
+
+        tokenizer = load_model(model_name or trace.model)[1]
+        prompt = [tokenizer.decode([i]) for i in trace.prompt_ids]
+    except Exception as error:  # noqa: BLE001 -- the trace is still readable by positions
+        print(f"kvviz: prompt tokens shown as ids ({model_name or trace.model or 'no model'} did not load: "
+              f"{type(error).__name__}; --model names another)", file=sys.stderr)
+        prompt = [f"⟨{i}⟩" for i in trace.prompt_ids]
+    return prompt + [event.text for event in trace.events]
+
+
 def cmd_policies(args) -> int:
     from .policies import REGISTRY
 
@@ -436,6 +497,14 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(func=cmd_probe)
+
+    tr = sub.add_parser("trace", help="a saved trace: its diagnostics, or what happened to chosen tokens")
+    tr.add_argument("file", help="a parquet trace (kvviz generate --trace, or the app's download)")
+    tr.add_argument("--follow", metavar="TEXT_OR_POSITIONS",
+                    help="text to find in the tokens (e.g. 7342519) or positions (#12, #40-45)")
+    tr.add_argument("--csv", action="store_true", help="with --follow: every step of every followed token as CSV")
+    tr.add_argument("--model", help="tokenizer for the prompt's text (default: the model the trace names)")
+    tr.set_defaults(func=cmd_trace)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -15,6 +15,7 @@ Raw scores are the policy's un-aggregated score of the step over every position 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from itertools import combinations
 
@@ -139,6 +140,37 @@ def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
         "raw_utility_jaccard": mean(raw_utility_jaccard(trace, k)),
         "raw_top_evicted_rate": mean(raw_top_evicted_rate(trace, k)),
     }
+
+
+POSITION_QUERY = re.compile(r"^\s*#\d+(\s*-\s*#?\d+)?(\s*[,\s]\s*#\d+(\s*-\s*#?\d+)?)*\s*$")
+
+
+def find_positions(tokens: Sequence[str], query: str) -> tuple[list[int], str]:
+    """The positions ``query`` names among ``tokens`` (each position's text), and a note on what was found.
+
+    ``#12, #40-45`` names positions; any other text is looked up in the tokens' text, case-insensitive and
+    across token boundaries, so ``7342519`` finds every token of each occurrence however it was split.
+    Raises ``ValueError`` saying what to change when nothing matches.
+    """
+    query = query.strip()
+    if POSITION_QUERY.match(query):
+        named = []
+        for low, high in re.findall(r"#(\d+)(?:\s*-\s*#?(\d+))?", query):
+            named += range(int(low), int(high or low) + 1)
+        positions = list(dict.fromkeys(p for p in named if p < len(tokens)))
+        beyond = len(set(named)) - len(positions)
+        if not positions:
+            raise ValueError(f"no position in {query!r} exists: the last is #{len(tokens) - 1}")
+        return positions, (f"{beyond} position(s) past the last (#{len(tokens) - 1}) left out; " if beyond else "")
+    starts = np.cumsum([0] + [len(token) for token in tokens])
+    found: dict[int, None] = {}
+    for match in re.finditer(re.escape(query), "".join(tokens), re.IGNORECASE):
+        first = int(np.searchsorted(starts, match.start(), side="right") - 1)
+        last = int(np.searchsorted(starts, match.end() - 1, side="right") - 1)
+        found.update(dict.fromkeys(range(first, last + 1)))
+    if not found:
+        raise ValueError(f"no token text contains {query!r}; give other text, or positions as #12, #40-45")
+    return list(found), f"{query!r}: "
 
 
 HISTORY_COLUMNS = ["step", "position", "present", "kept", "evicted", "raw", "raw_rank", "utility", "utility_rank",

@@ -226,7 +226,8 @@ def test_follow_finds_text_across_token_boundaries_and_positions_by_number():
     assert view.follow("?", 2)[0] == [7]  # generated tokens too: "?" is position 7
     assert view.follow("#0, #4-#5", 2)[0] == [0, 4, 5]
     positions, note = view.follow("#3, #99", 2)
-    assert positions == [3] and "past the last (8)" in note
+    assert positions == [3] and "past the last (#8)" in note
+    assert view.follow("#99", 2) == ([], "no position in '#99' exists: the last is #8")
     positions, note = view.follow("zzz", 2)
     assert positions == [] and "no token text contains 'zzz'" in note
     # Empty: what the step evicted, then its lowest-utility kept entries (step 1: evicted 1 and 3, then

@@ -363,3 +363,42 @@ def test_decoupled_offers_only_the_aggregation_it_runs(capsys):
     assert main(["generate", "--model", "tiny-random-llama", "--prompt", "hello there", "--policy",
                  "inertia-decoupled", "--param", "aggregation=sum", "--budget", "2", "--max-new-tokens", "2"]) == 2
     assert "aggregation must be one of ema, got 'sum'" in capsys.readouterr().err
+
+
+def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, capsys):
+    import io
+
+    import numpy as np
+    import pandas as pd
+
+    from kvviz import diagnostics
+    from kvviz.cli import main
+
+    model, tokenizer = tiny
+    prompt = "The passkey is 71432. Remember it. The grass is green. " * 8
+    trace = kvviz.run(model, tokenizer, prompt, "inertia", chat=False, compression=0.8, max_new_tokens=16).trace
+    trace.model = "tiny-random-llama"
+    trace.save(tmp_path / "run.parquet")
+    assert main(["trace", str(tmp_path / "run.parquet")]) == 0
+    out = capsys.readouterr().out
+    evictions = sum(e.evicted.size for e in trace.events)
+    assert f"budget B = {trace.budget}, 15 decode steps, {evictions} evictions" in out
+    assert f"utility churn         {diagnostics.summary(trace)['utility_churn']:.4f}" in out
+    # Following the passkey's text: every position whose token holds part of it, each with its own fate.
+    tokens = [tokenizer.decode([i]) for i in trace.prompt_ids]
+    assert main(["trace", str(tmp_path / "run.parquet"), "--follow", "71432"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected, _ = diagnostics.find_positions(tokens, "71432")
+    rows = {int(line.split()[0]): line for line in lines[2:]}
+    assert sorted(rows) == sorted(expected) and len(expected) >= 8  # eight occurrences, in pieces
+    for position, line in rows.items():
+        step = next((e.step for e in trace.events if position in e.evicted), None)
+        assert (f"evicted at step {step}" if step is not None else "kept") in line
+    # --csv: the per-step history itself.
+    assert main(["trace", str(tmp_path / "run.parquet"), "--follow", "#0-2", "--csv"]) == 0
+    frame = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    reference = diagnostics.token_history(trace.events, [0, 1, 2])
+    assert frame[["step", "position", "kept"]].equals(reference[["step", "position", "kept"]])
+    assert np.allclose(frame["raw_rank"], reference["raw_rank"], equal_nan=True)
+    assert main(["trace", str(tmp_path / "run.parquet"), "--follow", "zzz"]) == 2
+    assert "no token text contains 'zzz'" in capsys.readouterr().err

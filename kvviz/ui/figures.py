@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import html
 import math
-import re
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..diagnostics import boundary_crossings, token_history
+from ..diagnostics import boundary_crossings, find_positions, token_history
 from ..diagnostics import ranks as ascending_ranks
 from ..trace import StepEvent
 
@@ -30,7 +29,6 @@ KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR = "#1f3b73", "#f1c9a5", "#ffffff"
 MAX_FOLLOWED = 12  # lines in the token-history figure: more is unreadable
 FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
                  "#7f7f7f", "#bcbd22", "#393b79", "#637939"]
-POSITIONS = re.compile(r"^\s*#\d+(\s*-\s*#?\d+)?(\s*[,\s]\s*#\d+(\s*-\s*#?\d+)?)*\s*$")
 
 
 class RunView:
@@ -291,24 +289,10 @@ class RunView:
             what = f"at step {event.step}: " + (f"evicted {len(event.evicted)}, " if event.evicted.size else "")
             return chosen, (what + "the next in line for eviction" if chosen
                             else what + "nothing to follow (no eviction, no utility); type a token or #position")
-        if POSITIONS.match(query):
-            positions = []
-            for low, high in re.findall(r"#(\d+)(?:\s*-\s*#?(\d+))?", query):
-                positions += range(int(low), int(high or low) + 1)
-            beyond = [p for p in positions if p >= known]
-            positions = list(dict.fromkeys(p for p in positions if p < known))
-            note = f"{len(beyond)} position(s) past the last ({known - 1}) left out; " if beyond else ""
-        else:
-            text = "".join(self.token(p) for p in range(known))
-            starts = np.cumsum([0] + [len(self.token(p)) for p in range(known)])
-            positions = []
-            for match in re.finditer(re.escape(query), text, re.IGNORECASE):
-                first = int(np.searchsorted(starts, match.start(), side="right") - 1)
-                last = int(np.searchsorted(starts, match.end() - 1, side="right") - 1)
-                positions += [p for p in range(first, last + 1) if p not in positions]
-            if not positions:
-                return [], f"no token text contains {query!r}; type other text, or positions as #12, #40-45"
-            note = f"{query!r}: "
+        try:
+            positions, note = find_positions([self.token(p) for p in range(known)], query)
+        except ValueError as error:
+            return [], str(error)
         if len(positions) > MAX_FOLLOWED:
             note += f"the first {MAX_FOLLOWED} of {len(positions)} positions"
             positions = positions[:MAX_FOLLOWED]
