@@ -154,14 +154,16 @@ def find_positions(tokens: Sequence[str], query: str) -> tuple[list[int], str]:
     """
     query = query.strip()
     if POSITION_QUERY.match(query):
-        named = []
+        positions: dict[int, None] = {}
+        beyond = False
         for low, high in re.findall(r"#(\d+)(?:\s*-\s*#?(\d+))?", query):
-            named += range(int(low), int(high or low) + 1)
-        positions = list(dict.fromkeys(p for p in named if p < len(tokens)))
-        beyond = len(set(named)) - len(positions)
+            low, high = int(low), int(high or low)
+            beyond |= max(low, high) >= len(tokens)
+            # clipped before it is expanded: "#0-9999999999" is a typo, not ten billion positions
+            positions.update(dict.fromkeys(range(low, min(high, len(tokens) - 1) + 1)))
         if not positions:
             raise ValueError(f"no position in {query!r} exists: the last is #{len(tokens) - 1}")
-        return positions, (f"{beyond} position(s) past the last (#{len(tokens) - 1}) left out; " if beyond else "")
+        return list(positions), (f"positions past the last (#{len(tokens) - 1}) left out; " if beyond else "")
     starts = np.cumsum([0] + [len(token) for token in tokens])
     found: dict[int, None] = {}
     for match in re.finditer(re.escape(query), "".join(tokens), re.IGNORECASE):
@@ -178,9 +180,10 @@ HISTORY_COLUMNS = ["step", "position", "present", "kept", "evicted", "raw", "raw
 
 
 def descending_rank(values: np.ndarray, of: np.ndarray) -> np.ndarray:
-    """Rank of each of ``of`` among ``values``, 1 = highest; ties share their average rank (``+inf`` ranks top)."""
+    """Rank of each of ``of`` among ``values``, 1 = highest; ties share their average rank; NaN for NaN."""
     values, of = np.asarray(values, np.float64)[None, :], np.asarray(of, np.float64)[:, None]
-    return 1 + (values > of).sum(1) + ((values == of).sum(1) - 1) / 2
+    rank = 1 + (values > of).sum(1) + ((values == of).sum(1) - 1) / 2
+    return np.where(np.isnan(of[:, 0]), np.nan, rank)
 
 
 def token_history(events: Iterable[StepEvent], positions: Sequence[int]) -> pd.DataFrame:
@@ -200,7 +203,8 @@ def token_history(events: Iterable[StepEvent], positions: Sequence[int]) -> pd.D
         before its eviction), ``kept`` (still there after it), ``evicted`` (dropped at this step), ``raw`` and
         ``raw_rank`` (the step's un-aggregated score and its rank among the entries present; NaN on steps
         that computed none), ``utility`` and ``utility_rank`` (the policy's utility after the step and its
-        rank among the entries kept; NaN when not kept or the policy has none), ``cached`` (entries present).
+        rank among the kept entries whose utility is finite; NaN when not kept, not finite -- protected or
+        not judged yet -- or the policy has none), ``cached`` (entries present).
         Ranks count from 1 = highest, ties averaged.  A position not yet generated is not present.
     """
     positions = np.asarray(list(positions), dtype=np.int64)
@@ -220,7 +224,12 @@ def token_history(events: Iterable[StepEvent], positions: Sequence[int]) -> pd.D
         if event.utility is not None and where_kept.any():
             index = np.searchsorted(event.kept, positions[where_kept])
             utility[where_kept] = event.utility[index]
-            utility_rank[where_kept] = descending_rank(event.utility, event.utility[index])
+            # Among finite utilities only: +inf marks what a policy protects or has not judged yet (sinks,
+            # a checkpointed policy's tail and new tokens); counting those would push every judged entry
+            # one rank down per step between checkpoints with nothing decided.
+            judged = np.isfinite(event.utility)
+            ranks = descending_rank(event.utility[judged], event.utility[index])
+            utility_rank[where_kept] = np.where(np.isfinite(event.utility[index]), ranks, np.nan)
         for i, position in enumerate(positions.tolist()):
             rows.append((event.step, position, bool(where_present[i]), bool(where_kept[i]),
                          bool(where_present[i] and not where_kept[i]), raw[i], raw_rank[i], utility[i],
@@ -229,13 +238,11 @@ def token_history(events: Iterable[StepEvent], positions: Sequence[int]) -> pd.D
 
 
 def boundary_crossings(history: pd.DataFrame, k: int, rank: str = "raw_rank") -> dict[int, int]:
-    """Per position: how often its ``rank`` column moves across the top-``k`` boundary between consecutive
-    steps that both rank it (InertiaKV Fig. 4: raw scores near the boundary flip, the EMA does not)."""
+    """Per position: how often its ``rank`` column moves across the top-``k`` boundary from one step that
+    ranks it to the next that does (every step for InertiaKV, every r-th for Lazy refresh; InertiaKV Fig. 4:
+    raw scores near the boundary flip, the EMA does not)."""
     crossings = {}
     for position, rows in history.groupby("position", sort=False):
-        rows = rows.sort_values("step")
-        ranked = rows[rows[rank].notna()]
-        consecutive = ranked["step"].diff().eq(1).to_numpy()
-        inside = (ranked[rank] <= k).to_numpy()
-        crossings[int(position)] = int((consecutive[1:] & (inside[1:] != inside[:-1])).sum())
+        inside = (rows.sort_values("step")[rank].dropna() <= k).to_numpy()
+        crossings[int(position)] = int((inside[1:] != inside[:-1]).sum())
     return crossings

@@ -226,13 +226,17 @@ def test_follow_finds_text_across_token_boundaries_and_positions_by_number():
     assert view.follow("?", 2)[0] == [7]  # generated tokens too: "?" is position 7
     assert view.follow("#0, #4-#5", 2)[0] == [0, 4, 5]
     positions, note = view.follow("#3, #99", 2)
-    assert positions == [3] and "past the last (#8)" in note
-    assert view.follow("#99", 2) == ([], "no position in '#99' exists: the last is #8")
+    # The last is 7 ("?", fed back at step 2): the final token "." came out of the last step, never cached.
+    assert positions == [3] and "past the last (#7)" in note
+    assert view.follow("#99", 2) == ([], "no position in '#99' exists: the last is #7")
+    assert view.follow(".", 2)[0] == []
+    assert view.follow("#2-#9999999999", 2)[0] == [2, 3, 4, 5, 6, 7]  # clipped, not expanded
     positions, note = view.follow("zzz", 2)
     assert positions == [] and "no token text contains 'zzz'" in note
-    # Empty: what the step evicted, then its lowest-utility kept entries (step 1: evicted 1 and 3, then
-    # 2 at .1 and 5 at .3); step 0 evicted nothing and its utilities are all 0: the oldest first.
-    assert view.follow("", 1)[0] == [1, 3, 2, 5]
+    # Empty: what the step evicted, closest to staying first (step 1: 3 had raw .2, 1 had 0), then its
+    # lowest-utility kept entries (2 at .1, 5 at .3); step 0 evicted nothing and its utilities are all 0:
+    # the oldest first.
+    assert view.follow("", 1)[0] == [3, 1, 2, 5]
     assert view.follow("", 0)[0] == [0, 1, 2, 3]
 
 
@@ -245,7 +249,7 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     five = lines["#5 ' cd' · raw crossed B 0×"]
     assert list(five.x) == [0, 1, 2] and list(five.y)[1] == 4 and np.isnan(list(five.y)[2])
     raw = [t for t in figure.data if t.name == "#5 ' cd' raw"][0]
-    assert list(raw.y)[1] == 6 and np.isnan(list(raw.y)[2])
+    assert list(raw.x) == [1] and list(raw.y) == [6]  # only the steps that scored
     crosses = [t for t in figure.data if t.mode == "markers"]
     assert sorted((t.legendgroup, list(t.x)[0], list(t.y)[0]) for t in crosses) == [
         ("#1 ' 73'", 1, 5), ("#5 ' cd'", 2, 5)]
@@ -254,31 +258,36 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
 
 
 def test_the_terms_table_lists_the_last_decision_lowest_score_first():
-    """Checkpoints at steps 1 and 3 of a view over prompt 0..3, budget 2: step 1 judged 0, 1, 2 (4 is the
-    unjudged tail) with S = .5, -.2, .1 and evicted 1 and 2.  Scrubbed to step 2, the table is step 1's:
-    1 (-.2) then 2 (.1) then 0 (.5); step 0 had no decision yet."""
+    """Checkpoints at step 1 of a view over prompt 0..4, budget 2: step 1 judged 0..3 (4 and 5, the tail,
+    unjudged) with S = +inf (a sink), -.2, .1, .5 and evicted 1 and 2.  Scrubbed to step 2, the table is step
+    1's: 1 (-.2), 2 (.1), 3 (.5), then the sink; step 0 had no decision yet."""
     from kvviz.trace import StepEvent
     from kvviz.ui.app import scrub
 
     nan, none = float("nan"), np.empty(0, np.int64)
-    view = RunView(4, 4, 2, ["a", "b", "c", "d"])
-    view.add(StepEvent(0, 0, 0, "e", np.arange(4), none), "e")
-    terms = {"p": np.array([0.3, 0.1, 0.2, nan, nan], np.float32), "S": np.array([0.5, -0.2, 0.1, nan, nan], np.float32)}
-    view.add(StepEvent(1, 0, 0, "f", np.array([0, 3, 4]), np.array([1, 2]), np.array([0.5, np.inf, np.inf], np.float32),
-                       components=terms), "f")
-    view.add(StepEvent(2, 0, 0, "g", np.array([0, 3, 4, 5]), none, np.array([0.5, np.inf, np.inf, np.inf], np.float32)),
-             "g")
+    view = RunView(5, 4, 2, ["a", "b", "c", "d", "e"])
+    view.add(StepEvent(0, 0, 0, "f", np.arange(5), none), "f")
+    terms = {"p": np.array([0.3, 0.1, 0.2, 0.4, nan, nan], np.float32),
+             "S": np.array([np.inf, -0.2, 0.1, 0.5, nan, nan], np.float32)}
+    view.add(StepEvent(1, 0, 0, "g", np.array([0, 3, 4, 5]), np.array([1, 2]),
+                       np.array([np.inf, 0.5, np.inf, np.inf], np.float32), components=terms), "g")
+    view.add(StepEvent(2, 0, 0, "h", np.array([0, 3, 4, 5, 6]), none,
+                       np.array([np.inf, 0.5, np.inf, np.inf, np.inf], np.float32)), "h")
     frame, caption = view.terms_frame(2)
-    assert frame["position"].tolist() == [1, 2, 0] and frame["token"].tolist() == ["b", "c", "a"]
-    assert frame["S"].tolist() == pytest.approx([-0.2, 0.1, 0.5]) and frame["p"].tolist() == pytest.approx([0.1, 0.2, 0.3])
-    assert frame["fate"].tolist() == ["evicted", "evicted", "kept"]
-    assert "**Step 1**" in caption and "3 entries judged, 2 evicted" in caption and "2 protected" in caption
+    assert frame["position"].tolist() == [1, 2, 3, 0] and frame["token"].tolist() == ["b", "c", "d", "a"]
+    assert frame["S"].tolist() == pytest.approx([-0.2, 0.1, 0.5, np.inf])
+    assert frame["p"].tolist() == pytest.approx([0.1, 0.2, 0.4, 0.3])
+    assert frame["fate"].tolist() == ["evicted", "evicted", "kept", "kept (sink)"]
+    assert caption == ("**Step 1** (the decision behind step 2's cache): 4 entries with terms, 2 evicted, lowest "
+                       "`S` first; the cut fell between `S` 0.1 (highest evicted) and 0.5 (lowest kept); 1 sinks "
+                       "kept by rule; 2 in the protected tail, not judged.")
     assert view.terms_frame(0) == (None, "No decision by step 0 yet; the next at step 1.")
     outputs = scrub(view, 2, "")
     assert len(outputs) == 7 and "**Step 1**" in outputs[5] and outputs[6]["visible"]
-    assert outputs[6]["value"]["position"].tolist() == [1, 2, 0]
+    table = outputs[6]["value"]
+    assert table["position"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
     detail = view.step_detail_figure(1)
-    assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[3]  # 3: not judged
+    assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[4]  # 4: not judged
 
 
 def test_compare_follows_prompt_tokens_through_each_policy():
@@ -294,13 +303,26 @@ def test_compare_follows_prompt_tokens_through_each_policy():
         views[name] = view
     note, table = compare_fates(views, "42")
     frame = table["value"]
-    assert frame["position"].tolist() == [3] and frame["a"].tolist() == ["kept"]
-    assert frame["b"].tolist() == ["evicted at step 1"]
+    # Each column says how far its run went: runs that diverge end at different steps.
+    assert frame["position"].tolist() == [3] and frame["a (to step 1)"].tolist() == ["kept"]
+    assert frame["b (to step 1)"].tolist() == ["evicted at step 1"]
     assert "**a** 1, **b** 0" in note
     note, table = compare_fates(views, "")  # what they disagree on: " key" (a drops it) and " 42" (b does)
     assert table["value"]["position"].tolist() == [1, 3] and "2 prompt tokens" in note
     assert compare_fates(views, "?")[1]["visible"] is False  # generated text differs per policy: prompt only
     assert "Run a comparison first" in compare_fates(None, "42")[0]
+
+
+def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
+    """Following tokens while a comparison runs must not show the previous comparison's fates."""
+    from kvviz.ui.app import _models, make_compare_handler
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    updates = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False)
+    assert next(updates)[-1] is None  # the state output, before any step
+    *_, last = updates
+    assert set(last[-1]) == {"inertia", "tova"}
 
 
 def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):

@@ -172,9 +172,22 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     page.get_by_role("tab", name="Compare").click()
     page.get_by_label("Prompt").nth(1).fill(PROMPT * 40)  # past this app's 2000-token limit
     page.get_by_role("button", name="Compare", exact=True).click()
-    message = page.get_by_text("the limit here is 2000, shorten it")
+    message = page.get_by_test_id("toast-text").filter(has_text="the limit here is 2000, shorten it")
     message.wait_for(timeout=30_000)
     time.sleep(12)
     assert message.is_visible()
-    # Refused by the check before the run: only the toast says "Error", not a badge over every panel.
+    # Refused by the check before the run: only the toast says "Error", not a badge over every panel, and
+    # the reason stays in the page where the comparison would have been.
     assert page.get_by_text("Error", exact=True).count() == 1
+    assert page.get_by_text("Not compared: the prompt has").is_visible()
+
+
+def test_a_refused_run_leaves_the_views_and_shows_the_count(page):
+    """Bad input is refused by the check: the toast, the prompt's token count beside it, no "Error" badges."""
+    page.get_by_role("tab", name="Live").click()
+    page.get_by_label("Prompt").first.fill(PROMPT * 40)  # past this app's 2000-token limit
+    page.locator("#live-run").click()
+    page.get_by_test_id("toast-text").filter(has_text="the limit here is 2000, shorten it").wait_for(timeout=30_000)
+    page.get_by_text("tokens: over the limit of 2000, shorten it").wait_for(timeout=30_000)
+    assert page.get_by_text("Error", exact=True).count() <= 2  # a toast each: this one, maybe Compare's
+    assert page.locator(".wrap .error").count() == 0  # no output panel marked

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -67,9 +68,30 @@ def test_token_history_on_a_hand_trace():
 
 
 def test_descending_rank_shares_ties_and_ranks_infinity_first():
-    # 9 first; the two 5s share ranks 2 and 3 -> 2.5; +inf above everything.
+    # 9 first; the two 5s share ranks 2 and 3 -> 2.5; +inf above everything; NaN has no rank.
     assert dx.descending_rank(np.array([5, 5, 9]), np.array([5, 9])).tolist() == [2.5, 1.0]
     assert dx.descending_rank(np.array([np.inf, 1.0, 2.0]), np.array([np.inf, 1.0])).tolist() == [1.0, 3.0]
+    assert np.isnan(dx.descending_rank(np.array([1.0, 2.0]), np.array([np.nan]))).all()
+
+
+def test_protected_entries_do_not_push_judged_ones_down_between_checkpoints():
+    """A checkpointed policy's kept entries: judged 0, 1 (utilities .2, .7), then new tokens with +inf (not
+    judged yet).  Position 0 stays 2nd among the judged at every step, however many +inf entries arrive;
+    the +inf entries themselves have no rank."""
+    events = [event(1, [0, 1, 2], [], utility=[0.2, 0.7, np.inf]),
+              event(2, [0, 1, 2, 3], [], utility=[0.2, 0.7, np.inf, np.inf]),
+              event(3, [0, 1, 2, 3, 4], [], utility=[0.2, 0.7, np.inf, np.inf, np.inf])]
+    history = dx.token_history(events, [0, 3])
+    assert history[history.position == 0].utility_rank.tolist() == [2, 2, 2]
+    assert history[history.position == 3].utility_rank.isna().all()
+
+
+def test_raw_crossings_are_counted_between_the_steps_that_scored():
+    """Lazy refresh scores steps 1, 5, 9: a token inside the raw top-2 at 1, outside at 5, inside at 9
+    crossed twice, although no two scored steps are consecutive."""
+    rows = [(step, 7, rank) for step, rank in ((1, 1.0), (2, np.nan), (5, 3.0), (6, np.nan), (9, 2.0))]
+    history = pd.DataFrame(rows, columns=["step", "position", "raw_rank"])
+    assert dx.boundary_crossings(history, 2) == {7: 2}
 
 
 def test_spearman_and_topk_jaccard():

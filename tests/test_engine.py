@@ -334,6 +334,19 @@ def test_a_file_that_is_not_a_consistent_trace_is_refused_with_the_reason(tiny, 
             kvviz.Trace.load(tmp_path / "bad.parquet")
 
 
+def test_a_trace_saved_before_terms_were_recorded_still_loads(tiny, tiny_prompt, tmp_path):
+    import pyarrow.parquet as pq
+
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=12, max_new_tokens=4).trace
+    trace.save(tmp_path / "new.parquet")
+    table = pq.read_table(tmp_path / "new.parquet")
+    pq.write_table(table.drop_columns(["components"]), tmp_path / "old.parquet")  # the older layout
+    loaded = kvviz.Trace.load(tmp_path / "old.parquet")
+    assert [e.components for e in loaded.events] == [None] * len(trace.events)
+    assert [e.kept.tolist() for e in loaded.events] == [e.kept.tolist() for e in trace.events]
+
+
 def test_a_missing_trace_file_is_said_not_to_exist(tmp_path):
     missing = tmp_path / "missing.parquet"
     with pytest.raises(ValueError, match="missing.parquet does not exist") as refused:

@@ -198,38 +198,52 @@ def diagnostics_markdown(trace: Trace) -> str:
 
 # Each button first runs a check with no outputs: a refusal raised there is only the toast, while one raised
 # by the run itself also marks every output panel "Error".  The runs check again (the API calls them alone).
+# validate() checks the settings before it loads a model, so only a request that passes them loads one.
 
 def make_live_check(limits: Limits):
     def check_live(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat,
                    *param_values):
         try:
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
-            _check_inputs(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, [policy])
+            validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, [policy])
         except ValueError as error:
             raise refused(str(error)) from None
+        except Exception as error:  # e.g. a model that fails to load: logged, and named in one line
+            raise unexpected("checking the run", error) from None
 
     return check_live
 
 
 def make_compare_check(limits: Limits):
-    def check_compare(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
+    def problem(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat) -> str | None:
         names = list(dict.fromkeys(names or []))
         if not 2 <= len(names) <= 4:
-            raise refused("choose two to four policies to compare")
+            return "choose two to four policies to compare"
         try:
-            _check_inputs(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                          [get_spec(name).build() for name in names])
+            validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
+                     [get_spec(name).build() for name in names])
         except ValueError as error:
-            raise refused(str(error)) from None
+            return str(error)
+        return None
 
+    def check_compare(*inputs):
+        try:
+            reason = problem(*inputs)
+        except Exception as error:
+            raise unexpected("checking the comparison", error) from None
+        if reason:
+            raise refused(reason)
+
+    def refusal_note(*inputs) -> str:
+        """In the page, where the comparison would have been: the toast's reason, which outlives the toast."""
+        try:
+            reason = problem(*inputs)
+        except Exception:  # noqa: BLE001 -- already reported by the check
+            reason = None
+        return f"*Not compared: {reason}.*" if reason else "*Not compared: see the message above.*"
+
+    check_compare.refusal_note = refusal_note
     return check_compare
-
-
-def _check_inputs(limits: Limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                  policies) -> None:
-    # The settings first: a model is loaded (once, for the run that follows) only for a request that passes them.
-    check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
-    validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, policies)
 
 
 def check_trace(path) -> None:
@@ -238,6 +252,8 @@ def check_trace(path) -> None:
             Trace.load(path)
         except ValueError as error:
             raise refused(str(error)) from None
+        except Exception as error:
+            raise unexpected("opening the trace", error) from None
 
 def make_live_handler(limits: Limits):
     def live_run(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat, *param_values):
@@ -344,7 +360,7 @@ def scrub(view: RunView | None, step, follow: str = ""):
             view.fate_html(step, prompt_only=False), *step_views(view, follow, step))
 
 
-def token_history(view: RunView | None, follow: str, step) -> go.Figure | None:
+def history_view(view: RunView | None, follow: str, step) -> go.Figure | None:
     """The followed tokens' ranks over the run (the entries at the eviction boundary when none is typed)."""
     if view is None or not view.events:
         return None
@@ -359,9 +375,11 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
     frame, caption = view.terms_frame(min(int(step or 0), view.steps - 1))
     if frame is not None:  # four significant digits: attention probabilities are often below 1e-4
         numbers = frame.select_dtypes("number").columns.drop("position")
-        frame[numbers] = frame[numbers].apply(lambda column: column.map(lambda value: float(f"{value:.4g}")))
+        # A sink's +inf would reach the browser as an empty cell (JSON has no infinity): say it.
+        frame[numbers] = frame[numbers].apply(lambda column: column.map(
+            lambda value: "+inf" if value == np.inf else float(f"{value:.4g}")))
     table = gr.update(visible=False) if frame is None else gr.update(value=frame, visible=True)
-    return token_history(view, follow, step), caption, table
+    return history_view(view, follow, step), caption, table
 
 
 def make_compare_handler(limits: Limits):
@@ -383,6 +401,7 @@ def make_compare_handler(limits: Limits):
                                policies[name].pinned(request.budget)) for name in names}
         texts = {name: "" for name in names}
         last_figure = 0.0
+        yield (*[gr.skip()] * 10, None)  # the last comparison's state goes now, not when this one ends
         try:
             for name, event in engine.decode_many(request.model, request.tokenizer, request.prompt_ids, policies,
                                                   budget=request.budget, max_new_tokens=request.max_new_tokens):
@@ -475,8 +494,10 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
     if not positions:
         return f"*{note}*", gr.update(value=None, visible=False)
     fates = {name: [views[name].evicted_at(p) for p in positions] for name in names}
+    # Runs that diverge end at different steps: each column says how far its "kept" reaches.
     frame = pd.DataFrame({"position": positions, "token": [first.token(p) for p in positions],
-                          **{name: ["kept" if step is None else f"evicted at step {step}" for step in steps]
+                          **{f"{name} (to step {views[name].steps - 1})":
+                             ["kept" if step is None else f"evicted at step {step}" for step in steps]
                              for name, steps in fates.items()}})
     kept_counts = ", ".join(f"**{name}** {sum(step is None for step in steps)}" for name, steps in fates.items())
     return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.", \
@@ -684,7 +705,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, *widgets]
             live_outputs = [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
                             detail]
-            checked = run.click(make_live_check(limits), inputs, None, api_name=False)
+            # Its progress shows under the prompt (the first run's check loads the model, which takes a while),
+            # and so does a refusal's badge: the last run's views stay as they were.
+            checked = run.click(make_live_check(limits), inputs, None, api_name=False, show_progress_on=prompt_size)
             live = checked.success(make_live_handler(limits), inputs, live_outputs,
                                    concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
                                    api_visibility="undocumented")  # the API is /generate; /live drives the widgets
@@ -698,7 +721,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             after = [history, terms_note, terms]
             step_slider.input(scrub, [view_state, step_slider, follow], [retention, ranks, detail, fate, *after],
                               api_name=False, trigger_mode="always_last")
-            follow.change(token_history, [view_state, follow, step_slider], history, api_name=False,
+            follow.change(history_view, [view_state, follow, step_slider], history, api_name=False,
                           trigger_mode="always_last")
             # The last run's views would otherwise stay up, beside the new run, until it ends.
             checked.success(lambda: step_views(None, "", 0), None, after, api_name=False, queue=False)
@@ -714,8 +737,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             for trigger in (prompt.change, model.change, chat.change):
                 trigger(counter, count_inputs, prompt_size, api_name=False, trigger_mode="always_last")
             app.load(counter, count_inputs, prompt_size, api_name=False)
-            for loaded in (live, opened):  # the first run (or opened trace) loads the model
-                loaded.then(counter, count_inputs, prompt_size, api_name=False)
+            # The first run's check (or an opened trace) loads the model: the count can show.  After a refusal
+            # too (.then does not follow a failed event), so that it sits beside the toast's reason.
+            for loaded in (checked.success, checked.failure, opened.then):
+                loaded(counter, count_inputs, prompt_size, api_name=False)
             app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
         with gr.Tab("Compare"):
@@ -753,7 +778,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         p_note = gr.Markdown()
             c_state = gr.State(None)
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat]
-            c_checked = c_run.click(make_compare_check(limits), c_inputs, None, api_name=False)
+            compare_check = make_compare_check(limits)
+            c_checked = c_run.click(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
+            c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
             compare = c_checked.success(make_compare_handler(limits), c_inputs,
                                         [*c_texts, *c_figs, c_divergence, c_jaccard, c_state],
                                         concurrency_limit=limits.runs_per_model, concurrency_id="model",

@@ -45,6 +45,7 @@ class RunView:
         self.events: list[StepEvent] = []
         self.tokens = list(tokens or [])
         self._live: dict[str, go.Figure] = {}  # figures reused while streaming: only their data changes
+        self._history_cache = None
 
     @property
     def steps(self) -> int:
@@ -253,13 +254,19 @@ class RunView:
         present = event.present[judged]
         frame = pd.DataFrame({"position": present, "token": [self.token(int(p)) for p in present],
                               **{name: values[judged].astype(np.float64) for name, values in terms.items()}})
-        frame["fate"] = np.where(np.isin(present, event.evicted), "evicted", "kept")
         score = list(terms)[-1]  # the combined score comes last (AvoKV-E's S, R-KV's score)
+        sink = np.isposinf(frame[score].to_numpy())  # kept by rule, whatever their terms
+        frame["fate"] = np.where(np.isin(present, event.evicted), "evicted", np.where(sink, "kept (sink)", "kept"))
         frame = frame.sort_values([score, "position"], kind="stable").reset_index(drop=True)
         unjudged = event.present.size - int(judged.sum())
+        kept = frame[frame["fate"] == "kept"][score]
+        gone = frame[frame["fate"] == "evicted"][score]
+        margin = (f"; the cut fell between `{score}` {gone.max():.4g} (highest evicted) and {kept.min():.4g} "
+                  "(lowest kept)" if len(kept) and len(gone) else "")
         caption = (f"**Step {event.step}** (the decision behind step {upto[-1].step}'s cache): {int(judged.sum())} "
-                   f"entries judged, {event.evicted.size} evicted, lowest `{score}` first"
-                   + (f"; {unjudged} protected, not judged" if unjudged else "") + ".")
+                   f"entries with terms, {event.evicted.size} evicted, lowest `{score}` first" + margin
+                   + (f"; {int(sink.sum())} sinks kept by rule" if sink.any() else "")
+                   + (f"; {unjudged} in the protected tail, not judged" if unjudged else "") + ".")
         return frame, caption
 
     # -- token history ---------------------------------------------------------------------------------
@@ -273,15 +280,16 @@ class RunView:
 
         ``#12, #40-45`` names positions; any other text is looked up in the tokens' text (case-insensitive,
         across token boundaries: ``7342519`` finds every token of each occurrence).  Empty: the entries at
-        the eviction boundary at ``step`` -- those it evicted, then the lowest-utility kept ones, four in all.
+        the eviction boundary at ``step``: those it evicted that came closest to staying (highest raw score,
+        or score of the decision's terms), then the lowest-utility kept ones, four in all.
         ``prompt_only``: look in the prompt alone (the part several runs of one prompt share).
         """
         query = (query or "").strip()
-        known = len(self.tokens) if self.tokens else self.prompt_len + max(self.steps - 1, 0)
+        known = self.prompt_len + max(self.steps - 1, 0)  # positions that entered the cache (not the last token)
         known = min(known, self.prompt_len) if prompt_only else known
         if not query:
             event = self.events[min(step, self.steps - 1)]
-            chosen = event.evicted.tolist()[:4]
+            chosen = self._closest_evicted(event)[:4]
             if event.utility is not None and len(chosen) < 4:
                 finite = np.isfinite(event.utility)
                 order = np.lexsort((event.kept[finite], event.utility[finite]))  # lowest first, older first
@@ -300,35 +308,62 @@ class RunView:
             note += f"{len(positions)} position(s)"
         return positions, note
 
+    @staticmethod
+    def _closest_evicted(event: StepEvent) -> list[int]:
+        """The step's evicted positions, those that came closest to staying first (newest first without a score)."""
+        present, evicted = event.present, event.evicted
+        score = list(event.components.values())[-1] if event.components else event.raw
+        if score is None or not evicted.size:
+            return evicted[::-1].tolist()
+        values = np.nan_to_num(score[np.searchsorted(present, evicted)], nan=-np.inf)
+        return evicted[np.lexsort((-evicted, -values))].tolist()
+
+    def _history(self, positions: list[int]):
+        """token_history for ``positions``, kept while the run and the positions stay the same (scrubbing
+        with a typed query asks for the same one again and again)."""
+        key = (tuple(positions), self.steps)
+        if self._history_cache is None or self._history_cache[0] != key:
+            self._history_cache = (key, token_history(self.events, positions))
+        return self._history_cache[1]
+
     def history_figure(self, positions: list[int], note: str = "", marker_step: int | None = None) -> go.Figure:
         """Each followed token's rank at every step: by the policy's utility (solid) and by the step's raw
-        score (dotted), against the budget line; a cross where it was evicted (InertiaKV Fig. 4)."""
+        score (dotted), against the budget line; a cross where it was evicted (InertiaKV Fig. 4).
+
+        Utility ranks count the finite utilities only (what the policy has judged); when it protects sinks or
+        a tail, those never compete, and a second line marks the slots left for judged entries.
+        """
         if not positions:
             return _empty_figure(note or "no token to follow")
-        history = token_history(self.events, positions)
+        history = self._history(positions)
         crossings = boundary_crossings(history, self.budget)
         fig = go.Figure()
         for index, (position, rows) in enumerate(history.groupby("position", sort=False)):
             color, name = FOLLOW_COLORS[index % len(FOLLOW_COLORS)], f"#{position} {self.token(position)!r}"
             gone = rows[rows["evicted"]]
             legend = name + (f" · raw crossed B {crossings[position]}×" if rows["raw_rank"].notna().any() else "")
-            hover = [f"{name} · step {s}<br>utility {u:.4g} · rank {r:g} of {c}" for s, u, r, c in
-                     zip(rows["step"], rows["utility"], rows["utility_rank"], rows["cached"])]
+            hover = [f"{name} · step {s}<br>utility {u:.4g} · rank {r:g}" for s, u, r in
+                     zip(rows["step"], rows["utility"], rows["utility_rank"])]
             fig.add_scatter(x=rows["step"], y=rows["utility_rank"], mode="lines+markers", name=legend,
                             legendgroup=name, line=dict(color=color), marker=dict(size=4), hovertext=hover,
                             hoverinfo="text")
-            if rows["raw_rank"].notna().any():
+            scored = rows[rows["raw_rank"].notna()]  # every step, or every r-th with Lazy refresh
+            if len(scored):
                 hover = [f"{name} · step {s}<br>raw {v:.4g} · rank {r:g} of {c}" for s, v, r, c in
-                         zip(rows["step"], rows["raw"], rows["raw_rank"], rows["cached"])]
-                fig.add_scatter(x=rows["step"], y=rows["raw_rank"], mode="lines", name=name + " raw",
+                         zip(scored["step"], scored["raw"], scored["raw_rank"], scored["cached"])]
+                fig.add_scatter(x=scored["step"], y=scored["raw_rank"], mode="lines+markers", name=name + " raw",
                                 legendgroup=name, showlegend=False, line=dict(color=color, dash="dot", width=1.5),
-                                hovertext=hover, hoverinfo="text", connectgaps=False)
+                                marker=dict(size=3), hovertext=hover, hoverinfo="text")
             if len(gone):  # drawn just past the budget line: its utility that step is not recorded
                 fig.add_scatter(x=gone["step"], y=[self.budget + 1] * len(gone), mode="markers",
                                 legendgroup=name, showlegend=False, marker=dict(color=color, symbol="x", size=10),
                                 hovertext=[f"{name} evicted at step {s}" for s in gone["step"]], hoverinfo="text")
         fig.add_hline(y=self.budget + 0.5, line_dash="dash", line_color="#888",
                       annotation_text=f"budget B = {self.budget}", annotation_position="bottom left")
+        judged = self.budget - sum(self.pinned)
+        if any(self.pinned) and judged > 0:
+            fig.add_hline(y=judged + 0.5, line_dash="dot", line_color="#888", annotation_position="top left",
+                          annotation_text=f"{judged} slots for judged entries (B less {sum(self.pinned)} protected)")
         _marker_x(fig, marker_step)
         # Around the boundary: the prefill and the first cut rank the whole prompt, and would flatten it; a
         # line that leaves through the bottom fell further than twice the budget.
