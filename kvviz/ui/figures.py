@@ -26,9 +26,9 @@ MAX_COLUMNS, MAX_ROWS = 512, 256
 EMPTY = 200
 NEVER = np.iinfo(np.int32).max
 KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR = "#1f3b73", "#f1c9a5", "#ffffff"
-MAX_FOLLOWED = 12  # lines in the token-history figure: more is unreadable
+MAX_FOLLOWED = 16  # lines in the token-history figure: two 7-digit passkeys fit, more is unreadable
 FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
-                 "#7f7f7f", "#bcbd22", "#393b79", "#637939"]
+                 "#7f7f7f", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
 
 
 class RunView:
