@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,9 @@ class StepEvent:
             "t_score": self.t_score,
             "t_evict": self.t_evict,
             "cache_bytes": self.cache_bytes,
+            # null for what is not finite (JSON has neither): not judged, or a sink's S kept by rule
+            **({"components": {name: [v if math.isfinite(v) else None for v in values.tolist()]
+                               for name, values in self.components.items()}} if self.components else {}),
         }
 
 

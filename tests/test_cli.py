@@ -402,3 +402,28 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
     assert np.allclose(frame["raw_rank"], reference["raw_rank"], equal_nan=True)
     assert main(["trace", str(tmp_path / "run.parquet"), "--follow", "zzz"]) == 2
     assert "no token text contains 'zzz'" in capsys.readouterr().err
+
+
+def test_generate_json_carries_each_checkpoints_terms(capsys):
+    """AvoKV-E with a checkpoint every 4 tokens: exactly the steps that evicted carry `components`, one value
+    per entry present, null for the protected tail (the newest 32 then) and for the sinks' S, and the kept
+    judged entries are the top of S."""
+    from kvviz.cli import main
+
+    assert main(["generate", *TINY, "--prompt", TEXT, "--no-chat", "--policy", "avokv", "--budget", "40",
+                 "--param", "interval=4", "--max-new-tokens", "12", "--json"]) == 0
+    def not_json(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    out = json.loads(capsys.readouterr().out, parse_constant=not_json)  # strict: no NaN or Infinity
+    decided = [step for step in out["steps"] if "components" in step]
+    assert decided and [s["step"] for s in decided] == [s["step"] for s in out["steps"] if s["evicted"]]
+    for step in decided:
+        present = sorted(step["kept"] + step["evicted"])
+        terms = step["components"]
+        assert all(len(values) == len(present) for values in terms.values())
+        assert terms["p"][-32:] == [None] * 32 and sum(v is None for v in terms["S"]) == 32 + 4  # tail, sinks
+        scores = dict(zip(present, terms["S"]))
+        kept = [scores[p] for p in step["kept"] if scores[p] is not None]
+        evicted = [scores[p] for p in step["evicted"]]
+        assert max(evicted) <= min(kept)
