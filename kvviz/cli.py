@@ -274,12 +274,12 @@ def cmd_trace(args) -> int:
 
 
 def _trace_tokens(trace, model_name: str | None) -> list[str]:
-    """Each position's text: the prompt through the run's tokenizer (ids where it cannot load), then the
-    generated tokens as the run recorded them."""
+    """Each position's text: the prompt through the run's tokenizer (no weights; ids where it cannot load),
+    then the generated tokens as the run recorded them."""
     try:
-        from .models import load_model
+        from .models import load_tokenizer
 
-        tokenizer = load_model(model_name or trace.model)[1]
+        tokenizer = load_tokenizer(model_name or trace.model)
         prompt = [tokenizer.decode([i]) for i in trace.prompt_ids]
     except Exception as error:  # noqa: BLE001 -- the trace is still readable by positions
         print(f"kvviz: prompt tokens shown as ids ({model_name or trace.model or 'no model'} did not load: "
@@ -549,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvviz trace F --follow X | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

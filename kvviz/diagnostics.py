@@ -157,7 +157,7 @@ def find_positions(tokens: Sequence[str], query: str) -> tuple[list[int], str]:
         positions: dict[int, None] = {}
         beyond = False
         for low, high in re.findall(r"#(\d+)(?:\s*-\s*#?(\d+))?", query):
-            low, high = int(low), int(high or low)
+            low, high = sorted((int(low), int(high or low)))  # "#8-2" means the same as "#2-8"
             beyond |= max(low, high) >= len(tokens)
             # clipped before it is expanded: "#0-9999999999" is a typo, not ten billion positions
             positions.update(dict.fromkeys(range(low, min(high, len(tokens) - 1) + 1)))

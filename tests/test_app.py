@@ -231,6 +231,7 @@ def test_follow_finds_text_across_token_boundaries_and_positions_by_number():
     assert view.follow("#99", 2) == ([], "no position in '#99' exists: the last is #7")
     assert view.follow(".", 2)[0] == []
     assert view.follow("#2-#9999999999", 2)[0] == [2, 3, 4, 5, 6, 7]  # clipped, not expanded
+    assert view.follow("#5-3", 2)[0] == [3, 4, 5]  # a range written backwards
     positions, note = view.follow("zzz", 2)
     assert positions == [] and "no token text contains 'zzz'" in note
     # Empty: what the step evicted, closest to staying first (step 1: 3 had raw .2, 1 had 0), then its
@@ -238,6 +239,35 @@ def test_follow_finds_text_across_token_boundaries_and_positions_by_number():
     # the oldest first.
     assert view.follow("", 1)[0] == [3, 1, 2, 5]
     assert view.follow("", 0)[0] == [0, 1, 2, 3]
+
+
+def test_the_judged_slots_line_shows_only_where_the_protected_are_unranked(tiny):
+    """AvoKV-E's sinks and tail hold +inf and are not ranked: the ranks of its judged entries end at
+    B - sinks - tail, which a second line marks.  H2O's recent window competes in the ranks: no such line."""
+    model, tokenizer = tiny
+    lines = {}
+    for name, policy in (("avokv", kvviz.make_policy("avokv", interval=4)), ("h2o", kvviz.make_policy("h2o"))):
+        trace = kvviz.run(model, tokenizer, PROMPT, policy, chat=False, budget=60, max_new_tokens=10).trace
+        view = RunView(trace.prompt_len, 10, 60, pinned=policy.pinned(60))
+        for event in trace.events:
+            view.add(event)
+        figure = view.history_figure(view.follow("", 5)[0], "", 5)
+        lines[name] = [a.text for a in figure.layout.annotations if "judged" in a.text]
+    assert lines["avokv"] == ["24 slots for judged entries (B less 36 protected)"]  # 60 - 4 sinks - 32 tail
+    assert lines["h2o"] == []
+
+
+def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
+    from kvviz.ui.app import _models, make_compare_check
+
+    note = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refusal_note
+    _models.pop(TINY, None)  # as if Stop came before the model loaded: nothing to say, and no load
+    assert note(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False) == {"__type__": "update"}
+    assert TINY not in _models
+    assert note(TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False) == (
+        "*Not compared: choose two to four policies to compare.*")
+    assert "max new tokens must be between 1 and 512" in note(TINY, PROMPT, ["inertia", "tova"], "compression",
+                                                              0.5, 0, 9999, False)
 
 
 def test_the_history_figure_draws_each_followed_token_from_its_events():

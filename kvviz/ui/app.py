@@ -234,13 +234,23 @@ def make_compare_check(limits: Limits):
         if reason:
             raise refused(reason)
 
-    def refusal_note(*inputs) -> str:
-        """In the page, where the comparison would have been: the toast's reason, which outlives the toast."""
+    def refusal_note(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
+        """In the page, where the comparison would have been: the toast's reason, which outlives the toast.
+
+        Also runs when Stop cancels the check: then it neither loads a model nor writes a thing.
+        """
         try:
-            reason = problem(*inputs)
-        except Exception:  # noqa: BLE001 -- already reported by the check
+            if model_name not in _models:  # stopped before the model loaded, or it failed to load
+                names = list(dict.fromkeys(names or []))
+                reason = "choose two to four policies to compare" if not 2 <= len(names) <= 4 else None
+                check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
+            else:
+                reason = problem(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat)
+        except ValueError as error:
+            reason = str(error)
+        except Exception:  # noqa: BLE001 -- the check reported it
             reason = None
-        return f"*Not compared: {reason}.*" if reason else "*Not compared: see the message above.*"
+        return f"*Not compared: {reason}.*" if reason else gr.skip()
 
     check_compare.refusal_note = refusal_note
     return check_compare

@@ -280,8 +280,8 @@ class RunView:
 
         ``#12, #40-45`` names positions; any other text is looked up in the tokens' text (case-insensitive,
         across token boundaries: ``7342519`` finds every token of each occurrence).  Empty: the entries at
-        the eviction boundary at ``step``: those it evicted that came closest to staying (highest raw score,
-        or score of the decision's terms), then the lowest-utility kept ones, four in all.
+        the eviction boundary at ``step``: those it evicted, by the score the step recorded for them (see
+        :meth:`_closest_evicted`), then the lowest-utility kept ones, four in all.
         ``prompt_only``: look in the prompt alone (the part several runs of one prompt share).
         """
         query = (query or "").strip()
@@ -289,13 +289,15 @@ class RunView:
         known = min(known, self.prompt_len) if prompt_only else known
         if not query:
             event = self.events[min(step, self.steps - 1)]
-            chosen = self._closest_evicted(event)[:4]
+            evicted, basis = self._closest_evicted(event)
+            chosen = evicted[:4]
             if event.utility is not None and len(chosen) < 4:
                 finite = np.isfinite(event.utility)
                 order = np.lexsort((event.kept[finite], event.utility[finite]))  # lowest first, older first
                 chosen += event.kept[finite][order][: 4 - len(chosen)].tolist()
-            what = f"at step {event.step}: " + (f"evicted {len(event.evicted)}, " if event.evicted.size else "")
-            return chosen, (what + "the next in line for eviction" if chosen
+            what = f"at step {event.step}: " + (f"evicted {len(event.evicted)} ({basis} first), "
+                                                if event.evicted.size else "")
+            return chosen, (what + "then the next in line for eviction" if chosen
                             else what + "nothing to follow (no eviction, no utility); type a token or #position")
         try:
             positions, note = find_positions([self.token(p) for p in range(known)], query)
@@ -309,14 +311,21 @@ class RunView:
         return positions, note
 
     @staticmethod
-    def _closest_evicted(event: StepEvent) -> list[int]:
-        """The step's evicted positions, those that came closest to staying first (newest first without a score)."""
+    def _closest_evicted(event: StepEvent) -> tuple[list[int], str]:
+        """The step's evicted positions in order of the score the step recorded for them, highest first: the
+        decision's own score where the policy records its terms, else this step's raw score (for an EMA
+        policy, not what it decided by: events keep no utility for what they evict); newest first without
+        either.  Returns the positions and what they are ordered by."""
         present, evicted = event.present, event.evicted
-        score = list(event.components.values())[-1] if event.components else event.raw
+        if event.components:
+            name, score = list(event.components.items())[-1]
+            basis = f"highest {name}"
+        else:
+            score, basis = event.raw, "highest raw score"
         if score is None or not evicted.size:
-            return evicted[::-1].tolist()
+            return evicted[::-1].tolist(), "newest"
         values = np.nan_to_num(score[np.searchsorted(present, evicted)], nan=-np.inf)
-        return evicted[np.lexsort((-evicted, -values))].tolist()
+        return evicted[np.lexsort((-evicted, -values))].tolist(), basis
 
     def _history(self, positions: list[int]):
         """token_history for ``positions``, kept while the run and the positions stay the same (scrubbing
@@ -360,8 +369,12 @@ class RunView:
                                 hovertext=[f"{name} evicted at step {s}" for s in gone["step"]], hoverinfo="text")
         fig.add_hline(y=self.budget + 0.5, line_dash="dash", line_color="#888",
                       annotation_text=f"budget B = {self.budget}", annotation_position="bottom left")
+        # The slots left for judged entries, where the protected ones hold no finite utility and so are not
+        # ranked (AvoKV-E's sinks and tail); not where they compete in the ranks (H2O's recent window).
         judged = self.budget - sum(self.pinned)
-        if any(self.pinned) and judged > 0:
+        last = self.events[-1 if marker_step is None else min(marker_step, self.steps - 1)]
+        unranked = 0 if last.utility is None else int((~np.isfinite(last.utility)).sum())
+        if any(self.pinned) and judged > 0 and unranked >= sum(self.pinned):
             fig.add_hline(y=judged + 0.5, line_dash="dot", line_color="#888", annotation_position="top left",
                           annotation_text=f"{judged} slots for judged entries (B less {sum(self.pinned)} protected)")
         _marker_x(fig, marker_step)
