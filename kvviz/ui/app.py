@@ -715,8 +715,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, *widgets]
             live_outputs = [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
                             detail]
-            # Its progress shows under the prompt (the first run's check loads the model, which takes a while),
-            # and so does a refusal's badge: the last run's views stay as they were.
+            # Its progress shows under the prompt (the first run's check loads the model, which takes a while);
+            # after a refusal the prompt's token count replaces it there, and the last run's views stay.
             checked = run.click(make_live_check(limits), inputs, None, api_name=False, show_progress_on=prompt_size)
             live = checked.success(make_live_handler(limits), inputs, live_outputs,
                                    concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
