@@ -68,7 +68,7 @@ def cmd_generate(args) -> int:
     from . import engine
     from .models import load_model
     from .policies import make_policy
-    from .trace import Trace
+    from .trace import Trace, time_split
 
     _validate_generate(args)
     prompt = _read_prompt(args)
@@ -96,7 +96,7 @@ def cmd_generate(args) -> int:
             print(event.text, end="", flush=True)
     elapsed = time.perf_counter() - start
     trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events)
-    decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in trace.decode_steps)
+    decode_seconds = sum(time_split(events).values())
     summary = {
         "prompt_len": len(prompt_ids),
         "budget": budget,
@@ -231,7 +231,7 @@ def cmd_trace(args) -> int:
     """A saved run (``kvviz generate --trace``, the app's download): what it was, its diagnostics, and what
     happened to the tokens ``--follow`` names."""
     from . import diagnostics
-    from .trace import Trace
+    from .trace import Trace, time_split
 
     trace = Trace.load(args.file)
     steps = trace.decode_steps
@@ -240,7 +240,7 @@ def cmd_trace(args) -> int:
         print(f"{trace.policy}" + (f" ({params})" if params else "") + f" on {trace.model or 'an unnamed model'}: "
               f"prompt {trace.prompt_len} tokens, budget B = {trace.budget}, {len(steps)} decode steps, "
               f"{sum(e.evicted.size for e in trace.events)} evictions")
-        seconds = {part: sum(getattr(e, f"t_{part}") for e in steps) for part in ("forward", "score", "evict")}
+        seconds = time_split(trace.events)
         total = sum(seconds.values())
         if total:
             print(f"decode {len(steps) / total:.1f} tok/s: " + ", ".join(

@@ -87,6 +87,13 @@ class StepEvent:
         }
 
 
+def time_split(events) -> dict[str, float]:
+    """Seconds the decode steps (step >= 1) spent in the forward pass, in scoring and in eviction."""
+    steps = [event for event in events if event.step >= 1]
+    return {"forward": sum(e.t_forward for e in steps), "score": sum(e.t_score for e in steps),
+            "evict": sum(e.t_evict for e in steps)}
+
+
 @dataclass
 class Trace:
     """A whole run: its settings and every step's event (``events[0]`` is the prefill)."""

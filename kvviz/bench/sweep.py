@@ -651,6 +651,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     from .. import engine
     from ..policies import make_policy
     from ..tasks import METRICS
+    from ..trace import time_split
 
     # check_cells() judged this sample's prompt and every cell's budget; the prompt is built again rather
     # than kept from there, so that a long sweep does not hold every prompt in memory at once.
@@ -669,7 +670,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
                                     shared=shared))
         elapsed = time.perf_counter() - t0
         steps = events[1:]
-        decode_seconds = sum(e.t_forward + e.t_score + e.t_evict for e in steps)
+        decode_seconds = sum(time_split(events).values())
         prediction = tokenizer.decode([e.new_token_id for e in events], skip_special_tokens=True)
         # One event per generated token; decode() stops after an EOS or at max_new tokens.  A generation whose
         # last token is EOS ended by itself, even when that token is the max_new-th.

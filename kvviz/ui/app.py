@@ -27,10 +27,10 @@ import plotly.graph_objects as go
 from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, get_spec
-from ..trace import Trace
+from ..trace import Trace, time_split
 from .config import Limits
 from ..store import Store
-from .figures import MAX_FOLLOWED, RunView
+from .figures import MAX_FOLLOWED, NEVER, RunView
 from .results import build_results_tab
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
     events = view.events
     last = events[-1]
     steps = events[1:]
-    forward, score, evict = (sum(getattr(e, f) for e in steps) for f in ("t_forward", "t_score", "t_evict"))
+    forward, score, evict = time_split(events).values()
     decode_time = forward + score + evict
     rate = len(steps) / decode_time if decode_time else 0.0
     share = (lambda x: f"{x / decode_time:.0%}") if decode_time else (lambda x: "-")
@@ -214,14 +214,26 @@ def make_live_check(limits: Limits):
     return check_live
 
 
+def compare_names(names) -> list[str]:
+    """The chosen policies, each once; ValueError unless there are two to four."""
+    names = list(dict.fromkeys(names or []))
+    if not 2 <= len(names) <= 4:
+        raise ValueError("choose two to four policies to compare")
+    return names
+
+
 def make_compare_check(limits: Limits):
-    def problem(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat) -> str | None:
-        names = list(dict.fromkeys(names or []))
-        if not 2 <= len(names) <= 4:
-            return "choose two to four policies to compare"
+    def problem(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
+                load: bool = True) -> str | None:
+        """What is wrong with these inputs, if anything; ``load=False`` checks no further than the settings
+        unless the model is loaded already."""
         try:
-            validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                     [get_spec(name).build() for name in names])
+            names = compare_names(names)
+            if load or model_name in _models:
+                validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
+                         [get_spec(name).build() for name in names])
+            else:
+                check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
         except ValueError as error:
             return str(error)
         return None
@@ -234,20 +246,13 @@ def make_compare_check(limits: Limits):
         if reason:
             raise refused(reason)
 
-    def refusal_note(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
+    def refusal_note(*inputs):
         """In the page, where the comparison would have been: the toast's reason, which outlives the toast.
 
         Also runs when Stop cancels the check: then it neither loads a model nor writes a thing.
         """
         try:
-            if model_name not in _models:  # stopped before the model loaded, or it failed to load
-                names = list(dict.fromkeys(names or []))
-                reason = "choose two to four policies to compare" if not 2 <= len(names) <= 4 else None
-                check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
-            else:
-                reason = problem(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat)
-        except ValueError as error:
-            reason = str(error)
+            reason = problem(*inputs, load=False)
         except Exception:  # noqa: BLE001 -- the check reported it
             reason = None
         return f"*Not compared: {reason}.*" if reason else gr.skip()
@@ -256,10 +261,16 @@ def make_compare_check(limits: Limits):
     return check_compare
 
 
+# The trace an upload's check just read, for the open that follows it, so a large file is read once.  One
+# slot: another upload's check may take it first, and the open then reads the file itself.
+_checked_trace: dict[str, Trace] = {}
+
+
 def check_trace(path) -> None:
     if path:
         try:
-            Trace.load(path)
+            _checked_trace.clear()
+            _checked_trace[path] = Trace.load(path)
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -330,7 +341,7 @@ def make_open_handler(limits: Limits):
         if not path:
             return (gr.skip(),) * 11
         try:
-            trace = Trace.load(path)
+            trace = _checked_trace.pop(path, None) or Trace.load(path)
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -394,10 +405,8 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
 
 def make_compare_handler(limits: Limits):
     def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
-        names = list(dict.fromkeys(names or []))
-        if not 2 <= len(names) <= 4:
-            raise refused("choose two to four policies to compare")
         try:
+            names = compare_names(names)
             policies = {name: get_spec(name).build() for name in names}
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
                                list(policies.values()))
@@ -495,8 +504,8 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
     if (query or "").strip():
         positions, note = first.follow(query, first.steps - 1, prompt_only=True)
     else:
-        kept = {name: {p for p in range(first.prompt_len) if views[name].evicted_at(p) is None} for name in names}
-        disputed = sorted(set.union(*kept.values()) - set.intersection(*kept.values()))
+        cached = np.array([views[name].left[:first.prompt_len] == NEVER for name in names])  # kept to the end
+        disputed = np.flatnonzero(cached.any(0) & ~cached.all(0)).tolist()
         positions = disputed[:MAX_FOLLOWED]
         note = (f"{len(disputed)} prompt tokens some policies keep to the end and others evict"
                 + (f" (the first {MAX_FOLLOWED})" if len(disputed) > MAX_FOLLOWED else "")
