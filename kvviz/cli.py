@@ -351,6 +351,8 @@ def cmd_results(args) -> int:
     _check_filters(store, root, {"--task": ("task", [args.task] if args.task else []),
                                  "--model": ("model", [args.model] if args.model else []),
                                  "--policies": ("policy", policies or [])})
+    if args.paper and args.vs:
+        raise ValueError("--paper and --vs are two different tables; give one of them")
     if args.paper:
         frame = store.paper_comparison(args.paper, policies)
         if frame.empty:
@@ -360,6 +362,8 @@ def cmd_results(args) -> int:
         print(f"{args.paper}: score / full-cache score (paper: printed aggregate; measured: mean over tasks)")
         print(table.round(3).to_string())
         return 0
+    if args.vs:
+        return _print_paired(store, root, args, policies)
     frame = store.quality_vs_compression(args.task, args.model, policies, args.source)
     if frame.empty:  # each value is stored (checked above), but not in combination
         raise ValueError("no rows for these filters together; drop one, or see `kvviz results --help`")
@@ -387,6 +391,37 @@ def cmd_results(args) -> int:
         more = f", and {len(others) - 8} more" if len(others) > 8 else ""
         print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
               f"rows): {listed}{more}; the app's Results tab plots the α and refresh sweeps")
+    return 0
+
+
+def _print_paired(store, root: Path, args, policies) -> int:
+    """Per task and model, each policy's paired difference to ``--vs`` on the same samples, policy x compression."""
+    import pandas as pd
+
+    from .stats import paired_table
+
+    measured = store.options("policy", source="measured")
+    if args.vs not in measured:  # paper rows name policies too, but have no samples to pair
+        raise ValueError(f"--vs {args.vs}: no measured rows of that policy under {root}; measured: "
+                         f"{', '.join(measured) or 'none'}")
+    if args.source == "paper":
+        raise ValueError("--vs pairs measured samples; the papers print aggregates, not samples: drop --source paper")
+    table = paired_table(store.paired_scores(args.vs, args.task, args.model, policies))
+    if table.empty:
+        raise ValueError(f"no measured samples pair with {args.vs} under these filters (same task, sample and "
+                         f"compression); drop a filter or pick another --vs")
+    if args.csv:
+        table.to_csv(sys.stdout, index=False)
+        return 0
+    print(f"paired difference policy − {args.vs} on the same samples: mean Δ [95% paired-bootstrap interval] "
+          "wins/ties/losses; * the interval excludes 0")
+    for (model, task), part in table.groupby(["model", "task"], sort=False):
+        cells = part.assign(cell=[
+            f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/{row.losses}"
+            + (" *" if row.low > 0 or row.high < 0 else "") for row in part.itertuples()])
+        print(f"\n{task} · {model} · vs {args.vs}")
+        with pd.option_context("display.width", 250):
+            print(cells.pivot(index="policy", columns="compression", values="cell").fillna("").to_string())
     return 0
 
 
@@ -530,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--policies", help="comma-separated registry names")
     res.add_argument("--source", choices=("measured", "paper"), help="only measured or only paper rows")
     res.add_argument("--paper", metavar="SUITE", help="measured vs paper on this benchmark, e.g. RULER")
+    res.add_argument("--vs", metavar="POLICY", help="each policy's paired difference to this one on the same "
+                     "samples, with a bootstrap confidence interval and wins/ties/losses, e.g. --vs inertia")
     res.add_argument("--csv", action="store_true", help="the long table as CSV instead")
     res.add_argument("--root", help="results folder (default: the repository's results_db/)")
     res.set_defaults(func=cmd_results)

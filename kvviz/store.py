@@ -141,11 +141,12 @@ class Store:
     def _report_mixed_generation(self) -> None:
         """Say where the figures average rows generated differently: the same task and policy from sweeps
         that gave the model a different number of new tokens or a different prompt format."""
-        # Grouped as the figures average: per model, task, policy, setting and compression.
+        # Grouped as the figures average: per model, task, policy, setting and compression.  A row that does
+        # not name its sweep (written by hand, not by the runner) is named by its folder.
         for model, task, sweeps, settings in self.con.execute(
                 "WITH mixed AS (SELECT model, task, policy, setting, compression FROM results "
                 "WHERE source = 'measured' GROUP BY ALL HAVING count(DISTINCT (max_new_tokens, chat)) > 1) "
-                "SELECT model, task, list(DISTINCT sweep ORDER BY sweep), "
+                "SELECT model, task, list(DISTINCT coalesce(sweep, folder) ORDER BY coalesce(sweep, folder)), "
                 "list(DISTINCT max_new_tokens || ' new tokens, chat ' || chat) "
                 "FROM results JOIN mixed USING (model, task, policy, setting, compression) "
                 "WHERE source = 'measured' GROUP BY model, task ORDER BY model, task").fetchall():
@@ -358,6 +359,30 @@ class Store:
             GROUP BY ALL ORDER BY source, policy, compression NULLS FIRST, length, depth
             """, params)
 
+    def paired_scores(self, reference: str, task=None, model=None, policies=None) -> pd.DataFrame:
+        """Each measured sample's score under a policy next to its score under ``reference`` on the same
+        prompt, for paired comparisons (:mod:`kvviz.stats`); every policy at its defaults.
+
+        A pair is the same model, task, sample, seed, prompt length and generation settings, at the same
+        compression -- except against the full cache, which has none and pairs with every compression.  The
+        full cache is not compared with another reference (its row has no compression to pair at: compare
+        against ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
+        ``sample``, ``score``, ``reference_score``.
+        """
+        where, params = self._filters(task, model, "measured", None)
+        return self.frame(
+            f"""
+            WITH rows AS (SELECT * FROM results WHERE setting = '{{}}' AND sample IS NOT NULL AND {where})
+            SELECT p.model, p.suite, p.task, p.policy, p.compression, p.sample, p.score, r.score AS reference_score
+            FROM rows p JOIN rows r
+              ON r.policy = ? AND p.policy NOT IN (?, 'full') AND p.model = r.model AND p.task = r.task
+             AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed AND p.prompt_len = r.prompt_len
+             AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat
+             AND (r.policy = 'full' OR p.compression = r.compression)
+            WHERE (? IS NULL OR list_contains(?, p.policy))
+            ORDER BY p.model, p.task, p.policy, p.compression, p.sample
+            """, [*params, reference, reference, policies, policies])
+
     def other_settings(self, task=None, model=None, policies=None, source=None) -> pd.DataFrame:
         """Rows that the per-policy queries leave out because they change a parameter from its default (α and
         refresh sweeps, ablations): how many per (policy, setting), so that a table can say what it omits."""
@@ -368,8 +393,10 @@ class Store:
             GROUP BY ALL ORDER BY policy, setting
             """, params)
 
-    def options(self, column: str) -> list[str]:
+    def options(self, column: str, source: str | None = None) -> list[str]:
+        """The distinct values of a filter column, of one source's rows or of all."""
         if column not in ("task", "model", "policy", "source", "sweep"):
             raise ValueError(f"no filter on {column!r}")
         return [row[0] for row in self.con.execute(
-            f"SELECT DISTINCT {column} FROM results WHERE {column} IS NOT NULL ORDER BY 1").fetchall()]
+            f"SELECT DISTINCT {column} FROM results WHERE {column} IS NOT NULL AND (? IS NULL OR source = ?) "
+            "ORDER BY 1", [source, source]).fetchall()]

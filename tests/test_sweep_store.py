@@ -178,6 +178,7 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
 
     from kvviz.ui.app import build_app
     from kvviz.ui.config import Limits
+    from kvviz.ui.results import SECTIONS
 
     store = handmade_store(tmp_path)
     with socket.socket() as s:
@@ -188,9 +189,12 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        everything = client.predict("(all)", "(all)", [], "(all)", "t", api_name="/results")
-        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", api_name="/results")
-        assert len(everything) == 21  # seven figures, each with its table and CSV
+        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", api_name="/results")
+        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", api_name="/results")
+        assert len(everything) == 3 * len(SECTIONS)  # each figure with its table and CSV
+
+        def at(section: str) -> int:  # where a section's figure is among the outputs
+            return 3 * SECTIONS.index(section)
 
         def policies(table):
             column = table["headers"].index("policy")
@@ -204,15 +208,15 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
         assert policies(only_tova[1]) == {"tova"}
         assert path(only_tova[2]).read_text().startswith("source,model,task,policy")
         # measured vs paper: each source relative to its own full cache (0.75 / 1.0 and 42 / 84 for inertia)
-        comparison = everything[7]
+        comparison = everything[at("Measured vs paper") + 1]
         rows_ = {(r[comparison["headers"].index("origin")], r[comparison["headers"].index("policy")]):
                  r[comparison["headers"].index("relative")] for r in comparison["data"]}
         assert rows_[("measured", "inertia")] == pytest.approx(0.75)
         assert rows_[("paper: InertiaKV", "inertia")] == pytest.approx(0.5)
-        assert policies(only_tova[7]) == {"tova"}
-        assert path(everything[8]).read_text().startswith("origin,model,policy,compression")
-        assert policies(everything[16]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
-        assert policies(only_tova[19]) == {"tova"}  # the needle grid follows the filter
+        assert policies(only_tova[at("Measured vs paper") + 1]) == {"tova"}
+        assert path(everything[at("Measured vs paper") + 2]).read_text().startswith("origin,model,policy,compression")
+        assert policies(everything[at("Quality vs decode speed") + 1]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
+        assert policies(only_tova[at("Needle in a haystack grid") + 1]) == {"tova"}  # the needle grid follows the filter
     finally:
         app.close()
 
@@ -534,14 +538,15 @@ def test_malformed_rows_are_skipped_and_reported_and_the_rest_loads(tmp_path, ca
 
 
 def test_results_tab_draws_more_models_than_marker_symbols(tmp_path):
-    from kvviz.ui.results import query
+    from kvviz.ui.results import SECTIONS, query
 
     models = [f"m{i}" for i in range(10)]
     write_rows(tmp_path / "sweep", [{"source": "measured", "model": model, "task": "single_needle", "policy": policy,
                                      "compression": 0.9, "params": {}, "metric": "string_match", "score": score}
                                     for model in models for policy, score in (("full", 1.0), ("tova", 0.5))])
     outputs = query(Store(tmp_path), "(all)", "(all)", [], "measured")  # every load of the tab
-    figure, table = outputs[6], outputs[7]
+    at = 3 * SECTIONS.index("Measured vs paper")
+    figure, table = outputs[at], outputs[at + 1]
     assert table.model.tolist() == models and set(table.relative) == {0.5}
     # eight symbols, then round again
     assert [trace.marker.symbol for trace in figure.data] == [

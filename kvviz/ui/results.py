@@ -8,6 +8,7 @@ full cache).  A policy has the same colour in every panel and every figure.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import tempfile
@@ -19,6 +20,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from ..stats import paired_table
 from ..store import Store
 
 ALL = "(all)"
@@ -160,6 +162,36 @@ def _hits_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     return fig
 
 
+def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours) -> go.Figure:
+    """Each policy's paired difference to ``reference`` against compression, with its bootstrap interval,
+    a panel per model / task (and per suite over its tasks); the policies are nudged apart on x so that
+    intervals at the same ρ do not hide each other."""
+    fig, panels = _facets(frame.assign(source="measured"), f"Paired difference to {reference} on the same samples "
+                          "(mean Δ; bars: 95% paired-bootstrap interval)", f"Δ score vs {reference}")
+    policies = sorted(frame.policy.unique()) if not frame.empty else []
+    spread = 0.012 * (frame.compression.max() - frame.compression.min() or 1) if not frame.empty else 0
+    shown = set()
+    for _, panel, row, col in panels:
+        fig.add_hline(y=0, line=dict(color="grey", width=1), row=row, col=col)
+        for policy, part in panel.groupby("policy", sort=True):
+            nudge = spread * (policies.index(policy) - (len(policies) - 1) / 2)
+            fig.add_scatter(
+                x=part.compression + nudge, y=part.delta, name=policy, legendgroup=policy,
+                showlegend=policy not in shown, mode="lines+markers", line=dict(color=colours(policy)),
+                error_y=dict(type="data", array=part.high - part.delta, arrayminus=part.delta - part.low,
+                             visible=True, thickness=1),
+                customdata=part[["compression", "low", "high", "wins", "ties", "losses", "pairs"]].values,
+                hovertemplate=(f"{policy} − {reference}<br>ρ=%{{customdata[0]}}<br>Δ %{{y:+.3f}} "
+                               "[%{customdata[1]:+.3f}, %{customdata[2]:+.3f}]<br>wins/ties/losses "
+                               "%{customdata[3]}/%{customdata[4]}/%{customdata[5]} of %{customdata[6]}<extra></extra>"),
+                row=row, col=col)
+            shown.add(policy)
+    _axis_titles(fig, panels, "compression ρ")
+    if frame.empty:
+        _empty(fig, f"no measured samples pair with {reference} under these filters")
+    return fig
+
+
 def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.Figure:
     """Paper panel(s) and the measured panel side by side, each source relative to its own full cache."""
     origins = list(dict.fromkeys(frame.origin)) if not frame.empty else []
@@ -274,8 +306,16 @@ def _csv(frame: pd.DataFrame, name: str) -> str:
     return str(path)
 
 
+@functools.lru_cache(maxsize=32)
+def paired(store: Store, reference: str, task: str | None, model: str | None,
+           policies: tuple[str, ...] | None) -> pd.DataFrame:
+    """The paired-difference table (a few seconds of resampling: kept per filter combination; the store never
+    changes while the app runs)."""
+    return paired_table(store.paired_scores(reference, task, model, list(policies) if policies else None))
+
+
 def query(store: Store, model: str, task: str, policies: list[str], source: str, suite: str | None = None,
-          colours: Colours | None = None):
+          colours: Colours | None = None, reference: str | None = None):
     """Every figure, its table and its CSV for the current filters, in the tab's output order."""
     model = None if model in (None, ALL) else model
     task = None if task in (None, ALL) else task
@@ -286,6 +326,10 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     suite = suite if suite in suites else (suites[0] if suites else "RULER")
 
     quality = store.quality_vs_compression(task, model, policies, source)
+    references = store.options("policy", source="measured")
+    reference = reference if reference in references else default_reference(references)
+    differences = paired(store, reference, task, model, tuple(policies) if policies else None) \
+        if reference and source != "paper" else paired_table(pd.DataFrame())  # papers print no samples
     hits = store.max_length_hits(task, model, policies)
     comparison = store.paper_comparison(suite, policies)
     alpha = store.alpha_sensitivity(task, model, source)
@@ -299,6 +343,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
                       "Quality vs compression (each policy at its defaults; bars: ± 1 standard error)",
                       "compression ρ", "mean score", colours), quality, "quality_vs_compression"),
         (_hits_figure(hits, colours), hits, "max_length_hits"),
+        (_paired_figure(differences, reference, colours), differences, f"paired_vs_{reference}"),
         (_comparison_figure(comparison, suite, colours), comparison, f"measured_vs_paper_{suite}"),
         (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV)", "α", "mean score"), alpha,
          "alpha_sensitivity"),
@@ -312,7 +357,12 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     return tuple(out)
 
 
-SECTIONS = ("Quality vs compression", "Max-length hits vs compression", "Measured vs paper", "α sensitivity",
+def default_reference(policies: list[str]) -> str | None:
+    """InertiaKV where it was measured (the papers' deltas are to it), else the full cache, else the first."""
+    return next((name for name in ("inertia", "full") if name in policies), policies[0] if policies else None)
+
+
+SECTIONS = ("Quality vs compression", "Max-length hits vs compression", "Paired differences", "Measured vs paper", "α sensitivity",
             "Refresh interval", "Quality vs decode speed", "Needle in a haystack grid")
 
 
@@ -333,7 +383,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
         # measured first: paper scores are on each benchmark's own scale (0-100, 0-1, %), ours are 0-1
         source = gr.Radio([ALL, "measured", "paper"], value="measured", label="Source")
     outputs = []
-    suite = None
+    suite = reference = None
     for title in SECTIONS:
         with gr.Accordion(title, open=title in ("Quality vs compression", "Measured vs paper")):
             if title == "Measured vs paper":
@@ -342,14 +392,24 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "the full cache's mean score on the same tasks. Models differ: compare shapes, not levels. "
                             "The policy filter applies; model, task and source do not.")
                 suite = gr.Dropdown(suites or ["RULER"], value=(suites or ["RULER"])[0], label="Benchmark")
+            if title == "Paired differences":
+                gr.Markdown("Each policy's score minus the reference's on the same samples (same prompt, "
+                            "compression and generation settings), so that the task's own noise cancels: the "
+                            "mean difference, its 95% paired-bootstrap interval (per task, resampling samples; "
+                            "for a benchmark, the mean over its tasks, resampled within each task) and "
+                            "wins / ties / losses with an exact sign test in the table. An interval that "
+                            "straddles 0 says the run cannot tell the two apart. Measured rows only.")
+                measured = store.options("policy", source="measured")
+                reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
             plot = gr.Plot()
             table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
             outputs += [plot, table, csv]
-    filters = [model, task, policies, source, suite]
+    filters = [model, task, policies, source, suite, reference]
 
-    def handler(model_value, task_value, policy_values, source_value, suite_value):
-        return query(store, model_value, task_value, policy_values, source_value, suite_value, colours)
+    def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value):
+        return query(store, model_value, task_value, policy_values, source_value, suite_value, colours,
+                     reference_value)
 
     gr.on([app.load, *(widget.change for widget in filters)], handler, filters, outputs, api_name="results",
           api_visibility="undocumented")

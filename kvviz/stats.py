@@ -1,0 +1,138 @@
+"""Paired comparisons of a policy with a reference policy on the same samples.
+
+A sweep runs every policy on the same prompts, so the honest question "is Lazy refresh worse than full
+refresh?" is about the per-sample differences, not about two means with their own error bars: most samples
+score the same under both, and the noise of the task cancels out of the difference.  This module gives, for
+such differences, what the papers report for their deltas (InertiaKV Tables 3 and 14): the mean difference,
+its paired-bootstrap 95% confidence interval, and how many samples each policy wins, plus an exact sign test.
+
+Differences may come in strata (one array per task).  The statistic is then the mean over tasks of each
+task's mean difference -- the change in a benchmark score that averages its tasks, as RULER's does -- and the
+bootstrap resamples within each task (a stratified bootstrap), so a task with more samples does not weigh more.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+# Two metric values closer than this are a tie (the metrics are ratios of small counts).
+TIE = 1e-9
+
+
+@dataclass(frozen=True)
+class PairedDelta:
+    """The difference policy − reference over paired samples.
+
+    ``delta`` is the mean over strata of each stratum's mean difference; ``low`` and ``high`` bound its
+    confidence interval (NaN with fewer than two pairs; equal to ``delta`` when every difference is the same,
+    since resampling then cannot move it).  ``wins`` / ``ties`` / ``losses`` count samples where the policy
+    scored higher / the same / lower, and ``p_sign`` is the two-sided exact sign test of wins against losses
+    (ties dropped; 1.0 when there are none).
+    """
+
+    delta: float
+    low: float
+    high: float
+    pairs: int
+    wins: int
+    ties: int
+    losses: int
+    p_sign: float
+
+
+def _mean_of_means(*strata: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.mean([stratum.mean(axis=axis) for stratum in strata], axis=0)
+
+
+def paired_delta(strata: Sequence[np.ndarray], confidence: float = 0.95, resamples: int = 9999,
+                 seed: int = 0) -> PairedDelta:
+    """Mean paired difference, its bootstrap confidence interval and a sign test.
+
+    Parameters
+    ----------
+    strata : sequence of arrays, each of shape (n_i,)
+        Per-sample differences policy − reference, one array per stratum (task); empty arrays are ignored.
+    confidence : float
+        Confidence level of the interval.
+    resamples : int
+        Bootstrap resamples (BCa; the percentile interval where BCa is undefined).
+    seed : int
+        Seed of the resampling, so that a table is the same every time it is computed.
+    """
+    strata = [np.asarray(s, dtype=float) for s in strata if len(s)]
+    if not strata:
+        raise ValueError("no paired samples to compare")
+    pooled = np.concatenate(strata)
+    wins, losses = int((pooled > TIE).sum()), int((pooled < -TIE).sum())
+    ties = len(pooled) - wins - losses
+    delta = float(_mean_of_means(*strata))
+    p_sign = float(stats.binomtest(wins, wins + losses).pvalue) if wins + losses else 1.0
+    if np.ptp(pooled) <= TIE:  # nothing to resample: every difference is the same
+        low = high = delta
+    elif any(len(s) < 2 for s in strata):  # a one-sample stratum cannot be resampled
+        low = high = float("nan")
+    else:
+        low, high = _interval(strata, confidence, resamples, seed)
+    return PairedDelta(delta, low, high, len(pooled), wins, ties, losses, p_sign)
+
+
+def _interval(strata: list[np.ndarray], confidence: float, resamples: int, seed: int) -> tuple[float, float]:
+    for method in ("BCa", "percentile"):
+        with warnings.catch_warnings():
+            # BCa is undefined when a jackknife leaves every estimate equal (e.g. one nonzero difference in
+            # a stratum); scipy warns and returns NaN, and the percentile interval is used instead.
+            warnings.simplefilter("ignore")
+            result = stats.bootstrap(strata, _mean_of_means, vectorized=True, n_resamples=resamples,
+                                     confidence_level=confidence, method=method, rng=np.random.default_rng(seed))
+        low, high = (float(v) for v in result.confidence_interval)
+        if np.isfinite(low) and np.isfinite(high):
+            return low, high
+    return float("nan"), float("nan")
+
+
+def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int = 9999) -> pd.DataFrame:
+    """Per (model, task, policy, compression), the paired difference to the reference; and per benchmark
+    suite with two or more tasks, the same over its tasks (stratified by task), labelled ``"<suite>: mean of
+    k tasks"``.
+
+    Parameters
+    ----------
+    pairs : DataFrame
+        One row per paired sample, as :meth:`kvviz.store.Store.paired_scores` returns it: ``model``,
+        ``suite``, ``task``, ``policy``, ``compression``, ``score`` and ``reference_score``.
+
+    Returns
+    -------
+    DataFrame
+        ``model``, ``task``, ``policy``, ``compression``, ``score`` and ``reference`` (the two means over
+        the pairs), then the :class:`PairedDelta` fields.
+    """
+    columns = ["model", "task", "policy", "compression", "score", "reference", *PairedDelta.__dataclass_fields__]
+    if pairs.empty:
+        return pd.DataFrame(columns=columns)
+    pairs = pairs.assign(difference=pairs.score - pairs.reference_score)
+    rows = []
+    keys = ["model", "policy", "compression"]
+    for (model, policy, compression), group in pairs.groupby(keys, dropna=False, sort=True):
+        by_task = {task: part for task, part in group.groupby("task", sort=True)}
+        for task, part in by_task.items():
+            result = paired_delta([part.difference.to_numpy()], confidence, resamples)
+            rows.append(dict(model=model, task=task, policy=policy, compression=compression,
+                             score=part.score.mean(), reference=part.reference_score.mean(), **asdict(result)))
+        for suite, part in group.groupby("suite", sort=True):
+            tasks = sorted(part.task.unique())
+            if len(tasks) < 2:
+                continue
+            result = paired_delta([by_task[t].difference.to_numpy() for t in tasks], confidence, resamples)
+            rows.append(dict(model=model, task=f"{suite}: mean of {len(tasks)} tasks", policy=policy,
+                             compression=compression,
+                             score=np.mean([by_task[t].score.mean() for t in tasks]),
+                             reference=np.mean([by_task[t].reference_score.mean() for t in tasks]),
+                             **asdict(result)))
+    return pd.DataFrame(rows, columns=columns)

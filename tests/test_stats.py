@@ -1,0 +1,155 @@
+"""Paired comparisons: the statistics (kvviz.stats), the store's pairing, `kvviz results --vs` and the figure."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvviz import cli
+from kvviz.stats import paired_delta, paired_table
+from kvviz.store import Store
+from kvviz.ui import results
+
+
+def test_paired_delta_counts_and_sign_test_by_hand():
+    result = paired_delta([np.array([1.0, 0.0, 0.0, -1.0, 1.0])])
+    assert result.delta == pytest.approx(0.2)
+    assert (result.pairs, result.wins, result.ties, result.losses) == (5, 2, 2, 1)
+    # 2 wins against 1 loss: P(X <= 1 or X >= 2 | n = 3) = 1
+    assert result.p_sign == pytest.approx(1.0)
+    assert result.low <= result.delta <= result.high and result.low < 0 < result.high
+
+
+def test_identical_differences_have_a_point_interval_and_an_exact_sign_test():
+    result = paired_delta([np.ones(10)])
+    assert (result.delta, result.low, result.high) == (1.0, 1.0, 1.0)
+    assert result.p_sign == pytest.approx(2 * 0.5 ** 10)  # all ten samples won
+    zeros = paired_delta([np.zeros(7)])
+    assert (zeros.delta, zeros.low, zeros.high, zeros.ties, zeros.p_sign) == (0.0, 0.0, 0.0, 7, 1.0)
+
+
+def test_strata_weigh_equally_and_are_resampled_apart():
+    # One task all wins (4 samples), one all ties (8): the benchmark's mean over its tasks moves by 0.5 (the
+    # pooled mean would be 1/3), and resampling within each task can never give anything else.
+    result = paired_delta([np.ones(4), np.zeros(8)])
+    assert result.delta == pytest.approx(0.5)
+    assert (result.low, result.high) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert (result.wins, result.ties, result.losses) == (4, 8, 0)
+
+
+def test_interval_matches_the_normal_approximation_on_a_large_sample():
+    differences = np.random.default_rng(1).normal(0.3, 1.0, 400)
+    result = paired_delta([differences])
+    half_width = 1.96 * differences.std(ddof=1) / math.sqrt(len(differences))
+    assert result.low == pytest.approx(differences.mean() - half_width, abs=0.02)
+    assert result.high == pytest.approx(differences.mean() + half_width, abs=0.02)
+    assert paired_delta([differences]) == result  # seeded: the same table every time
+
+
+def test_a_stratum_of_one_sample_has_no_interval_and_no_pairs_is_refused():
+    result = paired_delta([np.array([1.0, 0.0]), np.array([1.0])])
+    assert math.isnan(result.low) and math.isnan(result.high) and result.delta == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="no paired samples"):
+        paired_delta([np.array([])])
+
+
+def paired_store(tmp_path: Path) -> Store:
+    """Two tasks of one suite, 3 samples each; inertia-lazy loses sample 2 of single_needle at 0.9."""
+    base = {"source": "measured", "model": "m", "params": {}, "meta": {}, "metric": "string_match", "seed": 0,
+            "prompt_len": 100, "max_new_tokens": 24, "chat": True}
+    rows = []
+    for task in ("single_needle", "multi_key_needle"):
+        for sample in range(3):
+            cell = {**base, "task": task, "sample": sample}
+            rows.append({**cell, "policy": "full", "compression": 0.5, "score": 1.0})
+            for rho in (0.5, 0.9):
+                rows.append({**cell, "policy": "inertia", "compression": rho, "score": 1.0 if rho == 0.5 else 0.5})
+                lost = task == "single_needle" and sample == 2 and rho == 0.9
+                rows.append({**cell, "policy": "inertia-lazy", "compression": rho,
+                             "score": 0.0 if lost else (1.0 if rho == 0.5 else 0.5)})
+    unpaired = {**base, "task": "single_needle", "policy": "inertia-lazy", "compression": 0.9, "score": 1.0}
+    rows += [
+        {**unpaired, "sample": 7},                                  # no reference row for this sample
+        {**unpaired, "sample": 0, "seed": 1},                       # another prompt
+        {**unpaired, "sample": 0, "max_new_tokens": 64},            # another experiment
+        {**unpaired, "sample": 0, "params": {"refresh": 8}},        # not at its defaults
+        {**unpaired, "sample": 0, "source": "paper"},               # no samples in a paper
+    ]
+    folder = tmp_path / "sweep"
+    folder.mkdir(parents=True)
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Store(tmp_path)
+
+
+def test_store_pairs_same_sample_same_compression_and_full_with_every_compression(tmp_path):
+    store = paired_store(tmp_path)
+    lazy = store.paired_scores("inertia", policies=["inertia-lazy"])
+    assert len(lazy) == 12  # 2 tasks x 3 samples x 2 compressions, none of the unpaired rows
+    assert set(lazy.suite) == {"RULER"}
+    lost = lazy[(lazy.task == "single_needle") & (lazy["sample"] == 2) & (lazy.compression == 0.9)]
+    assert (lost.score.item(), lost.reference_score.item()) == (0.0, 0.5)
+    assert "full" not in set(store.paired_scores("inertia").policy)  # no compression to pair at
+    against_full = store.paired_scores("full")
+    assert set(against_full.policy) == {"inertia", "inertia-lazy"} and set(against_full.reference_score) == {1.0}
+    assert len(against_full[against_full.policy == "inertia"]) == 12  # full pairs with both compressions
+
+
+def test_paired_table_per_task_and_over_the_suites_tasks(tmp_path):
+    table = paired_table(paired_store(tmp_path).paired_scores("inertia", policies=["inertia-lazy"]))
+    row = table[(table.task == "single_needle") & (table.compression == 0.9)].iloc[0]
+    assert (row.delta, row.wins, row.ties, row.losses) == (pytest.approx(-0.5 / 3), 0, 2, 1)
+    assert (row.score, row.reference) == (pytest.approx(1 / 3), pytest.approx(0.5))
+    suite = table[(table.task == "RULER: mean of 2 tasks") & (table.compression == 0.9)].iloc[0]
+    assert suite.delta == pytest.approx((-0.5 / 3 + 0.0) / 2) and suite.pairs == 6
+    at_half = table[table.compression == 0.5]
+    assert (at_half.delta == 0).all() and (at_half.low == 0).all() and (at_half.high == 0).all()
+
+
+def test_results_command_prints_paired_differences(tmp_path, capsys):
+    paired_store(tmp_path)
+    assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia", "--task", "single_needle"]) == 0
+    out = capsys.readouterr().out
+    assert "single_needle · m · vs inertia" in out
+    lazy = next(line for line in out.splitlines() if line.startswith("inertia-lazy"))
+    assert "+0.000 [+0.000, +0.000] 0/3/0" in lazy and "-0.167 [" in lazy and "0/2/1" in lazy
+    assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia", "--csv"]) == 0
+    assert capsys.readouterr().out.startswith("model,task,policy,compression,score,reference,delta,low,high")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--vs", "tova"], "no measured rows of that policy"),
+    (["--vs", "inertia", "--source", "paper"], "drop --source paper"),
+    (["--vs", "inertia", "--paper", "RULER"], "give one of them"),
+])
+def test_results_command_refuses_a_bad_reference(tmp_path, capsys, argv, message):
+    paired_store(tmp_path)
+    assert cli.main(["results", "--root", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_results_tab_draws_each_policys_interval_around_zero(tmp_path):
+    store = paired_store(tmp_path)
+    out = results.query(store, results.ALL, results.ALL, [], "measured", reference="inertia")
+    index = 3 * results.SECTIONS.index("Paired differences")
+    figure, table = out[index], out[index + 1]
+    assert "to inertia" in figure.layout.title.text
+    titles = {a.text for a in figure.layout.annotations}
+    assert {"single_needle", "multi_key_needle", "RULER: mean of 2 tasks"} <= titles
+    lazy = [t for t in figure.data if t.name == "inertia-lazy"]
+    assert len(lazy) == 3 and sum(t.showlegend for t in lazy) == 1  # one legend entry across the panels
+    # each panel's line is one task's row of the table: Δ, and the interval as bars above and below it
+    expected = paired_table(store.paired_scores("inertia", policies=["inertia-lazy"]))
+    wanted = sorted(tuple(np.round(np.concatenate([part.delta, part.high - part.delta, part.delta - part.low]), 6))
+                    for _, part in expected.sort_values("compression").groupby("task"))
+    drawn = sorted(tuple(np.round(np.concatenate([t.y, t.error_y.array, t.error_y.arrayminus]), 6)) for t in lazy)
+    assert drawn == wanted and any(value != 0 for line in drawn for value in line)
+    assert len(table) == len(results.paired(store, "inertia", None, None, None))
+    # the reference falls back to inertia when the one asked for was not measured; papers have no samples
+    fallback = results.query(store, results.ALL, results.ALL, [], "measured", reference="tova")[index]
+    assert "to inertia" in fallback.layout.title.text
+    paper = results.query(store, results.ALL, results.ALL, [], "paper", reference="inertia")
+    assert paper[index + 1].empty
