@@ -203,6 +203,8 @@ def cmd_probe(args) -> int:
     if args.sample is not None and args.sample < 1:
         raise ValueError(f"--sample must be >= 1 (leave it out to probe every entry), got {args.sample}")
     names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
+    if args.blindspot and "avokv" not in names:  # its N(p) and N(b) are the blindspot's axes
+        names.append("avokv")
     policies = {name: make_policy(name) for name in names}
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device)
@@ -211,10 +213,17 @@ def cmd_probe(args) -> int:
     result = probe.probe(model, tokenizer, prompt_ids, args.step, policies=policies, sample=args.sample,
                          seed=args.seed, future=args.future, batch=args.batch)
     quality = {name: probe.ranking_quality(u, result.damage) for name, u in result.utilities.items()}
+    spot = None
+    if args.blindspot:
+        terms = result.terms.get("avokv", {})
+        spot = probe.blindspot([(terms["N(p)"], terms["N(b)"], result.damage)]) if "N(p)" in terms else None
+        if spot is None:
+            raise ValueError("AvoKV-E recorded no percentile ranks at this step (normalise=False?)")
     if args.json:
         print(json.dumps({"step": args.step, "prompt_len": len(prompt_ids), "future": args.future,
                           "candidates": result.candidates.tolist(), "damage": result.damage.tolist(),
-                          "candidates_per_second": result.candidates_per_second, "ranking": quality}))
+                          "candidates_per_second": result.candidates_per_second, "ranking": quality,
+                          **({"blindspot": _blindspot_json(spot)} if spot else {})}))
         return 0
     print(f"probe at step {args.step}: {len(result.candidates)} candidates, {args.future} future tokens, "
           f"{result.candidates_per_second:.1f} candidates/s")
@@ -224,7 +233,33 @@ def cmd_probe(args) -> int:
     skipped = sorted(set(names) - set(quality))
     if skipped:
         print(f"(no per-entry utility to rank: {', '.join(skipped)})")
+    if spot:
+        _print_blindspot(spot)
     return 0
+
+
+def _blindspot_json(spot) -> dict:
+    return {"grid_entries": spot.grid_entries.tolist(), "grid_high_damage": spot.grid_high.tolist(),
+            "entries_in": spot.entries_in, "high_damage_in": spot.high_damage_in, "entries_out": spot.entries_out,
+            "high_damage_out": spot.high_damage_out, "wilson": list(spot.wilson), "enrichment": spot.enrichment,
+            "fisher_p": spot.fisher_p}
+
+
+def _print_blindspot(spot) -> None:
+    """AvoKV-E Fig. 1(a) as a table: high-damage / entries per (payload rank, read-pressure rank) bin."""
+    bins = spot.grid_entries.shape[0]
+    edges = [f"{i / bins:.1f}-{(i + 1) / bins:.1f}" for i in range(bins)]
+    print("\nblindspot (AvoKV-E Fig. 1a): high-damage entries / entries, by read-pressure rank N(p) (columns) "
+          "and payload rank N(b) (rows)")
+    corner = "N(b) \\ N(p)"
+    print(f"{corner:<12}" + "".join(f"{edge:>10}" for edge in edges))
+    for row in reversed(range(bins)):
+        print(f"{edges[row]:<12}" + "".join(f"{f'{spot.grid_high[row, col]}/{spot.grid_entries[row, col]}':>10}"
+                                            for col in range(bins)))
+    low, high = spot.wilson
+    print(f"N(p) <= 0.2 and N(b) >= 0.8: {spot.high_damage_in}/{spot.entries_in} high-damage ({spot.rate_in:.0%}, "
+          f"Wilson 95% {low:.0%}-{high:.0%}) vs {spot.high_damage_out}/{spot.entries_out} ({spot.rate_out:.1%}) "
+          f"elsewhere: enrichment {spot.enrichment:.2f}x, one-sided Fisher p = {spot.fisher_p:.3g}")
 
 
 def cmd_trace(args) -> int:
@@ -235,6 +270,8 @@ def cmd_trace(args) -> int:
 
     trace = Trace.load(args.file)
     steps = trace.decode_steps
+    if args.read_lag:
+        return _print_read_lags(trace)
     if not args.follow:
         params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
         print(f"{trace.policy}" + (f" ({params})" if params else "") + f" on {trace.model or 'an unnamed model'}: "
@@ -270,6 +307,29 @@ def cmd_trace(args) -> int:
         rank = f"{ranked.mean():.1f}, {ranked.max():g}" if len(ranked) else "-"
         raw = crossings[position] if rows["raw_rank"].notna().any() else "-"
         print(f"{position:>8}  {repr(tokens[position])[:11]:<12}{fate:<20}{raw:>14}{rank:>28}")
+    return 0
+
+
+def _print_read_lags(trace) -> int:
+    """AvoKV-E Fig. 1(b): when generated entries are first strongly read, split by how much they were read at first."""
+    from . import diagnostics
+
+    lags = diagnostics.read_lags(trace.events, trace.prompt_len)
+    if not lags.positions.size:
+        raise ValueError(f"no generated entry has {lags.horizon} later queries in this trace ({len(trace.decode_steps)} "
+                         "decode steps, none evicted within the horizon): record a longer run that keeps the "
+                         "whole cache, e.g. kvviz generate --policy inertia --budget 100000 --max-new-tokens 256 --trace F")
+    split = diagnostics.read_lag_split(lags)
+    print(f"read lags (AvoKV-E Fig. 1b): {lags.positions.size} generated entries with {lags.horizon} later queries "
+          f"({lags.dropped} left out: too near the end, or evicted within the horizon); a strong read reaches 85% "
+          "of the entry's peak attention")
+    times = list(split["low"]["read_by"])
+    print(f"{'first read':<28}{'entries':>8}" + "".join(f"{f'F({t})':>8}" for t in times) + f"{'never':>8}")
+    for name, label in (("low", "N(early) <= 0.4 (rarely)"), ("high", "N(early) >= 0.6 (well)")):
+        group = split[name]
+        print(f"{label:<28}{group['entries']:>8}" + "".join(f"{group['read_by'][t]:>8.0%}" for t in times)
+              + f"{group['never']:>8.0%}")
+    print(f"one-sided KS p that the well read are read sooner: {split['ks_p']:.3g}")
     return 0
 
 
@@ -531,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated registry names, or 'all'")
     probe.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     probe.add_argument("--json", action="store_true")
+    probe.add_argument("--blindspot", action="store_true", help="also AvoKV-E's blindspot test (Fig. 1a): "
+                       "high-damage share by read-pressure and payload rank (adds avokv to --policies)")
     probe.set_defaults(func=cmd_probe)
 
     tr = sub.add_parser("trace", help="a saved trace: its diagnostics, or what happened to chosen tokens")
@@ -538,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--follow", metavar="TEXT_OR_POSITIONS",
                     help="text to find in the tokens (e.g. 7342519) or positions (#12, #40-45)")
     tr.add_argument("--csv", action="store_true", help="with --follow: every step of every followed token as CSV")
+    tr.add_argument("--read-lag", action="store_true", help="when generated entries are first strongly read, split "
+                    "by their early attention (AvoKV-E Fig. 1b; needs a run that scored every step and kept the cache)")
     tr.add_argument("--model", help="tokenizer for the prompt's text (default: the model the trace names)")
     tr.set_defaults(func=cmd_trace)
 

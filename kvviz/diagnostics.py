@@ -7,7 +7,9 @@
 * Spearman correlation and top-k Jaccard between two scorers on the same step;
 * mean pairwise Jaccard of the keep sets of several policies run on the same prompt;
 * token history: one token's raw score, utility and their ranks at every step, and how often its raw rank
-  crosses the budget boundary (InertiaKV Fig. 4 and Appendix I's rank traces).
+  crosses the budget boundary (InertiaKV Fig. 4 and Appendix I's rank traces);
+* read lags: how many queries pass before a generated entry is first strongly read, split by how much it
+  was read at first (AvoKV-E Fig. 1b, the case for delayed eligibility).
 
 Raw scores are the policy's un-aggregated score of the step over every position present before eviction
 (``event.present``); utilities are over the positions kept after it (``event.kept``).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import combinations
 
 import numpy as np
@@ -246,3 +249,95 @@ def boundary_crossings(history: pd.DataFrame, k: int, rank: str = "raw_rank") ->
         inside = (rows.sort_values("step")[rank].dropna() <= k).to_numpy()
         crossings[int(position)] = int((inside[1:] != inside[:-1]).sum())
     return crossings
+
+
+# ------------------------------------------------------------------------- delayed first reads (AvoKV-E)
+
+@dataclass(frozen=True)
+class ReadLags:
+    """AvoKV-E Figure 1(b): how long after it is written a generated entry is first strongly read.
+
+    ``lag[i]`` is the distance from ``positions[i]`` to the first later query whose attention to it reaches
+    ``threshold`` of the most attention it gets from any later query in the run (its peak), ``inf`` when that
+    happens beyond ``horizon`` queries (right-censored); ``early_rank[i]`` is the percentile rank, among the
+    candidates, of its mean attention from the first ``observe`` queries after it -- what a policy that judged
+    it at once would have seen.  ``dropped`` counts generated entries left out: too close to the end of the run
+    for a full horizon, or evicted within it.
+    """
+
+    positions: np.ndarray
+    lag: np.ndarray
+    early_rank: np.ndarray
+    horizon: int
+    dropped: int
+
+    def read_by(self, t: int, group: np.ndarray | None = None) -> float:
+        """F(t): the share of candidates (of ``group``, a boolean mask) strongly read within ``t`` queries."""
+        lag = self.lag if group is None else self.lag[group]
+        return float((lag <= t).mean()) if lag.size else float("nan")
+
+
+def read_lags(events: Sequence[StepEvent], prompt_len: int, threshold: float = 0.85, horizon: int = 32,
+              observe: int = 8) -> ReadLags:
+    """First-strong-read lags of the generated entries of a run that scored every step (AvoKV-E App. D).
+
+    Parameters
+    ----------
+    events : sequence of StepEvent
+        The run's events in step order; every decode step must carry ``raw`` (the step's last-query
+        attention over the entries present), e.g. InertiaKV with a budget that keeps the whole cache.
+    prompt_len : int
+        Prompt tokens: the query of decode step ``k`` sits at position ``prompt_len + k - 1``.
+    threshold, horizon, observe : float, int, int
+        A strong read reaches ``threshold`` of the entry's peak; lags beyond ``horizon`` queries are censored;
+        the early read is the mean attention from the first ``observe`` queries (``observe <= horizon``).
+    """
+    if not 0 < threshold <= 1 or not 1 <= observe <= horizon:
+        raise ValueError(f"need 0 < threshold <= 1 and 1 <= observe <= horizon, got {threshold}, {observe}, {horizon}")
+    steps = [e for e in events if e.step >= 1]
+    unscored = [e.step for e in steps if e.raw is None]
+    if unscored:
+        raise ValueError(f"steps {unscored[:3]} recorded no attention: read lags need a policy that scores every "
+                         "step (inertia, not inertia-lazy or score-free)")
+    last = len(steps)  # queries at positions prompt_len .. prompt_len + last - 1
+    # attention[k - 1, position] from the query of step k; NaN where the entry was not in the cache
+    attention = np.full((last, prompt_len + last), np.nan)
+    for row, event in enumerate(steps):
+        attention[row, event.present] = event.raw
+    candidates, lags, early, dropped = [], [], [], 0
+    for position in range(prompt_len, prompt_len + last):
+        first_row = position - prompt_len + 1  # the first query after it is at position + 1
+        window = attention[first_row:first_row + horizon, position]
+        if window.size < horizon or np.isnan(window).any():
+            dropped += 1
+            continue
+        peak = np.nanmax(attention[first_row:, position])
+        strong = np.flatnonzero(window >= threshold * peak) if peak > 0 else np.empty(0)  # never read at all
+        candidates.append(position)
+        lags.append(strong[0] + 1 if strong.size else np.inf)
+        early.append(window[:observe].mean())
+    early_values = np.asarray(early)
+    early_rank = (ranks(early_values) - 1) / max(early_values.size - 1, 1) if early_values.size else early_values
+    return ReadLags(np.asarray(candidates, dtype=np.int64), np.asarray(lags, dtype=float), early_rank, horizon,
+                    dropped)
+
+
+def read_lag_split(lags: ReadLags, low: float = 0.4, high: float = 0.6,
+                   at: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> dict:
+    """F(t) of the rarely read early (``early_rank <= low``) and the well read (``>= high``), the share never
+    strongly read within the horizon, and the one-sided two-sample Kolmogorov-Smirnov p that the well read
+    are read sooner (censored lags count as ``horizon + 1``)."""
+    from scipy import stats
+
+    groups = {"low": lags.early_rank <= low, "high": lags.early_rank >= high}
+    out = {name: {"entries": int(mask.sum()),
+                  "read_by": {t: lags.read_by(t, mask) for t in at if t <= lags.horizon},
+                  "never": float(np.isinf(lags.lag[mask]).mean()) if mask.any() else float("nan")}
+           for name, mask in groups.items()}
+    censored = np.where(np.isinf(lags.lag), lags.horizon + 1, lags.lag)
+    if groups["low"].any() and groups["high"].any():
+        out["ks_p"] = float(stats.ks_2samp(censored[groups["high"]], censored[groups["low"]],
+                                           alternative="greater").pvalue)
+    else:
+        out["ks_p"] = float("nan")
+    return out

@@ -37,6 +37,9 @@ class ProbeResult:
     damage: np.ndarray  # mean KL per candidate, same order
     seconds: float
     utilities: dict[str, np.ndarray] = field(default_factory=dict)  # policy -> utility per candidate
+    # policy -> the terms of its decision at the probed step (AvoKV-E's p, N(p), N(b), ...) per candidate,
+    # NaN where it judged none (its protected tail)
+    terms: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
     @property
     def candidates_per_second(self) -> float:
@@ -91,8 +94,10 @@ def damage(model, sequence: list[int], prefix_len: int, candidates: list[int], *
     return torch.cat(out).numpy() if out else np.empty(0)
 
 
-def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy, step: int) -> np.ndarray | None:
-    """A policy's utility for positions ``0 .. P-1`` at decode step ``step`` of the full-cache run.
+def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy,
+                      step: int) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+    """A policy's utility for positions ``0 .. P-1`` at decode step ``step`` of the full-cache run, and the
+    terms of its decision there (``{}`` for a policy that records none), each of length ``P``.
 
     The budget leaves the cache whole up to that step.  Checkpointed policies (R-KV, AvoKV-E) only score at
     a checkpoint, so one is placed at ``step`` with a budget one below the cache size there: the scores
@@ -102,10 +107,13 @@ def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy, s
     budget = prefix_len + 1
     if isinstance(policy, CheckpointPolicy):
         policy, budget = replace(policy, interval=step), prefix_len
-    for _ in decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=step + 1, ignore_eos=True):
-        pass
+    terms = {}
+    for event in decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=step + 1,
+                        ignore_eos=True):
+        if event.step == step and event.components:  # aligned with event.present = 0 .. P (the new entry last)
+            terms = {name: values[:prefix_len] for name, values in event.components.items()}
     utility = policy.utility(torch.arange(prefix_len))
-    return None if utility is None else utility.float().numpy()
+    return (None if utility is None else utility.float().numpy()), terms
 
 
 def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: str = "step",
@@ -155,12 +163,14 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
     result = ProbeResult(step, candidates, harm, seconds)
     for name, policy in (policies or {}).items():
         try:
-            utility = policy_utility_at(model, tokenizer, prompt_ids, policy, step)
+            utility, terms = policy_utility_at(model, tokenizer, prompt_ids, policy, step)
         except ValueError as error:  # e.g. a protected tail longer than the cache at this step
             raise ValueError(f"{name} cannot be scored at step {step} of a {len(prompt_ids)}-token prompt ({error}); "
                              f"probe a later step or a longer prompt, or leave {name} out") from None
         if utility is not None:
             result.utilities[name] = utility[candidates]
+        if terms:
+            result.terms[name] = {term: values[candidates] for term, values in terms.items()}
     return result
 
 
@@ -203,3 +213,79 @@ def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str,
         "topk_recall": float(labels[top].sum() / k) if k else float("nan"),
         "spearman": spearman(utility, damage_values),
     }
+
+
+# ------------------------------------------------------------------------------ the attention-only blindspot
+
+@dataclass(frozen=True)
+class Blindspot:
+    """AvoKV-E Figure 1(a): how often removing an entry is high-damage, by its read-pressure and payload ranks.
+
+    ``grid_entries[j, i]`` counts the candidates whose payload rank N(b) falls in bin ``j`` and read-pressure
+    rank N(p) in bin ``i`` (``bins`` equal bins of [0, 1]); ``grid_high`` those of them that are high-damage
+    (top decile of their own probe).  The test compares the blindspot, N(p) <= ``low`` and N(b) >= ``high``
+    (rarely read, large value), with every other candidate: ``high_damage_in`` of ``entries_in`` against
+    ``high_damage_out`` of ``entries_out``, the Wilson 95% interval of the blindspot's rate, its enrichment
+    over the rest, and the one-sided Fisher exact p that the blindspot is the more damaging.
+    """
+
+    grid_entries: np.ndarray
+    grid_high: np.ndarray
+    entries_in: int
+    high_damage_in: int
+    entries_out: int
+    high_damage_out: int
+    wilson: tuple[float, float]
+    enrichment: float
+    fisher_p: float
+
+    @property
+    def rate_in(self) -> float:
+        return self.high_damage_in / self.entries_in if self.entries_in else float("nan")
+
+    @property
+    def rate_out(self) -> float:
+        return self.high_damage_out / self.entries_out if self.entries_out else float("nan")
+
+
+def blindspot(probes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], low: float = 0.2, high: float = 0.8,
+              bins: int = 5) -> Blindspot:
+    """Pool probes into AvoKV-E's blindspot test (Appendix D).
+
+    Parameters
+    ----------
+    probes : list of (read_rank, payload_rank, damage), each of shape (n,)
+        Per probe, each candidate's percentile ranks N(p) and N(b) in [0, 1] (NaN: not judged, e.g. in the
+        protected tail, and left out) and its oracle damage.  High damage is the top decile *within* each
+        probe, as the paper thresholds within each trace, since damage scales differ between contexts.
+    """
+    from scipy import stats
+
+    reads, payloads, labels = [], [], []
+    for read_rank, payload_rank, damage_values in probes:
+        judged = np.isfinite(read_rank) & np.isfinite(payload_rank)
+        if judged.sum() < 2:
+            continue
+        reads.append(read_rank[judged])
+        payloads.append(payload_rank[judged])
+        labels.append(top_decile(damage_values[judged]))
+    if not reads:
+        raise ValueError("no candidate has both ranks: probe a step where the policy judges entries (after its "
+                         "protected tail), or a longer prompt")
+    read, payload, label = np.concatenate(reads), np.concatenate(payloads), np.concatenate(labels)
+    row = np.minimum((payload * bins).astype(int), bins - 1)
+    col = np.minimum((read * bins).astype(int), bins - 1)
+    grid_entries = np.zeros((bins, bins), dtype=int)
+    grid_high = np.zeros((bins, bins), dtype=int)
+    np.add.at(grid_entries, (row, col), 1)
+    np.add.at(grid_high, (row, col), label.astype(int))
+    inside = (read <= low) & (payload >= high)
+    n_in, k_in = int(inside.sum()), int(label[inside].sum())
+    n_out, k_out = int((~inside).sum()), int(label[~inside].sum())
+    wilson = tuple(float(v) for v in stats.binomtest(k_in, n_in).proportion_ci(method="wilson")) if n_in \
+        else (float("nan"), float("nan"))
+    rate_out = k_out / n_out if n_out else float("nan")
+    enrichment = (k_in / n_in) / rate_out if n_in and rate_out else float("nan")
+    fisher_p = float(stats.fisher_exact([[k_in, n_in - k_in], [k_out, n_out - k_out]], alternative="greater").pvalue) \
+        if n_in and n_out else float("nan")
+    return Blindspot(grid_entries, grid_high, n_in, k_in, n_out, k_out, wilson, enrichment, fisher_p)

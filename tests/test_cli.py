@@ -427,3 +427,46 @@ def test_generate_json_carries_each_checkpoints_terms(capsys):
         kept = [scores[p] for p in step["kept"] if scores[p] is not None]
         evicted = [scores[p] for p in step["evicted"]]
         assert max(evicted) <= min(kept)
+
+
+def test_probe_blindspot_prints_avokvs_grid_and_its_test(capsys):
+    import json
+
+    from kvviz.cli import main
+
+    args = ["probe", *TINY, "--prompt", TEXT * 3, "--no-chat", "--step", "3", "--future", "2", "--policies", "tova",
+            "--blindspot"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    spot = report["blindspot"]
+    assert "avokv" in report["ranking"]  # added: its ranks are the grid's axes
+    judged = sum(map(sum, spot["grid_entries"]))
+    assert judged == spot["entries_in"] + spot["entries_out"] and 0 < judged < len(report["candidates"])
+    assert sum(map(sum, spot["grid_high_damage"])) == spot["high_damage_in"] + spot["high_damage_out"] >= 1
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "N(b) \\ N(p)" in out
+    assert f"N(p) <= 0.2 and N(b) >= 0.8: {spot['high_damage_in']}/{spot['entries_in']} high-damage" in out
+
+
+def test_trace_read_lag_needs_a_run_that_scored_every_step(tiny, tmp_path, capsys):
+    from kvviz import diagnostics
+    from kvviz.cli import main
+
+    model, tokenizer = tiny
+    prompt = "The grass is green. " * 4
+    whole = kvviz.run(model, tokenizer, prompt, "inertia", chat=False, budget=200, max_new_tokens=48).trace
+    whole.save(tmp_path / "whole.parquet")
+    assert main(["trace", str(tmp_path / "whole.parquet"), "--read-lag"]) == 0
+    out = capsys.readouterr().out
+    lags = diagnostics.read_lags(whole.events, whole.prompt_len)
+    split = diagnostics.read_lag_split(lags)
+    assert f"{lags.positions.size} generated entries with 32 later queries ({lags.dropped} left out" in out
+    # each decode step's query is one generated entry; an entry needs 32 queries after it
+    assert lags.positions.size == len(whole.decode_steps) - 32 > 0
+    row = next(line for line in out.splitlines() if line.startswith("N(early) >= 0.6"))
+    assert row.split()[4] == str(split["high"]["entries"])
+    lazy = kvviz.run(model, tokenizer, prompt, "inertia-lazy", chat=False, budget=200, max_new_tokens=40).trace
+    lazy.save(tmp_path / "lazy.parquet")
+    assert main(["trace", str(tmp_path / "lazy.parquet"), "--read-lag"]) == 2
+    assert "scores every step" in capsys.readouterr().err

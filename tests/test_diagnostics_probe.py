@@ -260,3 +260,107 @@ def test_check_fits_says_what_can_change_when_no_step_fits():
         check_fits(model, list(range(95)), 1, 8)
     with pytest.raises(ValueError, match="; use a shorter prompt$"):  # not even step 1 and one future token
         check_fits(model, list(range(99)), 1, 1, step_name="--step", future_name="--future")
+
+
+# ---------------------------------------------------------------- AvoKV-E Fig. 1: blindspot and read lags
+
+def wilson(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    centre, half = (k + z * z / 2) / (n + z * z), z * np.sqrt(k * (n - k) / n + z * z / 4) / (n + z * z)
+    return centre - half, centre + half
+
+
+def test_blindspot_counts_the_cell_and_tests_it_by_hand():
+    from kvviz.probe import blindspot
+
+    # 20 candidates; the two with the largest damage (the top decile) are the two in the blindspot
+    read = np.array([0.1, 0.15] + [0.5] * 18)
+    payload = np.array([0.9, 0.85] + [0.9] * 6 + [0.1] * 12)
+    harm = np.array([5.0, 4.0] + list(np.linspace(0, 1, 18)))
+    spot = blindspot([(read, payload, harm)])
+    assert (spot.entries_in, spot.high_damage_in, spot.entries_out, spot.high_damage_out) == (2, 2, 18, 0)
+    assert spot.fisher_p == pytest.approx(1 / 190)  # both high-damage entries land in the 2-entry cell: 1 / C(20, 2)
+    assert spot.wilson == pytest.approx(wilson(2, 2))
+    assert spot.grid_entries[4, 0] == 2 and spot.grid_high[4, 0] == 2  # N(b) in [0.8, 1], N(p) in [0, 0.2)
+    assert spot.grid_entries[4, 2] == 6 and spot.grid_entries[0, 2] == 12 and spot.grid_entries.sum() == 20
+
+
+def test_blindspot_thresholds_each_probe_apart_and_leaves_out_the_unjudged():
+    from kvviz.probe import blindspot
+
+    read, payload = np.linspace(0, 1, 10), np.linspace(1, 0, 10)  # entries 0 and 1 are in the blindspot
+    quiet = np.arange(10.0)[::-1] * 1e-3        # its own top decile: entry 0
+    loud = np.arange(10.0) * 1e3                # its own top decile: entry 9
+    spot = blindspot([(read, payload, quiet), (read, payload, loud)])
+    # pooled by value, the loud probe's entries 8 and 9 would take both labels and none would be in the
+    # blindspot; thresholded per probe, each probe has one, the quiet one's inside
+    assert (spot.high_damage_in, spot.entries_in, spot.high_damage_out, spot.entries_out) == (1, 4, 1, 16)
+    unjudged = np.where(np.arange(10) < 5, np.nan, read)
+    assert blindspot([(unjudged, payload, loud)]).grid_entries.sum() == 5
+    with pytest.raises(ValueError, match="no candidate has both ranks"):
+        blindspot([(np.full(10, np.nan), payload, loud)])
+
+
+def test_probe_records_avokvs_ranks_at_the_step_and_none_for_its_protected_tail(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    step = 4
+    result = probe(model, tokenizer, tiny_prompt, step, policies={"avokv": kvviz.make_policy("avokv")}, future=2)
+    terms = result.terms["avokv"]
+    prefix = len(tiny_prompt) + step - 1  # the cache holds 0 .. prefix at the step; candidates 0 .. prefix - 1
+    assert result.candidates.tolist() == list(range(prefix))
+    judged = np.isfinite(terms["N(p)"])
+    tail = 32  # W_delay below a 768-token budget; the newest entry (the step's own token) is one of them
+    assert judged.tolist() == [True] * (prefix + 1 - tail) + [False] * (tail - 1)
+    # N(p) is the percentile rank of p among the judged, ties averaged
+    p = terms["p"][judged]
+    expected = (dx.ranks(p) - 1) / (p.size - 1)
+    np.testing.assert_allclose(terms["N(p)"][judged], expected, atol=1e-6)
+    assert set(terms) >= {"p", "r", "b", "N(p)", "N(r)", "N(b)", "S"}
+
+
+def lag_events(columns: dict[int, list[float]], prompt_len: int, steps: int) -> list[StepEvent]:
+    """Steps 1..steps keeping everything; the query of step k sits at position prompt_len + k - 1, and the
+    j-th query after position p (j = 1, 2, ...) gives it the attention columns[p][j - 1], 0.01 elsewhere."""
+    events = [event(0, list(range(prompt_len)), [])]
+    for k in range(1, steps + 1):
+        present = list(range(prompt_len + k))
+        raw = []
+        for position in present:
+            after = (prompt_len + k - 1) - position - 1  # index of this query among those after the position
+            column = columns.get(position, [])
+            raw.append(column[after] if 0 <= after < len(column) else 0.01)
+        events.append(event(k, present, [], raw=raw))
+    return events
+
+
+def test_read_lags_find_the_first_strong_read_by_hand():
+    prompt_len, horizon = 2, 4
+    columns = {2: [0.1, 0.5, 0.45, 0.9],   # peak 0.9 at lag 4; 0.85 * 0.9 = 0.765: first strong read at lag 4
+               3: [0.8, 0.1, 0.1, 0.1],    # read at once
+               4: [0.0, 0.0, 0.0, 0.0, 0.5]}  # its peak comes after the horizon: censored
+    events = lag_events(columns, prompt_len, steps=9)
+    lags = dx.read_lags(events, prompt_len, horizon=horizon, observe=2)
+    by_position = dict(zip(lags.positions.tolist(), lags.lag.tolist()))
+    assert by_position[2] == 4 and by_position[3] == 1 and by_position[4] == float("inf")
+    # generated positions 2 .. 10; those after 6 lack four later queries
+    assert lags.positions.tolist() == [2, 3, 4, 5, 6] and lags.dropped == 4
+    # early read: mean of the first two queries; 3 (0.45) > 2 (0.3) > the 0.01 columns (5, 6) > 4 (0.0)
+    early = dict(zip(lags.positions.tolist(), lags.early_rank.tolist()))
+    assert early[3] == 1.0 and early[2] == 0.75 and early[4] == 0.0 and early[5] == early[6] == 0.375
+    assert lags.read_by(1) == pytest.approx(3 / 5)  # 3, and 5 and 6 whose flat 0.01 is their own peak
+
+
+def test_read_lag_split_and_its_test_see_the_well_read_read_sooner():
+    prompt_len = 1
+    columns = {p: ([0.9] if p % 2 else [0.0] * 6 + [0.5]) for p in range(1, 41)}  # odd: read at once; even: late
+    lags = dx.read_lags(lag_events(columns, prompt_len, steps=48), prompt_len, horizon=8, observe=2)
+    split = dx.read_lag_split(lags, at=(1, 8))
+    assert split["high"]["read_by"][1] == 1.0 and split["low"]["read_by"][8] == 1.0
+    assert split["low"]["read_by"][1] == 0.0 and split["low"]["never"] == 0.0
+    assert split["ks_p"] < 1e-6
+
+
+def test_read_lags_refuse_a_run_that_did_not_score_every_step():
+    events = lag_events({}, 2, steps=5)
+    events[3].raw = None
+    with pytest.raises(ValueError, match="scores every step"):
+        dx.read_lags(events, 2)
