@@ -360,6 +360,25 @@ def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")
 
 
+def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
+    from kvviz.probe import blindspot, probe
+
+    table, note, plot = client.predict(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0, api_name="/probe")
+    assert {row[0] for row in table["data"]} == {"inertia", "tova"}  # AvoKV-E joins the probe, not the table
+    assert "Blindspot:" in note and "ranked by AvoKV-E" in note
+    assert plot["visible"] is True
+    figure = json.loads(plot["value"]["plot"])  # a gr.update payload
+    cells = figure["data"][0]["text"]
+    # the same grid the library computes on the same probe (the tiny model is deterministic)
+    model, tokenizer = kvviz.load_model(TINY)
+    prompt_ids = kvviz.encode_prompt(tokenizer, PROMPT * 2, chat=False)
+    result = probe(model, tokenizer, prompt_ids, 3, policies={"avokv": kvviz.make_policy("avokv")}, future=8)
+    spot = blindspot([(result.terms["avokv"]["N(p)"], result.terms["avokv"]["N(b)"], result.damage)])
+    assert cells == [[f"{spot.grid_high[r, c]}/{spot.grid_entries[r, c]}" for c in range(5)] for r in range(5)]
+    _, note, plot = client.predict(TINY, "The passkey is 71432.", ["inertia"], False, 2, 0, api_name="/probe")
+    assert "AvoKV-E judges nothing at this step" in note and plot["visible"] is False
+
+
 def test_the_prompt_size_shows_before_a_run(tiny):
     from kvviz.ui.app import _models, make_prompt_counter
 

@@ -30,7 +30,7 @@ from ..policies import REGISTRY, Policy, get_spec
 from ..trace import Trace, time_split
 from .config import Limits
 from ..store import Store
-from .figures import MAX_FOLLOWED, NEVER, RunView
+from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure
 from .results import build_results_tab
 
 log = logging.getLogger(__name__)
@@ -523,9 +523,27 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
         gr.update(value=frame, visible=True)
 
 
+def _probe_blindspot(model, tokenizer, prompt_ids, step, result, blindspot, policy_utility_at):
+    """AvoKV-E's blindspot test on this probe, from AvoKV-E's ranks at the step (computed here when AvoKV-E is
+    not among the compared policies); ``(None, why)`` where it cannot judge entries yet."""
+    terms = result.terms.get("avokv")
+    if terms is None:
+        try:
+            _, terms = policy_utility_at(model, tokenizer, prompt_ids, get_spec("avokv").build(), step)
+        except ValueError as error:  # a cache shorter than its protected tail and sinks
+            return None, f"Blindspot: AvoKV-E judges nothing at this step ({error})."
+        terms = {name: values[result.candidates] for name, values in terms.items()}
+    try:
+        spot = blindspot([(terms["N(p)"], terms["N(b)"], result.damage)])
+    except (KeyError, ValueError) as error:
+        return None, f"Blindspot: {error}."
+    return spot, (f"Blindspot: {spot.entries_in + spot.entries_out} entries ranked by AvoKV-E (its protected tail "
+                  "is not judged); high damage = the top decile of this probe.")
+
+
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import check_fits, probe, ranking_quality
+        from ..probe import blindspot, check_fits, policy_utility_at, probe, ranking_quality
 
         names = list(dict.fromkeys(names or []))
         try:
@@ -544,6 +562,7 @@ def make_probe_handler(limits: Limits):
                            sample=sample or None, future=8)
             rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
                                  for n, u in result.utilities.items()])
+            spot, spot_note = _probe_blindspot(model, tokenizer, prompt_ids, step, result, blindspot, policy_utility_at)
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -552,8 +571,9 @@ def make_probe_handler(limits: Limits):
             gc.collect()
         missing = sorted(set(names) - set(result.utilities))
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
-                f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else ""))
-        return rows, note
+                f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
+                + f" {spot_note}")
+        return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
 
     return run_probe
 
@@ -787,7 +807,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     c_fates = gr.Dataframe(label="Fate per policy", visible=False, interactive=False, max_height=360)
                     with gr.Accordion("Oracle damage probe", open=False):
                         gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
-                                    "of the full-cache continuation, and ranks each policy's utility against the damage.")
+                                    "of the full-cache continuation, and ranks each policy's utility against the damage. "
+                                    "Below: AvoKV-E's blindspot test, the share of high-damage entries (top decile) "
+                                    "by AvoKV-E's read-pressure and payload ranks at that step; the outlined cell holds "
+                                    "the rarely read entries with large values that attention alone would evict.")
                         with gr.Row():
                             p_step = gr.Number(value=8, precision=0, label="Step")
                             p_sample = gr.Number(value=128, precision=0, label="Entries sampled (0 = all)")
@@ -795,6 +818,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         p_table = gr.Dataframe(label="Ranking quality (AUROC / AP vs top-decile damage)",
                                                interactive=False)
                         p_note = gr.Markdown()
+                        # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
+                        p_blindspot = gr.Plot(label="Attention-only blindspot (AvoKV-E Fig. 1a)", visible=False)
             c_state = gr.State(None)
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat]
             compare_check = make_compare_check(limits)
@@ -811,8 +836,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
                             trigger_mode="always_last")
             p_run.click(make_probe_handler(limits), [c_model, c_prompt, c_policies, c_chat, p_step, p_sample],
-                        [p_table, p_note], concurrency_limit=limits.runs_per_model, concurrency_id="model",
-                        api_name="probe")
+                        [p_table, p_note, p_blindspot], concurrency_limit=limits.runs_per_model,
+                        concurrency_id="model", api_name="probe")
 
         with gr.Tab("Results"):
             build_results_tab(app, store)

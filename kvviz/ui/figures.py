@@ -455,3 +455,27 @@ def _marker(fig: go.Figure, step: int | None) -> None:
 def _marker_x(fig: go.Figure, step: int | None) -> None:
     if step is not None:
         fig.add_vline(x=step, line_color="#d62728", line_width=1)
+
+
+def blindspot_figure(spot) -> go.Figure:
+    """AvoKV-E Fig. 1(a) from a :class:`kvviz.probe.Blindspot`: the high-damage share per (read-pressure rank,
+    payload rank) bin, each cell labelled high-damage / entries, the blindspot cell outlined."""
+    bins = spot.grid_entries.shape[0]
+    edges = [f"{i / bins:.1f}–{(i + 1) / bins:.1f}" for i in range(bins)]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(spot.grid_entries > 0, spot.grid_high / spot.grid_entries, np.nan)
+    labels = [[f"{spot.grid_high[r, c]}/{spot.grid_entries[r, c]}" for c in range(bins)] for r in range(bins)]
+    fig = go.Figure(go.Heatmap(
+        z=share, x=edges, y=edges, text=labels, texttemplate="%{text}", colorscale="Reds", zmin=0, zmax=0.5,
+        colorbar=dict(title="high-damage<br>share"),
+        hovertemplate="N(p) %{x}<br>N(b) %{y}<br>high-damage %{text} (%{z:.0%})<extra></extra>"))
+    # N(p) <= 0.2, N(b) >= 0.8: the first column, top row
+    fig.add_shape(type="rect", x0=-0.5, x1=0.5, y0=bins - 1.5, y1=bins - 0.5, line=dict(color="#1f3b73", width=3))
+    low, high = spot.wilson
+    fig.update_layout(
+        title=dict(text=f"Blindspot N(p) ≤ 0.2, N(b) ≥ 0.8: {spot.high_damage_in}/{spot.entries_in} high-damage "
+                        f"(Wilson 95% {low:.0%}–{high:.0%}) vs {spot.rate_out:.1%} elsewhere; enrichment "
+                        f"{spot.enrichment:.2f}×, one-sided Fisher p = {spot.fisher_p:.3g}", font=dict(size=12)),
+        xaxis_title="read-pressure rank N(p) (AvoKV-E)", yaxis_title="payload rank N(b)", height=380,
+        margin=dict(l=60, r=20, t=50, b=50))
+    return fig
