@@ -203,8 +203,6 @@ def cmd_probe(args) -> int:
     if args.sample is not None and args.sample < 1:
         raise ValueError(f"--sample must be >= 1 (leave it out to probe every entry), got {args.sample}")
     names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
-    if args.blindspot and "avokv" not in names:  # its N(p) and N(b) are the blindspot's axes
-        names.append("avokv")
     policies = {name: make_policy(name) for name in names}
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device)
@@ -213,17 +211,14 @@ def cmd_probe(args) -> int:
     result = probe.probe(model, tokenizer, prompt_ids, args.step, policies=policies, sample=args.sample,
                          seed=args.seed, future=args.future, batch=args.batch)
     quality = {name: probe.ranking_quality(u, result.damage) for name, u in result.utilities.items()}
-    spot = None
-    if args.blindspot:
-        terms = result.terms.get("avokv", {})
-        spot = probe.blindspot([(terms["N(p)"], terms["N(b)"], result.damage)]) if "N(p)" in terms else None
-        if spot is None:
-            raise ValueError("AvoKV-E recorded no percentile ranks at this step (normalise=False?)")
+    # AvoKV-E's ranks are the blindspot's axes: after the damage pass, so that its refusal loses nothing above
+    spot, spot_note = probe.blindspot_at(model, tokenizer, prompt_ids, result) if args.blindspot else (None, "")
     if args.json:
         print(json.dumps({"step": args.step, "prompt_len": len(prompt_ids), "future": args.future,
                           "candidates": result.candidates.tolist(), "damage": result.damage.tolist(),
                           "candidates_per_second": result.candidates_per_second, "ranking": quality,
-                          **({"blindspot": _blindspot_json(spot)} if spot else {})}))
+                          **({"blindspot": _blindspot_json(spot) if spot else {"none": spot_note}}
+                             if args.blindspot else {})}))
         return 0
     print(f"probe at step {args.step}: {len(result.candidates)} candidates, {args.future} future tokens, "
           f"{result.candidates_per_second:.1f} candidates/s")
@@ -234,32 +229,34 @@ def cmd_probe(args) -> int:
     if skipped:
         print(f"(no per-entry utility to rank: {', '.join(skipped)})")
     if spot:
-        _print_blindspot(spot)
+        _print_blindspot(spot, spot_note)
+    elif args.blindspot:
+        print(f"\nblindspot: {spot_note}")
     return 0
 
 
 def _blindspot_json(spot) -> dict:
+    def finite(value: float) -> float | None:  # strict JSON has no NaN or Infinity
+        return value if math.isfinite(value) else None
+
     return {"grid_entries": spot.grid_entries.tolist(), "grid_high_damage": spot.grid_high.tolist(),
             "entries_in": spot.entries_in, "high_damage_in": spot.high_damage_in, "entries_out": spot.entries_out,
-            "high_damage_out": spot.high_damage_out, "wilson": list(spot.wilson), "enrichment": spot.enrichment,
-            "fisher_p": spot.fisher_p}
+            "high_damage_out": spot.high_damage_out, "wilson": [finite(v) for v in spot.wilson],
+            "enrichment": finite(spot.enrichment), "fisher_p": finite(spot.fisher_p)}
 
 
-def _print_blindspot(spot) -> None:
+def _print_blindspot(spot, note: str) -> None:
     """AvoKV-E Fig. 1(a) as a table: high-damage / entries per (payload rank, read-pressure rank) bin."""
     bins = spot.grid_entries.shape[0]
     edges = [f"{i / bins:.1f}-{(i + 1) / bins:.1f}" for i in range(bins)]
-    print("\nblindspot (AvoKV-E Fig. 1a): high-damage entries / entries, by read-pressure rank N(p) (columns) "
-          "and payload rank N(b) (rows)")
+    print(f"\nblindspot (AvoKV-E Fig. 1a): high-damage entries / entries, by read-pressure rank N(p) (columns) "
+          f"and payload rank N(b) (rows); {note}")
     corner = "N(b) \\ N(p)"
     print(f"{corner:<12}" + "".join(f"{edge:>10}" for edge in edges))
     for row in reversed(range(bins)):
         print(f"{edges[row]:<12}" + "".join(f"{f'{spot.grid_high[row, col]}/{spot.grid_entries[row, col]}':>10}"
                                             for col in range(bins)))
-    low, high = spot.wilson
-    print(f"N(p) <= 0.2 and N(b) >= 0.8: {spot.high_damage_in}/{spot.entries_in} high-damage ({spot.rate_in:.0%}, "
-          f"Wilson 95% {low:.0%}-{high:.0%}) vs {spot.high_damage_out}/{spot.entries_out} ({spot.rate_out:.1%}) "
-          f"elsewhere: enrichment {spot.enrichment:.2f}x, one-sided Fisher p = {spot.fisher_p:.3g}")
+    print(spot.summary())
 
 
 def cmd_trace(args) -> int:
@@ -314,15 +311,18 @@ def _print_read_lags(trace) -> int:
     """AvoKV-E Fig. 1(b): when generated entries are first strongly read, split by how much they were read at first."""
     from . import diagnostics
 
+    record = "kvviz generate --policy inertia --budget 100000 --max-new-tokens 256 --trace F"
+    if not diagnostics.scores_attention(trace.policy, trace.params):
+        scorer = f" (scorer {trace.params['scorer']})" if "scorer" in trace.params else ""
+        raise ValueError(f"{trace.policy}{scorer} does not record attention as its per-step score; record a run "
+                         f"of a policy that does, e.g. {record}")
     lags = diagnostics.read_lags(trace.events, trace.prompt_len)
     if not lags.positions.size:
         raise ValueError(f"no generated entry has {lags.horizon} later queries in this trace ({len(trace.decode_steps)} "
-                         "decode steps, none evicted within the horizon): record a longer run that keeps the "
-                         "whole cache, e.g. kvviz generate --policy inertia --budget 100000 --max-new-tokens 256 --trace F")
+                         f"decode steps): record a longer run, e.g. {record}")
     split = diagnostics.read_lag_split(lags)
     print(f"read lags (AvoKV-E Fig. 1b): {lags.positions.size} generated entries with {lags.horizon} later queries "
-          f"({lags.dropped} left out: too near the end, or evicted within the horizon); a strong read reaches 85% "
-          "of the entry's peak attention")
+          f"({lags.dropped} too near the end left out); a strong read reaches 85% of the entry's peak attention")
     times = list(split["low"]["read_by"])
     print(f"{'first read':<28}{'entries':>8}" + "".join(f"{f'F({t})':>8}" for t in times) + f"{'never':>8}")
     for name, label in (("low", "N(early) <= 0.4 (rarely)"), ("high", "N(early) >= 0.6 (well)")):
@@ -458,7 +458,7 @@ def _print_paired(store, root: Path, args, policies) -> int:
     """Per task and model, each policy's paired difference to ``--vs`` on the same samples, policy x compression."""
     import pandas as pd
 
-    from .stats import paired_table
+    from .stats import ALPHA, paired_table
 
     measured = store.options("policy", source="measured")
     if args.vs not in measured:  # paper rows name policies too, but have no samples to pair
@@ -474,11 +474,11 @@ def _print_paired(store, root: Path, args, policies) -> int:
         table.to_csv(sys.stdout, index=False)
         return 0
     print(f"paired difference policy − {args.vs} on the same samples: mean Δ [95% paired-bootstrap interval] "
-          "wins/ties/losses; * the interval excludes 0")
+          f"wins/ties/losses; * the exact sign test says they differ (p < {ALPHA})")
     for (model, task), part in table.groupby(["model", "task"], sort=False):
         cells = part.assign(cell=[
             f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/{row.losses}"
-            + (" *" if row.low > 0 or row.high < 0 else "") for row in part.itertuples()])
+            + (" *" if row.significant else "") for row in part.itertuples()])
         print(f"\n{task} · {model} · vs {args.vs}")
         with pd.option_context("display.width", 250):
             print(cells.pivot(index="policy", columns="compression", values="cell").fillna("").to_string())

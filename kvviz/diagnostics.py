@@ -253,6 +253,18 @@ def boundary_crossings(history: pd.DataFrame, k: int, rank: str = "raw_rank") ->
 
 # ------------------------------------------------------------------------- delayed first reads (AvoKV-E)
 
+# Policies whose per-step raw score is the layer-mean last-query attention (InertiaKV only with its default
+# attention scorer): read lags mean something only for these.
+# (Lazy refresh and Score-Free also score attention, on some steps only: read_lags refuses those gaps.)
+ATTENTION_SCORED = ("inertia", "inertia-lazy", "score-free", "single-step", "cumulative", "inertia-decoupled",
+                    "tova", "h2o")
+
+
+def scores_attention(policy: str, params: dict) -> bool:
+    """Whether a run of ``policy`` with ``params`` records last-query attention as its raw score."""
+    return policy in ATTENTION_SCORED and params.get("scorer", "attention") == "attention"
+
+
 @dataclass(frozen=True)
 class ReadLags:
     """AvoKV-E Figure 1(b): how long after it is written a generated entry is first strongly read.
@@ -261,8 +273,8 @@ class ReadLags:
     ``threshold`` of the most attention it gets from any later query in the run (its peak), ``inf`` when that
     happens beyond ``horizon`` queries (right-censored); ``early_rank[i]`` is the percentile rank, among the
     candidates, of its mean attention from the first ``observe`` queries after it -- what a policy that judged
-    it at once would have seen.  ``dropped`` counts generated entries left out: too close to the end of the run
-    for a full horizon, or evicted within it.
+    it at once would have seen.  ``dropped`` counts generated entries too close to the end of the run for a
+    full horizon.
     """
 
     positions: np.ndarray
@@ -299,6 +311,10 @@ def read_lags(events: Sequence[StepEvent], prompt_len: int, threshold: float = 0
     if unscored:
         raise ValueError(f"steps {unscored[:3]} recorded no attention: read lags need a policy that scores every "
                          "step (inertia, not inertia-lazy or score-free)")
+    evicting = [e.step for e in events if e.evicted.size]
+    if evicting:  # an evicted entry is never read again, and the rest share its attention: lags would lie
+        raise ValueError(f"this run evicted entries (first at step {evicting[0]}): read lags need one that keeps "
+                         "the whole cache, e.g. a budget above the prompt plus the new tokens")
     last = len(steps)  # queries at positions prompt_len .. prompt_len + last - 1
     # attention[k - 1, position] from the query of step k; NaN where the entry was not in the cache
     attention = np.full((last, prompt_len + last), np.nan)

@@ -217,16 +217,20 @@ def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str,
 
 # ------------------------------------------------------------------------------ the attention-only blindspot
 
+EDGE = 1e-9
+
 @dataclass(frozen=True)
 class Blindspot:
     """AvoKV-E Figure 1(a): how often removing an entry is high-damage, by its read-pressure and payload ranks.
 
     ``grid_entries[j, i]`` counts the candidates whose payload rank N(b) falls in bin ``j`` and read-pressure
-    rank N(p) in bin ``i`` (``bins`` equal bins of [0, 1]); ``grid_high`` those of them that are high-damage
-    (top decile of their own probe).  The test compares the blindspot, N(p) <= ``low`` and N(b) >= ``high``
-    (rarely read, large value), with every other candidate: ``high_damage_in`` of ``entries_in`` against
-    ``high_damage_out`` of ``entries_out``, the Wilson 95% interval of the blindspot's rate, its enrichment
-    over the rest, and the one-sided Fisher exact p that the blindspot is the more damaging.
+    rank N(p) in bin ``i`` (``bins`` equal bins of [0, 1]; N(p) bins are closed on the right and N(b) bins on
+    the left, so that with 5 bins the corner cell is exactly the paper's N(p) <= 0.2, N(b) >= 0.8);
+    ``grid_high`` those of them that are high-damage (top decile of the judged entries of their own probe).
+    The test compares that corner, the blindspot (rarely read, large value), with every other candidate:
+    ``high_damage_in`` of ``entries_in`` against ``high_damage_out`` of ``entries_out``, the Wilson 95%
+    interval of the blindspot's rate, its enrichment over the rest (inf when nothing else is high-damage, NaN
+    with an empty cell), and the one-sided Fisher exact p that the blindspot is the more damaging.
     """
 
     grid_entries: np.ndarray
@@ -247,9 +251,19 @@ class Blindspot:
     def rate_out(self) -> float:
         return self.high_damage_out / self.entries_out if self.entries_out else float("nan")
 
+    def summary(self) -> str:
+        """One line: the blindspot's high-damage count, its interval, the rest's rate and the test."""
+        if not self.entries_in:
+            return (f"no entry in the blindspot (N(p) <= 0.2, N(b) >= 0.8) among {self.entries_out}: probe all "
+                    "entries (--sample 0) or a longer prompt")
+        low, high = self.wilson
+        enrichment = "∞" if self.enrichment == float("inf") else f"{self.enrichment:.2f}×"
+        return (f"N(p) <= 0.2, N(b) >= 0.8: {self.high_damage_in}/{self.entries_in} high-damage ({self.rate_in:.0%}, "
+                f"Wilson 95% {low:.0%}–{high:.0%}) vs {self.high_damage_out}/{self.entries_out} ({self.rate_out:.1%}) "
+                f"elsewhere: enrichment {enrichment}, one-sided Fisher p = {self.fisher_p:.3g}")
 
-def blindspot(probes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], low: float = 0.2, high: float = 0.8,
-              bins: int = 5) -> Blindspot:
+
+def blindspot(probes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], bins: int = 5) -> Blindspot:
     """Pool probes into AvoKV-E's blindspot test (Appendix D).
 
     Parameters
@@ -273,19 +287,44 @@ def blindspot(probes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], low: floa
         raise ValueError("no candidate has both ranks: probe a step where the policy judges entries (after its "
                          "protected tail), or a longer prompt")
     read, payload, label = np.concatenate(reads), np.concatenate(payloads), np.concatenate(labels)
-    row = np.minimum((payload * bins).astype(int), bins - 1)
-    col = np.minimum((read * bins).astype(int), bins - 1)
+    # Ranks are ratios (k / (n - 1)): the slack keeps one that is exactly on an edge (0.2) in its cell.
+    col = np.clip(np.ceil(read * bins - EDGE).astype(int) - 1, 0, bins - 1)
+    row = np.clip(np.floor(payload * bins + EDGE).astype(int), 0, bins - 1)
     grid_entries = np.zeros((bins, bins), dtype=int)
     grid_high = np.zeros((bins, bins), dtype=int)
     np.add.at(grid_entries, (row, col), 1)
     np.add.at(grid_high, (row, col), label.astype(int))
-    inside = (read <= low) & (payload >= high)
+    inside = (row == bins - 1) & (col == 0)
     n_in, k_in = int(inside.sum()), int(label[inside].sum())
     n_out, k_out = int((~inside).sum()), int(label[~inside].sum())
     wilson = tuple(float(v) for v in stats.binomtest(k_in, n_in).proportion_ci(method="wilson")) if n_in \
         else (float("nan"), float("nan"))
     rate_out = k_out / n_out if n_out else float("nan")
-    enrichment = (k_in / n_in) / rate_out if n_in and rate_out else float("nan")
+    enrichment = float("nan") if not n_in or not n_out else (k_in / n_in) / rate_out if k_out else \
+        (float("inf") if k_in else float("nan"))
     fisher_p = float(stats.fisher_exact([[k_in, n_in - k_in], [k_out, n_out - k_out]], alternative="greater").pvalue) \
         if n_in and n_out else float("nan")
     return Blindspot(grid_entries, grid_high, n_in, k_in, n_out, k_out, wilson, enrichment, fisher_p)
+
+
+def blindspot_at(model, tokenizer, prompt_ids: list[int], result: ProbeResult) -> tuple[Blindspot | None, str]:
+    """The blindspot test on one probe, from AvoKV-E's ranks at the probed step (its own, when AvoKV-E was among
+    the probe's policies; else computed here), and a note on what it covers; ``(None, why)`` where AvoKV-E
+    judges no probed entry (a cache within its protected tail and sinks, or only tail entries sampled)."""
+    from .policies import make_policy
+
+    terms = result.terms.get("avokv")
+    if terms is None:
+        try:
+            _, terms = policy_utility_at(model, tokenizer, prompt_ids, make_policy("avokv"), result.step)
+        except ValueError as error:
+            return None, f"AvoKV-E judges nothing at step {result.step} ({error}); probe a later step"
+        terms = {name: values[result.candidates] for name, values in terms.items()}
+    if "N(p)" not in terms:
+        return None, f"AvoKV-E recorded no ranks at step {result.step}"
+    try:
+        spot = blindspot([(terms["N(p)"], terms["N(b)"], result.damage)])
+    except ValueError as error:
+        return None, str(error)
+    return spot, (f"{spot.entries_in + spot.entries_out} entries ranked by AvoKV-E (its protected tail is not "
+                  "judged); high damage = the top decile of those")

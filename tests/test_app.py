@@ -376,7 +376,7 @@ def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     spot = blindspot([(result.terms["avokv"]["N(p)"], result.terms["avokv"]["N(b)"], result.damage)])
     assert cells == [[f"{spot.grid_high[r, c]}/{spot.grid_entries[r, c]}" for c in range(5)] for r in range(5)]
     _, note, plot = client.predict(TINY, "The passkey is 71432.", ["inertia"], False, 2, 0, api_name="/probe")
-    assert "AvoKV-E judges nothing at this step" in note and plot["visible"] is False
+    assert "AvoKV-E judges nothing at step 2" in note and plot["visible"] is False
 
 
 def test_the_prompt_size_shows_before_a_run(tiny):

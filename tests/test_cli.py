@@ -439,17 +439,25 @@ def test_probe_blindspot_prints_avokvs_grid_and_its_test(capsys):
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     spot = report["blindspot"]
-    assert "avokv" in report["ranking"]  # added: its ranks are the grid's axes
+    assert set(report["ranking"]) == {"tova"}  # AvoKV-E's ranks are the grid's axes, not one more row here
     judged = sum(map(sum, spot["grid_entries"]))
     assert judged == spot["entries_in"] + spot["entries_out"] and 0 < judged < len(report["candidates"])
     assert sum(map(sum, spot["grid_high_damage"])) == spot["high_damage_in"] + spot["high_damage_out"] >= 1
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "N(b) \\ N(p)" in out
-    assert f"N(p) <= 0.2 and N(b) >= 0.8: {spot['high_damage_in']}/{spot['entries_in']} high-damage" in out
+    assert f"N(p) <= 0.2, N(b) >= 0.8: {spot['high_damage_in']}/{spot['entries_in']} high-damage" in out
+    # a cache within AvoKV-E's protected tail: the ranking still prints, the blindspot says why it is missing
+    short = ["probe", *TINY, "--prompt", "The passkey is 71432.", "--no-chat", "--step", "2", "--future", "2",
+             "--policies", "tova", "--blindspot"]
+    assert main(short) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].startswith("tova") and "blindspot: AvoKV-E judges nothing at step 2" in out
+    assert main([*short, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["blindspot"]["none"].startswith("AvoKV-E judges nothing")
 
 
-def test_trace_read_lag_needs_a_run_that_scored_every_step(tiny, tmp_path, capsys):
+def test_trace_read_lag_needs_an_attention_run_that_scored_every_step_and_kept_the_cache(tiny, tmp_path, capsys):
     from kvviz import diagnostics
     from kvviz.cli import main
 
@@ -461,12 +469,15 @@ def test_trace_read_lag_needs_a_run_that_scored_every_step(tiny, tmp_path, capsy
     out = capsys.readouterr().out
     lags = diagnostics.read_lags(whole.events, whole.prompt_len)
     split = diagnostics.read_lag_split(lags)
-    assert f"{lags.positions.size} generated entries with 32 later queries ({lags.dropped} left out" in out
+    assert f"{lags.positions.size} generated entries with 32 later queries ({lags.dropped} too near the end" in out
     # each decode step's query is one generated entry; an entry needs 32 queries after it
     assert lags.positions.size == len(whole.decode_steps) - 32 > 0
     row = next(line for line in out.splitlines() if line.startswith("N(early) >= 0.6"))
     assert row.split()[4] == str(split["high"]["entries"])
-    lazy = kvviz.run(model, tokenizer, prompt, "inertia-lazy", chat=False, budget=200, max_new_tokens=40).trace
-    lazy.save(tmp_path / "lazy.parquet")
-    assert main(["trace", str(tmp_path / "lazy.parquet"), "--read-lag"]) == 2
-    assert "scores every step" in capsys.readouterr().err
+    for policy, budget, reason in (("inertia-lazy", 200, "scores every step"),  # not every step
+                                   ("knorm", 200, "does not record attention"),  # a key norm is no read
+                                   ("inertia", 30, "evicted entries")):  # evicted entries are never read again
+        run = kvviz.run(model, tokenizer, prompt, policy, chat=False, budget=budget, max_new_tokens=40).trace
+        run.save(tmp_path / f"{policy}.parquet")
+        assert main(["trace", str(tmp_path / f"{policy}.parquet"), "--read-lag"]) == 2
+        assert reason in capsys.readouterr().err

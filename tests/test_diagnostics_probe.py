@@ -300,6 +300,26 @@ def test_blindspot_thresholds_each_probe_apart_and_leaves_out_the_unjudged():
         blindspot([(np.full(10, np.nan), payload, loud)])
 
 
+def test_a_rank_on_the_edge_falls_in_the_blindspot_in_the_grid_and_the_test_alike():
+    from kvviz.probe import blindspot
+
+    ranks_ = np.arange(11) / 10  # 0, 0.1, ..., 1: 0.2 and 0.8 are on the edges
+    read, payload = ranks_, ranks_[::-1]  # read 0.2 goes with payload 0.8
+    spot = blindspot([(read, payload, np.arange(11.0))])
+    assert spot.entries_in == 3 == spot.grid_entries[4, 0]  # read 0, 0.1, 0.2 with payload 1, 0.9, 0.8
+    assert spot.grid_entries.sum() == 11
+
+
+def test_blindspot_summary_reads_when_the_cell_is_empty_or_alone_in_its_damage():
+    from kvviz.probe import blindspot
+
+    read, payload = np.array([0.1, 0.5, 0.5, 0.5]), np.array([0.9, 0.5, 0.5, 0.5])
+    alone = blindspot([(read, payload, np.array([9.0, 0.0, 0.0, 0.0]))])
+    assert alone.enrichment == float("inf") and "enrichment ∞" in alone.summary()
+    empty = blindspot([(np.full(4, 0.5), payload, np.arange(4.0))])
+    assert empty.entries_in == 0 and empty.summary().startswith("no entry in the blindspot")
+
+
 def test_probe_records_avokvs_ranks_at_the_step_and_none_for_its_protected_tail(tiny, tiny_prompt):
     model, tokenizer = tiny
     step = 4
@@ -359,8 +379,14 @@ def test_read_lag_split_and_its_test_see_the_well_read_read_sooner():
     assert split["ks_p"] < 1e-6
 
 
-def test_read_lags_refuse_a_run_that_did_not_score_every_step():
+def test_read_lags_refuse_a_run_that_did_not_score_every_step_or_evicted():
     events = lag_events({}, 2, steps=5)
     events[3].raw = None
     with pytest.raises(ValueError, match="scores every step"):
         dx.read_lags(events, 2)
+    events = lag_events({}, 2, steps=5)
+    events[2].evicted = np.array([0])
+    with pytest.raises(ValueError, match="evicted entries .first at step 2"):
+        dx.read_lags(events, 2)
+    assert dx.scores_attention("tova", {}) and dx.scores_attention("inertia", {"scorer": "attention"})
+    assert not dx.scores_attention("inertia", {"scorer": "vnorm"}) and not dx.scores_attention("knorm", {})

@@ -39,6 +39,15 @@ def test_strata_weigh_equally_and_are_resampled_apart():
     assert result.delta == pytest.approx(0.5)
     assert (result.low, result.high) == (pytest.approx(0.5), pytest.approx(0.5))
     assert (result.wins, result.ties, result.losses) == (4, 8, 0)
+    # the interval cannot move, but four wins are not evidence of a difference: 2 * 0.5^4 = 0.125
+    assert result.p_sign == pytest.approx(0.125) and not result.significant
+
+
+def test_the_sign_test_not_the_interval_says_whether_policies_differ():
+    three_losses = paired_delta([np.array([-1.0] * 3 + [0.0] * 17)])
+    assert three_losses.high <= 0 and three_losses.p_sign == pytest.approx(0.25) and not three_losses.significant
+    six_wins = paired_delta([np.array([1.0] * 6 + [0.0] * 14)])
+    assert six_wins.p_sign == pytest.approx(2 / 64) and six_wins.significant
 
 
 def test_interval_matches_the_normal_approximation_on_a_large_sample():
@@ -53,6 +62,8 @@ def test_interval_matches_the_normal_approximation_on_a_large_sample():
 def test_a_stratum_of_one_sample_has_no_interval_and_no_pairs_is_refused():
     result = paired_delta([np.array([1.0, 0.0]), np.array([1.0])])
     assert math.isnan(result.low) and math.isnan(result.high) and result.delta == pytest.approx(0.75)
+    single = paired_delta([np.array([-1.0])])
+    assert math.isnan(single.low) and math.isnan(single.high) and not single.significant
     with pytest.raises(ValueError, match="no paired samples"):
         paired_delta([np.array([])])
 
@@ -116,6 +127,7 @@ def test_results_command_prints_paired_differences(tmp_path, capsys):
     assert "single_needle · m · vs inertia" in out
     lazy = next(line for line in out.splitlines() if line.startswith("inertia-lazy"))
     assert "+0.000 [+0.000, +0.000] 0/3/0" in lazy and "-0.167 [" in lazy and "0/2/1" in lazy
+    assert "*" not in lazy  # one loss in three
     assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia", "--csv"]) == 0
     assert capsys.readouterr().out.startswith("model,task,policy,compression,score,reference,delta,low,high")
 

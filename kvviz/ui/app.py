@@ -523,27 +523,9 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
         gr.update(value=frame, visible=True)
 
 
-def _probe_blindspot(model, tokenizer, prompt_ids, step, result, blindspot, policy_utility_at):
-    """AvoKV-E's blindspot test on this probe, from AvoKV-E's ranks at the step (computed here when AvoKV-E is
-    not among the compared policies); ``(None, why)`` where it cannot judge entries yet."""
-    terms = result.terms.get("avokv")
-    if terms is None:
-        try:
-            _, terms = policy_utility_at(model, tokenizer, prompt_ids, get_spec("avokv").build(), step)
-        except ValueError as error:  # a cache shorter than its protected tail and sinks
-            return None, f"Blindspot: AvoKV-E judges nothing at this step ({error})."
-        terms = {name: values[result.candidates] for name, values in terms.items()}
-    try:
-        spot = blindspot([(terms["N(p)"], terms["N(b)"], result.damage)])
-    except (KeyError, ValueError) as error:
-        return None, f"Blindspot: {error}."
-    return spot, (f"Blindspot: {spot.entries_in + spot.entries_out} entries ranked by AvoKV-E (its protected tail "
-                  "is not judged); high damage = the top decile of this probe.")
-
-
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import blindspot, check_fits, policy_utility_at, probe, ranking_quality
+        from ..probe import blindspot_at, check_fits, probe, ranking_quality
 
         names = list(dict.fromkeys(names or []))
         try:
@@ -562,7 +544,11 @@ def make_probe_handler(limits: Limits):
                            sample=sample or None, future=8)
             rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
                                  for n, u in result.utilities.items()])
-            spot, spot_note = _probe_blindspot(model, tokenizer, prompt_ids, step, result, blindspot, policy_utility_at)
+            try:
+                spot, spot_note = blindspot_at(model, tokenizer, prompt_ids, result)
+            except Exception as error:  # the ranking above stands; only the blindspot is lost
+                log.exception("blindspot failed")
+                spot, spot_note = None, f"it failed ({type(error).__name__})"
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -572,7 +558,7 @@ def make_probe_handler(limits: Limits):
         missing = sorted(set(names) - set(result.utilities))
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
-                + f" {spot_note}")
+                + f" Blindspot: {spot_note}.")
         return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
 
     return run_probe

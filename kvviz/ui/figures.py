@@ -471,11 +471,8 @@ def blindspot_figure(spot) -> go.Figure:
         hovertemplate="N(p) %{x}<br>N(b) %{y}<br>high-damage %{text} (%{z:.0%})<extra></extra>"))
     # N(p) <= 0.2, N(b) >= 0.8: the first column, top row
     fig.add_shape(type="rect", x0=-0.5, x1=0.5, y0=bins - 1.5, y1=bins - 0.5, line=dict(color="#1f3b73", width=3))
-    low, high = spot.wilson
     fig.update_layout(
-        title=dict(text=f"Blindspot N(p) ≤ 0.2, N(b) ≥ 0.8: {spot.high_damage_in}/{spot.entries_in} high-damage "
-                        f"(Wilson 95% {low:.0%}–{high:.0%}) vs {spot.rate_out:.1%} elsewhere; enrichment "
-                        f"{spot.enrichment:.2f}×, one-sided Fisher p = {spot.fisher_p:.3g}", font=dict(size=12)),
+        title=dict(text="Blindspot " + spot.summary().replace("<=", "≤").replace(">=", "≥"), font=dict(size=12)),
         xaxis_title="read-pressure rank N(p) (AvoKV-E)", yaxis_title="payload rank N(b)", height=380,
         margin=dict(l=60, r=20, t=50, b=50))
     return fig

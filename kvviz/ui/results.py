@@ -167,7 +167,8 @@ def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours) -> go.
     a panel per model / task (and per suite over its tasks); the policies are nudged apart on x so that
     intervals at the same ρ do not hide each other."""
     fig, panels = _facets(frame.assign(source="measured"), f"Paired difference to {reference} on the same samples "
-                          "(mean Δ; bars: 95% paired-bootstrap interval)", f"Δ score vs {reference}")
+                          "(mean Δ; bars: 95% paired-bootstrap interval; filled: sign test p < 0.05)",
+                          f"Δ score vs {reference}")
     policies = sorted(frame.policy.unique()) if not frame.empty else []
     spread = 0.012 * (frame.compression.max() - frame.compression.min() or 1) if not frame.empty else 0
     shown = set()
@@ -178,12 +179,14 @@ def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours) -> go.
             fig.add_scatter(
                 x=part.compression + nudge, y=part.delta, name=policy, legendgroup=policy,
                 showlegend=policy not in shown, mode="lines+markers", line=dict(color=colours(policy)),
+                marker=dict(symbol=["circle" if flag else "circle-open" for flag in part.significant], size=8),
                 error_y=dict(type="data", array=part.high - part.delta, arrayminus=part.delta - part.low,
                              visible=True, thickness=1),
-                customdata=part[["compression", "low", "high", "wins", "ties", "losses", "pairs"]].values,
+                customdata=part[["compression", "low", "high", "wins", "ties", "losses", "pairs", "p_sign"]].values,
                 hovertemplate=(f"{policy} − {reference}<br>ρ=%{{customdata[0]}}<br>Δ %{{y:+.3f}} "
                                "[%{customdata[1]:+.3f}, %{customdata[2]:+.3f}]<br>wins/ties/losses "
-                               "%{customdata[3]}/%{customdata[4]}/%{customdata[5]} of %{customdata[6]}<extra></extra>"),
+                               "%{customdata[3]}/%{customdata[4]}/%{customdata[5]} of %{customdata[6]}"
+                               "<br>sign test p = %{customdata[7]:.3g}<extra></extra>"),
                 row=row, col=col)
             shown.add(policy)
     _axis_titles(fig, panels, "compression ρ")
@@ -397,8 +400,10 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "compression and generation settings), so that the task's own noise cancels: the "
                             "mean difference, its 95% paired-bootstrap interval (per task, resampling samples; "
                             "for a benchmark, the mean over its tasks, resampled within each task) and "
-                            "wins / ties / losses with an exact sign test in the table. An interval that "
-                            "straddles 0 says the run cannot tell the two apart. Measured rows only.")
+                            "wins / ties / losses with an exact sign test in the table. A filled marker: the "
+                            "sign test says the two differ (p < 0.05); a hollow one: the run cannot tell them "
+                            "apart, whatever the interval (a few differing samples among many ties make it "
+                            "narrow). Measured rows only.")
                 measured = store.options("policy", source="measured")
                 reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
             plot = gr.Plot()
