@@ -1,8 +1,10 @@
 """``kvviz bench run CONFIG``: a resumable, crash-safe sweep over tasks x samples x policies x budgets.
 
 A config (TOML) names the model, the tasks (generator, prompt length, samples, options), the policies
-(each with optional parameter lists to sweep) and the compressions.  Each *cell* -- one sample under one
-policy setting at one compression -- becomes one JSON row in ``OUT/rows.jsonl``, written with a single
+(each with optional parameter lists to sweep) and the budgets: compressions ρ of the prompt (B = ⌊(1 − ρ)·L0⌋),
+absolute budgets in tokens (which may exceed the prompt: eviction then starts once generation fills the
+cache, AvoKV-E's long-reasoning regime), or both.  Each *cell* -- one sample under one policy setting at one
+compression or budget -- becomes one JSON row in ``OUT/rows.jsonl``, written with a single
 ``write`` and ``fsync``.  On start the file is cut back to its last complete line, finished cells are
 skipped, so a SIGKILL loses at most the cell in flight and never duplicates a row.
 
@@ -37,15 +39,30 @@ from ..tasks import loaders
 
 @dataclass(frozen=True)
 class Cell:
+    """One sample under one policy setting, at a compression ρ of its prompt or at an absolute ``budget`` in
+    tokens (then ``compression`` is None).  The full cache runs once per sample: at the sweep's first
+    compression, or at neither where the sweep gives only budgets."""
+
     task: str
     sample: int
     policy: str
     params: tuple  # sorted (name, value) pairs
-    compression: float
+    compression: float | None
+    budget: int | None = None
 
     @property
     def key(self) -> str:
-        return json.dumps([self.task, self.sample, self.policy, list(self.params), self.compression])
+        # A compression cell keeps the key the shipped sweeps were written with, so that resuming them skips
+        # every stored row; a budget cell ends in {"budget": B}, which no compression (a number) can equal.
+        cut = {"budget": self.budget} if self.budget is not None else self.compression
+        return json.dumps([self.task, self.sample, self.policy, list(self.params), cut])
+
+    @property
+    def cut(self) -> str:
+        """How this cell cuts the cache, for progress lines: ``full``, ``rho=0.5`` or ``B=64``."""
+        if self.policy == "full":
+            return "full"
+        return f"B={self.budget}" if self.budget is not None else f"rho={self.compression:g}"
 
 
 def load_config(path: str | Path) -> dict:
@@ -64,7 +81,8 @@ def load_config(path: str | Path) -> dict:
     return config
 
 
-TOP_LEVEL = ("name", "model", "device", "chat", "max_new_tokens", "seed", "compression", "tasks", "policies")
+TOP_LEVEL = ("name", "model", "device", "chat", "max_new_tokens", "seed", "compression", "budget", "tasks",
+             "policies")
 BENCHMARK_KEYS = ("name", "label", "task", "samples", "path", "split", "truncate")
 NEEDLE_GRID_KEYS = ("name", "label", "lengths", "depths", "haystack")
 
@@ -88,9 +106,12 @@ def validate(config: dict, source: str = "the sweep config") -> None:
     unknown = sorted(set(config) - set(TOP_LEVEL))
     if unknown:
         raise refuse(f"key {unknown[0]!r}", f"not a sweep setting; the keys are {', '.join(TOP_LEVEL)}")
-    for required in ("name", "tasks", "policies", "compression"):
+    for required in ("name", "tasks", "policies"):
         if required not in config:
             raise ValueError(f"sweep config {source} has no {required!r}")
+    if "compression" not in config and "budget" not in config:
+        raise ValueError(f"sweep config {source} has neither 'compression' nor 'budget'; add compression = "
+                         "[0.5, 0.9] (ratios of the prompt) or budget = [128, 256] (tokens), or both")
     for key in ("name", "model", "device"):
         if key in config and (not isinstance(config[key], str) or not config[key].strip()):
             raise refuse(f"key {key!r}", f'must be a non-empty string, e.g. {key} = "..."')
@@ -110,7 +131,20 @@ def validate(config: dict, source: str = "the sweep config") -> None:
         if len(set(compression)) != len(compression):
             raise refuse(where, "lists a ratio twice; list each once")
 
-    check_compressions(config["compression"], "key 'compression'")
+    def check_budgets(budget, where: str) -> None:
+        if not isinstance(budget, list) or not budget:
+            raise refuse(where, "must be a list of absolute budgets in tokens, e.g. budget = [128, 256]; "
+                                f"got {budget!r}")
+        for tokens in budget:
+            if not (_is_int(tokens) and tokens >= 1):
+                raise refuse(where, f"{tokens!r} is not a budget in tokens: write a whole number >= 1, without a point")
+        if len(set(budget)) != len(budget):
+            raise refuse(where, "lists a budget twice; list each once")
+
+    if "compression" in config:
+        check_compressions(config["compression"], "key 'compression'")
+    if "budget" in config:
+        check_budgets(config["budget"], "key 'budget'")
 
     tasks = config["tasks"]
     if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) for t in tasks):
@@ -136,11 +170,14 @@ def validate(config: dict, source: str = "the sweep config") -> None:
             if not isinstance(entry.get("name"), str):
                 raise refuse(where, 'has no name; write { name = "inertia", params = { ... } }')
             where = f"policies[{index}] ({entry['name']})"
-            extra = sorted(set(entry) - {"name", "params", "compression"})
+            extra = sorted(set(entry) - {"name", "params", "compression", "budget"})
             if extra:
-                raise refuse(where, f"unknown key {extra[0]!r}; a policy table has name, params and compression")
+                raise refuse(where, f"unknown key {extra[0]!r}; a policy table has name, params and compression "
+                                    "or budget")
             if "compression" in entry:
                 check_compressions(entry["compression"], f"{where} compression")
+            if "budget" in entry:
+                check_budgets(entry["budget"], f"{where} budget")
             params = entry.get("params", {})
             if not isinstance(params, dict):
                 raise refuse(where, f"params must be a table, e.g. params = {{ alpha = [0.5, 0.8] }}; got {params!r}")
@@ -161,46 +198,58 @@ def validate(config: dict, source: str = "the sweep config") -> None:
                                     "list each setting once")
             seen[setting] = index
 
-    compressions = setting_compressions(config)
+    grids = setting_grids(config)
     if any(name != "full" for name, _ in seen):  # a compression that leaves no cache even at the full length
         for index, task in enumerate(tasks):
             for length in _lengths(task):
-                for rho in sorted({rho for (name, _), rhos in compressions.items() if name != "full" for rho in rhos}):
+                for rho in sorted({rho for (name, _), (rhos, _) in grids.items() if name != "full" for rho in rhos}):
                     if math.floor((1.0 - rho) * length + 1e-9) < 1:
                         raise refuse(f"tasks[{index}] ({task_label(task)})",
                                      f"compression {rho} leaves no cache for a {length}-token prompt; "
                                      "lower the compression or raise the length")
-    infeasible = unrunnable_cells(config, compressions)
+    infeasible = unrunnable_cells(config, grids)
     if infeasible:
         raise _refused_cells(source, "", infeasible, "raise the task's length")
 
 
-def unrunnable_cells(config: dict, compressions: dict[tuple, list]) -> list[str]:
-    """Each (policy setting, task length, compression) whose budget the policy refuses (e.g. SnapKV's window,
-    AvoKV-E's protected tail), judged at the task's nominal length, so that the sweep does not stop there
-    hours in.  Benchmark tasks (lengths known only per record) are judged per sample at run time."""
+def unrunnable_cells(config: dict, grids: dict[tuple, tuple[list, list]]) -> list[tuple[str, str]]:
+    """Each (policy setting, task length, compression or budget) whose budget the policy refuses (e.g.
+    SnapKV's window, AvoKV-E's protected tail), judged at the task's nominal length, so that the sweep does
+    not stop there hours in; as (``"compression"`` or ``"budget"``, what is wrong) pairs.
+
+    A task without a nominal length (a benchmark, whose lengths only its records know; a reasoning prompt,
+    as short as its problem) has its compression cells judged per sample at run time, and its budget cells
+    here at a 1-token prompt: the rules that depend on the budget alone (AvoKV-E's tail and sinks, R-KV's
+    window, StreamingLLM's sinks) fail now, those that depend on the prompt's length (SnapKV's window) at
+    run time."""
     problems = []
-    for (name, params), rhos in compressions.items():
+    for (name, params), (rhos, budgets) in grids.items():
         if name == "full":
             continue
         for task in config["tasks"]:
-            for length in _lengths(task):
-                for rho in rhos:
-                    budget, error = _budget_refusal(name, params, length, rho)
-                    if error:
-                        problems.append(f"{_describe((name, params))} at compression {rho} on {task_label(task)} "
-                                        f"({length} tokens, budget {budget}): {error}")
+            lengths = _lengths(task)
+            for length, rho, tokens in [*((length, rho, None) for length in lengths for rho in rhos),
+                                        *((length, None, tokens) for length in lengths or [1] for tokens in budgets)]:
+                budget, error = _budget_refusal(name, params, length, rho, budget=tokens)
+                if error:
+                    problems.append(("compression" if tokens is None else "budget",
+                                     f"{_describe((name, params))} at {_cut_words(rho, tokens)} on {task_label(task)}"
+                                     + (f" ({length} tokens, budget {budget})" if lengths else "") + f": {error}"))
     return problems
 
 
-def _budget_refusal(name: str, params: tuple, prompt_len: int, compression: float,
-                    num_layers: int = 0) -> tuple[int, str | None]:
-    """The budget a cell gets, and the policy's reason to refuse it (None: it runs); ``num_layers`` is 0
-    while no model is known."""
+def _cut_words(compression: float | None, budget: int | None) -> str:
+    return f"budget {budget}" if budget is not None else f"compression {compression}"
+
+
+def _budget_refusal(name: str, params: tuple, prompt_len: int, compression: float | None,
+                    num_layers: int = 0, budget: int | None = None) -> tuple[int, str | None]:
+    """The budget a cell gets (from ``compression`` of the prompt, or the absolute ``budget``), and the
+    policy's reason to refuse it (None: it runs); ``num_layers`` is 0 while no model is known."""
     from ..engine import resolve_budget
     from ..policies import make_policy
 
-    budget = resolve_budget(prompt_len, compression=compression)
+    budget = resolve_budget(prompt_len, compression=compression, budget=budget)
     try:
         make_policy(name, **dict(params)).reset(prompt_len, budget, num_layers)
     except ValueError as error:
@@ -208,13 +257,19 @@ def _budget_refusal(name: str, params: tuple, prompt_len: int, compression: floa
     return budget, None
 
 
-def _refused_cells(source: str, where: str, lines: list[str], longer: str) -> ValueError:
-    """One error listing the cells that cannot run (the first six), with what to change in the config."""
+def _refused_cells(source: str, where: str, problems: list[tuple[str, str]], longer: str) -> ValueError:
+    """One error listing the cells that cannot run (the first six), with what to change in the config;
+    ``problems`` are (``"compression"`` or ``"budget"``, line) pairs."""
+    lines = [line for _, line in problems]
+    kinds = sorted({kind for kind, _ in problems})
     shown = "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more" if len(lines) > 6 else "")
-    return ValueError(f"sweep config {source}: {len(lines)} policy × task × compression cell(s) cannot run{where}: "
-                      f"{shown}. In the config: change such a policy's params, or, where its budget is too small, "
-                      f'give it its own compressions (e.g. {{ name = "snapkv", compression = [0.5, 0.75] }}) or '
-                      f"{longer}")
+    examples = {"compression": 'give it its own compressions (e.g. { name = "snapkv", compression = [0.5, 0.75] })',
+                "budget": 'give it its own budgets (e.g. { name = "avokv", budget = [64, 128] })'}
+    return ValueError(f"sweep config {source}: {len(lines)} policy × task × {' or '.join(kinds)} cell(s) cannot "
+                      f"run{where}: {shown}. In the config: change such a policy's params, or, where its budget is "
+                      f"too small, {' or '.join(examples[kind] for kind in kinds)}"
+                      # a longer prompt gives a compression more room, never an absolute budget
+                      + (f" or {longer}" if "compression" in kinds else ""))
 
 
 def _describe(setting: tuple) -> str:
@@ -253,7 +308,7 @@ def _validate_task(task: dict, where: str, refuse) -> None:
 
     from ..tasks import TASKS
     from ..tasks.loaders import LONGBENCH_METRICS
-    from ..tasks.synthetic import HAYSTACKS
+    from ..tasks.synthetic import HAYSTACKS, SHORT_PROMPT_TASKS
 
     name = task.get("name")
     choices = ", ".join([*TASKS, "needle_grid", *BENCHMARKS])
@@ -309,7 +364,7 @@ def _validate_task(task: dict, where: str, refuse) -> None:
             raise refuse(where, f"path {task['path']!r} is not a file; give the local JSONL of records, "
                                 "or leave path out to read the hub")
         return
-    count("length")
+    count("length", required=name not in SHORT_PROMPT_TASKS)  # there, an optional upper bound
     count("samples")
     # The generator's own keyword arguments (after tokenizer, length and seed) are the task's options.
     options = dict(list(inspect.signature(TASKS[name]).parameters.items())[3:])
@@ -388,13 +443,15 @@ def check_store(config: dict, out_dir: str | Path) -> None:
                          f"pass --out with a new folder, or resume with {saved}")
 
 
-def setting_compressions(config: dict) -> dict[tuple, list]:
-    """Each policy setting's compressions: its table's own ``compression``, else the sweep's."""
+def setting_grids(config: dict) -> dict[tuple, tuple[list, list]]:
+    """Each policy setting's (compressions, absolute budgets): a policy table that gives ``compression`` or
+    ``budget`` runs at exactly the lists it gives (one it leaves out: none), else the sweep's."""
     out = {}
     for entry in config["policies"]:
-        own = entry.get("compression") if isinstance(entry, dict) else None
+        own = isinstance(entry, dict) and ("compression" in entry or "budget" in entry)
+        grid = entry if own else config
         for setting in policy_settings({"policies": [entry]}):
-            out[setting] = list(own or config["compression"])
+            out[setting] = (list(grid.get("compression", [])), list(grid.get("budget", [])))
     return out
 
 
@@ -473,17 +530,21 @@ def make_sample(task: dict, tokenizer, index: int, seed: int):
     if task["name"] not in TASKS:
         raise ValueError(f"unknown task {task['name']!r}; choose one of {', '.join([*TASKS, 'needle_grid', *BENCHMARKS])}")
     options = {k: v for k, v in task.items() if k not in ("name", "label", "length", "samples")}
-    return TASKS[task["name"]](tokenizer, task["length"], _sample_seed(seed, task_label(task), index), **options)
+    return TASKS[task["name"]](tokenizer, task.get("length"), _sample_seed(seed, task_label(task), index), **options)
 
 
 def cells(config: dict) -> list[Cell]:
-    compressions = setting_compressions(config)
+    """Every cell of the sweep, sample by sample: each policy setting at its compressions, then its budgets."""
+    grids = setting_grids(config)
     out = []
     for task in config["tasks"]:
         for sample in range(sample_count(task)):
-            for (policy, params), rhos in compressions.items():
-                for compression in rhos[:1] if policy == "full" else rhos:  # the full cache: one run
-                    out.append(Cell(task_label(task), sample, policy, params, float(compression)))
+            for (policy, params), (rhos, budgets) in grids.items():
+                if policy == "full":  # one run, which neither a compression nor a budget changes
+                    out.append(Cell(task_label(task), sample, policy, params, float(rhos[0]) if rhos else None))
+                    continue
+                out += [Cell(task_label(task), sample, policy, params, float(rho)) for rho in rhos]
+                out += [Cell(task_label(task), sample, policy, params, None, tokens) for tokens in budgets]
     return out
 
 
@@ -541,15 +602,16 @@ def finished_cells(out_dir: str | Path, skip: Path | None = None) -> set[str]:
     return done
 
 
-def status(config: dict, out_dir: str | Path) -> dict[str, tuple[int, int]]:
-    """Finished and total cells per task label of ``config`` in ``out_dir`` (every shard counted)."""
+def status(config: dict, out_dir: str | Path, by_cut: bool = False) -> dict:
+    """Finished and total cells per task label of ``config`` in ``out_dir`` (every shard counted); with
+    ``by_cut``, per (task label, :attr:`Cell.cut`): ``full``, each ``rho=...`` and each ``B=...``."""
     done = finished_cells(out_dir)
-    counts: dict[str, list[int]] = {}
+    counts: dict = {}
     for cell in cells(config):
-        entry = counts.setdefault(cell.task, [0, 0])
+        entry = counts.setdefault((cell.task, cell.cut) if by_cut else cell.task, [0, 0])
         entry[0] += cell.key in done
         entry[1] += 1
-    return {task: (finished, total) for task, (finished, total) in counts.items()}
+    return {key: (finished, total) for key, (finished, total) in counts.items()}
 
 
 def provenance(model_name: str, device: str, seed: int) -> dict:
@@ -619,12 +681,15 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
     """Before anything decodes: every sample's real prompt fits the model, and every cell's policy accepts
     its real budget on this model (validate() judged nominal lengths without a model; a chat template, a
     tokenizer or a benchmark record makes them differ).  All refusals are listed, one line per policy
-    setting, task and compression, with how many samples it hits."""
+    setting, task and compression or budget, with how many samples it hits."""
     from .. import engine
 
     refused: dict[tuple, list] = {}
     for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
-        sample = make_sample(tasks[label], tokenizer, sample_index, seed)
+        try:  # e.g. a reasoning prompt over its task's length
+            sample = make_sample(tasks[label], tokenizer, sample_index, seed)
+        except ValueError as error:
+            raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error}") from None
         prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
         try:  # a row past the model's context would be stored as if it were valid
             engine.check_prompt(model, prompt_ids, max_new)
@@ -635,14 +700,16 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
             if cell.policy == "full":
                 continue
             budget, error = _budget_refusal(cell.policy, cell.params, len(prompt_ids), cell.compression,
-                                            model.config.num_hidden_layers)
+                                            model.config.num_hidden_layers, budget=cell.budget)
             if error:
-                refused.setdefault((cell.policy, cell.params, label, cell.compression), []).append(
+                refused.setdefault((cell.policy, cell.params, label, cell.compression, cell.budget), []).append(
                     f"sample {sample_index}: {len(prompt_ids)} tokens, budget {budget}: {error}")
     if refused:
-        lines = [f"{_describe((policy, params))} at compression {rho} on {label} ({len(errors)} sample(s), first "
-                 f"{errors[0]})" for (policy, params, label, rho), errors in refused.items()]
-        raise _refused_cells(source, " on this model", lines, "longer prompts")
+        problems = [("compression" if tokens is None else "budget",
+                     f"{_describe((policy, params))} at {_cut_words(rho, tokens)} on {label} ({len(errors)} "
+                     f"sample(s), first {errors[0]})")
+                    for (policy, params, label, rho, tokens), errors in refused.items()]
+        raise _refused_cells(source, " on this model", problems, "longer prompts")
 
 
 def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: list[Cell], model, tokenizer,
@@ -659,7 +726,8 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     sample = make_sample(task, tokenizer, sample_index, seed)
     prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
     policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
-    budgets = [None if cell.policy == "full" else engine.resolve_budget(len(prompt_ids), compression=cell.compression)
+    budgets = [None if cell.policy == "full" else
+               engine.resolve_budget(len(prompt_ids), compression=cell.compression, budget=cell.budget)
                for cell in group]
     # One prefill per sample, also for prefill-time policies: it records the queries they score with.
     shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
@@ -678,7 +746,8 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
         rows.append({
             "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
             "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
-            "compression": cell.compression, "prompt_len": len(prompt_ids), "max_new_tokens": max_new,
+            "compression": cell.compression, "absolute_budget": cell.budget, "prompt_len": len(prompt_ids),
+            "max_new_tokens": max_new,
             "chat": config.get("chat", True), "new_tokens": len(events), "hit_max_tokens": hit_max_tokens,
             "budget": budget if budget is not None else len(prompt_ids) + max_new,
             "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
@@ -688,7 +757,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
             "seconds": elapsed, **meta,
         })
         written += 1
-        bar.set_postfix_str(f"{label}#{sample_index} {cell.policy} rho={cell.compression}")
+        bar.set_postfix_str(f"{label}#{sample_index} {cell.policy} {cell.cut}")
         bar.update()
     return written
 

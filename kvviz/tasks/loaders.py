@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from .synthetic import Sample
+from .synthetic import REASONING_SUFFIX, Sample
 
 # LongBench task -> metric (LongBench's own grouping: QA F1, summarisation ROUGE, classification, code).
 LONGBENCH_METRICS = {
@@ -109,8 +109,8 @@ def ruler(records: Iterable[dict]) -> list[Sample]:
 
 
 def math_problems(records: Iterable[dict], name: str) -> list[Sample]:
-    suffix = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-    return [Sample(name, r["problem"] + suffix, [str(r["answer"])], "math", {"id": r.get("unique_id", r.get("id", ""))})
+    return [Sample(name, r["problem"] + REASONING_SUFFIX, [str(r["answer"])], "math",
+                   {"id": r.get("unique_id", r.get("id", ""))})
             for r in checked(records, name)]
 
 

@@ -96,7 +96,12 @@ def normalize_math(answer: str) -> str:
 def math_equal(prediction: str, answers: list[str]) -> float:
     """MATH / AIME scoring: the last boxed answer (or the last number) equals a gold answer after normalising."""
     boxed = last_boxed(prediction)
-    if boxed is None:
+    # Without a box that holds something, the last number: SmolLM2-135M-Instruct ends most answers to
+    # arithmetic_reasoning with "So, the final answer is 18." and otherwise often echoes the instruction's
+    # empty "\boxed{}", so boxed-only scoring would put its full cache near 0 and rank no policy.  The cost: a
+    # generation cut off at max_new_tokens is scored by the number it stopped on, which may be right by
+    # chance; rows record hit_max_tokens, so such rows can be told apart.
+    if boxed is None or not boxed.strip():
         numbers = re.findall(r"-?\d+(?:\.\d+)?", prediction)
         boxed = numbers[-1] if numbers else ""
     return float(any(normalize_math(boxed) == normalize_math(answer) for answer in answers))

@@ -1,8 +1,10 @@
-"""RULER-style synthetic tasks at a chosen prompt length, generated offline from a seed.
+"""RULER-style synthetic tasks at a chosen prompt length, and arithmetic reasoning, generated offline from a seed.
 
 Every generator takes a tokenizer (to hit the target length in that model's tokens), a target length and
-a seed, and returns a :class:`Sample`.  Haystacks are either a repeated noise paragraph or procedurally
-generated prose (:func:`prose_sentences`): a seeded grammar over small word lists, no corpus copied.
+a seed, and returns a :class:`Sample`.  :func:`arithmetic_reasoning` is the exception: its prompt is as short
+as its problem (the output is what grows), so its target length is only an optional upper bound.  Haystacks
+are either a repeated noise paragraph or procedurally generated prose (:func:`prose_sentences`): a seeded
+grammar over small word lists, no corpus copied.
 """
 
 from __future__ import annotations
@@ -198,6 +200,82 @@ def common_words(tokenizer, target_tokens: int, seed: int, top: int = 10, chat: 
     return Sample("common_words", prompt, frequent, "string_match", {})
 
 
+_PEOPLE = ["Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Tess", "Hugo"]
+_ITEMS = ["apples", "marbles", "stickers", "coins", "pencils", "stamps", "shells", "cards", "beads", "books"]
+_COLOURS = ["red", "green", "blue", "yellow", "white", "black", "orange", "purple"]
+# The reasoning prompt of MATH-500 and AIME-25 (loaders.math_problems), so that answers are extracted alike.
+REASONING_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def apply_operation(count: int, operation: str, operand: int) -> int:
+    """One step of an :func:`arithmetic_reasoning` problem: ``count`` after ``operation`` by ``operand``."""
+    if operation == "add":
+        return count + operand
+    if operation == "subtract":
+        return count - operand
+    if operation == "multiply":
+        return count * operand
+    if operation == "divide":
+        return count // operand
+    raise ValueError(f"unknown operation {operation!r}; the operations are add, subtract, multiply, divide")
+
+
+def arithmetic_reasoning(tokenizer, target_tokens: int | None, seed: int, steps: int = 1,
+                         chat: bool = True) -> Sample:
+    """A word problem of ``steps`` arithmetic operations with one integer answer.
+
+    The long-output reasoning regime of AvoKV-E (MATH-500, AIME-25) offline: a short prompt asking for
+    step-by-step reasoning and a ``\\boxed{}`` answer, scored with ``math``.  The first operation adds two
+    groups of items ("3 red apples and 5 green apples ... in total?"); each further one gets more, gives some
+    away, multiplies or splits the count, keeping it a whole number from 0 to 200 (a subtraction leaves at
+    least 1, a division is exact).  ``steps = 1`` is the level SmolLM2-135M-Instruct solves about half the
+    time; a second step already brings it near 0 (results_db/README.md), larger models need more.
+
+    The prompt is as short as the problem; ``target_tokens`` is only an upper bound (None: none), and a
+    prompt over it is refused rather than cut or padded.  ``meta`` holds the groups and the further
+    operations, from which the answer can be recomputed.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    rng = random.Random(seed)
+    person, item = rng.choice(_PEOPLE), rng.choice(_ITEMS)
+    colours = rng.sample(_COLOURS, 2)
+    groups = [rng.randint(2, 9), rng.randint(2, 9)]
+    count = sum(groups)
+    sentences = [f"{person} has {groups[0]} {colours[0]} {item} and {groups[1]} {colours[1]} {item}."]
+    operations = []
+    for _ in range(steps - 1):
+        divisors = [k for k in (2, 3) if count % k == 0]
+        factors = [k for k in (2, 3) if count * k <= 200]
+        operation = rng.choice(["add"] + ["subtract"] * (count > 1) + ["multiply"] * bool(factors)
+                               + ["divide"] * bool(divisors))
+        if operation == "add":
+            operand = rng.randint(2, 9)
+            sentences.append(f"Then {person} gets {operand} more {item}.")
+        elif operation == "subtract":
+            operand = rng.randint(1, min(count - 1, 9))
+            sentences.append(f"Then {person} gives away {operand} {item}.")
+        elif operation == "multiply":
+            operand = rng.choice(factors)
+            sentences.append(f"Then {person} gets enough {item} to have {operand} times as many as before.")
+        else:
+            operand = rng.choice(divisors)
+            sentences.append(f"Then {person} splits the {item} into {operand} equal groups and keeps one group.")
+        operations.append([operation, operand])
+        count = apply_operation(count, operation, operand)
+    question = f"How many {item} does {person} have " + ("in total?" if steps == 1 else "now?")
+    prompt = " ".join([*sentences, question]) + REASONING_SUFFIX
+    if target_tokens is not None:
+        from ..engine import encode_prompt
+
+        length = len(encode_prompt(tokenizer, prompt, chat=chat))
+        if length > target_tokens:
+            raise ValueError(f"an arithmetic_reasoning prompt of {steps} steps takes {length} tokens, over the "
+                             f"length {target_tokens}; raise the length (or leave it out) or lower steps")
+    return Sample("arithmetic_reasoning", prompt, [str(count)], "math",
+                  {"person": person, "item": item, "groups": groups, "operations": operations, "steps": steps})
+
+
 TASKS = {
     "single_needle": single_needle,
     "multi_key_needle": multi_key_needle,
@@ -205,7 +283,11 @@ TASKS = {
     "multi_query": multi_query,
     "variable_tracking": variable_tracking,
     "common_words": common_words,
+    "arithmetic_reasoning": arithmetic_reasoning,
 }
+# Tasks whose prompt is as short as its problem (the output is what grows): their length is an optional upper
+# bound, not a target to fill.
+SHORT_PROMPT_TASKS = ("arithmetic_reasoning",)
 
 NIAH_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 
