@@ -376,8 +376,13 @@ def cmd_bench(args) -> int:
         if args.status:
             sweep.check_store(config, out)  # counts against another config's rows would mean nothing
             progress = sweep.status(config, out)
+            # with absolute budgets, also how far each cut is: the full cache, each ρ, each B=...
+            by_cut = sweep.status(config, out, by_cut=True) \
+                if any(budgets for _, budgets in sweep.setting_grids(config).values()) else {}
             for task, (finished, total) in progress.items():
                 print(f"{config['name']} {task}: {finished} of {total} cells")
+                for (_, cut), (finished, total) in ((key, value) for key, value in by_cut.items() if key[0] == task):
+                    print(f"  {cut}: {finished} of {total} cells")
             finished, total = (sum(v[i] for v in progress.values()) for i in (0, 1))
             print(f"{config['name']}: {finished} of {total} cells done")
             return 0
@@ -395,7 +400,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_results(args) -> int:
-    """Print the stored sweeps as tables: mean score (and samples) per policy x compression for each task."""
+    """Print the stored sweeps as tables: mean score (and samples) per policy x compression (or absolute
+    budget) for each task."""
     import pandas as pd
 
     from .store import ROOT, Store
@@ -435,7 +441,7 @@ def cmd_results(args) -> int:
         full = part[part.policy == "full"]
         part = part[part.policy != "full"]
         cells = part.assign(cell=[f"{s:.2f} ({n})" for s, n in zip(part.score, part.samples)])
-        table = cells.pivot(index="policy", columns="compression", values="cell").fillna("")
+        table = _by_cut(cells, "cell")
         if source == "measured":
             table["tok/s"] = [f"{speed.get((model, task, p), float('nan')):.2f}" for p in table.index]
         print(f"\n{task} · {model} · {source}" + (f" · full cache {full.score.iloc[0]:.2f} ({full.samples.iloc[0]})"
@@ -485,9 +491,24 @@ def _print_paired(store, root: Path, args, policies) -> int:
     return 0
 
 
+def _by_cut(part, values: str):
+    """``values`` per policy (rows) and cut of the cache (columns): each compression ρ as before, then each
+    absolute budget as ``B=...``, which a ρ could otherwise be mistaken for; empty where a policy has none."""
+    import pandas as pd
+
+    budget = part.absolute_budget.notna()
+    tables = [part[~budget].pivot(index="policy", columns="compression", values=values)] if (~budget).any() else []
+    if budget.any():
+        table = part[budget].pivot(index="policy", columns="absolute_budget", values=values)
+        tables.append(table.set_axis([f"B={tokens}" for tokens in table.columns], axis=1))
+    table = pd.concat(tables, axis=1).fillna("")
+    table.columns.name = "compression" if not budget.any() else "KV budget" if budget.all() else "compression / budget"
+    return table
+
+
 def _print_max_length_hits(frame) -> None:
     """Per task and model, the share of generations that reached max_new_tokens instead of ending, policy x
-    compression; nothing when no selected row records it (rows written before the field)."""
+    compression (or absolute budget); nothing when no selected row records it (rows written before the field)."""
     import pandas as pd
 
     if not frame.recorded.sum():
@@ -504,7 +525,7 @@ def _print_max_length_hits(frame) -> None:
             cells = part.assign(cell=[f"{rate:.2f} ({hits}/{recorded})"
                                       for rate, hits, recorded in zip(part.hit_rate, part.hits, part.recorded)])
             with pd.option_context("display.width", 200):
-                print(cells.pivot(index="policy", columns="compression", values="cell").fillna("").to_string())
+                print(_by_cut(cells, "cell").to_string())
     unrecorded = int((frame.rows - frame.recorded).sum())
     if unrecorded:
         print(f"\nnot in the max-length tables: {unrecorded} rows written before sweeps recorded hit_max_tokens")

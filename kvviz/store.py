@@ -29,7 +29,8 @@ import pandas as pd
 ROOT = Path(os.environ.get("KVVIZ_RESULTS") or Path(__file__).resolve().parent.parent / "results_db")
 # Columns every query may use; shards that lack one (paper rows have no decode speed) read it as NULL.
 COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table": "VARCHAR", "model": "VARCHAR",
-           "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE", "metric": "VARCHAR",
+           "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE",
+           "absolute_budget": "INTEGER", "metric": "VARCHAR",
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
            "budget": "INTEGER", "max_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
            "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR"}
@@ -129,7 +130,7 @@ class Store:
             f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
             "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')) "
             "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
-            "seed, policy, setting, compression, prompt_len, max_new_tokens, chat ORDER BY sweep) = 1")
+            "seed, policy, setting, compression, absolute_budget, prompt_len, max_new_tokens, chat ORDER BY sweep) = 1")
         for folder, rows in self.con.execute(
                 "SELECT folder, count(*) FROM results WHERE source = 'measured' AND unknown_settings "
                 "GROUP BY folder ORDER BY folder").fetchall():
@@ -141,15 +142,18 @@ class Store:
     def _report_mixed_generation(self) -> None:
         """Say where the figures average rows generated differently: the same task and policy from sweeps
         that gave the model a different number of new tokens or a different prompt format."""
-        # Grouped as the figures average: per model, task, policy, setting and compression.  A row that does
+        # Grouped as the figures average: per model, task, policy, setting and compression or absolute budget
+        # (NULL for the other kind of cell, hence the null-safe join).  A row that does
         # not name its sweep (written by hand, not by the runner) is named by its folder.
         for model, task, sweeps, settings in self.con.execute(
-                "WITH mixed AS (SELECT model, task, policy, setting, compression FROM results "
+                "WITH mixed AS (SELECT model, task, policy, setting, compression, absolute_budget FROM results "
                 "WHERE source = 'measured' GROUP BY ALL HAVING count(DISTINCT (max_new_tokens, chat)) > 1) "
                 "SELECT model, task, list(DISTINCT coalesce(sweep, folder) ORDER BY coalesce(sweep, folder)), "
                 "list(DISTINCT max_new_tokens || ' new tokens, chat ' || chat) "
-                "FROM results JOIN mixed USING (model, task, policy, setting, compression) "
-                "WHERE source = 'measured' GROUP BY model, task ORDER BY model, task").fetchall():
+                "FROM results JOIN mixed USING (model, task, policy, setting) "
+                "WHERE source = 'measured' AND results.compression IS NOT DISTINCT FROM mixed.compression "
+                "AND results.absolute_budget IS NOT DISTINCT FROM mixed.absolute_budget "
+                "GROUP BY model, task ORDER BY model, task").fetchall():
             self.problems.append(f"{model} / {task}: sweeps {', '.join(sweeps)} generated with different settings "
                                  f"({'; '.join(sorted(settings))}) are averaged together; give one of them "
                                  "another task label to keep them apart")
@@ -220,6 +224,11 @@ class Store:
     def frame(self, sql: str, params: list | None = None) -> pd.DataFrame:
         return self.con.execute(sql, params or []).df()
 
+    # How a row cut the cache, as the figures group it: its compression or its absolute budget, never both;
+    # the full cache's rows (stored at a sweep's first compression, or at neither) have neither.
+    _CUT = ("CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression, "
+            "CASE WHEN policy = 'full' THEN NULL ELSE absolute_budget END AS absolute_budget")
+
     def _filters(self, task, model, source, policies) -> tuple[str, list]:
         sql = ("(? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?) "
                "AND (? IS NULL OR list_contains(?, policy)) AND list_contains(?, metric)")
@@ -227,66 +236,72 @@ class Store:
 
     def quality_vs_compression(self, task: str | None = None, model: str | None = None,
                                policies: list[str] | None = None, source: str | None = None) -> pd.DataFrame:
-        """Mean score and its standard error per (source, model, task, policy, compression) of each policy at
-        its default setting (the α and refresh sweeps have their own queries), under optional filters."""
+        """Mean score and its standard error per (source, model, task, policy, compression or absolute budget)
+        of each policy at its default setting (the α and refresh sweeps have their own queries), under
+        optional filters.  A compression cell has ``absolute_budget`` NULL, a budget cell ``compression``
+        NULL; the full cache has neither (one reference for both)."""
         where, params = self._filters(task, model, source, policies)
         return self.frame(
             f"""
-            SELECT source, model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression, avg(score) AS score,
+            SELECT source, model, task, policy, {self._CUT}, avg(score) AS score,
                    stddev_samp(score) / sqrt(count(*)) AS stderr, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND {where}
-            GROUP BY ALL ORDER BY source, model, task, policy, compression NULLS FIRST
+            GROUP BY ALL ORDER BY source, model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, params)
 
     def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
         """InertiaKV's mean score per EMA coefficient α, from rows that change nothing but α (rows at the
-        defaults count at the registry's default α)."""
+        defaults count at the registry's default α), per compression or absolute budget."""
         where, params = self._filters(task, model, source, None)
         default_alpha = self.defaults.get("inertia", {}).get("alpha")
         return self.frame(
             f"""
-            SELECT source, model, task, compression, alpha, avg(score) AS score, count(*) AS samples FROM (
+            SELECT source, model, task, compression, absolute_budget, alpha, avg(score) AS score,
+                   count(*) AS samples FROM (
                 SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.alpha') AS DOUBLE), ?) AS alpha
                 FROM results WHERE policy = 'inertia' AND list_has_all(['alpha'], json_keys(setting::JSON))
                   AND {where})
-            WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, model, task, compression, alpha
+            WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, model, task, compression, absolute_budget, alpha
             """, [default_alpha, *params])
 
     def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
         """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family,
         from rows that change nothing but r.  The family is every registered name whose defaults differ from
-        ``inertia``'s in r alone (inertia r = 1, inertia-lazy r = 4, score-free r = 0), at its own default r."""
+        ``inertia``'s in r alone (inertia r = 1, inertia-lazy r = 4, score-free r = 0), at its own default r;
+        per compression or absolute budget."""
         where, params = self._filters(task, model, source, None)
         base = {k: v for k, v in self.defaults.get("inertia", {}).items() if k != "refresh"}
         family = {name: values["refresh"] for name, values in self.defaults.items()
                   if "refresh" in values and {k: v for k, v in values.items() if k != "refresh"} == base}
         return self.frame(
             f"""
-            SELECT source, model, task, compression, refresh, avg(score) AS score, avg(decode_tok_s) AS decode_tok_s,
-                   count(*) AS samples FROM (
+            SELECT source, model, task, compression, absolute_budget, refresh, avg(score) AS score,
+                   avg(decode_tok_s) AS decode_tok_s, count(*) AS samples FROM (
                 SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.refresh') AS INTEGER),
                                    default_refresh) AS refresh
                 FROM results JOIN (SELECT unnest(?::VARCHAR[]) AS policy, unnest(?::INTEGER[]) AS default_refresh)
                      USING (policy)
                 WHERE list_has_all(['refresh'], json_keys(setting::JSON)) AND {where})
-            GROUP BY ALL ORDER BY source, model, task, compression, refresh
+            GROUP BY ALL ORDER BY source, model, task, compression, absolute_budget, refresh
             """, [list(family), list(family.values()), *params])
 
     def speed_vs_quality(self, task=None, model=None, policies=None) -> pd.DataFrame:
-        """Measured decode throughput, cache size and score per (model, task, policy, compression) at defaults."""
+        """Measured decode throughput, cache size and score per (model, task, policy, compression or absolute
+        budget) at defaults."""
         where, params = self._filters(task, model, "measured", policies)
         return self.frame(
             f"""
-            SELECT model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression, avg(score) AS score,
+            SELECT model, task, policy, {self._CUT}, avg(score) AS score,
                    avg(decode_tok_s) AS decode_tok_s,
                    avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where}
-            GROUP BY ALL ORDER BY model, task, policy, compression NULLS FIRST
+            GROUP BY ALL ORDER BY model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, params)
 
     def max_length_hits(self, task=None, model=None, policies=None) -> pd.DataFrame:
         """How many generations reached ``max_new_tokens`` instead of ending with end-of-sequence, per (model,
-        task, policy, compression) of each policy at its defaults (AvoKV-E's Table 2 counts the same).
+        task, policy, compression or absolute budget) of each policy at its defaults (AvoKV-E's Table 2 counts
+        the same, per absolute budget).
 
         ``rows`` counts every row of the group, ``recorded`` those that record ``hit_max_tokens`` (older rows
         lack it and are never guessed), ``hits`` those that reached the cap; ``hit_rate`` = hits / recorded,
@@ -295,23 +310,24 @@ class Store:
         where, params = self._filters(task, model, "measured", policies)
         return self.frame(
             f"""
-            SELECT source, model, task, policy,
-                   CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
+            SELECT source, model, task, policy, {self._CUT},
                    count(*) AS rows, count(hit_max_tokens) AS recorded, count(*) FILTER (hit_max_tokens) AS hits,
                    count(*) FILTER (hit_max_tokens) / nullif(count(hit_max_tokens), 0) AS hit_rate
             FROM results WHERE setting = '{{}}' AND {where}
-            GROUP BY ALL ORDER BY model, task, policy, compression NULLS FIRST
+            GROUP BY ALL ORDER BY model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, params)
 
     # Per task, each policy's mean score next to the full cache's on the same task and model (a task whose
     # full cache scores 0 cannot be normalised and is left out).  Paper rows: the printed aggregate only.
+    # Compression cells only: the papers' tables compared here are per compression ratio.
     _RELATIVE = """
         WITH rows AS (
             SELECT suite, CASE source WHEN 'paper' THEN 'paper: ' || paper ELSE 'measured' END AS origin,
                    model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
                    score
             FROM results
-            WHERE setting = '{}' AND list_contains(?, metric) AND (source = 'measured' OR task = suite)),
+            WHERE setting = '{}' AND list_contains(?, metric) AND (source = 'measured' OR task = suite)
+              AND (policy = 'full' OR absolute_budget IS NULL)),
         per_task AS (SELECT suite, origin, model, task, policy, compression, avg(score) AS score,
                             count(*) AS samples FROM rows GROUP BY ALL),
         full_cache AS (SELECT suite, origin, model, task, score AS full_score FROM per_task
@@ -347,16 +363,17 @@ class Store:
             """, [list(QUALITY_METRICS)]).fetchall()]
 
     def needle_grid(self, model=None, policies=None, source=None) -> pd.DataFrame:
-        """Mean score per (policy, compression, context length, needle depth) of the needle-in-a-haystack grid."""
+        """Mean score per (policy, compression or absolute budget, context length, needle depth) of the
+        needle-in-a-haystack grid."""
         where, params = self._filters("needle_grid", model, source, policies)
         return self.frame(
             f"""
-            SELECT source, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
+            SELECT source, policy, {self._CUT},
                    TRY_CAST(json_extract_string(meta, '$.length') AS INTEGER) AS length,
                    TRY_CAST(json_extract_string(meta, '$.depth') AS DOUBLE) AS depth,
                    avg(score) AS score, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND {where}
-            GROUP BY ALL ORDER BY source, policy, compression NULLS FIRST, length, depth
+            GROUP BY ALL ORDER BY source, policy, absolute_budget NULLS FIRST, compression NULLS FIRST, length, depth
             """, params)
 
     def paired_scores(self, reference: str, task=None, model=None, policies=None) -> pd.DataFrame:

@@ -322,7 +322,8 @@ def test_max_length_hits_per_policy_at_its_defaults(tmp_path):
     table = store.max_length_hits()
     # tova: samples 0-3, of which 3 record the field and 2 hit the cap; inertia's alpha = 0.3 row is another
     # setting; h2o's only row predates the field (no rate); the paper's Table 2 count is not a per-run row
-    assert table.drop(columns=["source", "hit_rate"]).fillna(-1).values.tolist() == [
+    assert table.absolute_budget.isna().all()  # compression cells only
+    assert table.drop(columns=["source", "hit_rate", "absolute_budget"]).fillna(-1).values.tolist() == [
         ["m", "t", "full", -1, 1, 1, 0], ["m", "t", "h2o", 0.5, 1, 0, 0], ["m", "t", "inertia", 0.5, 1, 1, 0],
         ["m", "t", "tova", 0.5, 4, 3, 2]]
     assert set(table.source) == {"measured"}
@@ -650,3 +651,169 @@ def test_the_results_folder_can_be_moved_with_an_environment_variable(tmp_path):
     env = {**os.environ, "KVVIZ_RESULTS": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(tmp_path), str(tmp_path)]
+
+
+# ------------------------------------------------------------------------------- absolute budgets (AvoKV-E regime)
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+BUDGET_BASE = {"name": "b", "model": "tiny-random-llama", "max_new_tokens": 3,
+               "tasks": [{"name": "arithmetic_reasoning", "samples": 1}], "policies": ["full", "tova"]}
+
+
+@pytest.mark.parametrize("changes", [
+    {"budget": [64, 128]},
+    {"budget": [64], "compression": [0.5]},
+    {"compression": [0.5], "policies": ["full", {"name": "avokv", "budget": [40, 64]}]},
+    {"budget": [64], "policies": ["full", {"name": "snapkv", "compression": [0.5], "budget": [96]}]},
+])
+def test_budget_configs_that_validate(changes):
+    sweep.validate({**BUDGET_BASE, **changes})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({}, "has neither 'compression' nor 'budget'; add compression = \\[0.5, 0.9\\] .* or budget = \\[128, 256\\]"),
+    ({"budget": 64}, "key 'budget': must be a list of absolute budgets in tokens, e.g. budget = \\[128, 256\\]"),
+    ({"budget": []}, "key 'budget': must be a list of absolute budgets"),
+    ({"budget": [0]}, "key 'budget': 0 is not a budget in tokens: write a whole number >= 1"),
+    ({"budget": [64.0]}, "key 'budget': 64.0 is not a budget in tokens: write a whole number >= 1, without a point"),
+    ({"budget": [True]}, "key 'budget': True is not a budget in tokens"),
+    ({"budget": ["64"]}, "key 'budget': '64' is not a budget in tokens"),
+    ({"budget": [64, 64]}, "key 'budget': lists a budget twice; list each once"),
+    ({"budget": [64], "policies": [{"name": "tova", "budget": [-1]}]},
+     "policies\\[0\\] \\(tova\\) budget: -1 is not a budget in tokens"),
+    ({"budget": [64], "policies": [{"name": "tova", "budgets": [32]}]},
+     "policies\\[0\\] \\(tova\\): unknown key 'budgets'; a policy table has name, params and compression or budget"),
+    # AvoKV-E always protects its 32-entry tail and 4 sinks below a budget of 768, whatever the prompt
+    ({"budget": [36, 64], "policies": ["full", "avokv"]},
+     "1 policy × task × budget cell\\(s\\) cannot run: avokv at budget 36 on arithmetic_reasoning: budget 36 must "
+     "exceed the 36 entries AvoKV-E \\(tail \\+ sinks\\) always protects.* give it its own budgets \\(e.g. "
+     "\\{ name = \"avokv\", budget = \\[64, 128\\] \\}\\)$"),
+    # a compression and a budget cell refused together: both remedies are named
+    ({"budget": [4], "compression": [0.99], "tasks": [{"name": "single_needle", "length": 300, "samples": 1}],
+      "policies": ["streaming"]},
+     "2 policy × task × budget or compression cell\\(s\\) cannot run: streaming at compression 0.99 on single_needle "
+     "\\(300 tokens, budget 3\\): budget 3 must exceed the 4 sink tokens.*; streaming at budget 4 on single_needle "
+     "\\(300 tokens, budget 4\\): .*own budgets .* or own compressions|.*own compressions .* or raise the task's length"),
+])
+def test_bad_budget_configs_are_refused_saying_what_to_change(changes, message):
+    with pytest.raises(ValueError, match=message):
+        sweep.validate({**BUDGET_BASE, **changes})
+
+
+def test_compression_cell_keys_are_those_the_shipped_sweeps_stored():
+    """Resuming a shipped sweep must skip every stored row: compression cells keep their key, byte for byte."""
+    first = json.loads((REPOSITORY / "results_db/sweep-2k/rows.jsonl").read_text().splitlines()[0])["cell"]
+    assert first == '["single_needle", 0, "full", [], 0.5]'
+    assert sweep.Cell("single_needle", 0, "full", (), 0.5).key == first
+    for name in ("sweep-2k", "sweep-2k-inertia", "needle-grid"):
+        config = sweep.load_config(REPOSITORY / "configs" / f"{name}.toml")
+        stored = sweep.finished_cells(REPOSITORY / "results_db" / name)
+        assert stored == {cell.key for cell in sweep.cells(config)}, name
+    # a budget cell's key cannot be mistaken for a compression cell's
+    assert sweep.Cell("t", 0, "tova", (), None, 64).key == '["t", 0, "tova", [], {"budget": 64}]'
+
+
+BUDGET_SWEEP = {"name": "budget", "model": "tiny-random-llama", "max_new_tokens": 30, "budget": [170, 180],
+                "tasks": [{"name": "arithmetic_reasoning", "samples": 2}],
+                "policies": ["full", "tova", "streaming", "h2o", {"name": "avokv", "params": {"interval": 8}}]}
+
+
+def test_a_budget_sweep_writes_budget_cells_and_resumes(tmp_path, tiny):
+    model, tokenizer = tiny
+    # 2 samples x (full once + 4 policies x 2 budgets)
+    assert sweep.run(BUDGET_SWEEP, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 18
+    stored = rows(tmp_path)
+    full = [r for r in stored if r["policy"] == "full"]
+    assert [(r["compression"], r["absolute_budget"], r["cell"].endswith(", null]")) for r in full] == [(None, None, True)] * 2
+    budget_rows = [r for r in stored if r["policy"] != "full"]
+    assert sorted({r["absolute_budget"] for r in budget_rows}) == [170, 180]
+    for row in budget_rows:
+        assert row["compression"] is None and row["budget"] == row["absolute_budget"]
+        assert row["cell"].endswith(f'{{"budget": {row["absolute_budget"]}}}]')
+        # the prompt fits: eviction starts once generation fills the budget
+        assert row["prompt_len"] < row["budget"] < row["prompt_len"] + row["new_tokens"]
+        if row["policy"] == "avokv":  # checkpoints every 8 tokens: up to 7 over between them
+            assert row["budget"] < row["max_cache"] <= row["budget"] + 7
+        else:  # every step at the budget
+            assert row["max_cache"] == row["budget"]
+    assert sweep.run(BUDGET_SWEEP, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 0
+    assert rows(tmp_path) == stored
+    assert sweep.status(BUDGET_SWEEP, tmp_path, by_cut=True) == {
+        ("arithmetic_reasoning", "full"): (2, 2), ("arithmetic_reasoning", "B=170"): (8, 8),
+        ("arithmetic_reasoning", "B=180"): (8, 8)}
+    quality = Store(tmp_path.parent).quality_vs_compression(task="arithmetic_reasoning")
+    assert quality[["policy", "absolute_budget", "samples"]].fillna(-1).values.tolist() == [
+        ["full", -1, 2], ["h2o", 170, 2], ["h2o", 180, 2], ["streaming", 170, 2], ["streaming", 180, 2],
+        ["tova", 170, 2], ["tova", 180, 2]]  # avokv at interval = 8 is another setting
+    assert quality.compression.isna().all()
+
+
+def budget_store(tmp_path: Path) -> Store:
+    """One compression task and one budget task; two budgets of one sample must stay two cells."""
+    row = {"source": "measured", "sweep": "s", "model": "m", "seed": 0, "params": {}, "metric": "math",
+           "max_new_tokens": 8, "chat": True}
+    write_rows(tmp_path / "s", [
+        {**row, "task": "needle", "prompt_len": 100, "policy": "full", "compression": 0.5, "sample": 0, "score": 1.0,
+         "hit_max_tokens": False},
+        {**row, "task": "needle", "prompt_len": 100, "policy": "tova", "compression": 0.5, "sample": 0, "score": 0.5,
+         "hit_max_tokens": False},
+        {**row, "task": "needle", "prompt_len": 100, "policy": "tova", "compression": 0.9, "sample": 0, "score": 0.0,
+         "hit_max_tokens": True},
+        {**row, "task": "reason", "prompt_len": 70, "policy": "full", "compression": None, "sample": 0, "score": 1.0,
+         "hit_max_tokens": False},
+        *({**row, "task": "reason", "prompt_len": 70, "policy": "tova", "compression": None, "absolute_budget": budget,
+           "sample": 0, "score": score, "hit_max_tokens": hit} for budget, score, hit in ((64, 0.0, True),
+                                                                                       (128, 1.0, False))),
+        # the same task at a compression: another cell, not a budget
+        {**row, "task": "reason", "prompt_len": 70, "policy": "tova", "compression": 0.5, "sample": 0, "score": 0.25,
+         "hit_max_tokens": True}])
+    return Store(tmp_path)
+
+
+def test_the_store_keeps_budget_cells_apart_from_each_other_and_from_compressions(tmp_path):
+    store = budget_store(tmp_path)
+    assert not store.problems
+    quality = store.quality_vs_compression(task="reason")
+    assert quality[["policy", "compression", "absolute_budget", "score"]].fillna(-1).values.tolist() == [
+        ["full", -1, -1, 1.0], ["tova", 0.5, -1, 0.25], ["tova", -1, 64, 0.0], ["tova", -1, 128, 1.0]]
+    hits = store.max_length_hits(task="reason")
+    assert hits[["policy", "compression", "absolute_budget", "hits"]].fillna(-1).values.tolist() == [
+        ["full", -1, -1, 0], ["tova", 0.5, -1, 1], ["tova", -1, 64, 1], ["tova", -1, 128, 0]]
+    stored = store.frame("SELECT count(*) AS n FROM results WHERE task = 'reason'")
+    assert stored.n[0] == 4  # the dedup keeps both budgets of sample 0
+    # relative quality (per compression ratio, as the papers' tables): the compression cell alone
+    relative = store.paper_comparison("reason")
+    assert relative[["policy", "compression", "relative"]].values.tolist() == [["tova", 0.5, 0.25]]
+
+
+def test_quality_and_hits_figures_put_budget_cells_on_a_budget_axis(tmp_path):
+    from kvviz.ui.results import query
+
+    store = budget_store(tmp_path)
+    outputs = query(store, "(all)", "(all)", [], "measured")
+    quality, hits = outputs[0], outputs[3]
+    for figure in (quality, hits):
+        drawn = {(trace.xaxis, trace.name): list(trace.x) for trace in figure.data}
+        axes = {trace.xaxis: figure.layout[trace.xaxis.replace("x", "xaxis")].title.text for trace in figure.data}
+        # panels: needle on ρ; reason at a compression on ρ, and at its budgets on a budget axis of its own;
+        # the full cache is the flat reference in each
+        budget_axis = next(axis for axis, title in axes.items() if title == "KV budget (tokens)")
+        assert drawn[(budget_axis, "tova")] == [64, 128] and drawn[(budget_axis, "full")] == [64, 128]
+        assert sorted(title for title in axes.values()) == ["KV budget (tokens)", "compression ρ", "compression ρ"]
+        assert all(max(x) <= 1 for (axis, _), x in drawn.items() if axis != budget_axis)
+    assert quality.layout.title.text.startswith("Quality vs compression or KV budget")
+    assert hits.layout.title.text.startswith("Max-length hits vs compression or KV budget")
+    assert [list(t.y) for t in hits.data if t.name == "tova" and list(t.x) == [64, 128]] == [[1.0, 0.0]]
+
+
+def test_results_command_labels_budget_columns(tmp_path, capsys):
+    from kvviz.cli import main
+
+    budget_store(tmp_path)
+    assert main(["results", "--root", str(tmp_path), "--task", "reason"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("compression / budget"))
+    assert header.split()[3:] == ["0.5", "B=64", "B=128", "tok/s"]
+    tova = [line.split() for line in out.splitlines() if line.startswith("tova")]
+    assert tova[0][:7] == ["tova", "0.25", "(1)", "0.00", "(1)", "1.00", "(1)"]  # quality
+    assert tova[1] == ["tova", "1.00", "(1/1)", "1.00", "(1/1)", "0.00", "(0/1)"]  # max-length hits

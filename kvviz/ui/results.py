@@ -48,12 +48,58 @@ def _empty(fig: go.Figure, text: str = "no rows for these filters") -> go.Figure
 
 
 FACETS = ("source", "model", "task")  # what splits a figure into panels, when it varies
+# The x axis of each kind of cell in the quality and max-length-hits figures: a compression cell sits at its ρ,
+# a budget cell at its absolute budget (AvoKV-E's reasoning regime); a panel holds one kind.
+CUT_AXES = {"compression": "compression ρ", "absolute_budget": "KV budget (tokens)"}
 
 
 def _label(column: str, value) -> str:
     if column == "compression":
         return "full" if value != value else f"ρ={value:g}"  # NaN: the full cache has no ρ
     return str(value)
+
+
+def _cut_label(compression, budget) -> str:
+    """How a row cut the cache: ``B=64`` (an absolute budget), ``ρ=0.5``, or ``full`` (neither)."""
+    if not pd.isna(budget):  # NaN or NA: a compression cell, or the full cache
+        return f"B={budget:g}"
+    return _label("compression", float("nan") if pd.isna(compression) else compression)
+
+
+def _with_budgets(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with an ``absolute_budget`` column of floats, NaN where none (the store's is a nullable
+    integer, whose NA neither compares nor mixes with ρ); a frame without one holds compression cells alone."""
+    if "absolute_budget" not in frame:
+        return frame.assign(absolute_budget=float("nan"))
+    return frame.assign(absolute_budget=frame["absolute_budget"].astype(float))
+
+
+def _versus(frame: pd.DataFrame) -> str:
+    """What the policies' cells in ``frame`` vary, for a figure's title: compression, KV budget or both."""
+    cells = _with_budgets(frame)
+    cells = cells[cells.policy != "full"] if "policy" in cells else cells
+    budget = cells.absolute_budget.notna()
+    if budget.empty or not budget.any():
+        return "compression"
+    return "KV budget" if budget.all() else "compression or KV budget"
+
+
+def _on_cut_axes(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with each row's x axis (``axis``: a key of CUT_AXES) and its place on it (``position``).
+
+    The full cache has neither a ρ nor a budget: it is drawn, as the usual flat reference, in every panel of
+    its source / model / task, of either kind."""
+    frame = _with_budgets(frame)
+    budget = frame["absolute_budget"].notna()
+    placed = frame.assign(axis=budget.map({True: "absolute_budget", False: "compression"}),
+                          position=frame["absolute_budget"].where(budget, frame["compression"]))
+    full = placed.policy.eq("full") if "policy" in placed else pd.Series(False, index=placed.index)
+    if not full.any() or not budget.any():
+        return placed
+    facets = [c for c in FACETS if c in placed]
+    kinds = placed[~full][[*facets, "axis"]].drop_duplicates()
+    references = placed[full].drop(columns="axis").merge(kinds, on=facets, how="left")
+    return pd.concat([placed[~full], references.fillna({"axis": "compression"})], ignore_index=True)
 
 
 def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = None, columns: int = 3):
@@ -65,18 +111,21 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
     figure and ``[(panel keys, rows, row, col)]`` in drawing order; :func:`_axis_titles` labels the x axes
     once the traces are in.
     """
-    varying = [c for c in FACETS if c in frame and frame[c].nunique(dropna=False) > 1]
+    # ``axis`` (from _on_cut_axes) splits panels too, where both kinds occur; each panel's x title names it
+    varying = [c for c in (*FACETS, "axis") if c in frame and frame[c].nunique(dropna=False) > 1]
     fixed = [_label(c, frame[c].iloc[0]) for c in FACETS if c in frame and c not in varying and not frame.empty]
     groups = list(frame.groupby(varying, dropna=False, sort=True)) if varying else [((), frame)]
     columns = min(columns, len(groups))
     rows = math.ceil(len(groups) / columns)
-    titles = [" · ".join(_label(c, v) for c, v in zip(varying, keys if isinstance(keys, tuple) else (keys,)))
-              for keys, _ in groups] if varying else None
+    titles = [" · ".join(_label(c, v) for c, v in zip(varying, keys if isinstance(keys, tuple) else (keys,))
+                         if c != "axis") for keys, _ in groups] if varying else None
     height = 120 + 260 * rows
+    gap = 95 if "axis" in varying else 70  # room for ticks and a title (and an x title on every panel)
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.1 if y2label else 0.06,
-                        vertical_spacing=70 / (height - MARGIN["t"] - MARGIN["b"]),  # room for ticks and a title
+                        vertical_spacing=gap / (height - MARGIN["t"] - MARGIN["b"]),
                         specs=[[{"secondary_y": bool(y2label)}] * columns] * rows)
     panels, first_axis = [], {}  # (source, secondary) -> the axis the others of that source match
+    first_x = {}  # kind of x axis -> the x axis the other panels of that kind match
     for index, (keys, part) in enumerate(groups):
         row, col = index // columns + 1, index % columns + 1
         panels.append((keys, part, row, col))
@@ -92,8 +141,11 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
         if y2label and (col == columns or index == len(groups) - 1):
             fig.update_yaxes(title_text=y2label, row=row, col=col, secondary_y=True)
         fig.update_yaxes(title_text=ylabel if col == 1 else None, row=row, col=col, secondary_y=False)
-        if index:
-            fig.update_xaxes(matches="x", row=row, col=col)  # one x range: panels compare at a glance
+        kind = part["axis"].iloc[0] if "axis" in part and not part.empty else None
+        x_axis = fig.get_subplot(row, col, secondary_y=False).xaxis.plotly_name.replace("axis", "")  # "x3"
+        if first_x.setdefault(kind, x_axis) != x_axis:
+            # one x range per kind: panels compare at a glance
+            fig.update_xaxes(matches=first_x[kind], row=row, col=col)
     fig.update_layout(title=title + (f" · {' · '.join(fixed)}" if fixed else ""), height=height,
                       margin=MARGIN, legend=dict(font=dict(size=10)))
     fig.update_annotations(font_size=11)
@@ -104,7 +156,14 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
 
 def _axis_titles(fig: go.Figure, panels: list, xlabel: str) -> None:
     """The x title under the lowest panel of each column only: above, it would collide with the titles of
-    the panels below."""
+    the panels below.  Panels on a compression and on a budget axis (:func:`_on_cut_axes`) each have their
+    own title, with room made for it; panels all on one such axis get its name instead of ``xlabel``."""
+    kinds = [part["axis"].iloc[0] if "axis" in part and not part.empty else None for _, part, _, _ in panels]
+    if len(set(kinds)) > 1:
+        for (_, _, row, col), kind in zip(panels, kinds):
+            fig.update_xaxes(title_text=CUT_AXES[kind], row=row, col=col)
+        return
+    xlabel = CUT_AXES.get(kinds[0], xlabel) if kinds else xlabel
     lowest = {}
     for _, _, row, col in panels:
         lowest[col] = max(row, lowest.get(col, 0))
@@ -114,13 +173,19 @@ def _axis_titles(fig: go.Figure, panels: list, xlabel: str) -> None:
 
 def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str,
                  colours: Colours | None = None) -> go.Figure:
-    """``y`` against ``x``, a panel per source / model / task, a line per policy (and compression, if not x).
+    """``y`` against ``x``, a panel per source / model / task, a line per policy (and compression or budget,
+    if not x).  With x = ``"compression"``, budget cells are drawn against their budget in panels of their own
+    (:func:`_on_cut_axes`), and ``xlabel`` is the compression axis's title only.
 
     A line has one colour and one legend entry across the panels (a policy its usual colour); clicking it
     in the legend toggles it everywhere.  Paper rows are dashed.
     """
+    cuts = [c for c in ("compression", "absolute_budget") if c in frame]
+    reference = x == "compression"  # the full cache is then a flat line across each panel
+    if reference:
+        frame, x, cuts = _on_cut_axes(frame), "position", []
     fig, panels = _facets(frame, title, ylabel)
-    line_cols = [c for c in ("policy", "compression") if c in frame and c != x]
+    line_cols = [c for c in ("policy",) if c in frame] + cuts
     palette = {}  # lines that are not a single policy (α sensitivity: one per ρ) share colours across panels
     shown = set()
     for _, panel, row, col in panels:
@@ -128,12 +193,13 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             keys = keys if isinstance(keys, tuple) else (keys,)
             values = dict(zip(line_cols, keys))
             policy = values.get("policy")
-            label = " · ".join(_label(c, v) for c, v in values.items())
+            label = " · ".join([str(policy)] * ("policy" in values) + [
+                _cut_label(values.get("compression"), values.get("absolute_budget"))] * bool(cuts))
             colour = colours(policy) if colours and line_cols == ["policy"] else None
             colour = colour or palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
             dash = "dash" if part["source"].iloc[0] == "paper" else "solid"
             xs, ys = part[x], part[y]
-            if x == "compression" and policy == "full" and len(part) == 1 and panel[x].notna().any():
+            if reference and policy == "full" and len(part) == 1 and panel[x].notna().any():
                 # The full cache does not depend on the compression: a reference across the panel's range.
                 xs, ys, dash = [panel[x].min(), panel[x].max()], [ys.iloc[0]] * 2, "dot"
             # ± one standard error over samples, where there are several (paper rows are single numbers)
@@ -155,8 +221,8 @@ def _hits_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
                                    "not per run)" if frame.empty else
                       f"none of the {int(frame.rows.sum())} measured rows for these filters records max-length hits "
                       "(hit_max_tokens): they were written before sweeps recorded it; a new sweep records it")
-    fig = _line_figure(recorded, "compression", "hit_rate", "Max-length hits vs compression (share of generations "
-                       "that reached max_new_tokens instead of ending; each policy at its defaults)",
+    fig = _line_figure(recorded, "compression", "hit_rate", f"Max-length hits vs {_versus(recorded)} (share of "
+                       "generations that reached max_new_tokens instead of ending; each policy at its defaults)",
                        "compression ρ", "max-length hit rate", colours)
     fig.update_yaxes(range=[-0.05, 1.05])  # a share: 1 of 20 should not fill the panel
     return fig
@@ -229,13 +295,13 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.
 
 def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
     """Score (left axis) and decode speed (right axis, dotted) against the refresh interval, a panel per
-    source / model / task and a colour per compression."""
+    source / model / task and a colour per compression (or absolute budget)."""
     fig, panels = _facets(frame, "Refresh interval r (0 = score-free): quality and decode speed", "mean score",
                           y2label="decode tok/s (measured)")
     palette, shown = {}, set()
     for _, panel, row, col in panels:
-        for compression, part in panel.groupby("compression", dropna=False, sort=True):
-            label = _label("compression", compression)
+        for cut, part in _with_budgets(panel).groupby(["compression", "absolute_budget"], dropna=False, sort=True):
+            label = _cut_label(*cut)
             colour = palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
             dash = "dash" if part["source"].iloc[0] == "paper" else "solid"
             fig.add_scatter(x=part.refresh, y=part.score, name=f"{label} score", legendgroup=f"{label} score",
@@ -253,20 +319,21 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
 
 
 def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
-    """Quality against measured decode speed, one point per (policy, compression), averaged over tasks."""
+    """Quality against measured decode speed, one point per (policy, compression or budget), averaged over
+    tasks."""
     fig = go.Figure()
     if frame.empty:
         return _empty(fig, "no measured rows with a decode speed for these filters")
-    per_point = frame.groupby(["model", "policy", "compression"], as_index=False, dropna=False)[
-        ["score", "decode_tok_s", "max_cache"]].mean()
+    per_point = _with_budgets(frame).groupby(["model", "policy", "compression", "absolute_budget"], as_index=False,
+                                              dropna=False)[["score", "decode_tok_s", "max_cache"]].mean()
     several = per_point.model.nunique() > 1
     for (model, policy), part in per_point.groupby(["model", "policy"]):
+        cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
         fig.add_scatter(x=part.decode_tok_s, y=part.score, name=f"{policy} · {model}" if several else policy,
-                        mode="markers+text",
-                        text=[f"ρ={c:g}" if c == c else "full" for c in part.compression], textposition="top center",
+                        mode="markers+text", text=cuts, textposition="top center",
                         textfont=dict(size=9), marker=dict(size=10, color=colours(policy)),
-                        customdata=part[["compression", "max_cache"]].values,
-                        hovertemplate=(f"{policy}<br>ρ=%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
+                        customdata=list(zip(cuts, part.max_cache)),
+                        hovertemplate=(f"{policy}<br>%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
                                        "%{x:.2f} tok/s<br>largest cache %{customdata[1]:.0f}<extra></extra>"))
     fig.update_layout(title="Quality vs decode speed (measured, mean over the selected tasks)", height=400,
                       xaxis_title="decode tok/s", yaxis_title="mean score", margin=MARGIN,
@@ -275,13 +342,13 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
 
 
 def _grid_figure(frame: pd.DataFrame) -> go.Figure:
-    """One heatmap (depth × context length) per (policy, compression)."""
+    """One heatmap (depth × context length) per (policy, compression or absolute budget)."""
     if frame.empty:
         return _empty(go.Figure(), "no needle-grid rows")
-    panels = list(frame.groupby(["policy", "compression"], dropna=False))
+    panels = list(_with_budgets(frame).groupby(["policy", "compression", "absolute_budget"], dropna=False))
     columns = min(5, len(panels))
     rows = math.ceil(len(panels) / columns)
-    titles = [f"{p} (full)" if c != c else f"{p} ρ={c:g}" for (p, c), _ in panels]
+    titles = [f"{p} (full)" if c != c and b != b else f"{p} {_cut_label(c, b)}" for (p, c, b), _ in panels]
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.03,
                         vertical_spacing=0.12 / max(rows, 1) + 0.04)
     for index, (_, part) in enumerate(panels):
@@ -343,7 +410,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     grid = store.needle_grid(model, policies, source)
     figures = [
         (_line_figure(quality, "compression", "score",
-                      "Quality vs compression (each policy at its defaults; bars: ± 1 standard error)",
+                      f"Quality vs {_versus(quality)} (each policy at its defaults; bars: ± 1 standard error)",
                       "compression ρ", "mean score", colours), quality, "quality_vs_compression"),
         (_hits_figure(hits, colours), hits, "max_length_hits"),
         (_paired_figure(differences, reference, colours), differences, f"paired_vs_{reference}"),
