@@ -693,7 +693,8 @@ def test_budget_configs_that_validate(changes):
       "policies": ["streaming"]},
      "2 policy × task × budget or compression cell\\(s\\) cannot run: streaming at compression 0.99 on single_needle "
      "\\(300 tokens, budget 3\\): budget 3 must exceed the 4 sink tokens.*; streaming at budget 4 on single_needle "
-     "\\(300 tokens, budget 4\\): .*own budgets .* or own compressions|.*own compressions .* or raise the task's length"),
+     "\\(300 tokens, budget 4\\): .* give it its own budgets .* or give it its own compressions .* or raise the "
+     "task's length$"),
 ])
 def test_bad_budget_configs_are_refused_saying_what_to_change(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -724,7 +725,8 @@ def test_a_budget_sweep_writes_budget_cells_and_resumes(tmp_path, tiny):
     assert sweep.run(BUDGET_SWEEP, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 18
     stored = rows(tmp_path)
     full = [r for r in stored if r["policy"] == "full"]
-    assert [(r["compression"], r["absolute_budget"], r["cell"].endswith(", null]")) for r in full] == [(None, None, True)] * 2
+    assert [(r["compression"], r["absolute_budget"], r["cell"].endswith(", null]")) for r in full] == [
+        (None, None, True)] * 2
     budget_rows = [r for r in stored if r["policy"] != "full"]
     assert sorted({r["absolute_budget"] for r in budget_rows}) == [170, 180]
     for row in budget_rows:

@@ -186,6 +186,7 @@ def test_math_metric_scores_arithmetic_answers(tiny):
     # a box wins over a later number; without one (or with the instruction's empty box) the last number counts
     assert math_equal(f"\\boxed{{{wrong}}} since {right} is wrong", sample.answers) == 0.0
     assert math_equal(f"So, the final answer is {right}.", sample.answers) == 1.0
-    assert math_equal(f"So, the final answer is {right}. The final answer is within \\boxed{{}}.", sample.answers) == 1.0
+    echoed = f"So, the final answer is {right}. The final answer is within \\boxed{{}}."
+    assert math_equal(echoed, sample.answers) == 1.0
     assert math_equal(f"So, the final answer is {wrong}.", sample.answers) == 0.0
     assert math_equal("no number at all", sample.answers) == 0.0
