@@ -487,7 +487,7 @@ def _print_paired(store, root: Path, args, policies) -> int:
             + (" *" if row.significant else "") for row in part.itertuples()])
         print(f"\n{task} · {model} · vs {args.vs}")
         with pd.option_context("display.width", 250):
-            print(cells.pivot(index="policy", columns="compression", values="cell").fillna("").to_string())
+            print(_by_cut(cells, "cell").to_string())
     return 0
 
 

@@ -101,34 +101,41 @@ def paired_delta(strata: Sequence[np.ndarray], confidence: float = 0.95, resampl
 
 
 def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int = 9999) -> pd.DataFrame:
-    """Per (model, task, policy, compression), the paired difference to the reference; and per benchmark
-    suite with two or more tasks, the same over its tasks (stratified by task), labelled ``"<suite>: mean of
+    """Per (model, task, policy, compression or absolute budget), the paired difference to the reference; and
+    per benchmark suite with two or more tasks, the same over its tasks (stratified by task), labelled ``"<suite>: mean of
     k tasks"``.
 
     Parameters
     ----------
     pairs : DataFrame
         One row per paired sample, as :meth:`kvviz.store.Store.paired_scores` returns it: ``model``,
-        ``suite``, ``task``, ``policy``, ``compression``, ``score`` and ``reference_score``.
+        ``suite``, ``task``, ``policy``, ``compression``, ``absolute_budget`` (optional), ``score`` and
+        ``reference_score``.
 
     Returns
     -------
     DataFrame
-        ``model``, ``task``, ``policy``, ``compression``, ``score`` and ``reference`` (the two means over
+        ``model``, ``task``, ``policy``, ``compression``, ``absolute_budget`` (NaN for a compression cell),
+        ``score`` and ``reference`` (the two means over
         the pairs), then the :class:`PairedDelta` fields and ``significant``.
     """
-    columns = ["model", "task", "policy", "compression", "score", "reference", *PairedDelta.__dataclass_fields__,
-               "significant"]
+    columns = ["model", "task", "policy", "compression", "absolute_budget", "score", "reference",
+               *PairedDelta.__dataclass_fields__, "significant"]
     if pairs.empty:
         return pd.DataFrame(columns=columns)
     pairs = pairs.assign(difference=pairs.score - pairs.reference_score)
+    if "absolute_budget" not in pairs:
+        pairs = pairs.assign(absolute_budget=float("nan"))
+    # the store's nullable integer: NA would not group with NaN-free keys
+    pairs = pairs.assign(absolute_budget=pairs.absolute_budget.astype(float))
     rows = []
-    keys = ["model", "policy", "compression"]
-    for (model, policy, compression), group in pairs.groupby(keys, dropna=False, sort=True):
+    keys = ["model", "policy", "compression", "absolute_budget"]
+    for (model, policy, compression, budget), group in pairs.groupby(keys, dropna=False, sort=True):
+        cut = dict(compression=compression, absolute_budget=budget)
         by_task = {task: part for task, part in group.groupby("task", sort=True)}
         for task, part in by_task.items():
             result = paired_delta([part.difference.to_numpy()], confidence, resamples)
-            rows.append(dict(model=model, task=task, policy=policy, compression=compression,
+            rows.append(dict(model=model, task=task, policy=policy, **cut,
                              score=part.score.mean(), reference=part.reference_score.mean(), **asdict(result),
                              significant=result.significant))
         for suite, part in group.groupby("suite", sort=True):
@@ -136,8 +143,7 @@ def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int =
             if len(tasks) < 2:
                 continue
             result = paired_delta([by_task[t].difference.to_numpy() for t in tasks], confidence, resamples)
-            rows.append(dict(model=model, task=f"{suite}: mean of {len(tasks)} tasks", policy=policy,
-                             compression=compression,
+            rows.append(dict(model=model, task=f"{suite}: mean of {len(tasks)} tasks", policy=policy, **cut,
                              score=np.mean([by_task[t].score.mean() for t in tasks]),
                              reference=np.mean([by_task[t].reference_score.mean() for t in tasks]),
                              **asdict(result), significant=result.significant))

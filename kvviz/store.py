@@ -122,15 +122,17 @@ class Store:
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
         # ``setting`` = the row's parameters that differ from its policy's defaults ('{}' at the default);
         # ``suite`` = the benchmark its task belongs to.
-        # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia) counts once;
-        # a cell generated with other settings (max_new_tokens, chat template) is another experiment and stays.
+        # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia) counts once --
+        # the full cache whatever ρ or budget each sweep filed it under, since it has neither; a cell generated
+        # with other settings (max_new_tokens, chat template) is another experiment and stays.
         self.con.execute(
             f"CREATE TABLE results AS SELECT * FROM ("
             f"SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
             f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
             "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')) "
             "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
-            "seed, policy, setting, compression, absolute_budget, prompt_len, max_new_tokens, chat ORDER BY sweep) = 1")
+            f"seed, policy, setting, {', '.join(self._CUT_BY.values())}, "
+            "prompt_len, max_new_tokens, chat ORDER BY sweep) = 1")
         for folder, rows in self.con.execute(
                 "SELECT folder, count(*) FROM results WHERE source = 'measured' AND unknown_settings "
                 "GROUP BY folder ORDER BY folder").fetchall():
@@ -226,8 +228,9 @@ class Store:
 
     # How a row cut the cache, as the figures group it: its compression or its absolute budget, never both;
     # the full cache's rows (stored at a sweep's first compression, or at neither) have neither.
-    _CUT = ("CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression, "
-            "CASE WHEN policy = 'full' THEN NULL ELSE absolute_budget END AS absolute_budget")
+    _CUT_BY = {"compression": "CASE WHEN policy = 'full' THEN NULL ELSE compression END",
+               "absolute_budget": "CASE WHEN policy = 'full' THEN NULL ELSE absolute_budget END"}
+    _CUT = ", ".join(f"{expression} AS {name}" for name, expression in _CUT_BY.items())
 
     def _filters(self, task, model, source, policies) -> tuple[str, list]:
         sql = ("(? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?) "
@@ -381,23 +384,26 @@ class Store:
         prompt, for paired comparisons (:mod:`kvviz.stats`); every policy at its defaults.
 
         A pair is the same model, task, sample, seed, prompt length and generation settings, at the same
-        compression -- except against the full cache, which has none and pairs with every compression.  The
-        full cache is not compared with another reference (its row has no compression to pair at: compare
-        against ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
-        ``sample``, ``score``, ``reference_score``.
+        compression or absolute budget -- except against the full cache, which has neither and pairs with every
+        cut.  The full cache is not compared with another reference (it has no cut to pair at: compare against
+        ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
+        ``absolute_budget``, ``sample``, ``score``, ``reference_score``.
         """
         where, params = self._filters(task, model, "measured", None)
         return self.frame(
             f"""
             WITH rows AS (SELECT * FROM results WHERE setting = '{{}}' AND sample IS NOT NULL AND {where})
-            SELECT p.model, p.suite, p.task, p.policy, p.compression, p.sample, p.score, r.score AS reference_score
+            SELECT p.model, p.suite, p.task, p.policy, p.compression, p.absolute_budget, p.sample, p.score,
+                   r.score AS reference_score
             FROM rows p JOIN rows r
               ON r.policy = ? AND p.policy NOT IN (?, 'full') AND p.model = r.model AND p.task = r.task
-             AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed AND p.prompt_len = r.prompt_len
+             AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed
+             AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
              AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat
-             AND (r.policy = 'full' OR p.compression = r.compression)
+             AND (r.policy = 'full' OR (p.compression IS NOT DISTINCT FROM r.compression
+                                        AND p.absolute_budget IS NOT DISTINCT FROM r.absolute_budget))
             WHERE (? IS NULL OR list_contains(?, p.policy))
-            ORDER BY p.model, p.task, p.policy, p.compression, p.sample
+            ORDER BY p.model, p.task, p.policy, p.absolute_budget NULLS FIRST, p.compression, p.sample
             """, [*params, reference, reference, policies, policies])
 
     def other_settings(self, task=None, model=None, policies=None, source=None) -> pd.DataFrame:

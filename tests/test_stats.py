@@ -129,7 +129,7 @@ def test_results_command_prints_paired_differences(tmp_path, capsys):
     assert "+0.000 [+0.000, +0.000] 0/3/0" in lazy and "-0.167 [" in lazy and "0/2/1" in lazy
     assert "*" not in lazy  # one loss in three
     assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia", "--csv"]) == 0
-    assert capsys.readouterr().out.startswith("model,task,policy,compression,score,reference,delta,low,high")
+    assert capsys.readouterr().out.startswith("model,task,policy,compression,absolute_budget,score,reference,delta")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -165,3 +165,47 @@ def test_results_tab_draws_each_policys_interval_around_zero(tmp_path):
     assert "to inertia" in fallback.layout.title.text
     paper = results.query(store, results.ALL, results.ALL, [], "paper", reference="inertia")
     assert paper[index + 1].empty
+
+
+def test_the_full_cache_filed_under_two_sweeps_pairs_once(tmp_path):
+    """Each sweep files its full-cache run under its own first ρ; it is one generation, counted once."""
+    base = {"source": "measured", "model": "m", "task": "single_needle", "params": {}, "metric": "string_match",
+            "seed": 0, "prompt_len": 100, "max_new_tokens": 24, "chat": True}
+    a = [{**base, "sweep": "a", "sample": i, "policy": "full", "compression": 0.5, "score": 1.0} for i in range(5)]
+    a += [{**base, "sweep": "a", "sample": i, "policy": "inertia", "compression": 0.9, "score": float(i > 2)}
+          for i in range(5)]
+    b = [{**base, "sweep": "b", "sample": i, "policy": "full", "compression": 0.9, "score": 1.0} for i in range(5)]
+    for name, rows in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = Store(tmp_path)
+    pairs = store.paired_scores("full")
+    assert len(pairs) == 5 and sorted(pairs["sample"]) == [0, 1, 2, 3, 4]
+    row = paired_table(pairs).iloc[0]
+    assert (row.wins, row.ties, row.losses) == (0, 2, 3)
+    full = store.quality_vs_compression(policies=["full"])
+    assert full.samples.tolist() == [5]
+
+
+def test_budget_cells_pair_at_their_own_budget(tmp_path):
+    base = {"source": "measured", "model": "m", "task": "arithmetic_reasoning", "params": {}, "metric": "math",
+            "seed": 0, "prompt_len": 70, "max_new_tokens": 256, "chat": True, "compression": None}
+    rows = []
+    for i in range(4):
+        rows.append({**base, "sample": i, "policy": "full", "score": 1.0})
+        for budget, lazy_score in ((64, 0.0), (128, 1.0)):
+            rows.append({**base, "sample": i, "policy": "inertia", "absolute_budget": budget, "budget": budget,
+                         "score": 1.0})
+            rows.append({**base, "sample": i, "policy": "inertia-lazy", "absolute_budget": budget, "budget": budget,
+                         "score": lazy_score})
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = Store(tmp_path)
+    table = paired_table(store.paired_scores("inertia", policies=["inertia-lazy"]))
+    assert table.set_index("absolute_budget").delta.to_dict() == {64.0: -1.0, 128.0: 0.0}
+    assert table.pairs.tolist() == [4, 4] and table.compression.isna().all()
+    assert len(store.paired_scores("full", policies=["inertia"])) == 8  # each budget against the one full run
+    out = results.query(store, results.ALL, results.ALL, [], "measured", reference="inertia")
+    figure = out[3 * results.SECTIONS.index("Paired differences")]
+    assert sorted(figure.data[0].x) == pytest.approx([64, 128])  # on the budget axis (one policy: no nudge)
+    assert figure.layout.xaxis.title.text == "KV budget (tokens)"

@@ -229,27 +229,30 @@ def _hits_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
 
 
 def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours) -> go.Figure:
-    """Each policy's paired difference to ``reference`` against compression, with its bootstrap interval,
-    a panel per model / task (and per suite over its tasks); the policies are nudged apart on x so that
-    intervals at the same ρ do not hide each other."""
-    fig, panels = _facets(frame.assign(source="measured"), f"Paired difference to {reference} on the same samples "
-                          "(mean Δ; bars: 95% paired-bootstrap interval; filled: sign test p < 0.05)",
-                          f"Δ score vs {reference}")
+    """Each policy's paired difference to ``reference`` against compression (budget cells against their budget,
+    in panels of their own), with its bootstrap interval, a panel per model / task (and per suite over its
+    tasks); the policies are nudged apart on x so that intervals at the same cut do not hide each other."""
+    frame = frame.assign(source="measured")
+    placed = _on_cut_axes(frame) if not frame.empty else frame.assign(axis="compression", position=frame.compression)
+    fig, panels = _facets(placed, f"Paired difference to {reference} on the same samples (mean Δ; bars: 95% "
+                          "paired-bootstrap interval; filled: sign test p < 0.05)", f"Δ score vs {reference}")
     policies = sorted(frame.policy.unique()) if not frame.empty else []
-    spread = 0.012 * (frame.compression.max() - frame.compression.min() or 1) if not frame.empty else 0
     shown = set()
     for _, panel, row, col in panels:
         fig.add_hline(y=0, line=dict(color="grey", width=1), row=row, col=col)
+        spread = 0.012 * ((panel.position.max() - panel.position.min()) or 1) if len(panel) else 0
         for policy, part in panel.groupby("policy", sort=True):
             nudge = spread * (policies.index(policy) - (len(policies) - 1) / 2)
+            cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
             fig.add_scatter(
-                x=part.compression + nudge, y=part.delta, name=policy, legendgroup=policy,
+                x=part.position + nudge, y=part.delta, name=policy, legendgroup=policy,
                 showlegend=policy not in shown, mode="lines+markers", line=dict(color=colours(policy)),
                 marker=dict(symbol=["circle" if flag else "circle-open" for flag in part.significant], size=8),
                 error_y=dict(type="data", array=part.high - part.delta, arrayminus=part.delta - part.low,
                              visible=True, thickness=1),
-                customdata=part[["compression", "low", "high", "wins", "ties", "losses", "pairs", "p_sign"]].values,
-                hovertemplate=(f"{policy} − {reference}<br>ρ=%{{customdata[0]}}<br>Δ %{{y:+.3f}} "
+                customdata=list(zip(cuts, *(part[c] for c in ("low", "high", "wins", "ties", "losses", "pairs",
+                                                             "p_sign")))),
+                hovertemplate=(f"{policy} − {reference}<br>%{{customdata[0]}}<br>Δ %{{y:+.3f}} "
                                "[%{customdata[1]:+.3f}, %{customdata[2]:+.3f}]<br>wins/ties/losses "
                                "%{customdata[3]}/%{customdata[4]}/%{customdata[5]} of %{customdata[6]}"
                                "<br>sign test p = %{customdata[7]:.3g}<extra></extra>"),
