@@ -419,6 +419,8 @@ def cmd_results(args) -> int:
                                  "--policies": ("policy", policies or [])})
     if args.paper and args.vs:
         raise ValueError("--paper and --vs are two different tables; give one of them")
+    if args.settings and not args.vs:
+        raise ValueError("--settings adds parameter settings to the paired table: give --vs POLICY too")
     if args.paper:
         frame = store.paper_comparison(args.paper, policies)
         if frame.empty:
@@ -472,7 +474,7 @@ def _print_paired(store, root: Path, args, policies) -> int:
                          f"{', '.join(measured) or 'none'}")
     if args.source == "paper":
         raise ValueError("--vs pairs measured samples; the papers print aggregates, not samples: drop --source paper")
-    table = paired_table(store.paired_scores(args.vs, args.task, args.model, policies))
+    table = paired_table(store.paired_scores(args.vs, args.task, args.model, policies, settings=args.settings))
     if table.empty:
         raise ValueError(f"no measured samples pair with {args.vs} under these filters (same task, sample and "
                          f"compression); drop a filter or pick another --vs")
@@ -652,6 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--paper", metavar="SUITE", help="measured vs paper on this benchmark, e.g. RULER")
     res.add_argument("--vs", metavar="POLICY", help="each policy's paired difference to this one on the same "
                      "samples, with a bootstrap confidence interval and wins/ties/losses, e.g. --vs inertia")
+    res.add_argument("--settings", action="store_true", help="with --vs: also every other parameter setting run "
+                     "(the α and refresh sweeps), e.g. 'inertia alpha=0.9' against inertia at its defaults")
     res.add_argument("--csv", action="store_true", help="the long table as CSV instead")
     res.add_argument("--root", help="results folder (default: the repository's results_db/)")
     res.set_defaults(func=cmd_results)

@@ -379,32 +379,39 @@ class Store:
             GROUP BY ALL ORDER BY source, policy, absolute_budget NULLS FIRST, compression NULLS FIRST, length, depth
             """, params)
 
-    def paired_scores(self, reference: str, task=None, model=None, policies=None) -> pd.DataFrame:
-        """Each measured sample's score under a policy next to its score under ``reference`` on the same
-        prompt, for paired comparisons (:mod:`kvviz.stats`); every policy at its defaults.
+    def paired_scores(self, reference: str, task=None, model=None, policies=None, settings: bool = False) -> pd.DataFrame:
+        """Each measured sample's score under a policy next to its score under ``reference`` (at its defaults)
+        on the same prompt, for paired comparisons (:mod:`kvviz.stats`); every policy at its defaults, and with
+        ``settings`` also every other parameter setting that was run (α and refresh sweeps, ablations), each
+        named by what it changes (``"inertia alpha=0.9"``), the reference's own included.
 
         A pair is the same model, task, sample, seed, prompt length and generation settings, at the same
         compression or absolute budget -- except against the full cache, which has neither and pairs with every
         cut.  The full cache is not compared with another reference (it has no cut to pair at: compare against
         ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
-        ``absolute_budget``, ``sample``, ``score``, ``reference_score``.
+        ``absolute_budget``, ``sample``, ``score``, ``reference_score``, ``setting``.
         """
         where, params = self._filters(task, model, "measured", None)
-        return self.frame(
+        frame = self.frame(
             f"""
-            WITH rows AS (SELECT * FROM results WHERE setting = '{{}}' AND sample IS NOT NULL AND {where})
+            WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ?) AND sample IS NOT NULL AND {where})
             SELECT p.model, p.suite, p.task, p.policy, p.compression, p.absolute_budget, p.sample, p.score,
-                   r.score AS reference_score
+                   r.score AS reference_score, p.setting
             FROM rows p JOIN rows r
-              ON r.policy = ? AND p.policy NOT IN (?, 'full') AND p.model = r.model AND p.task = r.task
+              ON r.policy = ? AND r.setting = '{{}}' AND p.policy <> 'full'
+             AND NOT (p.policy = r.policy AND p.setting = '{{}}') AND p.model = r.model AND p.task = r.task
              AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed
              AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
              AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat
              AND (r.policy = 'full' OR (p.compression IS NOT DISTINCT FROM r.compression
                                         AND p.absolute_budget IS NOT DISTINCT FROM r.absolute_budget))
             WHERE (? IS NULL OR list_contains(?, p.policy))
-            ORDER BY p.model, p.task, p.policy, p.absolute_budget NULLS FIRST, p.compression, p.sample
-            """, [*params, reference, reference, policies, policies])
+            ORDER BY p.model, p.task, p.policy, p.setting, p.absolute_budget NULLS FIRST, p.compression, p.sample
+            """, [settings, *params, reference, policies, policies])
+        named = [policy if setting == "{}" else f"{policy} " + " ".join(
+            f"{name}={value}" for name, value in json.loads(setting).items())
+            for policy, setting in zip(frame.policy, frame.setting)]
+        return frame.assign(policy=named)
 
     def other_settings(self, task=None, model=None, policies=None, source=None) -> pd.DataFrame:
         """Rows that the per-policy queries leave out because they change a parameter from its default (α and

@@ -209,3 +209,26 @@ def test_budget_cells_pair_at_their_own_budget(tmp_path):
     figure = out[3 * results.SECTIONS.index("Paired differences")]
     assert sorted(figure.data[0].x) == pytest.approx([64, 128])  # on the budget axis (one policy: no nudge)
     assert figure.layout.xaxis.title.text == "KV budget (tokens)"
+
+
+def test_parameter_settings_pair_with_the_reference_at_its_defaults(tmp_path, capsys):
+    base = {"source": "measured", "model": "m", "task": "single_needle", "metric": "string_match", "seed": 0,
+            "prompt_len": 100, "max_new_tokens": 24, "chat": True, "compression": 0.9}
+    rows = []
+    for i in range(6):
+        rows.append({**base, "sample": i, "policy": "inertia", "params": {}, "score": 0.0})
+        rows.append({**base, "sample": i, "policy": "inertia", "params": {"alpha": 0.95}, "score": 1.0})
+        rows.append({**base, "sample": i, "policy": "inertia", "params": {"alpha": 0.8}, "score": 0.0})  # default
+        rows.append({**base, "sample": i, "policy": "tova", "params": {}, "score": float(i < 3)})
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = Store(tmp_path)
+    assert set(store.paired_scores("inertia").policy) == {"tova"}  # defaults only
+    table = paired_table(store.paired_scores("inertia", settings=True)).set_index("policy")
+    assert set(table.index) == {"tova", "inertia alpha=0.95"}  # alpha = 0.8 is the default: the reference itself
+    assert (table.loc["inertia alpha=0.95", "wins"], table.loc["inertia alpha=0.95", "p_sign"]) == (6, 2 / 64)
+    assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia", "--settings"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("inertia alpha=0.95"))
+    assert "+1.000 [+1.000, +1.000] 6/0/0 *" in line
+    assert cli.main(["results", "--root", str(tmp_path), "--settings"]) == 2
+    assert "give --vs POLICY too" in capsys.readouterr().err

@@ -189,8 +189,8 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", api_name="/results")
-        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", api_name="/results")
+        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, api_name="/results")
+        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, api_name="/results")
         assert len(everything) == 3 * len(SECTIONS)  # each figure with its table and CSV
 
         def at(section: str) -> int:  # where a section's figure is among the outputs

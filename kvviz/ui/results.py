@@ -381,14 +381,15 @@ def _csv(frame: pd.DataFrame, name: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def paired(store: Store, reference: str, task: str | None, model: str | None,
-           policies: tuple[str, ...] | None) -> pd.DataFrame:
+           policies: tuple[str, ...] | None, settings: bool = False) -> pd.DataFrame:
     """The paired-difference table (a few seconds of resampling: kept per filter combination; the store never
     changes while the app runs)."""
-    return paired_table(store.paired_scores(reference, task, model, list(policies) if policies else None))
+    return paired_table(store.paired_scores(reference, task, model, list(policies) if policies else None,
+                                            settings=settings))
 
 
 def query(store: Store, model: str, task: str, policies: list[str], source: str, suite: str | None = None,
-          colours: Colours | None = None, reference: str | None = None):
+          colours: Colours | None = None, reference: str | None = None, settings: bool = False):
     """Every figure, its table and its CSV for the current filters, in the tab's output order."""
     model = None if model in (None, ALL) else model
     task = None if task in (None, ALL) else task
@@ -401,7 +402,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     quality = store.quality_vs_compression(task, model, policies, source)
     references = store.options("policy", source="measured")
     reference = reference if reference in references else default_reference(references)
-    differences = paired(store, reference, task, model, tuple(policies) if policies else None) \
+    differences = paired(store, reference, task, model, tuple(policies) if policies else None, bool(settings)) \
         if reference and source != "paper" else paired_table(pd.DataFrame())  # papers print no samples
     hits = store.max_length_hits(task, model, policies)
     comparison = store.paper_comparison(suite, policies)
@@ -456,7 +457,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
         # measured first: paper scores are on each benchmark's own scale (0-100, 0-1, %), ours are 0-1
         source = gr.Radio([ALL, "measured", "paper"], value="measured", label="Source")
     outputs = []
-    suite = reference = None
+    suite = reference = settings = None
     for title in SECTIONS:
         with gr.Accordion(title, open=title in ("Quality vs compression", "Measured vs paper")):
             if title == "Measured vs paper":
@@ -475,16 +476,19 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "apart, whatever the interval (a few differing samples among many ties make it "
                             "narrow). Measured rows only.")
                 measured = store.options("policy", source="measured")
-                reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
+                with gr.Row():
+                    reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
+                    settings = gr.Checkbox(False, label="Also parameter sweeps (α, refresh: e.g. 'inertia alpha=0.9' "
+                                           "against the reference at its defaults)")
             plot = gr.Plot()
             table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
             outputs += [plot, table, csv]
-    filters = [model, task, policies, source, suite, reference]
+    filters = [model, task, policies, source, suite, reference, settings]
 
-    def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value):
+    def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value):
         return query(store, model_value, task_value, policy_values, source_value, suite_value, colours,
-                     reference_value)
+                     reference_value, settings_value)
 
     gr.on([app.load, *(widget.change for widget in filters)], handler, filters, outputs, api_name="results",
           api_visibility="undocumented")
