@@ -228,8 +228,9 @@ def arithmetic_reasoning(tokenizer, target_tokens: int | None, seed: int, steps:
     step-by-step reasoning and a ``\\boxed{}`` answer, scored with ``math``.  The first operation adds two
     groups of items ("3 red apples and 5 green apples ... in total?"); each further one gets more, gives some
     away, multiplies or splits the count, keeping it a whole number from 0 to 200 (a subtraction leaves at
-    least 1, a division is exact).  ``steps = 1`` is the level SmolLM2-135M-Instruct solves about half the
-    time; a second step already brings it near 0 (results_db/README.md), larger models need more.
+    least 1, a division is exact).  Even ``steps = 1`` is at the edge of SmolLM2-135M-Instruct: its full cache
+    solved 3 of 17 in a probe and 0 of 16 in ``configs/reasoning-budget.toml``, in 68-176 tokens
+    (results_db/README.md); larger models want more steps.
 
     The prompt is as short as the problem; ``target_tokens`` is only an upper bound (None: none), and a
     prompt over it is refused rather than cut or padded.  ``meta`` holds the groups and the further
