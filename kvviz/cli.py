@@ -458,7 +458,7 @@ def cmd_results(args) -> int:
         listed = ", ".join(f"{policy} {setting} ({rows})" for policy, setting, rows in others.values[:8])
         more = f", and {len(others) - 8} more" if len(others) > 8 else ""
         print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
-              f"rows): {listed}{more}; the app's Results tab plots the α and refresh sweeps")
+              f"rows): {listed}{more}; the app's Results tab plots the α and refresh sweeps, and --vs POLICY --settings pairs every setting")
     return 0
 
 
@@ -502,7 +502,7 @@ def _by_cut(part, values: str):
     tables = [part[~budget].pivot(index="policy", columns="compression", values=values)] if (~budget).any() else []
     if budget.any():
         table = part[budget].pivot(index="policy", columns="absolute_budget", values=values)
-        tables.append(table.set_axis([f"B={tokens}" for tokens in table.columns], axis=1))
+        tables.append(table.set_axis([f"B={int(tokens)}" for tokens in table.columns], axis=1))
     table = pd.concat(tables, axis=1).fillna("")
     table.columns.name = "compression" if not budget.any() else "KV budget" if budget.all() else "compression / budget"
     return table

@@ -187,7 +187,7 @@ def test_the_full_cache_filed_under_two_sweeps_pairs_once(tmp_path):
     assert full.samples.tolist() == [5]
 
 
-def test_budget_cells_pair_at_their_own_budget(tmp_path):
+def test_budget_cells_pair_at_their_own_budget(tmp_path, capsys):
     base = {"source": "measured", "model": "m", "task": "arithmetic_reasoning", "params": {}, "metric": "math",
             "seed": 0, "prompt_len": 70, "max_new_tokens": 256, "chat": True, "compression": None}
     rows = []
@@ -205,6 +205,9 @@ def test_budget_cells_pair_at_their_own_budget(tmp_path):
     assert table.set_index("absolute_budget").delta.to_dict() == {64.0: -1.0, 128.0: 0.0}
     assert table.pairs.tolist() == [4, 4] and table.compression.isna().all()
     assert len(store.paired_scores("full", policies=["inertia"])) == 8  # each budget against the one full run
+    assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("KV budget"))
+    assert header.split()[2:] == ["B=64", "B=128"]
     out = results.query(store, results.ALL, results.ALL, [], "measured", reference="inertia")
     figure = out[3 * results.SECTIONS.index("Paired differences")]
     assert sorted(figure.data[0].x) == pytest.approx([64, 128])  # on the budget axis (one policy: no nudge)

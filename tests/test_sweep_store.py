@@ -702,11 +702,12 @@ def test_bad_budget_configs_are_refused_saying_what_to_change(changes, message):
 
 
 def test_compression_cell_keys_are_those_the_shipped_sweeps_stored():
-    """Resuming a shipped sweep must skip every stored row: compression cells keep their key, byte for byte."""
+    """Resuming a shipped sweep must skip every stored row: compression cells keep their key, byte for byte; and
+    every shipped sweep is complete, its rows exactly the cells of its config."""
     first = json.loads((REPOSITORY / "results_db/sweep-2k/rows.jsonl").read_text().splitlines()[0])["cell"]
     assert first == '["single_needle", 0, "full", [], 0.5]'
     assert sweep.Cell("single_needle", 0, "full", (), 0.5).key == first
-    for name in ("sweep-2k", "sweep-2k-inertia", "needle-grid"):
+    for name in ("sweep-2k", "sweep-2k-inertia", "needle-grid", "reasoning-budget", "reasoning-budget-interval16"):
         config = sweep.load_config(REPOSITORY / "configs" / f"{name}.toml")
         stored = sweep.finished_cells(REPOSITORY / "results_db" / name)
         assert stored == {cell.key for cell in sweep.cells(config)}, name
