@@ -234,6 +234,7 @@ class Prefill:
     window: int = 0
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
+    rope: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
     def replay(self, sink, window: int) -> None:
         """Hand ``sink`` the prefill views it would have seen with an observation ``window`` (≤ ``self.window``)."""
@@ -242,7 +243,7 @@ class Prefill:
             if index in self.queries and sink.wants_layer(index):  # layers without attention record nothing
                 sink.on_prefill_layer(scoring.PrefillView(index, self.queries[index][:, -window:],
                                                           layer.keys[0, :, :size], layer.values[0, :, :size],
-                                                          self.scaling[index]))
+                                                          self.scaling[index], self.rope.get(index)))
 
 
 class _QueryRecorder:
@@ -252,6 +253,7 @@ class _QueryRecorder:
         self.prefill_window = window
         self.queries: dict[int, torch.Tensor] = {}
         self.scaling: dict[int, float] = {}
+        self.rope: dict[int, torch.Tensor | None] = {}
 
     def wants_layer(self, layer: int) -> bool:
         return True
@@ -262,6 +264,7 @@ class _QueryRecorder:
     def on_prefill_layer(self, view) -> None:
         self.queries[view.layer] = view.queries.clone()
         self.scaling[view.layer] = view.scaling
+        self.rope[view.layer] = view.rope
 
 
 @torch.inference_mode()
@@ -280,7 +283,8 @@ def prefill(model, prompt_ids: list[int], window: int = 0) -> Prefill:
     seconds = time.perf_counter() - start
     if recorder is None:
         return Prefill(list(prompt_ids), cache, logits, seconds)
-    return Prefill(list(prompt_ids), cache, logits, seconds, window, recorder.queries, recorder.scaling)
+    return Prefill(list(prompt_ids), cache, logits, seconds, window, recorder.queries, recorder.scaling,
+                   recorder.rope)
 
 
 @torch.inference_mode()

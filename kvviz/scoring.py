@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_IMPLEMENTATION = "kvviz_sdpa"
+ROPE_ATTRIBUTE = "kvviz_rope"  # set on each attention module by install(): the model's RoPE frequencies
 
 
 @dataclass
@@ -37,6 +38,10 @@ class LayerView:
         shape ``(num_kv_heads, n, head_dim)``.  Views into the cache: do not modify.
     scaling : float
         The softmax scale the model uses.
+    rope : torch.Tensor or None
+        The model's RoPE inverse frequencies, shape ``(head_dim // 2,)`` (a position ``p`` rotates dims
+        ``i`` and ``i + head_dim/2`` by ``p * rope[i]``, Hugging Face's rotate-half layout); ``None`` if the
+        model has none.  What policies that reason about future positions (Expected Attention) need.
     """
 
     layer: int
@@ -44,6 +49,7 @@ class LayerView:
     keys: torch.Tensor
     values: torch.Tensor
     scaling: float
+    rope: torch.Tensor | None = None
     _attn: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -77,9 +83,12 @@ class PrefillView:
     Parameters
     ----------
     queries : torch.Tensor
-        Post-RoPE queries of the last ``w`` prompt tokens, shape ``(num_heads, w, head_dim)``.
+        Post-RoPE queries of the last ``w`` prompt tokens (positions ``n - w .. n - 1``), shape
+        ``(num_heads, w, head_dim)``.
     keys, values : torch.Tensor
         The whole prompt's keys and values, ``(num_kv_heads, n, head_dim)``.
+    rope : torch.Tensor or None
+        The model's RoPE inverse frequencies, as in :class:`LayerView`.
     """
 
     layer: int
@@ -87,6 +96,7 @@ class PrefillView:
     keys: torch.Tensor
     values: torch.Tensor
     scaling: float
+    rope: torch.Tensor | None = None
 
     @property
     def attn(self) -> torch.Tensor:
@@ -143,12 +153,25 @@ def kvviz_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     if sink is None or layer is None or not sink.wants_layer(layer):
         return out
     scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
+    rope = getattr(module, ROPE_ATTRIBUTE, None)
     if query.shape[2] == 1:
-        sink.on_layer(LayerView(layer, query[0, :, -1], key[0], value[0], scaling))
+        sink.on_layer(LayerView(layer, query[0, :, -1], key[0], value[0], scaling, rope))
     elif sink.prefill_window > 0:
         window = min(sink.prefill_window, query.shape[2])
-        sink.on_prefill_layer(PrefillView(layer, query[0, :, -window:], key[0], value[0], scaling))
+        sink.on_prefill_layer(PrefillView(layer, query[0, :, -window:], key[0], value[0], scaling, rope))
     return out
+
+
+def rope_frequencies(model) -> torch.Tensor | None:
+    """The inverse frequencies of ``model``'s rotary embedding, ``(head_dim // 2,)``; ``None`` without one,
+    or where it rotates only part of each head (partial rotary), which the views do not describe."""
+    head_dim = getattr(model.config, "head_dim", None) or \
+        model.config.hidden_size // model.config.num_attention_heads
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if type(module).__name__.endswith("RotaryEmbedding") and isinstance(inv_freq, torch.Tensor):
+            return inv_freq if 2 * inv_freq.numel() == head_dim else None
+    return None
 
 
 _registered = False
@@ -161,6 +184,10 @@ def install(model) -> None:
         AttentionInterface.register(ATTN_IMPLEMENTATION, kvviz_sdpa_forward)
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
         _registered = True
+    rope = rope_frequencies(model)
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
+            setattr(module, ROPE_ATTRIBUTE, rope)
     current = model.config._attn_implementation
     if current == ATTN_IMPLEMENTATION:
         return

@@ -74,6 +74,9 @@ def test_physical_eviction_equals_masked_full_cache(tiny, tiny_prompt, policy):
     assert result.token_ids != generate_ids(model, tiny_prompt, 40)
 
 
+PREFILL_ONLY = ("snapkv", "expected-attention")  # evict once, right after the prefill
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_policy_respects_its_bound_and_reports_consistent_sets(tiny, tiny_prompt, name):
     model, tokenizer = tiny
@@ -97,7 +100,7 @@ def test_every_policy_respects_its_bound_and_reports_consistent_sets(tiny, tiny_
         # Cache sizes written out by rule, not read from the policy's own cache_bound().
         if name == "full":
             assert event.cache_size == prompt_len + max(event.step, 0)
-        elif name == "snapkv":  # cut to B at prefill, then every generated token stays
+        elif name in PREFILL_ONLY:  # cut to B at prefill, then every generated token stays
             assert event.cache_size == budget + max(event.step, 0)
         elif name in ("avokv", "rkv"):  # cut to B at checkpoints (every 16th token), growing in between
             if event.step >= 16:
@@ -290,7 +293,7 @@ def test_every_policys_trace_loads_back_as_one_consistent_run(tiny, tiny_prompt,
     for budget in (40, len(tiny_prompt) + 4):
         policy = kvviz.make_policy(name, **params)
         trace = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=10).trace
-        prefill_only = name == "snapkv" and budget > len(tiny_prompt)  # SnapKV compresses the prompt only
+        prefill_only = name in PREFILL_ONLY and budget > len(tiny_prompt)  # they compress the prompt only
         assert (name == "full" or prefill_only) == (sum(e.evicted.size for e in trace.events) == 0)
         trace.save(tmp_path / "t.parquet")
         assert [e.kept.tolist() for e in kvviz.Trace.load(tmp_path / "t.parquet").events] == \
@@ -382,7 +385,7 @@ def test_prompt_over_context_is_refused(tiny):
 
 def test_shared_prefill_gives_the_same_runs_as_separate_prefills(tiny, tiny_prompt):
     model, tokenizer = tiny
-    names = ["inertia", "tova", "snapkv", "full"]
+    names = ["inertia", "tova", "snapkv", "full", "expected-attention", "expected-attention-decode"]
     policies = {name: kvviz.make_policy(name, **({"window": 8} if name == "snapkv" else {})) for name in names}
     together: dict[str, list] = {name: [] for name in names}
     for name, event in kvviz.engine.decode_many(model, tokenizer, tiny_prompt, policies, budget=24,

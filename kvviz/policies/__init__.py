@@ -12,6 +12,7 @@ from typing import Any
 
 from .avokv import AvoKVE
 from .base import Policy
+from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .h2o import H2O
 from .inertia import InertiaKV
@@ -154,6 +155,13 @@ REGISTRY: dict[str, PolicySpec] = {
         PolicySpec("snapkv", SnapKV, "SnapKV", "baseline",
                    "Prefill-time: prompt positions voted by the last 32 prompt queries; no decode-time eviction.",
                    f"Li et al. 2024, as compared in {INERTIA}"),
+        PolicySpec("expected-attention", ExpectedAttention, "Expected Attention", "baseline",
+                   "Prefill-time: keep what future queries (Gaussian, RoPE averaged over 512 positions) are "
+                   "expected to attend to, times the value norm.",
+                   f"Devoto et al. 2025, as compared in {INERTIA} (with AdaKV)"),
+        PolicySpec("expected-attention-decode", ExpectedAttention, "Expected Attention (decode)", "baseline",
+                   "Expected Attention re-scored at every decode step from all queries so far; cache held at B.",
+                   "Devoto et al. 2025, at decode time as kvpress's decoding press", {"decode": True}),
         PolicySpec("keydiff", KeyDiff, "KeyDiff", "baseline", "Keep keys least similar to the mean key direction.",
                    f"Park et al. 2025, as compared in {INERTIA}"),
         PolicySpec("knorm", KNorm, "K-norm", "baseline", "Keep low-norm keys.", "Devoto et al. 2024"),
