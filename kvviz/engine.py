@@ -168,6 +168,9 @@ def attach(model, policy: str | Policy = "inertia", *, budget: int | None = None
     Batch size 1 and no padding, as in the engine.
     """
     policy = make_policy(policy, **params) if isinstance(policy, str) else policy
+    if policy.reconstructs:
+        raise ValueError(f"{type(policy).__name__} scores from an extra reconstruction pass after the prefill, "
+                         "which model.generate cannot run; use kvviz.run or kvviz.stream")
     cache = EvictingCache(model, policy, budget=budget, compression=compression, auto=True)
     try:
         yield cache
@@ -325,6 +328,8 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
                                 position_ids=torch.arange(prompt_len, device=device)[None],
                                 logits_to_keep=1, **{cache_arg: cache}).logits[0, -1]
     t_forward = 0.0 if use_shared else time.perf_counter() - start - cache.score_seconds
+    if policy.reconstructs:
+        cache.score_seconds += reconstruct(model, tokenizer, cache, prompt_ids)
     evicted, raw, t_evict = cache.finish_step() if prefill_scores else (np.empty(0, np.int64), None, 0.0)
     token = sampler(last_logits)
     generated = [token]
@@ -349,6 +354,48 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         kept, utility = cache.kept_and_utility()
         yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility, raw, scores,
                         t_forward, cache.score_seconds, t_evict, cache.nbytes(), cache.components)
+
+
+RECONSTRUCTION_CHUNK = 2048  # prompt tokens repeated per pass (KVzip's chunk size)
+REPEAT_ALL = "\n\nRepeat the previous context exactly."
+REPEAT_FROM = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+class _ReconstructionSink:
+    """Score sink for one reconstruction pass: hands the policy every repeat query's view."""
+
+    def __init__(self, cache: EvictingCache, count: int, chunk: tuple[int, int]):
+        self.cache, self.prefill_window, self.chunk = cache, count, chunk
+
+    def wants_layer(self, layer: int) -> bool:
+        return self.cache.policy.wants_layer(layer)
+
+    def on_layer(self, view) -> None:  # never called: a reconstruction pass has several queries
+        pass
+
+    def on_prefill_layer(self, view) -> None:
+        self.cache.policy.observe_reconstruction(view, self.cache.live_positions(), self.chunk)
+
+
+def reconstruct(model, tokenizer, cache: EvictingCache, prompt_ids: list[int]) -> float:
+    """KVzip's context reconstruction, after the prefill: for each chunk of the prompt, feed an instruction
+    to repeat it plus the chunk itself (teacher-forced), let the policy see those queries' views, then drop
+    the repeated tokens so that the cache is the prefill's again.  Returns the seconds it took."""
+    start_time = time.perf_counter()
+    prompt_len, device, capacity = len(prompt_ids), model.device, cache.layers[0].capacity
+    for start in range(0, prompt_len, RECONSTRUCTION_CHUNK):
+        end = min(start + RECONSTRUCTION_CHUNK, prompt_len)
+        instruction = tokenizer(REPEAT_ALL if start == 0 else REPEAT_FROM, add_special_tokens=False)["input_ids"]
+        tail = prompt_ids[max(0, start - 8):start]  # "starting with" the previous chunk's last tokens
+        ids = instruction + tail + prompt_ids[start:end]
+        with scoring.scoring(_ReconstructionSink(cache, len(ids), (start, end))):
+            model(input_ids=torch.tensor([ids], device=device),
+                  position_ids=torch.arange(prompt_len, prompt_len + len(ids), device=device)[None],
+                  logits_to_keep=1, **{cache_kwarg(model): cache})
+        cache.evict(torch.nonzero(cache.live_positions() >= prompt_len).flatten())
+        cache.seen = prompt_len
+    cache.resize(capacity)  # the repeat tokens grew the slots; hand that memory back
+    return time.perf_counter() - start_time
 
 
 def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Policy], *,

@@ -74,7 +74,7 @@ def test_physical_eviction_equals_masked_full_cache(tiny, tiny_prompt, policy):
     assert result.token_ids != generate_ids(model, tiny_prompt, 40)
 
 
-PREFILL_ONLY = ("snapkv", "expected-attention")  # evict once, right after the prefill
+PREFILL_ONLY = ("snapkv", "expected-attention", "kvzip")  # evict once, right after the prefill
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -385,7 +385,7 @@ def test_prompt_over_context_is_refused(tiny):
 
 def test_shared_prefill_gives_the_same_runs_as_separate_prefills(tiny, tiny_prompt):
     model, tokenizer = tiny
-    names = ["inertia", "tova", "snapkv", "full", "expected-attention", "expected-attention-decode"]
+    names = ["inertia", "tova", "snapkv", "full", "expected-attention", "expected-attention-decode", "kvzip"]
     policies = {name: kvviz.make_policy(name, **({"window": 8} if name == "snapkv" else {})) for name in names}
     together: dict[str, list] = {name: [] for name in names}
     for name, event in kvviz.engine.decode_many(model, tokenizer, tiny_prompt, policies, budget=24,

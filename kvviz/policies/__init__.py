@@ -19,6 +19,7 @@ from .inertia import InertiaKV
 from .inertia_decoupled import DecoupledInertiaKV
 from .keydiff import KeyDiff
 from .knorm import KNorm
+from .kvzip import KVzip
 from .random_keep import RandomEviction
 from .recency import Recency
 from .rkv import RKV
@@ -162,6 +163,10 @@ REGISTRY: dict[str, PolicySpec] = {
         PolicySpec("expected-attention-decode", ExpectedAttention, "Expected Attention (decode)", "baseline",
                    "Expected Attention re-scored at every decode step from all queries so far; cache held at B.",
                    "Devoto et al. 2025, at decode time as kvpress's decoding press", {"decode": True}),
+        PolicySpec("kvzip", KVzip, "KVzip", "baseline",
+                   "Prefill-time: keep what a teacher-forced 'repeat the context' pass attends to most "
+                   "(an extra pass over the prompt after the prefill).",
+                   f"Kim et al. 2025, as compared in {INERTIA}"),
         PolicySpec("keydiff", KeyDiff, "KeyDiff", "baseline", "Keep keys least similar to the mean key direction.",
                    f"Park et al. 2025, as compared in {INERTIA}"),
         PolicySpec("knorm", KNorm, "K-norm", "baseline", "Keep low-norm keys.", "Devoto et al. 2024"),

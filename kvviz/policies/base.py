@@ -4,7 +4,10 @@ A decode step ``k`` (k = 1, 2, ...) is the forward pass that consumes generated 
 the engine calls, in order:
 
 0. prefill-time policies only (``prefill_window > 0``): ``observe_prefill(view, positions)`` per layer
-   during the prefill, then ``select_evictions(0, ...)`` right after it;
+   during the prefill; for a policy that ``reconstructs`` (KVzip), the engine then feeds "repeat the
+   context" plus the prompt, chunk by chunk, hands each layer's view of those queries to
+   ``observe_reconstruction(view, positions, chunk)`` and drops the repeated tokens from the cache again;
+   then ``select_evictions(0, ...)``;
 1. ``wants_scores(k)`` -- should the attention wrapper hand this step's layers to the policy?
 2. ``begin_step(k, cached, new_position)`` -- a new token (absolute position ``new_position``) is about to
    enter a cache currently holding ``cached`` (absolute positions, slot order);
@@ -37,6 +40,7 @@ class Policy:
     """Base class: keeps everything (the ``full`` reference)."""
 
     prefill_window: ClassVar[int] = 0  # > 0 for prefill-time policies: prompt queries they score with
+    reconstructs: ClassVar[bool] = False  # True: score from a context-reconstruction pass after the prefill
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         """Start a new sequence whose prompt (positions ``0 .. prompt_len-1``) is about to be prefilled."""
@@ -56,6 +60,11 @@ class Policy:
 
     def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
         """One layer of the prefill (prefill-time policies only)."""
+
+    def observe_reconstruction(self, view: PrefillView, positions: torch.Tensor, chunk: tuple[int, int]) -> None:
+        """One layer of a reconstruction pass (``reconstructs`` only): ``view.queries`` are the repeat tokens'
+        (the last entries of ``positions``, at positions from the prompt length on), repeating prompt
+        positions ``chunk = (start, end)``."""
 
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
         """Slot indices to drop after step ``step``'s forward pass (``positions``: live slots)."""
