@@ -46,6 +46,18 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
                if not name.startswith("static-no-scoring"))
 
 
+def test_speed_bench_times_chosen_policies_prefill_time_ones_from_the_shared_prefill(tmp_path):
+    out = tmp_path / "speed.jsonl"
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "128", "--new-tokens", "4", "--repeats", "1",
+                 "--compile", "off", "--policies", "inertia, kvzip,expected-attention", "--out", str(out)]) == 0
+    rows = {row.get("what"): row for row in map(json.loads, out.read_text().splitlines())}
+    assert [name for name in rows if name in ("inertia", "kvzip", "expected-attention", "full")] == \
+        ["inertia", "kvzip", "expected-attention"]
+    for name in ("kvzip", "expected-attention"):  # cut at prefill: B plus the 3 decoded tokens
+        assert "error" not in rows[name] and rows[name]["final_cache"] == 12 + 3 and rows[name]["first_token_s"] > 0
+    assert main(["bench", "speed", "--config", "tiny", "--policies", "inertia,magic"]) == 2
+
+
 def test_speed_bench_reports_what_the_static_path_kept_not_its_budget(tmp_path, monkeypatch):
     from kvviz import fast
 

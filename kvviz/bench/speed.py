@@ -44,6 +44,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--contexts", default="16384,32768,65536", help="prompt lengths with --config")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--compression", type=float, default=0.9)
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="engine policies to time, comma-separated (default: %(default)s); a prefill-time "
+                             "one's first_token_s is its cost beyond the shared prefill (e.g. kvzip's extra pass)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
@@ -194,7 +197,9 @@ def static_configurations(compile: bool) -> dict[str, dict]:
 
 def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     from ..engine import prefill, resolve_budget
+    from ..policies import make_policy
 
+    policies = policy_names(args.policies)
     budget = resolve_budget(len(prompt_ids), compression=args.compression)
     device = args.device
     best: dict[str, dict] = {}
@@ -210,7 +215,8 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _sync(device)
-    shared = prefill(model, prompt_ids)
+    # Prefill-time policies score this same prefill through the queries it records (as in Compare).
+    shared = prefill(model, prompt_ids, window=max(make_policy(name).prefill_window for name in policies))
     _sync(device)
     resident = shared.cache.nbytes()
     prefill_row = {"what": "prefill", "prompt_len": len(prompt_ids), "prefill_s": round(shared.seconds, 5)}
@@ -237,7 +243,7 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
 
     for _ in range(args.repeats):  # interleaved repeats: drift on a shared machine hits every row alike
         runs = {"generate": measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
-        for name in POLICIES:
+        for name in policies:
             runs[name] = measured(name, time_engine, model, tokenizer, prompt_ids, name, args.new_tokens, budget,
                                   device, shared=shared)
         for name, options in static_configurations(compile).items():
@@ -264,7 +270,7 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     del shared
     base = best["generate"]["decode_tok_s"] if "generate" in best else float("nan")
     rows = [prefill_row]
-    for name in ["generate", *POLICIES, *static_configurations(compile)]:
+    for name in ["generate", *policies, *static_configurations(compile)]:
         row = {"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
                ("generate", "full") else len(prompt_ids) + args.new_tokens, "new_tokens": args.new_tokens}
         if name.startswith("static-"):
@@ -288,11 +294,24 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     return rows
 
 
+def policy_names(text: str) -> list[str]:
+    """The ``--policies`` list, each name checked against the registry."""
+    from ..policies import get_spec
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--policies is empty; name at least one policy, e.g. --policies full,inertia")
+    for name in names:
+        get_spec(name)
+    return names
+
+
 def main(args) -> int:
     import transformers
 
     from ..models import load_model
 
+    policy_names(args.policies)  # refused before the model loads
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
@@ -343,6 +362,9 @@ class _NullTokenizer:
     """Random-weight models have no tokenizer; the engine only needs ``decode`` for text pieces."""
 
     eos_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [3 + len(word) for word in text.split()]}  # any ids will do: random weights
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return ""
