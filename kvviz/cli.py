@@ -222,9 +222,10 @@ def cmd_probe(args) -> int:
         return 0
     print(f"probe at step {args.step}: {len(result.candidates)} candidates, {args.future} future tokens, "
           f"{result.candidates_per_second:.1f} candidates/s")
-    print(f"{'policy':<20}{'AUROC':>8}{'AP':>8}{'top-k rec':>11}{'Spearman':>10}")
+    width = max([20, *(len(name) + 2 for name in quality)])  # expected-attention-decode is 25 characters
+    print(f"{'policy':<{width}}{'AUROC':>8}{'AP':>8}{'top-k rec':>11}{'Spearman':>10}")
     for name, q in sorted(quality.items(), key=lambda item: -np.nan_to_num(item[1]["auroc"])):
-        print(f"{name:<20}{q['auroc']:>8.3f}{q['average_precision']:>8.3f}{q['topk_recall']:>11.3f}{q['spearman']:>10.3f}")
+        print(f"{name:<{width}}{q['auroc']:>8.3f}{q['average_precision']:>8.3f}{q['topk_recall']:>11.3f}{q['spearman']:>10.3f}")
     skipped = sorted(set(names) - set(quality))
     if skipped:
         print(f"(no per-entry utility to rank: {', '.join(skipped)})")
@@ -355,8 +356,10 @@ def cmd_policies(args) -> int:
         print(json.dumps([{"name": s.name, "display": s.display, "family": s.family, "description": s.description,
                            "paper": s.paper, "parameters": s.parameters()} for s in REGISTRY.values()], default=str))
         return 0
+    width = max(len(name) for name in REGISTRY)
+    families = max(len(spec.family) for spec in REGISTRY.values())
     for spec in REGISTRY.values():
-        print(f"{spec.name:<14} {spec.family:<20} {spec.description}")
+        print(f"{spec.name:<{width}} {spec.family:<{families}} {spec.description}")
         for p in spec.parameters():
             bounds = f"choices {list(p['choices'])}" if p.get("choices") else (
                 f"range [{p['low']}, {p['high']}]" if p.get("low") is not None else "")
