@@ -31,17 +31,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half  # the RoPE pairing every supported family shares
 
 from ..scoring import LayerView, PrefillView
 from .base import NO_SLOTS, Policy, StepMean, grown, lowest, over_budget, param
 
 ALL_PROMPT_QUERIES = 1 << 30  # the prefill window: every prompt query feeds the statistics
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's RoPE pairing: ``(x1, x2) -> (-x2, x1)`` over the two halves of the last dim."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 def rope_angles(rope: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
