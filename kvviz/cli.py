@@ -210,18 +210,22 @@ def cmd_probe(args) -> int:
     probe.check_fits(model, prompt_ids, args.step, args.future, step_name="--step", future_name="--future")
     result = probe.probe(model, tokenizer, prompt_ids, args.step, policies=policies, sample=args.sample,
                          seed=args.seed, future=args.future, batch=args.batch)
-    quality = {name: probe.ranking_quality(u, result.damage) for name, u in result.utilities.items()}
+    quality, aligned = probe.aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
     # AvoKV-E's ranks are the blindspot's axes: after the damage pass, so that its refusal loses nothing above
     spot, spot_note = probe.blindspot_at(model, tokenizer, prompt_ids, result) if args.blindspot else (None, "")
     if args.json:
         print(json.dumps({"step": args.step, "prompt_len": len(prompt_ids), "future": args.future,
                           "candidates": result.candidates.tolist(), "damage": result.damage.tolist(),
                           "candidates_per_second": result.candidates_per_second, "ranking": quality,
+                          "ranked": [] if aligned is None else result.candidates[aligned].tolist(),
                           **({"blindspot": _blindspot_json(spot) if spot else {"none": spot_note}}
                              if args.blindspot else {})}))
         return 0
     print(f"probe at step {args.step}: {len(result.candidates)} candidates, {args.future} future tokens, "
           f"{result.candidates_per_second:.1f} candidates/s")
+    if aligned is not None and not aligned.all():
+        print(f"ranked over the {int(aligned.sum())} entries every policy judged "
+              f"({int((~aligned).sum())} left out: a protected tail, sinks or a window some policy never judges)")
     width = max([20, *(len(name) + 2 for name in quality)])  # expected-attention-decode is 25 characters
     print(f"{'policy':<{width}}{'AUROC':>8}{'AP':>8}{'top-k rec':>11}{'Spearman':>10}")
     for name, q in sorted(quality.items(), key=lambda item: -np.nan_to_num(item[1]["auroc"])):

@@ -11,7 +11,8 @@ batches: the prefix cache is prefilled once, repeated over the batch, and row ``
 its candidate with the attention mask -- the same tokens a physically evicted cache would see.
 
 :func:`ranking_quality` then asks how well a policy's utility at that step ranks the damage: AUROC and
-average precision against the top-decile-damage label, top-k recall and Spearman correlation.
+average precision against the top-decile-damage label, top-k recall and Spearman correlation;
+:func:`aligned_quality` asks it of several policies over the entries all of them judged.
 """
 
 from __future__ import annotations
@@ -200,6 +201,30 @@ def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
 def top_decile(damage_values: np.ndarray) -> np.ndarray:
     """Label: damage at or above the 90th percentile."""
     return damage_values >= np.quantile(damage_values, 0.9)
+
+
+def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray) -> tuple[dict[str, dict], np.ndarray]:
+    """Ranking quality of several policies over the same entries: those every one of them judged.
+
+    A checkpointed policy (AvoKV-E, R-KV) never judges its protected tail and gives it utility +inf; ranked
+    as is, those recent entries -- often the most damaging -- would count as its correct calls and the
+    policies would be scored on different questions.  As AvoKV-E's Table 3 aligns candidates, each policy
+    is ranked on the entries with a finite utility under all of them, the top-decile label taken there.
+
+    Returns
+    -------
+    (quality, aligned)
+        ``quality``: policy -> :func:`ranking_quality` on the aligned entries; ``aligned``: ``(n,)`` bool
+        mask over the candidates, True for those ranked.
+    """
+    aligned = np.ones(len(damage_values), dtype=bool)
+    for utility in utilities.values():
+        aligned &= np.isfinite(utility)
+    if aligned.sum() < 2:
+        raise ValueError(f"only {int(aligned.sum())} probed entries were judged by every policy compared; "
+                         "probe a later step or more entries, or leave out the policy that judges fewest")
+    return {name: ranking_quality(utility[aligned], damage_values[aligned])
+            for name, utility in utilities.items()}, aligned
 
 
 def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str, float]:

@@ -481,3 +481,21 @@ def test_trace_read_lag_needs_an_attention_run_that_scored_every_step_and_kept_t
         run.save(tmp_path / f"{policy}.parquet")
         assert main(["trace", str(tmp_path / f"{policy}.parquet"), "--read-lag"]) == 2
         assert reason in capsys.readouterr().err
+
+
+def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
+    from kvviz.cli import main
+
+    args = ["probe", *TINY, "--prompt", TEXT * 3, "--no-chat", "--step", "3", "--future", "2", "--policies", "tova,avokv"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    newest = report["prompt_len"] + 3 - 1  # the step's own entry; candidates are everything before it
+    assert report["candidates"] == list(range(newest))
+    # AvoKV-E (a budget under 768 tokens: W_delay = 32) never judges its 4 sinks nor the 32 newest entries,
+    # the step's own among them; TOVA judges all: both are ranked on the rest.
+    assert report["ranked"] == list(range(4, newest - 31))
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"ranked over the {newest - 35} entries every policy judged (35 left out" in out
+    assert main([*args[:-1], "tova", "--json"]) == 0  # one policy that judges everything: nothing left out
+    assert json.loads(capsys.readouterr().out)["ranked"] == list(range(newest))

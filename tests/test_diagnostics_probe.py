@@ -10,7 +10,7 @@ import torch
 import kvviz
 from kvviz import diagnostics as dx
 from kvviz.cache import SlotCache
-from kvviz.probe import auroc, average_precision, check_fits, damage, probe, ranking_quality
+from kvviz.probe import aligned_quality, auroc, average_precision, check_fits, damage, probe, ranking_quality
 from kvviz.trace import StepEvent, Trace
 
 
@@ -166,6 +166,24 @@ def test_auroc_and_average_precision_by_hand():
     quality = ranking_quality(np.array([4.0, 3, 2, 1, 0, -1, -2, -3, -4, -5]),
                               np.array([9.0, 1, 1, 1, 1, 1, 1, 1, 1, 1]))
     assert quality["auroc"] == 1.0 and quality["topk_recall"] == 1.0
+
+
+def test_aligned_quality_ranks_every_policy_on_the_entries_all_of_them_judged():
+    # Eleven entries; the last is a protected tail entry one policy never judged (+inf) and the most damaging.
+    damage_values = np.array([1.0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50])
+    protecting = np.append(-damage_values[:10], np.inf)  # judges the other ten exactly backwards
+    faithful = damage_values.copy()
+    quality, aligned = aligned_quality({"protecting": protecting, "faithful": faithful}, damage_values)
+    assert aligned.tolist() == [True] * 10 + [False]
+    # Over the first ten the top decile is the entry of damage 10: "faithful" ranks it first, "protecting" last
+    # (AP: the one hit at rank 10 -> precision 1/10).
+    assert quality["faithful"]["auroc"] == 1.0 and quality["faithful"]["topk_recall"] == 1.0
+    assert quality["protecting"]["auroc"] == 0.0 and quality["protecting"]["topk_recall"] == 0.0
+    assert quality["protecting"]["average_precision"] == pytest.approx(0.1)
+    # Unaligned, the protected entry it never judged would earn it half the top-k recall (labels: 10 and 50).
+    assert ranking_quality(protecting, damage_values)["topk_recall"] == 0.5
+    with pytest.raises(ValueError, match="judged by every policy"):
+        aligned_quality({"a": np.array([np.inf, 1.0]), "b": np.array([1.0, np.inf])}, np.array([1.0, 2.0]))
 
 
 def test_batched_probe_equals_one_at_a_time_and_physical_eviction(tiny, tiny_prompt):

@@ -525,7 +525,7 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
 
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import blindspot_at, check_fits, probe, ranking_quality
+        from ..probe import aligned_quality, blindspot_at, check_fits, probe
 
         names = list(dict.fromkeys(names or []))
         try:
@@ -542,8 +542,8 @@ def make_probe_handler(limits: Limits):
             check_fits(model, prompt_ids, step, 8)
             result = probe(model, tokenizer, prompt_ids, step, policies={n: get_spec(n).build() for n in names},
                            sample=sample or None, future=8)
-            rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in ranking_quality(u, result.damage).items()}}
-                                 for n, u in result.utilities.items()])
+            quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
+            rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in q.items()}} for n, q in quality.items()])
             try:
                 spot, spot_note = blindspot_at(model, tokenizer, prompt_ids, result)
             except Exception as error:  # the ranking above stands; only the blindspot is lost
@@ -558,6 +558,9 @@ def make_probe_handler(limits: Limits):
         missing = sorted(set(names) - set(result.utilities))
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
+                + (f" Ranked over the {int(aligned.sum())} entries every policy judged ({int((~aligned).sum())} left"
+                   " out: a protected tail, sinks or a window some policy never judges)."
+                   if aligned is not None and not aligned.all() else "")
                 + f" Blindspot: {spot_note}.")
         return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
 
