@@ -1,23 +1,26 @@
-"""The one prepared script for a GPU session (issue 6): exactness of the static path on the device, then speed.
+"""The one prepared script for a GPU session (issue 6): speed at the target context, then exactness, then more.
 
-1. For tiny random Llama / Qwen2 models (float32) on the device: the static decode path -- eager, replayed
+In order of value, so that a session cut short keeps the most important results (every line is flushed to
+stdout and to ``--out`` / ``<out>-checks.jsonl`` as it is made):
+
+0. A one-line ``torch.compile`` probe: without a working compiler toolchain on the machine the compiled
+   cases are left out (and said so) rather than each failing slowly.
+1. ``kvviz bench speed --device DEVICE --config CONFIG --contexts FIRST``: its JSON lines, unchanged, with
+   a time limit that keeps ``--checks-s`` for part 2 (inside it the static path, the targets, runs first
+   and configurations that would start too late become ``skipped`` rows); then a ``targets`` line
+   (issue 6's three targets at that context).
+2. For tiny random Llama / Qwen2 models (float32) on the device: the static decode path -- eager, replayed
    from CUDA graphs, and with each layer through ``torch.compile`` -- against the reference engine on the
    same device: same tokens and keep sets at every step for InertiaKV (r = 1), InertiaKV-Lazy (r = 4) and
-   Score-Free.  One JSON line per case.
-2. The same tiny Llama in bfloat16 (the speed runs' dtype, where the static step takes float32 logits
-   straight from the half-precision keys): agreement with the reference engine, reported, not required
-   (two different attention kernels round differently in bfloat16).
-3. ``kvviz bench speed --device DEVICE --config CONFIG --contexts ...``: its JSON lines, unchanged, with
-   a time limit so that the whole script ends within ``--budget-s`` (a context starts only if one as long
-   as the last would still end in time); then a ``targets`` line (issue 6's three targets at the first
-   context) and, if time is left, the ``--also`` config at that context.
+   Score-Free.  One JSON line per case.  Then the same tiny Llama in bfloat16 (the speed runs' dtype,
+   where the static step takes float32 logits straight from the half-precision keys): agreement with the
+   reference engine, reported, not required (two attention kernels round differently in bfloat16).
+3. With the time left of ``--budget-s`` (counted from the script's start): the other contexts, then the
+   ``--also`` config at the first context.
 
-First of all, a one-line ``torch.compile`` probe: without a working compiler toolchain on the machine the
-compiled cases are left out (and said so) rather than each failing slowly.
-
-Needs only torch, transformers, pandas, pyarrow and tqdm (no pytest, no network).  On a CPU it runs part 1
-without graphs, skips part 2 and runs part 3 on the tiny config, which is how it is tried before a GPU is
-spent on it:
+Needs only torch, transformers and tqdm (which transformers needs); no pandas, pyarrow, pytest or network.
+On a CPU it runs part 2 without graphs and without the bfloat16 check, and the speed parts on the tiny
+config, which is how it is tried before a GPU is spent on it:
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py --device cpu --config tiny --contexts 512,256 --also tiny \
         --new-tokens 8 --budget-s 120
@@ -26,25 +29,42 @@ spent on it:
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-import traceback
 
-import torch
+STARTED = time.perf_counter()  # --budget-s counts from here: the session's limit includes importing torch
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6
+CHECKS: list = []  # an open file for report(), set by main(): the tool keeps only the last 12k characters of output
+
+
+def report(record: dict) -> None:
+    """One JSON line to stdout and to the checks file, flushed: a killed run keeps every line it printed."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    for handle in CHECKS:
+        handle.write(line + "\n")
+        handle.flush()
+
+
+def _failure(error: BaseException) -> dict:
+    return {"error": f"{type(error).__name__}: {error}"[:800], "trace": traceback.format_exc(limit=4)[-1500:]}
 
 
 def _case(case: dict, run) -> bool:
-    """Run one check, print its JSON line; an exception is reported and the script goes on."""
+    """Run one check, report its JSON line; an exception is reported and the script goes on."""
     try:
         ok = run(case)
     except Exception as error:  # noqa: BLE001 -- printed with its trace: the point of this script
-        case.update(error=f"{type(error).__name__}: {error}"[:800], trace=traceback.format_exc(limit=4)[-1500:])
+        case.update(_failure(error))
         ok = False
-    print(json.dumps(case), flush=True)
+    report(case)
     return ok
 
 
@@ -57,8 +77,8 @@ def compile_works(device: str) -> bool:
         error = None
     except Exception as failure:  # noqa: BLE001 -- reported, then the script goes on without compiling
         works, error = False, f"{type(failure).__name__}: {failure}"[:800]
-    print(json.dumps({"check": "torch.compile works", "device": device, "works": works, "error": error,
-                      "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+    report({"check": "torch.compile works", "device": device, "works": works, "error": error,
+            "seconds": round(time.perf_counter() - started, 1)})
     return works
 
 
@@ -71,12 +91,23 @@ def exactness(device: str, compiles: bool = True) -> bool:
     cuda = torch.device(device).type == "cuda"
     variants = [(False, False), (True, False)] if cuda else [(False, False)]  # (graph, compile)
     for family in ("llama", "qwen2"):
-        model, tokenizer = tiny_model(family)
-        model.to(device)
-        prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        try:
+            model, tokenizer = tiny_model(family)
+            model.to(device)
+            prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        except Exception as error:  # noqa: BLE001 -- reported; the other family still runs
+            report({"check": "static == reference", "device": device, "family": family, **_failure(error)})
+            ok = False
+            continue
         for refresh in (1, 4, 0):
-            reference = kvviz.run(model, tokenizer, prompt, kvviz.make_policy("inertia", refresh=refresh), budget=20,
-                                  max_new_tokens=30)
+            try:
+                reference = kvviz.run(model, tokenizer, prompt, kvviz.make_policy("inertia", refresh=refresh),
+                                      budget=20, max_new_tokens=30)
+            except Exception as error:  # noqa: BLE001 -- the reference engine itself failed on this device
+                report({"check": "reference engine", "device": device, "family": family, "refresh": refresh,
+                        **_failure(error)})
+                ok = False
+                continue
             expected = [e.kept.tolist() for e in reference.trace.decode_steps]
             # r = 4 has both step variants (scoring and not): the compiled cases run there.
             cases = variants + ([(False, True), (True, True)] if refresh == 4 and compiles else [])
@@ -99,10 +130,14 @@ def bfloat16_agreement(device: str, compiles: bool) -> None:
     from kvviz.fast import StaticInertia, fp32_logits_supported
     from kvviz.models import tiny_model
 
-    model, tokenizer = tiny_model("llama")
-    model.to(device=device, dtype=torch.bfloat16)
-    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    reference = kvviz.run(model, tokenizer, prompt, "inertia", budget=20, max_new_tokens=30)
+    try:
+        model, tokenizer = tiny_model("llama")
+        model.to(device=device, dtype=torch.bfloat16)
+        prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        reference = kvviz.run(model, tokenizer, prompt, "inertia", budget=20, max_new_tokens=30)
+    except Exception as error:  # noqa: BLE001 -- reported; the script goes on
+        report({"check": "bfloat16 agreement (reported, not required)", "device": device, **_failure(error)})
+        return
     expected = [set(e.kept.tolist()) for e in reference.trace.decode_steps]
     for compile in (False, True) if compiles else (False,):
         def check(case, compile=compile):
@@ -123,6 +158,9 @@ def targets(rows: list[dict], context: int) -> dict:
     by_name = {row["what"]: row for row in rows if row.get("prompt_len") == context and "decode_tok_s" in row}
     verdict: dict = {"check": "targets", "prompt_len": context}
     inertia, lazy = by_name.get("static-inertia"), by_name.get("static-inertia-lazy")
+    if inertia is None and "static-inertia-uncompiled" in by_name:  # compiling failed: judge the eager step
+        inertia, lazy = by_name["static-inertia-uncompiled"], None
+        verdict["compiled"] = False
     if inertia:
         verdict["inertia_tok_s"] = inertia["decode_tok_s"]
         verdict["inertia_at_least_150"] = inertia["decode_tok_s"] >= 150
@@ -145,48 +183,73 @@ def main() -> int:
                         "('' for none)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="the whole script's time; contexts that would start too late are skipped")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="the whole script's time from its start; work that would start too late is skipped")
+    parser.add_argument("--checks-s", type=float, default=150.0,
+                        help="time kept for the exactness checks, which run after the first context's speed rows")
     parser.add_argument("--build-s", type=float, default=40.0, help="allowance for building the --also model")
-    parser.add_argument("--out", default="/tmp/kvviz-speed.jsonl", help="the speed rows (JSON lines)")
+    parser.add_argument("--out", default="/tmp/kvviz-speed.jsonl", help="the speed rows (JSON lines); the checks "
+                        "go to the same name with -checks")
     args = parser.parse_args()
+    CHECKS.append(open(args.out.replace(".jsonl", "") + "-checks.jsonl", "w"))
 
-    start = time.perf_counter()
-    compiles = compile_works(args.device)
-    exact = exactness(args.device, compiles)
-    if torch.device(args.device).type == "cuda":
-        bfloat16_agreement(args.device, compiles)
-    elapsed = time.perf_counter() - start
-    print(json.dumps({"check": "exactness done", "all_equal": exact, "seconds": round(elapsed, 1)}), flush=True)
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - STARTED)
+
     from kvviz.cli import main as cli
 
-    def speed(config: str, contexts: str, out: str) -> list[dict]:
-        limit = max(1.0, args.budget_s - (time.perf_counter() - start))
-        cli(["bench", "speed", "--device", args.device, "--config", config, "--contexts", contexts, "--new-tokens",
-             str(args.new_tokens), "--repeats", str(args.repeats), "--time-limit", f"{limit:.0f}", "--out", out,
-             "--compile", "auto" if compiles else "off"])
-        with open(out) as handle:
-            return [json.loads(line) for line in handle]
-
-    rows = speed(args.config, args.contexts, args.out)
-    first = int(args.contexts.split(",")[0])
-    print(json.dumps({"config": args.config, **targets(rows, first)}), flush=True)
-    left = args.budget_s - (time.perf_counter() - start)
-    first_took = next((row["seconds"] for row in rows if row.get("what") == "context done"), float("inf"))
-    # Another model at the first context: its build, its recompiles, then about what that context took.
-    if args.also and left > 1.2 * first_took + args.build_s:
+    def speed(config: str, contexts: str, out: str, limit: float) -> list[dict]:
+        """``kvviz bench speed`` within ``limit`` seconds (out of time: its first configuration only, as 0
+        would mean no limit); its rows, or none if it failed outright."""
         import gc
 
-        gc.collect()
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.empty_cache()
-        also_out = args.out.replace(".jsonl", f"-{args.also}.jsonl")
-        also = speed(args.also, str(first), also_out)
-        print(json.dumps({"config": args.also, **targets(also, first)}), flush=True)
+        try:
+            cli(["bench", "speed", "--device", args.device, "--config", config, "--contexts", contexts, "--new-tokens",
+                 str(args.new_tokens), "--repeats", str(args.repeats), "--time-limit", f"{max(1e-3, limit):.3f}",
+                 "--out", out, "--compile", "auto" if compiles else "off"])
+        except Exception as error:  # noqa: BLE001 -- reported; the checks still run
+            report({"check": f"speed {config} {contexts}", **_failure(error)})
+        finally:
+            gc.collect()  # the 8B model and its caches go before the next one is built
+            if torch.device(args.device).type == "cuda":
+                torch.cuda.empty_cache()
+        try:
+            with open(out) as handle:
+                return [json.loads(line) for line in handle]
+        except (OSError, ValueError):
+            return []
+
+    # Order of value: the target context's speed rows (static path first inside it), then exactness, then
+    # the other contexts and the --also config with whatever time is left.
+    compiles = compile_works(args.device)
+    contexts = args.contexts.split(",")
+    first = int(contexts[0])
+    rows = speed(args.config, contexts[0], args.out, left() - args.checks_s)
+    report({"config": args.config, **targets(rows, first)})
+    first_took = next((row["seconds"] for row in rows if row.get("what") == "context done"), float("inf"))
+
+    checks_start = time.perf_counter()
+    try:
+        exact = exactness(args.device, compiles)
+    except Exception as error:  # noqa: BLE001 -- whatever escaped the per-case guards
+        report({"check": "exactness", **_failure(error)})
+        exact = False
+    if torch.device(args.device).type == "cuda":
+        bfloat16_agreement(args.device, compiles)
+    report({"check": "exactness done", "all_equal": exact, "seconds": round(time.perf_counter() - checks_start, 1)})
+
+    if len(contexts) > 1:
+        if left() > 0.7 * first_took:  # shorter contexts take less than the first one did
+            speed(args.config, ",".join(contexts[1:]), args.out.replace(".jsonl", "-more.jsonl"), left())
+        else:
+            report({"check": f"contexts {','.join(contexts[1:])} skipped", "seconds_left": round(left(), 1)})
+    # Another model at the first context: its build, its recompiles, then about what that context took.
+    if args.also and left() > 1.2 * first_took + args.build_s:
+        also = speed(args.also, str(first), args.out.replace(".jsonl", f"-{args.also}.jsonl"), left())
+        report({"config": args.also, **targets(also, first)})
     elif args.also:
-        print(json.dumps({"check": f"{args.also} skipped", "seconds_left": round(left, 1),
-                          "first_context_took": first_took}), flush=True)
-    print(json.dumps({"check": "done", "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+        report({"check": f"{args.also} skipped", "seconds_left": round(left(), 1), "first_context_took": first_took})
+    report({"check": "done", "seconds": round(time.perf_counter() - STARTED, 1)})
     return 0 if exact else 1
 
 

@@ -8,9 +8,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 
 @dataclass
@@ -123,6 +120,11 @@ class Trace:
                 "params": self.params, "model": self.model}
 
     def save(self, path: str | Path) -> None:
+        # Imported here: the engine (and a GPU machine's benchmark, which may lack them) never saves a trace.
+        import pandas as pd
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         rows = [asdict(e) for e in self.events]
         for row in rows:
             for key in ("kept", "evicted", "utility", "raw"):
@@ -136,6 +138,9 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
         """Read a trace written by :meth:`save`; anything else raises ``ValueError`` saying what is wrong."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         name = Path(path).name
         if not Path(path).exists():  # said plainly: arrow's message for this would read as a corrupt file
             raise ValueError(f"{path} does not exist; give the path of a trace saved with "

@@ -26,9 +26,10 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     assert rows[-1]["what"] == "context done" and rows[-1]["seconds"] > 0
     rows = [rows[0], *rows[2:-1]]
     names = [row["what"] for row in rows[1:]]
-    assert names == ["generate", "full", "inertia", "inertia-lazy", "score-free", "static-no-scoring",
-                     "static-inertia", "static-inertia-lazy", "static-score-free", "static-no-scoring-uncompiled",
-                     "static-inertia-uncompiled"]
+    # The baseline, then the static path (a GPU run's targets), then the engine: the order rows are measured in.
+    assert names == ["generate", "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free",
+                     "static-no-scoring-uncompiled", "static-inertia-uncompiled", "full", "inertia", "inertia-lazy",
+                     "score-free"]
     assert all(row["decode_tok_s"] > 0 for row in rows[1:])
     # Each rate against the generate row's, rounded to 3 places (from unrounded rates: half a unit of slack).
     generate = rows[1]
@@ -103,14 +104,52 @@ def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_pa
     assert all(row["decode_tok_s"] > 0 for row in rows if "error" not in row)
 
 
+def test_speed_bench_keeps_every_finished_row_when_killed_and_survives_a_failed_prefill(tmp_path, monkeypatch):
+    from kvviz import engine
+    from kvviz.bench import speed
+
+    def killed(*args, **kwargs):  # the session's time runs out during the engine rows
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speed, "time_engine", killed)
+    out = tmp_path / "speed.jsonl"
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
+                 "--compile", "off", "--out", str(out)]) == 130
+    rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [row["what"] for row in rows] == ["prefill", "generate", "static-no-scoring", "static-inertia",
+                                             "static-inertia-lazy", "static-score-free"]
+    assert all(row["decode_tok_s"] > 0 for row in rows[1:])
+
+    monkeypatch.undo()
+    real = engine.prefill
+
+    def out_of_memory(model, prompt_ids, **kwargs):
+        if len(prompt_ids) == 96:
+            raise RuntimeError("CUDA out of memory")
+        return real(model, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(engine, "prefill", out_of_memory)
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "96,128", "--new-tokens", "4", "--repeats", "1",
+                 "--compile", "off", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert rows[0] == {"what": "prefill", "prompt_len": 96, "error": "RuntimeError: CUDA out of memory"}
+    assert rows[1]["what"] == "context done" and rows[2] == {**rows[2], "what": "prefill", "prompt_len": 128}
+    assert sum(row.get("prompt_len") == 128 and row.get("decode_tok_s", 0) > 0 for row in rows) == 9
+
+
 def test_speed_bench_stops_at_its_time_limit(tmp_path):
     out = tmp_path / "speed.jsonl"
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96,128", "--new-tokens", "4", "--repeats", "1",
                  "--compile", "off", "--time-limit", "1e-9", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
-    assert {row["prompt_len"] for row in rows if row["what"] != "skipped"} == {96}  # the first context always runs
+    assert {row["prompt_len"] for row in rows if row["what"] != "skipped"} == {96}  # the first context always starts
     assert [row for row in rows if row["what"] == "skipped"] == [
         {"what": "skipped", "prompt_len": 128, "why": "would not end within --time-limit 1e-09 s"}]
+    # Within it, past the limit, only the first configuration runs; the others are rows that say so.
+    first = [row for row in rows if row["prompt_len"] == 96 and row["what"] not in ("prefill", "context done")]
+    assert first[0]["what"] == "generate" and first[0]["decode_tok_s"] > 0
+    assert len(first) == 9 and all(row["skipped"] == "not started within --time-limit 1e-09 s" and "decode_tok_s" not in row
+                                   for row in first[1:])
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96,128", "--new-tokens", "4", "--repeats", "1",
                  "--compile", "off", "--time-limit", "3600", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]

@@ -10,6 +10,8 @@ Each configuration runs ``--repeats`` times, interleaved, and the best run is ke
 The prompt is prefilled once (the ``prefill`` row) and every engine and static run starts from a copy of
 it; ``generate`` prefills on its own.  ``first_token_s`` is a run's time to its first token from that
 copy, ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill.
+Rows come out as their configurations finish -- ``generate``, the static path, then the engine policies --
+so that a run stopped by a time limit keeps what it measured, the GPU targets first.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import torch
@@ -52,7 +55,8 @@ def add_arguments(parser) -> None:
                         help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="seconds for the whole run: a context that would end after it (judged by the last "
-                             "one's duration) is skipped; the first always runs")
+                             "one's duration) is skipped, and past it no configuration starts; the first context "
+                             "always starts")
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 
@@ -195,7 +199,13 @@ def static_configurations(compile: bool) -> dict[str, dict]:
     return configurations
 
 
-def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
+def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -> Iterator[dict]:
+    """Yield the rows of one context, each as soon as its configuration has run its last repeat.
+
+    Order: the shared prefill, ``generate`` (the baseline every ratio needs), the static configurations
+    (the GPU targets), then the engine policies; a run killed part-way keeps every row already yielded.
+    Past ``deadline`` (``time.perf_counter()``), configurations not yet started are ``skipped`` rows.
+    """
     from ..engine import prefill, resolve_budget
     from ..policies import make_policy
 
@@ -215,13 +225,17 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _sync(device)
-    # Prefill-time policies score this same prefill through the queries it records (as in Compare).
-    shared = prefill(model, prompt_ids, window=max(make_policy(name).prefill_window for name in policies))
-    _sync(device)
+    try:  # prefill-time policies score this same prefill through the queries it records (as in Compare)
+        shared = prefill(model, prompt_ids, window=max(make_policy(name).prefill_window for name in policies))
+        _sync(device)
+    except Exception as error:  # noqa: BLE001 -- e.g. out of memory: no configuration can run on this context
+        yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": f"{type(error).__name__}: {str(error)[:500]}"}
+        return
     resident = shared.cache.nbytes()
     prefill_row = {"what": "prefill", "prompt_len": len(prompt_ids), "prefill_s": round(shared.seconds, 5)}
     if cuda:
         prefill_row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    yield prefill_row
 
     def measured(name, function, *call_args, **call_kwargs) -> dict | None:
         """One configuration; a failure becomes an ``error`` row and the run goes on to the next one."""
@@ -241,57 +255,65 @@ def measure(model, tokenizer, prompt_ids, args) -> list[dict]:
             result["peak_memory_gb"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
         return result
 
-    for _ in range(args.repeats):  # interleaved repeats: drift on a shared machine hits every row alike
-        runs = {"generate": measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
-        for name in policies:
-            runs[name] = measured(name, time_engine, model, tokenizer, prompt_ids, name, args.new_tokens, budget,
-                                  device, shared=shared)
-        for name, options in static_configurations(compile).items():
-            runs[name] = measured(name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device,
-                                  options, shared=shared)
-        for name, result in runs.items():
-            if result is not None and "setup_s" in result:
-                first_setup.setdefault(name, result["setup_s"])  # the repeat that compiled, if any did
-            if result is not None and (name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]):
-                best[name] = result
+    statics = static_configurations(compile)
+    runs = {"generate": lambda: measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
+    for name, options in statics.items():
+        runs[name] = lambda name=name, options=options: measured(
+            name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options, shared=shared)
+    for name in policies:
+        runs[name] = lambda name=name: measured(name, time_engine, model, tokenizer, prompt_ids, name,
+                                                args.new_tokens, budget, device, shared=shared)
     retained: dict[tuple, int | None] = {}  # one count per step variant: compiling does not change what is kept
-    for name, options in static_configurations(compile).items():
-        variant = tuple(sorted((k, v) for k, v in options.items() if k != "compile"))
-        if name not in best:
-            continue
-        if variant not in retained:
-            try:
-                retained[variant] = static_retained(model, tokenizer, prompt_ids, args.new_tokens, budget, options,
-                                                    shared=shared)
-            except Exception:  # noqa: BLE001 -- the timings stand; the row goes without a count, not a guess
-                retained[variant] = None
-        if retained[variant] is not None:
-            best[name]["final_cache"] = retained[variant]
-    del shared
-    base = best["generate"]["decode_tok_s"] if "generate" in best else float("nan")
-    rows = [prefill_row]
-    for name in ["generate", *policies, *static_configurations(compile)]:
+
+    def row_of(name: str) -> dict:
         row = {"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
                ("generate", "full") else len(prompt_ids) + args.new_tokens, "new_tokens": args.new_tokens}
         if name.startswith("static-"):
             row["compiled"] = compile and not name.endswith("-uncompiled")
         if name in errors:
-            rows.append({**row, "error": errors[name]})
-            continue
+            return {**row, "error": errors[name]}
+        if name not in best:
+            return {**row, "skipped": f"not started within --time-limit {args.time_limit:g} s"}
         result = dict(best[name])
         if name in first_setup:
             result["first_setup_s"] = first_setup[name]
-        rows.append({**row, **{k: round(v, 5) for k, v in result.items()},
-                     "vs_generate": round(result["decode_tok_s"] / base, 3)})
-    # The static step cannot time its parts: its scoring + eviction cost is its slowdown against the same
-    # step without scoring (same compile setting).
-    for row in rows:
-        if not row["what"].startswith("static-") or "error" in row or row["what"].startswith("static-no-scoring"):
-            continue
-        baseline = "static-no-scoring" + ("-uncompiled" if row["what"].endswith("-uncompiled") else "")
-        if baseline in best and baseline not in errors:
-            row["scoring_overhead_vs_no_scoring"] = round(1 - row["decode_tok_s"] / best[baseline]["decode_tok_s"], 4)
-    return rows
+        if name in statics:
+            variant = tuple(sorted((k, v) for k, v in statics[name].items() if k != "compile"))
+            if variant not in retained:
+                try:
+                    retained[variant] = static_retained(model, tokenizer, prompt_ids, args.new_tokens, budget,
+                                                        statics[name], shared=shared)
+                except Exception:  # noqa: BLE001 -- the timing stands; the row goes without a count, not a guess
+                    retained[variant] = None
+            if retained[variant] is not None:
+                result["final_cache"] = retained[variant]
+        row = {**row, **{k: round(v, 5) for k, v in result.items()}}
+        if "generate" in best:
+            row["vs_generate"] = round(result["decode_tok_s"] / best["generate"]["decode_tok_s"], 3)
+        # The static step cannot time its parts: its scoring + eviction cost is its slowdown against the
+        # same step without scoring (same compile setting), which runs before it.
+        baseline = "static-no-scoring" + ("-uncompiled" if name.endswith("-uncompiled") else "")
+        if name in statics and not name.startswith("static-no-scoring") and baseline in best:
+            row["scoring_overhead_vs_no_scoring"] = round(1 - result["decode_tok_s"] / best[baseline]["decode_tok_s"], 4)
+        return row
+
+    emitted: set[str] = set()
+    order = [(repeat, name) for repeat in range(args.repeats) for name in runs]  # interleaved: drift hits all alike
+    for repeat, name in order:
+        if best and deadline is not None and time.perf_counter() > deadline:  # at least one configuration runs
+            break
+        result = runs[name]()
+        if result is not None and "setup_s" in result:
+            first_setup.setdefault(name, result["setup_s"])  # the repeat that compiled, if any did
+        if result is not None and (name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]):
+            best[name] = result
+        if repeat == args.repeats - 1:
+            emitted.add(name)
+            yield row_of(name)
+    for name in runs:  # cut short by the deadline: the best run so far, or skipped
+        if name not in emitted:
+            yield row_of(name)
+    del shared
 
 
 def policy_names(text: str) -> list[str]:
@@ -339,17 +361,23 @@ def main(args) -> int:
 
     emit({"meta": meta})
     started, last = time.perf_counter(), 0.0
+    deadline = started + args.time_limit if args.time_limit else None
     try:
         for index, prompt_ids in enumerate(prompts):
             # A context starts only if one as long as the last one would still end in time (contexts
-            # are meant to come longest first, so that is an upper bound).
+            # are meant to come longest first, so that is an upper bound); within the first, which always
+            # starts, configurations past the limit are skipped.
             if index and args.time_limit and time.perf_counter() - started + last > args.time_limit:
                 emit({"what": "skipped", "prompt_len": len(prompt_ids),
                       "why": f"would not end within --time-limit {args.time_limit:g} s"})
                 continue
             context_start = time.perf_counter()
-            for row in measure(model, tokenizer, prompt_ids, args):
-                emit(row)
+            try:
+                for row in measure(model, tokenizer, prompt_ids, args, deadline):
+                    emit(row)
+            except Exception as error:  # noqa: BLE001 -- outside any configuration: this context ends, the next runs
+                emit({"what": "context failed", "prompt_len": len(prompt_ids),
+                      "error": f"{type(error).__name__}: {str(error)[:500]}"})
             last = time.perf_counter() - context_start
             emit({"what": "context done", "prompt_len": len(prompt_ids), "seconds": round(last, 1)})
     finally:
