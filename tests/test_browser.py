@@ -186,8 +186,13 @@ def test_a_refused_run_leaves_the_views_and_shows_the_count(page):
     """Bad input is refused by the check: the toast, the prompt's token count beside it, no "Error" badges."""
     page.get_by_role("tab", name="Live").click()
     page.get_by_label("Prompt").first.fill(PROMPT * 40)  # past this app's 2000-token limit
+    toasts = page.get_by_test_id("toast-text").filter(has_text="the limit here is 2000, shorten it")
+    before = toasts.count()  # the Compare test's toast stays until closed: this run must add one of its own
     page.locator("#live-run").click()
-    page.get_by_test_id("toast-text").filter(has_text="the limit here is 2000, shorten it").wait_for(timeout=30_000)
+    deadline = time.monotonic() + 30
+    while toasts.count() <= before:
+        assert time.monotonic() < deadline, "the Live tab's refusal never showed a toast"
+        time.sleep(0.2)
     page.get_by_text("tokens: over the limit of 2000, shorten it").wait_for(timeout=30_000)
     assert page.get_by_text("Error", exact=True).count() <= 2  # a toast each: this one, maybe Compare's
     assert page.locator(".wrap .error").count() == 0  # no output panel marked
