@@ -14,7 +14,9 @@ DEVICE_SIM = Path(__file__).parent / "fixtures" / "device_sim"  # blocks pandas,
 
 
 def run_check(tmp_path: Path, *args: str) -> tuple[int, list[dict], list[dict]]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{DEVICE_SIM}{os.pathsep}{ROOT}"}
+    # Kept: a PYTHONPATH already set (make test-oldest layers the GPU machine's transformers 5.17 with it).
+    path = os.pathsep.join(filter(None, [str(DEVICE_SIM), str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     out = tmp_path / "speed.jsonl"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--config",
                            "tiny", "--contexts", "256,128", "--also", "tiny", "--new-tokens", "6", "--out", str(out),
