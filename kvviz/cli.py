@@ -447,6 +447,7 @@ def cmd_results(args) -> int:
         return 0
     speed = store.speed_vs_quality(args.task, args.model).groupby(["model", "task", "policy"]).decode_tok_s.mean()
     for (source, model, task), part in frame.groupby(["source", "model", "task"]):
+        draws = int(part.draws.max())
         full = part[part.policy == "full"]
         part = part[part.policy != "full"]
         cells = part.assign(cell=[f"{s:.2f} ({n})" for s, n in zip(part.score, part.samples)])
@@ -454,7 +455,8 @@ def cmd_results(args) -> int:
         if source == "measured":
             table["tok/s"] = [f"{speed.get((model, task, p), float('nan')):.2f}" for p in table.index]
         print(f"\n{task} · {model} · {source}" + (f" · full cache {full.score.iloc[0]:.2f} ({full.samples.iloc[0]})"
-                                                  if len(full) else ""))
+                                                  if len(full) else "")
+              + (f" · each sample the mean of up to {draws} sampled draws" if draws > 1 else ""))
         with pd.option_context("display.width", 200):
             print(table.to_string())
     if args.source != "paper":  # papers print no per-run max-length hits

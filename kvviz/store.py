@@ -7,6 +7,10 @@ is not a JSON object or has a value of the wrong type (a string score, a non-fin
 is not an object), is reported in ``problems`` by shard and line, and the rest still loads.  Nothing is
 written back: the files are only read, and every query takes its values as parameters.
 
+``generations`` holds one row per generation; ``results``, which every figure reads, one per sample and
+cell: the mean over a sampled sweep's draws of that sample (``draws`` says how many), so that draws of one
+prompt never count as independent samples (a greedy sweep's rows are unchanged).
+
 Two derived columns keep comparisons honest: ``setting`` (the parameters a row changes from its policy's
 registry defaults, ``'{}'`` at the defaults) keeps α and refresh sweeps out of the per-policy curves, and
 ``suite`` (the benchmark a task belongs to: the RULER-style generators -> ``RULER``) pairs measured tasks
@@ -33,6 +37,7 @@ COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table":
            "absolute_budget": "INTEGER", "metric": "VARCHAR",
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
            "budget": "INTEGER", "max_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
+           "temperature": "DOUBLE", "top_p": "DOUBLE", "draw": "INTEGER",
            "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR"}
 # What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
 # how a problem names it.  Numbers must also be finite: one NaN score would make its whole group's mean NaN.
@@ -41,7 +46,11 @@ ACCEPTED = {"VARCHAR": (("VARCHAR",), "a string"), "DOUBLE": (("BIGINT", "UBIGIN
             "BOOLEAN": (("BOOLEAN",), "true or false")}
 # How a sweep generated (the runner's defaults where its config is silent): rows that differ here are
 # different experiments, never one cell counted once.
-GENERATION = {"max_new_tokens": 32, "chat": True}
+GENERATION = {"max_new_tokens": 32, "chat": True, "temperature": 0.0, "top_p": 1.0}
+# What one sample's draws (sampled generations) become in ``results``: the mean over them, as AvoKV-E
+# reports mean@k; ``generations`` keeps one row per draw.
+PER_DRAW = {"score": "avg(score)", "decode_tok_s": "avg(decode_tok_s)", "max_cache": "max(max_cache)",
+            "new_tokens": "avg(new_tokens)", "hit_max_tokens": "CASE WHEN count(*) = 1 THEN bool_or(hit_max_tokens) END"}
 # Bad lines named per shard in a problem; the rest are counted.
 SHOWN_LINES = 5
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
@@ -88,7 +97,8 @@ class Store:
         self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
         self.problems: list[str] = []
         self.con.execute("CREATE TABLE shard_lines (shard VARCHAR, line_no INTEGER, text VARCHAR)")
-        self.con.execute("CREATE TABLE sweep_settings (folder VARCHAR, max_new_tokens INTEGER, chat BOOLEAN)")
+        self.con.execute("CREATE TABLE sweep_settings (folder VARCHAR, "
+                         + ", ".join(f"{name} {COLUMNS[name]}" for name in GENERATION) + ")")
         self.shards = self._read_shards()
         fields = "{" + ", ".join(f'"{name}": "JSON"' for name in COLUMNS) + "}"
         # One parse per line: every column as a JSON value (JSON null reads as NULL), checked before any cast.
@@ -126,13 +136,22 @@ class Store:
         # the full cache whatever ρ or budget each sweep filed it under, since it has neither; a cell generated
         # with other settings (max_new_tokens, chat template) is another experiment and stays.
         self.con.execute(
-            f"CREATE TABLE results AS SELECT * FROM ("
+            f"CREATE TABLE generations AS SELECT * FROM ("
             f"SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
             f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
             "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')) "
             "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
             f"seed, policy, setting, {', '.join(self._CUT_BY.values())}, "
-            "prompt_len, max_new_tokens, chat ORDER BY sweep) = 1")
+            f"prompt_len, {', '.join(GENERATION)}, coalesce(draw, 0) ORDER BY sweep) = 1")
+        # One row per measured sample and cell: the mean over its draws (a greedy sweep has one draw, so its
+        # rows are unchanged), so that every figure, count and paired test is per sample -- draws of one
+        # prompt are not independent samples.  Paper rows are kept as printed.
+        per_sample = "source = 'measured' AND sample IS NOT NULL"
+        self.con.execute(
+            f"CREATE TABLE results AS SELECT * EXCLUDE (draw), 1 AS draws FROM generations WHERE NOT ({per_sample}) "
+            f"UNION ALL BY NAME SELECT * EXCLUDE (draw, {', '.join(PER_DRAW)}), "
+            + ", ".join(f"{expression} AS {name}" for name, expression in PER_DRAW.items())
+            + f", count(*) AS draws FROM generations WHERE {per_sample} GROUP BY ALL")
         for folder, rows in self.con.execute(
                 "SELECT folder, count(*) FROM results WHERE source = 'measured' AND unknown_settings "
                 "GROUP BY folder ORDER BY folder").fetchall():
@@ -149,9 +168,11 @@ class Store:
         # not name its sweep (written by hand, not by the runner) is named by its folder.
         for model, task, sweeps, settings in self.con.execute(
                 "WITH mixed AS (SELECT model, task, policy, setting, compression, absolute_budget FROM results "
-                "WHERE source = 'measured' GROUP BY ALL HAVING count(DISTINCT (max_new_tokens, chat)) > 1) "
+                "WHERE source = 'measured' GROUP BY ALL "
+                "HAVING count(DISTINCT (max_new_tokens, chat, temperature, top_p)) > 1) "
                 "SELECT model, task, list(DISTINCT coalesce(sweep, folder) ORDER BY coalesce(sweep, folder)), "
-                "list(DISTINCT max_new_tokens || ' new tokens, chat ' || chat) "
+                "list(DISTINCT max_new_tokens || ' new tokens, chat ' || chat || CASE WHEN temperature > 0 THEN "
+                "', temperature ' || temperature || ', top-p ' || top_p ELSE '' END) "
                 "FROM results JOIN mixed USING (model, task, policy, setting) "
                 "WHERE source = 'measured' AND results.compression IS NOT DISTINCT FROM mixed.compression "
                 "AND results.absolute_budget IS NOT DISTINCT FROM mixed.absolute_budget "
@@ -218,10 +239,14 @@ class Store:
                                  "are taken from the rows alone")
             return
         values = [config.get(name, default) for name, default in GENERATION.items()]
-        if not (isinstance(values[0], int) and not isinstance(values[0], bool) and isinstance(values[1], bool)):
-            self.problems.append(f"{sweep.name}/config.toml: max_new_tokens or chat of the wrong type; ignored")
+        number = (int, float)
+        kinds = [isinstance(values[0], int), isinstance(values[1], bool), isinstance(values[2], number),
+                 isinstance(values[3], number)]
+        if not all(kinds) or any(isinstance(value, bool) for value in (values[0], values[2], values[3])):
+            self.problems.append(f"{sweep.name}/config.toml: max_new_tokens, chat, temperature or top_p of the wrong "
+                                 "type; ignored")
             return
-        self.con.execute("INSERT INTO sweep_settings VALUES (?, ?, ?)", [sweep.name, *values])
+        self.con.execute(f"INSERT INTO sweep_settings VALUES (?{', ?' * len(GENERATION)})", [sweep.name, *values])
 
     def frame(self, sql: str, params: list | None = None) -> pd.DataFrame:
         return self.con.execute(sql, params or []).df()
@@ -241,13 +266,13 @@ class Store:
                                policies: list[str] | None = None, source: str | None = None) -> pd.DataFrame:
         """Mean score and its standard error per (source, model, task, policy, compression or absolute budget)
         of each policy at its default setting (the α and refresh sweeps have their own queries), under
-        optional filters.  A compression cell has ``absolute_budget`` NULL, a budget cell ``compression``
+        optional filters; over samples, each the mean of its ``draws`` where a sweep sampled several.  A compression cell has ``absolute_budget`` NULL, a budget cell ``compression``
         NULL; the full cache has neither (one reference for both)."""
         where, params = self._filters(task, model, source, policies)
         return self.frame(
             f"""
             SELECT source, model, task, policy, {self._CUT}, avg(score) AS score,
-                   stddev_samp(score) / sqrt(count(*)) AS stderr, count(*) AS samples
+                   stddev_samp(score) / sqrt(count(*)) AS stderr, count(*) AS samples, max(draws) AS draws
             FROM results WHERE setting = '{{}}' AND {where}
             GROUP BY ALL ORDER BY source, model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, params)
@@ -306,7 +331,8 @@ class Store:
         task, policy, compression or absolute budget) of each policy at its defaults (AvoKV-E's Table 2 counts
         the same, per absolute budget).
 
-        ``rows`` counts every row of the group, ``recorded`` those that record ``hit_max_tokens`` (older rows
+        Per generation, every draw of a sampled sweep counted.  ``rows`` counts every generation of the group,
+        ``recorded`` those that record ``hit_max_tokens`` (older rows
         lack it and are never guessed), ``hits`` those that reached the cap; ``hit_rate`` = hits / recorded,
         NULL where no row records it.  Measured rows only: the papers print counts per table, not per run.
         """
@@ -316,7 +342,7 @@ class Store:
             SELECT source, model, task, policy, {self._CUT},
                    count(*) AS rows, count(hit_max_tokens) AS recorded, count(*) FILTER (hit_max_tokens) AS hits,
                    count(*) FILTER (hit_max_tokens) / nullif(count(hit_max_tokens), 0) AS hit_rate
-            FROM results WHERE setting = '{{}}' AND {where}
+            FROM generations WHERE setting = '{{}}' AND {where}
             GROUP BY ALL ORDER BY model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, params)
 
@@ -403,6 +429,7 @@ class Store:
              AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed
              AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
              AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat
+             AND p.temperature = r.temperature AND p.top_p = r.top_p
              AND (r.policy = 'full' OR (p.compression IS NOT DISTINCT FROM r.compression
                                         AND p.absolute_budget IS NOT DISTINCT FROM r.absolute_budget))
             WHERE (? IS NULL OR list_contains(?, p.policy))

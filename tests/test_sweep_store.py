@@ -825,3 +825,95 @@ def test_results_command_labels_budget_columns(tmp_path, capsys):
     tova = [line.split() for line in out.splitlines() if line.startswith("tova")]
     assert tova[0][:7] == ["tova", "0.25", "(1)", "0.00", "(1)", "1.00", "(1)"]  # quality
     assert tova[1] == ["tova", "1.00", "(1/1)", "1.00", "(1/1)", "0.00", "(0/1)"]  # max-length hits
+
+
+# AvoKV-E's protocol in small: sampled decoding, several draws per sample.  Budget 4096 never evicts here, so
+# that cell's logits are the full cache's.
+SAMPLED = {"name": "sampled", "model": "tiny-random-llama", "max_new_tokens": 5, "seed": 3, "temperature": 0.8,
+           "top_p": 0.9, "draws": 3, "compression": [0.5], "budget": [4096],
+           "tasks": [{"name": "single_needle", "length": 160, "samples": 2}], "policies": ["full", "inertia"]}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"temperature": -0.1}, "key 'temperature': must be a number >= 0 \\(0: greedy\\), got -0.1"),
+    ({"temperature": "hot"}, "key 'temperature': must be a number >= 0"),
+    ({"top_p": 0.0}, "key 'top_p': must be a number in \\(0, 1\\], got 0.0"),
+    ({"temperature": 0, "draws": 1, "top_p": 0.9}, "key 'top_p': only applies when sampling: set temperature > 0"),
+    ({"temperature": 0, "top_p": 1.0}, "key 'draws': 3 greedy generations would all be the same: set temperature > 0"),
+    ({"draws": 0}, "key 'draws': must be a whole number >= 1 \\(generations per sample\\), got 0"),
+    ({"draws": 2.0}, "key 'draws': must be a whole number >= 1"),
+])
+def test_bad_sampling_settings_are_refused_saying_what_to_change(changes, message):
+    with pytest.raises(ValueError, match=message):
+        sweep.validate({**SAMPLED, **changes})
+
+
+def test_a_sampled_sweep_draws_every_sample_with_common_random_numbers(tmp_path, tiny):
+    model, tokenizer = tiny
+    cells = sweep.cells(SAMPLED)
+    # 2 samples x 3 draws x (full + inertia at rho 0.5 and at B = 4096); draw 0 keeps the greedy cell's key
+    assert len(cells) == 18 and len({c.key for c in cells}) == 18
+    greedy = {k: v for k, v in SAMPLED.items() if k not in ("temperature", "top_p", "draws")}
+    assert {c.key for c in cells if c.draw == 0} == {c.key for c in sweep.cells(greedy)}
+    assert sweep.run(SAMPLED, tmp_path / "a", model=model, tokenizer=tokenizer, progress=False) == 18
+    stored = rows(tmp_path / "a")
+    assert {(r["temperature"], r["top_p"]) for r in stored} == {(0.8, 0.9)}
+    by = {(r["sample"], r["draw"], r["policy"], r["absolute_budget"]): r["prediction"] for r in stored}
+    for sample in (0, 1):
+        # sampling happened: one sample's three full-cache draws are not all the same text
+        assert len({by[(sample, draw, "full", None)] for draw in range(3)}) > 1
+        for draw in range(3):  # the same logits and the same random stream give the same tokens
+            assert by[(sample, draw, "inertia", 4096)] == by[(sample, draw, "full", None)]
+    # seeded: a fresh run draws exactly the same; a rerun in place has nothing left to do
+    assert sweep.run(SAMPLED, tmp_path / "b", model=model, tokenizer=tokenizer, progress=False) == 18
+    assert {r["cell"]: r["prediction"] for r in rows(tmp_path / "b")} == {r["cell"]: r["prediction"] for r in stored}
+    assert sweep.run(SAMPLED, tmp_path / "a", model=model, tokenizer=tokenizer, progress=False) == 0
+
+    # The store: one row per sample and cell, the mean over its draws; hits per generation.
+    store = Store(tmp_path / "a")
+    assert len(store.frame("SELECT * FROM generations")) == 18
+    results = store.frame("SELECT sample, policy, compression, absolute_budget, score, draws FROM results")
+    assert len(results) == 6 and set(results.draws) == {3}
+    for row in results.itertuples():
+        scores = [r["score"] for r in stored if r["sample"] == row.sample and r["policy"] == row.policy
+                  and r["absolute_budget"] == (None if pd.isna(row.absolute_budget) else row.absolute_budget)
+                  and (row.policy == "full" or r["compression"] == (None if pd.isna(row.compression) else row.compression))]
+        assert len(scores) == 3 and row.score == pytest.approx(sum(scores) / 3)
+    assert set(store.quality_vs_compression().samples) == {2}  # samples, not draws
+    assert set(store.max_length_hits().rows) == {6}  # generations: 2 samples x 3 draws
+    paired = store.paired_scores("full")
+    assert len(paired) == 4 and set(paired["sample"]) == {0, 1}  # inertia at 2 cuts x 2 samples
+
+
+def test_sampled_and_greedy_rows_are_other_experiments_and_never_paired(tmp_path):
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "compression": 0.9, "metric": "string_match", "params": {}, "max_new_tokens": 8, "chat": True}
+    write_rows(tmp_path / "greedy", [{**row, "sweep": "greedy", "policy": "full", "score": 1.0},
+                                     {**row, "sweep": "greedy", "policy": "tova", "score": 1.0}])
+    sampled = {**row, "sweep": "sampled", "temperature": 0.6, "top_p": 0.95}
+    write_rows(tmp_path / "sampled", [{**sampled, "policy": "full", "draw": 0, "score": 1.0},
+                                      {**sampled, "policy": "full", "draw": 1, "score": 1.0},
+                                      {**sampled, "policy": "tova", "draw": 0, "score": 0.0},
+                                      {**sampled, "policy": "tova", "draw": 1, "score": 1.0}])
+    store = Store(tmp_path)
+    paired = store.paired_scores("full")
+    # tova's greedy row pairs with full's greedy row, its sampled mean (0.5 over 2 draws) with full's sampled mean
+    assert sorted(zip(paired.score, paired.reference_score)) == [(0.5, 1.0), (1.0, 1.0)]
+    assert store.problems == ["m / t: sweeps greedy, sampled generated with different settings (8 new tokens, chat "
+                              "true; 8 new tokens, chat true, temperature 0.6, top-p 0.95) are averaged together; "
+                              "give one of them another task label to keep them apart"]
+
+
+def test_results_command_says_when_a_sample_is_the_mean_of_sampled_draws(tmp_path, capsys):
+    from kvviz.cli import main
+
+    row = {"source": "measured", "model": "m", "task": "t", "seed": 0, "prompt_len": 100, "compression": 0.9,
+           "metric": "string_match", "params": {}, "max_new_tokens": 8, "chat": True, "temperature": 0.6,
+           "top_p": 0.95, "policy": "tova"}
+    # sample 0 right in 1 of 4 draws (0.25), sample 1 in 3 of 4 (0.75): 0.50 over 2 samples, not 8
+    write_rows(tmp_path / "sampled", [{**row, "sample": sample, "draw": draw, "score": float(draw < 1 + 2 * sample)}
+                                      for sample in (0, 1) for draw in range(4)])
+    assert main(["results", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "t · m · measured · each sample the mean of up to 4 sampled draws" in out
+    assert any(line.split()[:3] == ["tova", "0.50", "(2)"] for line in out.splitlines())

@@ -9,8 +9,10 @@ compression or budget -- becomes one JSON row in ``OUT/rows.jsonl``, written wit
 skipped, so a SIGKILL loses at most the cell in flight and never duplicates a row.
 
 All policies of one sample share one prefill (:func:`kvviz.engine.prefill`); it records the last prompt
-queries that prefill-time policies (SnapKV) score with.  Rows carry provenance: model, kvviz version and git commit, torch and
-transformers versions, device, seed and date.
+queries that prefill-time policies (SnapKV) score with.  Decoding is greedy unless ``temperature`` > 0
+(with ``top_p``): then each sample is generated ``draws`` times (AvoKV-E's protocol: T = 0.6, top-p 0.95,
+several samples per problem), one row per draw, every policy's draw d seeded alike.  Rows carry
+provenance: model, kvviz version and git commit, torch and transformers versions, device, seed and date.
 """
 
 from __future__ import annotations
@@ -49,13 +51,16 @@ class Cell:
     params: tuple  # sorted (name, value) pairs
     compression: float | None
     budget: int | None = None
+    draw: int = 0  # which sampled generation of this sample (0 .. draws - 1; always 0 when greedy)
 
     @property
     def key(self) -> str:
         # A compression cell keeps the key the shipped sweeps were written with, so that resuming them skips
-        # every stored row; a budget cell ends in {"budget": B}, which no compression (a number) can equal.
+        # every stored row; a budget cell ends in {"budget": B}, which no compression (a number) can equal;
+        # a later draw adds {"draw": d}, so that draw 0 and greedy cells keep their keys too.
         cut = {"budget": self.budget} if self.budget is not None else self.compression
-        return json.dumps([self.task, self.sample, self.policy, list(self.params), cut])
+        return json.dumps([self.task, self.sample, self.policy, list(self.params), cut,
+                           *([{"draw": self.draw}] if self.draw else [])])
 
     @property
     def cut(self) -> str:
@@ -81,8 +86,8 @@ def load_config(path: str | Path) -> dict:
     return config
 
 
-TOP_LEVEL = ("name", "model", "device", "chat", "max_new_tokens", "seed", "compression", "budget", "tasks",
-             "policies")
+TOP_LEVEL = ("name", "model", "device", "chat", "max_new_tokens", "seed", "temperature", "top_p", "draws",
+             "compression", "budget", "tasks", "policies")
 BENCHMARK_KEYS = ("name", "label", "task", "samples", "path", "split", "truncate")
 NEEDLE_GRID_KEYS = ("name", "label", "lengths", "depths", "haystack")
 
@@ -121,6 +126,20 @@ def validate(config: dict, source: str = "the sweep config") -> None:
         raise refuse("key 'seed'", f"must be a whole number, got {config['seed']!r}")
     if "max_new_tokens" in config and not (_is_int(config["max_new_tokens"]) and config["max_new_tokens"] >= 1):
         raise refuse("key 'max_new_tokens'", f"must be a whole number >= 1, got {config['max_new_tokens']!r}")
+    temperature = config.get("temperature", 0.0)
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise refuse("key 'temperature'", f"must be a number >= 0 (0: greedy), got {temperature!r}")
+    top_p = config.get("top_p", 1.0)
+    if not (_is_number(top_p) and 0 < top_p <= 1):
+        raise refuse("key 'top_p'", f"must be a number in (0, 1], got {top_p!r}")
+    if top_p != 1 and temperature == 0:
+        raise refuse("key 'top_p'", "only applies when sampling: set temperature > 0 (e.g. 0.6), or drop top_p")
+    draws = config.get("draws", 1)
+    if not (_is_int(draws) and draws >= 1):
+        raise refuse("key 'draws'", f"must be a whole number >= 1 (generations per sample), got {draws!r}")
+    if draws > 1 and temperature == 0:
+        raise refuse("key 'draws'", f"{draws} greedy generations would all be the same: set temperature > 0 "
+                                    "(e.g. 0.6) to sample them, or drop draws")
 
     def check_compressions(compression, where: str) -> None:
         if not isinstance(compression, list) or not compression:
@@ -534,17 +553,20 @@ def make_sample(task: dict, tokenizer, index: int, seed: int):
 
 
 def cells(config: dict) -> list[Cell]:
-    """Every cell of the sweep, sample by sample: each policy setting at its compressions, then its budgets."""
+    """Every cell of the sweep, sample by sample (its draws together, sharing its prefill): each policy setting
+    at its compressions, then its budgets."""
     grids = setting_grids(config)
     out = []
     for task in config["tasks"]:
+        label = task_label(task)
         for sample in range(sample_count(task)):
-            for (policy, params), (rhos, budgets) in grids.items():
-                if policy == "full":  # one run, which neither a compression nor a budget changes
-                    out.append(Cell(task_label(task), sample, policy, params, float(rhos[0]) if rhos else None))
-                    continue
-                out += [Cell(task_label(task), sample, policy, params, float(rho)) for rho in rhos]
-                out += [Cell(task_label(task), sample, policy, params, None, tokens) for tokens in budgets]
+            for draw in range(config.get("draws", 1)):
+                for (policy, params), (rhos, budgets) in grids.items():
+                    if policy == "full":  # one run, which neither a compression nor a budget changes
+                        out.append(Cell(label, sample, policy, params, float(rhos[0]) if rhos else None, draw=draw))
+                        continue
+                    out += [Cell(label, sample, policy, params, float(rho), draw=draw) for rho in rhos]
+                    out += [Cell(label, sample, policy, params, None, tokens, draw=draw) for tokens in budgets]
     return out
 
 
@@ -732,10 +754,14 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     # One prefill per sample, also for prefill-time policies: it records the queries they score with.
     shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
     eos = engine.eos_ids(model, tokenizer)  # the ids decode() stops at
+    temperature, top_p = float(config.get("temperature", 0.0)), float(config.get("top_p", 1.0))
     for cell, policy, budget in zip(group, policies, budgets):
+        # Every policy's draw d of a sample gets the same random stream (common random numbers): where two
+        # policies' distributions agree they sample the same tokens, so a paired difference is the policies'.
+        sampler = engine.Sampler(temperature, top_p, seed=_sample_seed(seed, f"{label}/draw{cell.draw}", sample_index))
         t0 = time.perf_counter()
         events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
-                                    shared=shared))
+                                    shared=shared, sampler=sampler))
         elapsed = time.perf_counter() - t0
         steps = events[1:]
         decode_seconds = sum(time_split(events).values())
@@ -747,7 +773,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
             "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
             "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
             "compression": cell.compression, "absolute_budget": cell.budget, "prompt_len": len(prompt_ids),
-            "max_new_tokens": max_new,
+            "max_new_tokens": max_new, "temperature": temperature, "top_p": top_p, "draw": cell.draw,
             "chat": config.get("chat", True), "new_tokens": len(events), "hit_max_tokens": hit_max_tokens,
             "budget": budget if budget is not None else len(prompt_ids) + max_new,
             "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
@@ -757,7 +783,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
             "seconds": elapsed, **meta,
         })
         written += 1
-        bar.set_postfix_str(f"{label}#{sample_index} {cell.policy} {cell.cut}")
+        bar.set_postfix_str(f"{label}#{sample_index}{f'/{cell.draw}' if cell.draw else ''} {cell.policy} {cell.cut}")
         bar.update()
     return written
 
