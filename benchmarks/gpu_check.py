@@ -191,7 +191,12 @@ def main() -> int:
     parser.add_argument("--out", default="/tmp/kvviz-speed.jsonl", help="the speed rows (JSON lines); the checks "
                         "go to the same name with -checks")
     args = parser.parse_args()
-    CHECKS.append(open(args.out.replace(".jsonl", "") + "-checks.jsonl", "w"))
+
+    def beside(suffix: str) -> str:  # speed.jsonl -> speed-checks.jsonl, also for an --out without .jsonl
+        stem = args.out[:-len(".jsonl")] if args.out.endswith(".jsonl") else args.out
+        return f"{stem}-{suffix}.jsonl"
+
+    CHECKS.append(open(beside("checks"), "w"))
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - STARTED)
@@ -203,6 +208,7 @@ def main() -> int:
         would mean no limit); its rows, or none if it failed outright."""
         import gc
 
+        open(out, "w").close()  # a warm machine's rerun must not read the last run's rows as this one's
         try:
             cli(["bench", "speed", "--device", args.device, "--config", config, "--contexts", contexts, "--new-tokens",
                  str(args.new_tokens), "--repeats", str(args.repeats), "--time-limit", f"{max(1e-3, limit):.3f}",
@@ -235,20 +241,24 @@ def main() -> int:
         report({"check": "exactness", **_failure(error)})
         exact = False
     if torch.device(args.device).type == "cuda":
-        bfloat16_agreement(args.device, compiles)
+        try:
+            bfloat16_agreement(args.device, compiles)
+        except Exception as error:  # noqa: BLE001 -- e.g. an import the device lacks: reported, the rest goes on
+            report({"check": "bfloat16 agreement (reported, not required)", **_failure(error)})
     report({"check": "exactness done", "all_equal": exact, "seconds": round(time.perf_counter() - checks_start, 1)})
 
     if len(contexts) > 1:
         if left() > 0.7 * first_took:  # shorter contexts take less than the first one did
-            speed(args.config, ",".join(contexts[1:]), args.out.replace(".jsonl", "-more.jsonl"), left())
+            speed(args.config, ",".join(contexts[1:]), beside("more"), left())
         else:
             report({"check": f"contexts {','.join(contexts[1:])} skipped", "seconds_left": round(left(), 1)})
     # Another model at the first context: its build, its recompiles, then about what that context took.
     if args.also and left() > 1.2 * first_took + args.build_s:
-        also = speed(args.also, str(first), args.out.replace(".jsonl", f"-{args.also}.jsonl"), left())
+        also = speed(args.also, str(first), beside(args.also), left())
         report({"config": args.also, **targets(also, first)})
     elif args.also:
-        report({"check": f"{args.also} skipped", "seconds_left": round(left(), 1), "first_context_took": first_took})
+        report({"check": f"{args.also} skipped", "seconds_left": round(left(), 1),
+                "first_context_took": None if first_took == float("inf") else first_took})
     report({"check": "done", "seconds": round(time.perf_counter() - STARTED, 1)})
     return 0 if exact else 1
 

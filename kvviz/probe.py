@@ -209,7 +209,8 @@ def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray)
     A checkpointed policy (AvoKV-E, R-KV) never judges its protected tail and gives it utility +inf; ranked
     as is, those recent entries -- often the most damaging -- would count as its correct calls and the
     policies would be scored on different questions.  As AvoKV-E's Table 3 aligns candidates, each policy
-    is ranked on the entries with a finite utility under all of them, the top-decile label taken there.
+    is ranked on the entries that every one of them judged (utility neither +inf nor NaN), the top-decile
+    label taken there.
 
     Returns
     -------
@@ -219,7 +220,7 @@ def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray)
     """
     aligned = np.ones(len(damage_values), dtype=bool)
     for utility in utilities.values():
-        aligned &= np.isfinite(utility)
+        aligned &= ~(np.isposinf(utility) | np.isnan(utility))  # +inf: never judged (NaN: no value); -inf is a call
     if aligned.sum() < 2:
         raise ValueError(f"only {int(aligned.sum())} probed entries were judged by every policy compared; "
                          "probe a later step or more entries, or leave out the policy that judges fewest")

@@ -92,6 +92,7 @@ class Store:
         self.root = Path(root)
         self.defaults = policy_defaults() if defaults is None else defaults
         self.con = duckdb.connect(":memory:")
+        self.con.execute("SET enable_progress_bar = false")  # a slow load on a busy machine drew one on stdout
         # null_handling="special": rows without params (or a policy) still get a setting, '{}'
         self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
         self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
@@ -135,23 +136,30 @@ class Store:
         # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia) counts once --
         # the full cache whatever ρ or budget each sweep filed it under, since it has neither; a cell generated
         # with other settings (max_new_tokens, chat template) is another experiment and stays.
+        # The experiment a measured row belongs to; a cell is that plus its draw.
+        experiment = ["model", "task", "sample", "seed", "policy", "setting", *self._CUT_BY.values(), "prompt_len",
+                      *GENERATION]
         self.con.execute(
             f"CREATE TABLE generations AS SELECT * FROM ("
             f"SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
             f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
             "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')) "
-            "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY model, task, sample, "
-            f"seed, policy, setting, {', '.join(self._CUT_BY.values())}, "
-            f"prompt_len, {', '.join(GENERATION)}, coalesce(draw, 0) ORDER BY sweep) = 1")
+            "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY "
+            f"{', '.join(experiment)}, coalesce(draw, 0) ORDER BY sweep) = 1")
         # One row per measured sample and cell: the mean over its draws (a greedy sweep has one draw, so its
         # rows are unchanged), so that every figure, count and paired test is per sample -- draws of one
-        # prompt are not independent samples.  Paper rows are kept as printed.
-        per_sample = "source = 'measured' AND sample IS NOT NULL"
+        # prompt are not independent samples.  Grouped by the experiment alone (the draws may come from two
+        # sweeps, or a full cache filed under two ρ); every other column is the first draw's.  Paper rows are
+        # kept as printed.
+        per_sample = "source IS NOT DISTINCT FROM 'measured' AND sample IS NOT NULL"
+        columns = [column[0] for column in self.con.execute("SELECT * FROM generations LIMIT 0").description]
+        per_row = [f'"{name}"' if name in experiment else f'arg_min("{name}", coalesce(draw, 0)) AS "{name}"'
+                   for name in columns if name not in ("draw", *PER_DRAW)]
         self.con.execute(
             f"CREATE TABLE results AS SELECT * EXCLUDE (draw), 1 AS draws FROM generations WHERE NOT ({per_sample}) "
-            f"UNION ALL BY NAME SELECT * EXCLUDE (draw, {', '.join(PER_DRAW)}), "
+            f"UNION ALL BY NAME SELECT {', '.join(per_row)}, "
             + ", ".join(f"{expression} AS {name}" for name, expression in PER_DRAW.items())
-            + f", count(*) AS draws FROM generations WHERE {per_sample} GROUP BY ALL")
+            + f", count(*) AS draws FROM generations WHERE {per_sample} GROUP BY {', '.join(experiment)}")
         for folder, rows in self.con.execute(
                 "SELECT folder, count(*) FROM results WHERE source = 'measured' AND unknown_settings "
                 "GROUP BY folder ORDER BY folder").fetchall():

@@ -184,6 +184,9 @@ def test_aligned_quality_ranks_every_policy_on_the_entries_all_of_them_judged():
     assert ranking_quality(protecting, damage_values)["topk_recall"] == 0.5
     with pytest.raises(ValueError, match="judged by every policy"):
         aligned_quality({"a": np.array([np.inf, 1.0]), "b": np.array([1.0, np.inf])}, np.array([1.0, 2.0]))
+    # -inf is a judgement (evict first), NaN is none
+    _, aligned = aligned_quality({"a": np.array([-np.inf, np.nan, 1.0, 2.0])}, np.array([1.0, 2.0, 3.0, 4.0]))
+    assert aligned.tolist() == [True, False, True, True]
 
 
 def test_batched_probe_equals_one_at_a_time_and_physical_eviction(tiny, tiny_prompt):

@@ -917,3 +917,35 @@ def test_results_command_says_when_a_sample_is_the_mean_of_sampled_draws(tmp_pat
     out = capsys.readouterr().out
     assert "t · m · measured · each sample the mean of up to 4 sampled draws" in out
     assert any(line.split()[:3] == ["tova", "0.50", "(2)"] for line in out.splitlines())
+
+
+def test_one_samples_draws_from_two_folders_stay_one_sample(tmp_path):
+    """Adding draws means a new folder (a resumed folder refuses a changed config): the full cache filed under
+    another ρ, or the same sweep name, must not split one prompt into two samples."""
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "metric": "string_match", "params": {}, "max_new_tokens": 8, "chat": True, "temperature": 0.6,
+           "top_p": 0.95}
+    write_rows(tmp_path / "a", [{**row, "sweep": "a", "policy": "full", "compression": 0.5, "draw": d, "score": 1.0}
+                                for d in range(2)]
+               + [{**row, "sweep": "a", "policy": "tova", "compression": 0.5, "draw": d, "score": 0.0} for d in range(2)])
+    write_rows(tmp_path / "b", [{**row, "sweep": "b", "policy": "full", "compression": 0.3, "draw": d,
+                                 "score": float(d < 3)} for d in range(4)]
+               + [{**row, "sweep": "a", "policy": "tova", "compression": 0.5, "draw": d, "score": float(d == 3)}
+                  for d in range(4)])
+    store = Store(tmp_path)
+    full = store.frame("SELECT score, draws FROM results WHERE policy = 'full'")
+    # draws 0-1 from a (1, 1), 2-3 from b (1, 0): one sample, mean 0.75
+    assert full.values.tolist() == [[0.75, 4]]
+    tova = store.frame("SELECT score, draws FROM results WHERE policy = 'tova'")
+    assert tova.values.tolist() == [[0.25, 4]]  # draws 0-2 scored 0, draw 3 scored 1
+    assert store.quality_vs_compression().samples.tolist() == [1, 1]
+    assert len(store.paired_scores("full")) == 1
+
+
+def test_a_row_without_a_source_is_kept():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_rows(Path(folder) / "x", [{"model": "m", "task": "t", "sample": 0, "policy": "tova", "score": 1.0,
+                                         "metric": "string_match"}])
+        assert len(Store(folder).frame("SELECT * FROM results")) == 1

@@ -11,7 +11,8 @@ The prompt is prefilled once (the ``prefill`` row) and every engine and static r
 it; ``generate`` prefills on its own.  ``first_token_s`` is a run's time to its first token from that
 copy, ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill.
 Rows come out as their configurations finish -- ``generate``, the static path, then the engine policies --
-so that a run stopped by a time limit keeps what it measured, the GPU targets first.
+so that a run stopped by a time limit or killed keeps what it measured, the GPU targets first (with
+``--repeats`` above 1, as each configuration finishes its last repeat).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
     parser.add_argument("--time-limit", type=float, default=0.0,
-                        help="seconds for the whole run: a context that would end after it (judged by the last "
-                             "one's duration) is skipped, and past it no configuration starts; the first context "
-                             "always starts")
+                        help="seconds for the whole run, the model's build included: a context that would end after "
+                             "it (judged by the last one's duration) is skipped, and past it no configuration "
+                             "starts; the first context always starts")
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 
@@ -285,6 +286,8 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
                                                         statics[name], shared=shared)
                 except Exception:  # noqa: BLE001 -- the timing stands; the row goes without a count, not a guess
                     retained[variant] = None
+                    if cuda:
+                        torch.cuda.empty_cache()
             if retained[variant] is not None:
                 result["final_cache"] = retained[variant]
         row = {**row, **{k: round(v, 5) for k, v in result.items()}}
@@ -299,8 +302,8 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
 
     emitted: set[str] = set()
     order = [(repeat, name) for repeat in range(args.repeats) for name in runs]  # interleaved: drift hits all alike
-    for repeat, name in order:
-        if best and deadline is not None and time.perf_counter() > deadline:  # at least one configuration runs
+    for index, (repeat, name) in enumerate(order):
+        if index and deadline is not None and time.perf_counter() > deadline:  # at least one configuration runs
             break
         result = runs[name]()
         if result is not None and "setup_s" in result:
@@ -334,6 +337,7 @@ def main(args) -> int:
     from ..models import load_model
 
     policy_names(args.policies)  # refused before the model loads
+    started = time.perf_counter()  # --time-limit counts the model's build too
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
@@ -360,7 +364,7 @@ def main(args) -> int:
             out.flush()
 
     emit({"meta": meta})
-    started, last = time.perf_counter(), 0.0
+    last = 0.0
     deadline = started + args.time_limit if args.time_limit else None
     try:
         for index, prompt_ids in enumerate(prompts):
