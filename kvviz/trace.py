@@ -10,6 +10,13 @@ from pathlib import Path
 import numpy as np
 
 
+def sampling_note(sampling: dict) -> str:
+    """How a run picked its tokens, for a caption (``", sampled at temperature 0.6, ..."``): empty when greedy."""
+    if not sampling:
+        return ""
+    return f", sampled at temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, seed {sampling['seed']}"
+
+
 @dataclass
 class StepEvent:
     """What happened at one decode step.
@@ -101,6 +108,7 @@ class Trace:
     params: dict = field(default_factory=dict)
     model: str = ""
     events: list[StepEvent] = field(default_factory=list)
+    sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments (temperature, top_p, seed); {}: greedy
 
     @property
     def prompt_len(self) -> int:
@@ -117,7 +125,7 @@ class Trace:
 
     def meta(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "budget": self.budget, "policy": self.policy,
-                "params": self.params, "model": self.model}
+                "params": self.params, "model": self.model, "sampling": self.sampling}
 
     def save(self, path: str | Path) -> None:
         # Imported here: the engine (and a GPU machine's benchmark, which may lack them) never saves a trace.
@@ -180,7 +188,8 @@ class Trace:
         settings = [("prompt_ids", isinstance(self.prompt_ids, list) and all(_is_int(i) for i in self.prompt_ids),
                      "a list of token ids"), ("budget", _is_int(self.budget) and self.budget >= 1, "a whole number >= 1"),
                     ("policy", isinstance(self.policy, str), "a string"), ("model", isinstance(self.model, str), "a string"),
-                    ("params", isinstance(self.params, dict), "an object")]
+                    ("params", isinstance(self.params, dict), "an object"),
+                    ("sampling", isinstance(self.sampling, dict), "an object")]
         for key, ok, kind in settings:
             if not ok:
                 raise ValueError(f"{name}: its {key} is {getattr(self, key)!r:.60}, not {kind}")

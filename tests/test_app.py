@@ -431,12 +431,15 @@ def test_dockerfile_and_space_front_matter_agree_with_the_app():
     assert "kvviz.load_model()" in dockerfile  # the default model is baked in at build time
 
 
+GREEDY = (0.0, 0.95, 0)  # the Sampling widgets as the page starts: temperature 0, top-p, seed
+
+
 def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
     from kvviz.ui.app import PARAM_NAMES, PARAMETERS
 
     # Every parameter widget at its registry default, as the browser sends them for InertiaKV.
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *widgets, api_name="/live")
+    result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, api_name="/live")
     text, stats, retention, ranks, timeline, fate, slider, trace_file, diag, detail = result
     model, tokenizer = tiny
     expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10).trace
@@ -456,7 +459,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     from kvviz.ui.app import PARAM_NAMES, PARAMETERS
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *widgets, api_name="/live")
+    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, api_name="/live")
     trace_file = live[7]["value"] if isinstance(live[7], dict) else live[7]
     opened = client.predict(handle_file(trace_file), api_name="/open_trace")
     plots = lambda result: [json.loads(result[i]["plot"])["data"] for i in (2, 3, 4, 9)]  # + step detail
@@ -472,7 +475,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
 
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):
     model, tokenizer = tiny
-    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False,
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False, *GREEDY,
                             api_name="/compare")
     texts, divergence = result[:4], result[8]
     runs = [kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=12)
@@ -495,7 +498,7 @@ def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny)
     model, tokenizer = tiny
     prompt_len = len(kvviz.engine.encode_prompt(tokenizer, PROMPT, chat=False))
     budget = prompt_len + 5
-    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, budget, 20, False,
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, budget, 20, False, *GREEDY,
                             api_name="/compare")
     runs = [kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=budget, max_new_tokens=20)
             for name in ("inertia", "streaming")]
@@ -503,7 +506,7 @@ def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny)
     sizes = [e.cache_size for e in runs[0].trace.events]
     assert sizes[5] == budget and sizes[-1] == budget and not any(len(e.evicted) for e in runs[0].trace.events[:5])
     with pytest.raises(Exception, match="nothing would be evicted"):
-        client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, prompt_len + 19, 20, False,
+        client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, prompt_len + 19, 20, False, *GREEDY,
                        api_name="/compare")
     # The same through the API, whose optional last argument is the budget in tokens.
     job = client.submit(PROMPT, "inertia", 0.5, 20, False, TINY, "{}", budget, api_name="/generate")
@@ -539,3 +542,39 @@ def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(
 
     widgets = [0.3 if name == "alpha" else PARAMETERS[name]["default"] for name in PARAM_NAMES]
     assert "**0.027**" in _describe("inertia", TINY, *widgets)
+
+
+def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
+    """Temperature > 0 in the Sampling widgets: the Live run is kvviz.run's sampled run with that seed, its trace
+    says how it was generated, and Compare gives every policy the same random stream."""
+    from gradio_client import handle_file
+
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+
+    model, tokenizer = tiny
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    sampling = dict(temperature=0.9, top_p=0.9, seed=7)
+    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *sampling.values(), *widgets,
+                          api_name="/live")
+    expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10, **sampling)
+    greedy = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10)
+    assert live[0] == expected.text and expected.token_ids != greedy.token_ids
+    trace_file = live[7]["value"] if isinstance(live[7], dict) else live[7]
+    assert kvviz.Trace.load(trace_file).sampling == sampling
+    opened = client.predict(handle_file(trace_file), api_name="/open_trace")
+    assert "sampled at temperature 0.9, top-p 0.9, seed 7" in opened[1].split("\n")[0]
+
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False,
+                            *sampling.values(), api_name="/compare")
+    for text, name in zip(result[:2], ("inertia", "streaming")):
+        run = kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=12, **sampling)
+        assert text["value"] == "".join(e.text for e in run.trace.events)
+    # The API too: its optional arguments after the budget.
+    job = client.submit(PROMPT, "inertia", 0.5, 10, False, TINY, "{}", 24, *sampling.values(), api_name="/generate")
+    list(job)
+    assert job.outputs()[-1]["text"] == expected.text
+    # Out of range: the sliders refuse it in the page; the API, which has none, says what to change.
+    with pytest.raises(Exception, match="temperature must be between 0 \\(greedy\\) and 2, got 3"):
+        client.predict(PROMPT, "inertia", 0.5, 10, False, TINY, "{}", 24, 3.0, 0.9, 0, api_name="/generate")
+    with pytest.raises(Exception, match="top-p must be above 0 and at most 1, got 0"):
+        client.predict(PROMPT, "inertia", 0.5, 10, False, TINY, "{}", 24, 0.7, 0.0, 0, api_name="/generate")

@@ -29,7 +29,9 @@ def app_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    limits = Limits(models=(TINY,), max_prompt_tokens=2000, max_new_tokens=512, host="127.0.0.1", port=port)
+    # Room for a run long enough that Stop always lands before it ends (the tiny model decodes 500 tokens in
+    # seconds, and on a loaded machine the page can be slower than that).
+    limits = Limits(models=(TINY,), max_prompt_tokens=2000, max_new_tokens=3000, host="127.0.0.1", port=port)
     app = build_app(limits)
     app.queue(default_concurrency_limit=1, max_size=8)
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -106,7 +108,7 @@ def test_run_watch_scrub(page):
 
 
 def test_stop_cancels_a_long_run(page):
-    set_inputs(page, 500)
+    set_inputs(page, 3000)
     page.locator("#live-run").click()
     # The last run's views stay up until this one passes its checks; its first update hides the scrubber.
     page.get_by_text("Scrub to step").wait_for(state="hidden", timeout=60_000)

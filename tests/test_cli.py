@@ -499,3 +499,26 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     assert f"ranked over the {newest - 35} entries every policy judged (35 left out" in out
     assert main([*args[:-1], "tova", "--json"]) == 0  # one policy that judges everything: nothing left out
     assert json.loads(capsys.readouterr().out)["ranked"] == list(range(newest))
+
+
+def test_a_sampled_runs_trace_says_how_it_decoded(tmp_path, capsys):
+    import kvviz
+    from kvviz.cli import main
+
+    path = tmp_path / "sampled.parquet"
+    common = ["generate", *TINY, "--prompt", TEXT, "--no-chat", "--budget", "12", "--max-new-tokens", "8"]
+    assert main([*common, "--temperature", "0.7", "--top-p", "0.9", "--seed", "5", "--trace", str(path)]) == 0
+    capsys.readouterr()
+    trace = kvviz.Trace.load(path)
+    assert trace.sampling == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+    model, tokenizer = kvviz.load_model("tiny-random-llama")  # the same draw through the library
+    expected = kvviz.run(model, tokenizer, TEXT, "inertia", chat=False, budget=12, max_new_tokens=8,
+                         temperature=0.7, top_p=0.9, seed=5)
+    assert trace.token_ids == expected.token_ids
+    assert main(["trace", str(path)]) == 0
+    assert "sampled at temperature 0.7, top-p 0.9, seed 5: prompt" in capsys.readouterr().out
+    assert main([*common, "--trace", str(path)]) == 0  # greedy: nothing recorded, nothing said
+    capsys.readouterr()
+    assert kvviz.Trace.load(path).sampling == {}
+    assert main(["trace", str(path)]) == 0
+    assert "sampled" not in capsys.readouterr().out

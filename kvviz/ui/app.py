@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gradio as gr
@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, get_spec
-from ..trace import Trace, time_split
+from ..trace import Trace, sampling_note, time_split
 from .config import Limits
 from ..store import Store
 from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure
@@ -126,6 +126,26 @@ class Request:
     prompt_ids: list[int]
     budget: int
     max_new_tokens: int
+    sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments; empty: greedy
+
+    def sampler(self) -> engine.Sampler:
+        """A fresh sampler: every run (every policy of a comparison) draws the same random stream."""
+        return engine.Sampler(**self.sampling)
+
+
+def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
+    """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
+    try:
+        temperature, top_p = float(temperature or 0.0), float(1.0 if top_p is None else top_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature and top-p must be numbers, got {temperature!r} and {top_p!r}") from None
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise ValueError(f"temperature must be between 0 (greedy) and 2, got {temperature:g}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top-p must be above 0 and at most 1, got {top_p:g}")
+    if temperature == 0:
+        return {}
+    return {"temperature": temperature, "top_p": top_p, "seed": whole_number("the seed", seed or 0, 0)}
 
 
 def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
@@ -140,9 +160,11 @@ def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: st
 
 
 def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
-             max_new_tokens: float, chat: bool, policies: list[Policy]) -> Request:
+             max_new_tokens: float, chat: bool, policies: list[Policy], temperature: float = 0.0, top_p: float = 1.0,
+             seed: float = 0) -> Request:
     """Check everything before any work; raise ValueError with what to change."""
     max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
+    sampling = check_sampling(temperature, top_p, seed)
     model, tokenizer = get_model(model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
@@ -162,7 +184,7 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
         resolved = engine.resolve_budget(len(prompt_ids), compression=fraction("compression", compression))
     for policy in policies:
         policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
-    return Request(model, tokenizer, prompt_ids, resolved, max_new)
+    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling)
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
@@ -202,10 +224,11 @@ def diagnostics_markdown(trace: Trace) -> str:
 
 def make_live_check(limits: Limits):
     def check_live(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat,
-                   *param_values):
+                   temperature, top_p, seed, *param_values):
         try:
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
-            validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, [policy])
+            validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, [policy],
+                     temperature, top_p, seed)
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:  # e.g. a model that fails to load: logged, and named in one line
@@ -224,16 +247,17 @@ def compare_names(names) -> list[str]:
 
 def make_compare_check(limits: Limits):
     def problem(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
-                load: bool = True) -> str | None:
+                temperature=0.0, top_p=1.0, seed=0, load: bool = True) -> str | None:
         """What is wrong with these inputs, if anything; ``load=False`` checks no further than the settings
         unless the model is loaded already."""
         try:
             names = compare_names(names)
             if load or model_name in _models:
                 validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                         [get_spec(name).build() for name in names])
+                         [get_spec(name).build() for name in names], temperature, top_p, seed)
             else:
                 check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
+                check_sampling(temperature, top_p, seed)
         except ValueError as error:
             return str(error)
         return None
@@ -277,11 +301,12 @@ def check_trace(path) -> None:
             raise unexpected("opening the trace", error) from None
 
 def make_live_handler(limits: Limits):
-    def live_run(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat, *param_values):
+    def live_run(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat,
+                 temperature, top_p, seed, *param_values):
         try:
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                               [policy])
+                               [policy], temperature, top_p, seed)
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))  # fresh state
         except ValueError as error:
             raise refused(str(error)) from None
@@ -295,7 +320,8 @@ def make_live_handler(limits: Limits):
                None, None)
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
-                                       budget=request.budget, max_new_tokens=request.max_new_tokens):
+                                       budget=request.budget, max_new_tokens=request.max_new_tokens,
+                                       sampler=request.sampler()):
                 view.add(event, event.text)
                 text += event.text
                 now = time.perf_counter()
@@ -313,7 +339,8 @@ def make_live_handler(limits: Limits):
                            gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
                 else:
                     yield (text, *[gr.skip()] * 10)
-            trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events)
+            trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events,
+                          request.sampling)
             path = Path(tempfile.mkdtemp(prefix="kvviz-")) / f"trace-{policy_name}.parquet"
             trace.save(path)
             yield finished_outputs(view, trace, text, stats_markdown(view, time.perf_counter() - start), path)
@@ -363,7 +390,7 @@ def make_open_handler(limits: Limits):
                 view.add(event, event.text)
             params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
             origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
-                      + f" on {trace.model or 'an unnamed model'}"
+                      + f" on {trace.model or 'an unnamed model'}" + sampling_note(trace.sampling)
                       + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n")
             text = "".join(event.text for event in trace.events)
             return finished_outputs(view, trace, text, origin + stats_markdown(view, None), None)
@@ -404,12 +431,13 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
 
 
 def make_compare_handler(limits: Limits):
-    def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat):
+    def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
+                    temperature=0.0, top_p=1.0, seed=0):
         try:
             names = compare_names(names)
             policies = {name: get_spec(name).build() for name in names}
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                               list(policies.values()))
+                               list(policies.values()), temperature, top_p, seed)
             policies = {name: get_spec(name).build() for name in names}  # fresh state
         except ValueError as error:
             raise refused(str(error)) from None
@@ -422,8 +450,11 @@ def make_compare_handler(limits: Limits):
         last_figure = 0.0
         yield (*[gr.skip()] * 10, None)  # the last comparison's state goes now, not when this one ends
         try:
+            # Sampled, every policy draws the same random stream: where their next-token distributions agree
+            # they pick the same token, so the first divergence is still the eviction's doing.
             for name, event in engine.decode_many(request.model, request.tokenizer, request.prompt_ids, policies,
-                                                  budget=request.budget, max_new_tokens=request.max_new_tokens):
+                                                  budget=request.budget, max_new_tokens=request.max_new_tokens,
+                                                  sampler_args=request.sampling):
                 views[name].add(event)
                 texts[name] += event.text
                 now = time.perf_counter()
@@ -569,11 +600,12 @@ def make_probe_handler(limits: Limits):
 
 def make_generate_api(limits: Limits):
     def generate(prompt: str, policy: str = "inertia", compression: float = 0.9, max_new_tokens: int = 64,
-                 chat: bool = True, model: str = "", params: str = "{}", budget: int = 0) -> Iterator[dict]:
+                 chat: bool = True, model: str = "", params: str = "{}", budget: int = 0, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> Iterator[dict]:
         """Stream one generation as JSON: per step the text so far and the kept and evicted positions.
 
         ``budget`` > 0 sizes the cache in tokens instead of ``compression`` (it may exceed the prompt: eviction
-        then starts once generation fills it).
+        then starts once generation fills it).  ``temperature`` > 0 samples (with ``top_p`` and ``seed``).
         """
         try:
             values = json.loads(params or "{}")
@@ -582,7 +614,7 @@ def make_generate_api(limits: Limits):
             policy_obj = policy_from_inputs(policy, values, strict=True)
             by_budget = budget not in (None, 0)
             request = validate(limits, model or limits.models[0], prompt, "budget" if by_budget else "compression",
-                               compression, budget, max_new_tokens, chat, [policy_obj])
+                               compression, budget, max_new_tokens, chat, [policy_obj], temperature, top_p, seed)
             policy_obj = policy_from_inputs(policy, values, strict=True)  # fresh state
         except json.JSONDecodeError as error:
             raise refused(f"params is not valid JSON ({error}); send an object such as "
@@ -594,7 +626,8 @@ def make_generate_api(limits: Limits):
         text = ""
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy_obj,
-                                       budget=request.budget, max_new_tokens=request.max_new_tokens):
+                                       budget=request.budget, max_new_tokens=request.max_new_tokens,
+                                       sampler=request.sampler()):
                 text += event.text
                 yield {"step": event.step, "text": text, "token_id": event.new_token_id, "budget": request.budget,
                        "prompt_len": len(request.prompt_ids), "kept": event.kept.tolist(),
@@ -681,9 +714,13 @@ def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
     max_new = gr.Slider(1, limits.max_new_tokens, value=min(max_new_tokens, limits.max_new_tokens), step=1,
                         label="Max new tokens")
     chat = gr.Checkbox(value=True, label="Chat template")
+    with gr.Accordion("Sampling (temperature 0: greedy)", open=False):
+        temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (AvoKV-E samples at 0.6)")
+        top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
+        seed = gr.Number(value=0, precision=0, label="Seed (the same random stream for every policy)")
     mode.change(lambda value: (gr.update(visible=value == "compression"), gr.update(visible=value == "budget")),
                 mode, [rho, budget], api_name=False)
-    return mode, rho, budget, max_new, chat
+    return mode, rho, budget, max_new, chat, temperature, top_p, seed
 
 
 def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
@@ -702,7 +739,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     description = gr.Markdown()
                     with gr.Accordion("Policy parameters", open=False):
                         widgets = [_parameter_widget(PARAMETERS[name]) for name in PARAM_NAMES]
-                    budget_mode, compression, budget, max_new, chat = _run_settings(limits, 0.9, 64)
+                    budget_mode, compression, budget, max_new, chat, temperature, top_p, seed = \
+                        _run_settings(limits, 0.9, 64)
                     with gr.Row():
                         run = gr.Button("Run", variant="primary", elem_id="live-run")
                         stop = gr.Button("Stop", elem_id="live-stop")
@@ -730,7 +768,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         download = gr.File(label="Trace (parquet)", visible=False)
                         diag = gr.Markdown()
             view_state = gr.State(None)
-            inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, *widgets]
+            inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, temperature, top_p, seed,
+                      *widgets]
             live_outputs = [text, stats, retention, ranks, timeline, fate, step_slider, download, diag, view_state,
                             detail]
             # Its progress shows under the prompt (the first run's check loads the model, which takes a while);
@@ -778,7 +817,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
                     c_policies = gr.Dropdown([c for c in policy_choices], value=["inertia", "tova", "streaming"],
                                              multiselect=True, label="Policies (2 to 4, default parameters)")
-                    c_mode, c_compression, c_budget, c_max_new, c_chat = _run_settings(limits, 0.75, 48)
+                    c_mode, c_compression, c_budget, c_max_new, c_chat, c_temperature, c_top_p, c_seed = \
+                        _run_settings(limits, 0.75, 48)
                     with gr.Row():
                         c_run = gr.Button("Compare", variant="primary")
                         c_stop = gr.Button("Stop")
@@ -810,7 +850,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
                         p_blindspot = gr.Plot(label="Attention-only blindspot (AvoKV-E Fig. 1a)", visible=False)
             c_state = gr.State(None)
-            c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat]
+            c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
+                        c_temperature, c_top_p, c_seed]
             compare_check = make_compare_check(limits)
             c_checked = c_run.click(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
             c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
