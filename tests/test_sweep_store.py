@@ -949,3 +949,19 @@ def test_a_row_without_a_source_is_kept():
         write_rows(Path(folder) / "x", [{"model": "m", "task": "t", "sample": 0, "policy": "tova", "score": 1.0,
                                          "metric": "string_match"}])
         assert len(Store(folder).frame("SELECT * FROM results")) == 1
+
+
+def test_quality_vs_cache_held_puts_each_policy_at_the_cache_it_really_held(tmp_path):
+    from kvviz.ui.results import SECTIONS, query
+
+    row = {"source": "measured", "model": "m", "task": "t", "seed": 0, "prompt_len": 70, "metric": "math",
+           "params": {}, "decode_tok_s": 9.0, "compression": None, "absolute_budget": 80, "budget": 80}
+    write_rows(tmp_path / "s", [
+        *({**row, "sample": i, "policy": "inertia", "max_cache": 80, "score": float(i == 0)} for i in range(2)),
+        # a checkpoint every 16 tokens: B = 80 held up to 95 entries, in one sample only 90
+        {**row, "sample": 0, "policy": "avokv", "max_cache": 95, "score": 1.0},
+        {**row, "sample": 1, "policy": "avokv", "max_cache": 90, "score": 1.0}])
+    at = 3 * SECTIONS.index("Quality vs cache held")
+    figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
+    points = {trace.name: (list(trace.x), list(trace.y), list(trace.text)) for trace in figure.data}
+    assert points == {"avokv": ([92.5], [1.0], ["B=80"]), "inertia": ([80.0], [0.5], ["B=80"])}
