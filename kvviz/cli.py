@@ -447,7 +447,8 @@ def cmd_results(args) -> int:
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
-    speed = store.speed_vs_quality(args.task, args.model).groupby(["model", "task", "policy"]).decode_tok_s.mean()
+    measured = store.speed_vs_quality(args.task, args.model)
+    speed = measured.groupby(["model", "task", "policy"]).decode_tok_s.mean()
     for (source, model, task), part in frame.groupby(["source", "model", "task"]):
         draws = int(part.draws.max())
         full = part[part.policy == "full"]
@@ -461,6 +462,8 @@ def cmd_results(args) -> int:
               + (f" · each sample the mean of up to {draws} sampled draws" if draws > 1 else ""))
         with pd.option_context("display.width", 200):
             print(table.to_string())
+        if source == "measured":
+            _print_cache_over_budget(measured[(measured.model == model) & (measured.task == task)])
     if args.source != "paper":  # papers print no per-run max-length hits
         _print_max_length_hits(store.max_length_hits(args.task, args.model, policies))
     # These tables are each policy at its defaults: say what they leave out rather than hide it.
@@ -502,6 +505,23 @@ def _print_paired(store, root: Path, args, policies) -> int:
         with pd.option_context("display.width", 250):
             print(_by_cut(cells, "cell").to_string())
     return 0
+
+
+def _print_cache_over_budget(frame) -> None:
+    """Name the cells whose policy held well over its nominal budget (checkpointed policies run up to
+    B + interval - 1, prefill-time ones grow by the tokens generated): one B is not one memory size."""
+    nominal = frame.absolute_budget.fillna((1 - frame.compression) * frame.prompt_len)
+    over = frame[(frame.policy != "full") & (frame.max_cache > 1.1 * nominal)]
+    if len(over):
+        cells = ", ".join(f"{policy} {_cut_name(rho, tokens)} {held:.0f}" for policy, rho, tokens, held in
+                          zip(over.policy, over.compression, over.absolute_budget, over.max_cache))
+        print(f"held over 1.1x the budget (mean largest cache, entries): {cells}")
+
+
+def _cut_name(compression, budget) -> str:
+    import pandas as pd
+
+    return f"B={int(budget)}" if pd.notna(budget) else f"rho={compression:g}"
 
 
 def _by_cut(part, values: str):

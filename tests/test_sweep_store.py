@@ -965,3 +965,18 @@ def test_quality_vs_cache_held_puts_each_policy_at_the_cache_it_really_held(tmp_
     figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
     points = {trace.name: (list(trace.x), list(trace.y), list(trace.text)) for trace in figure.data}
     assert points == {"avokv": ([92.5], [1.0], ["B=80"]), "inertia": ([80.0], [0.5], ["B=80"])}
+
+
+def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsys):
+    from kvviz.cli import main
+
+    row = {"source": "measured", "model": "m", "task": "t", "seed": 0, "prompt_len": 70, "metric": "math",
+           "params": {}, "decode_tok_s": 9.0, "compression": None, "absolute_budget": 80, "budget": 80, "score": 0.0}
+    write_rows(tmp_path / "s", [{**row, "sample": 0, "policy": "inertia", "max_cache": 80},
+                                {**row, "sample": 0, "policy": "avokv", "max_cache": 95},
+                                {**row, "sample": 0, "policy": "tova", "max_cache": 200, "absolute_budget": None,
+                                 "compression": 0.5, "budget": 35}])
+    assert main(["results", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    # avokv: 95 > 1.1 x 80; tova at rho = 0.5 of 70 tokens (B = 35) held 200; inertia held exactly B
+    assert "held over 1.1x the budget (mean largest cache, entries): avokv B=80 95, tova rho=0.5 200" in out
