@@ -189,7 +189,11 @@ class Trace:
                      "a list of token ids"), ("budget", _is_int(self.budget) and self.budget >= 1, "a whole number >= 1"),
                     ("policy", isinstance(self.policy, str), "a string"), ("model", isinstance(self.model, str), "a string"),
                     ("params", isinstance(self.params, dict), "an object"),
-                    ("sampling", isinstance(self.sampling, dict), "an object")]
+                    ("sampling", isinstance(self.sampling, dict) and (not self.sampling or (
+                        set(self.sampling) == {"temperature", "top_p", "seed"} and _is_int(self.sampling["seed"])
+                        and all(isinstance(self.sampling[k], (int, float)) and not isinstance(self.sampling[k], bool)
+                                for k in ("temperature", "top_p")))),
+                     "empty (greedy) or an object of temperature, top_p and an integer seed")]
         for key, ok, kind in settings:
             if not ok:
                 raise ValueError(f"{name}: its {key} is {getattr(self, key)!r:.60}, not {kind}")

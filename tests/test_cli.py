@@ -522,3 +522,15 @@ def test_a_sampled_runs_trace_says_how_it_decoded(tmp_path, capsys):
     assert kvviz.Trace.load(path).sampling == {}
     assert main(["trace", str(path)]) == 0
     assert "sampled" not in capsys.readouterr().out
+
+
+def test_a_trace_with_malformed_sampling_is_refused_saying_so(tmp_path):
+    import kvviz
+
+    model, tokenizer = kvviz.load_model("tiny-random-llama")
+    trace = kvviz.run(model, tokenizer, TEXT, "inertia", chat=False, budget=12, max_new_tokens=3).trace
+    trace.sampling = {"temperature": 0.7}  # no top_p, no seed
+    trace.save(tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="sampling .*empty \\(greedy\\) or an object of temperature, top_p and an "
+                                         "integer seed"):
+        kvviz.Trace.load(tmp_path / "bad.parquet")
