@@ -447,7 +447,7 @@ def cmd_results(args) -> int:
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
-    measured = store.speed_vs_quality(args.task, args.model)
+    measured = store.speed_vs_quality(args.task, args.model, policies)
     speed = measured.groupby(["model", "task", "policy"]).decode_tok_s.mean()
     for (source, model, task), part in frame.groupby(["source", "model", "task"]):
         draws = int(part.draws.max())
@@ -510,8 +510,10 @@ def _print_paired(store, root: Path, args, policies) -> int:
 def _print_cache_over_budget(frame) -> None:
     """Name the cells whose policy held well over its nominal budget (checkpointed policies run up to
     B + interval - 1, prefill-time ones grow by the tokens generated): one B is not one memory size."""
-    nominal = frame.absolute_budget.fillna((1 - frame.compression) * frame.prompt_len)
-    over = frame[(frame.policy != "full") & (frame.max_cache > 1.1 * nominal)]
+    # Budget cells only: a row's max_cache counts the prefill, so at a compression every decode-time policy
+    # "held" its whole prompt once.
+    budget = frame.absolute_budget.astype(float)
+    over = frame[(frame.policy != "full") & budget.notna() & (frame.max_cache > 1.1 * budget)]
     if len(over):
         cells = ", ".join(f"{policy} {_cut_name(rho, tokens)} {held:.0f}" for policy, rho, tokens, held in
                           zip(over.policy, over.compression, over.absolute_budget, over.max_cache))

@@ -350,8 +350,11 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     checkpointed policy (AvoKV-E, R-KV) runs up to B + interval - 1, a prefill-time one grows by the tokens
     generated; AvoKV-E compares policies at matched active-KV sizes, which this axis shows."""
     fig = go.Figure()
+    # Absolute-budget cells only: a row's largest cache counts the prefill, so at a compression every
+    # decode-time policy once held its whole prompt.
+    frame = frame[frame.absolute_budget.notna() & frame.max_cache.notna() & (frame.policy != "full")]
     if frame.empty:
-        return _empty(fig, "no measured rows with a cache size for these filters")
+        return _empty(fig, "no measured absolute-budget cells with a cache size for these filters")
     per_point = _with_budgets(frame).groupby(["model", "policy", "compression", "absolute_budget"], as_index=False,
                                               dropna=False)[["score", "max_cache"]].mean()
     several = per_point.model.nunique() > 1
