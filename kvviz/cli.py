@@ -87,16 +87,15 @@ def cmd_generate(args) -> int:
         return _generate_static(args, model, tokenizer, prompt_ids, policy, budget)
 
     events = []
+    sampler = engine.Sampler(args.temperature, args.top_p, args.seed)
     start = time.perf_counter()
     for event in engine.decode(model, tokenizer, prompt_ids, policy, budget=budget,
-                               max_new_tokens=args.max_new_tokens,
-                               sampler=engine.Sampler(args.temperature, args.top_p, args.seed)):
+                               max_new_tokens=args.max_new_tokens, sampler=sampler):
         events.append(event)
         if not args.json:
             print(event.text, end="", flush=True)
     elapsed = time.perf_counter() - start
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed} if args.temperature else {}
-    trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampling)
+    trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampler.settings())
     decode_seconds = sum(time_split(events).values())
     summary = {
         "prompt_len": len(prompt_ids),
@@ -515,15 +514,9 @@ def _print_cache_over_budget(frame) -> None:
     budget = frame.absolute_budget.astype(float)
     over = frame[(frame.policy != "full") & budget.notna() & (frame.max_cache > 1.1 * budget)]
     if len(over):
-        cells = ", ".join(f"{policy} {_cut_name(rho, tokens)} {held:.0f}" for policy, rho, tokens, held in
-                          zip(over.policy, over.compression, over.absolute_budget, over.max_cache))
+        cells = ", ".join(f"{policy} B={int(tokens)} {held:.0f}" for policy, tokens, held in
+                          zip(over.policy, over.absolute_budget, over.max_cache))
         print(f"held over 1.1x the budget (mean largest cache, entries): {cells}")
-
-
-def _cut_name(compression, budget) -> str:
-    import pandas as pd
-
-    return f"B={int(budget)}" if pd.notna(budget) else f"rho={compression:g}"
 
 
 def _by_cut(part, values: str):

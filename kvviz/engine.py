@@ -196,6 +196,10 @@ class Sampler:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.generator = torch.Generator().manual_seed(self.seed)
 
+    def settings(self) -> dict:
+        """The arguments that recreate this sampler, for a trace; empty when greedy (they change nothing)."""
+        return {} if self.temperature == 0 else {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
     def __call__(self, logits: torch.Tensor) -> int:
         if self.temperature == 0:
             return int(logits.argmax())

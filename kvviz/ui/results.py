@@ -321,14 +321,19 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def _per_point(frame: pd.DataFrame, values: list[str]) -> pd.DataFrame:
+    """``values`` averaged per (model, policy, compression or absolute budget): one point, over the tasks."""
+    return _with_budgets(frame).groupby(["model", "policy", "compression", "absolute_budget"], as_index=False,
+                                        dropna=False)[values].mean()
+
+
 def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     """Quality against measured decode speed, one point per (policy, compression or budget), averaged over
     tasks."""
     fig = go.Figure()
     if frame.empty:
         return _empty(fig, "no measured rows with a decode speed for these filters")
-    per_point = _with_budgets(frame).groupby(["model", "policy", "compression", "absolute_budget"], as_index=False,
-                                              dropna=False)[["score", "decode_tok_s", "max_cache"]].mean()
+    per_point = _per_point(frame, ["score", "decode_tok_s", "max_cache"])
     several = per_point.model.nunique() > 1
     for (model, policy), part in per_point.groupby(["model", "policy"]):
         cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
@@ -355,8 +360,7 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     frame = frame[frame.absolute_budget.notna() & frame.max_cache.notna() & (frame.policy != "full")]
     if frame.empty:
         return _empty(fig, "no measured absolute-budget cells with a cache size for these filters")
-    per_point = _with_budgets(frame).groupby(["model", "policy", "compression", "absolute_budget"], as_index=False,
-                                              dropna=False)[["score", "max_cache"]].mean()
+    per_point = _per_point(frame, ["score", "max_cache"])
     several = per_point.model.nunique() > 1
     for (model, policy), part in per_point.groupby(["model", "policy"]):
         part = part.sort_values("max_cache")
