@@ -488,7 +488,10 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     events = list(stream(model, tokenizer, prompt_ids, policy_obj, **run_kwargs))
     budget = resolve_budget(len(prompt_ids), compression=run_kwargs.get("compression"), budget=run_kwargs.get("budget"))
     name = policy if isinstance(policy, str) else type(policy).__name__
-    trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events)
+    sampling = Sampler(*(run_kwargs.get(k, default) for k, default in
+                         (("temperature", 0.0), ("top_p", 1.0), ("seed", 0)))).settings()
+    trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events,
+                  sampling=sampling)
     text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
     return Result(text, trace)
 

@@ -270,6 +270,20 @@ def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(tiny, tiny_prompt):
     assert sample(3, top_p=1e-6) == kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=16).token_ids
 
 
+def test_a_sampled_runs_trace_records_how_it_decoded(tiny, tiny_prompt, tmp_path):
+    """kvviz.run's trace says how to decode it again: the sampled one carries (temperature, top_p, seed) and
+    replaying those arguments gives its tokens; a greedy one carries nothing."""
+    model, tokenizer = tiny
+    sampled = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=12,
+                        temperature=0.7, top_p=0.9, seed=5).trace
+    assert sampled.sampling == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+    sampled.save(tmp_path / "t.parquet")
+    again = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=12,
+                      **kvviz.Trace.load(tmp_path / "t.parquet").sampling).trace
+    assert again.token_ids == sampled.token_ids
+    assert kvviz.run(model, tokenizer, tiny_prompt, "inertia", max_new_tokens=4).trace.sampling == {}
+
+
 def test_trace_round_trips_through_parquet(tiny, tiny_prompt, tmp_path):
     model, tokenizer = tiny
     trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=8).trace
