@@ -240,6 +240,55 @@ def cmd_probe(args) -> int:
     return 0
 
 
+def _prompt_and_model_arguments(parser, default_model: str) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    parser.add_argument("--model", default=default_model, help="default model, HF hub id, local dir, or tiny-random-llama")
+    parser.add_argument("--device", default="cpu")
+
+
+def cmd_scorers(args) -> int:
+    from . import engine
+    from .models import load_model
+    from .spectrum import spectrum
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if not 0.0 <= args.compression < 1.0:
+        raise ValueError(f"--compression must be in [0, 1), got {args.compression}")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"--alpha must be in [0, 1], got {args.alpha}")
+    prompt = _read_prompt(args)
+    model, tokenizer = load_model(args.model, device=args.device)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
+    result = spectrum(model, prompt_ids, steps=args.steps, layer=args.layer, compression=args.compression,
+                      alpha=args.alpha)
+    rows, cross = result.table(), result.cross_layer_summary()
+    if args.json:
+        finite = lambda value: value if math.isfinite(value) else None  # strict JSON has no NaN
+        print(json.dumps({"layer": result.layer, "num_layers": result.num_layers, "compression": args.compression,
+                          "prompt_len": len(prompt_ids), "steps": result.steps, "cache_sizes": result.cache_sizes,
+                          "scorers": [{key: finite(value) if isinstance(value, float) else value
+                                       for key, value in row.items()} for row in rows],
+                          **{key: finite(value) for key, value in cross.items()}}))
+        return 0
+    span = lambda first, last: f"{first}" if first == last else f"{first}-{last}"
+    sizes, keep = result.cache_sizes, [max(1, int((1 - args.compression) * size)) for size in result.cache_sizes]
+    print(f"scorers against attention over decode steps {span(1, result.steps[-1])} of a full-cache greedy run "
+          f"({span(sizes[0], sizes[-1])} entries); top-B at {1 - args.compression:.0%} (B = {span(keep[0], keep[-1])})")
+    level = f"layer {result.layer} of {result.num_layers}"
+    print(f"{'':<12}{level:^20}{'InertiaKV utility':^20}")
+    print(f"{'scorer':<12}" + f"{'Spearman':>10}{'Jaccard':>10}" * 2)
+    for row in rows:
+        print(f"{row['scorer']:<12}{row['layer_spearman']:>10.3f}{row['layer_jaccard']:>10.3f}"
+              f"{row['utility_spearman']:>10.3f}{row['utility_jaccard']:>10.3f}")
+    print(f"\ncross-layer agreement of attention: top-B Jaccard between layers {cross['cross_layer_jaccard']:.3f} "
+          f"(sd over layer pairs {cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn "
+          f"between steps {cross['layer_churn']:.3f}")
+    return 0
+
+
 def _blindspot_json(spot) -> dict:
     def finite(value: float) -> float | None:  # strict JSON has no NaN or Infinity
         return value if math.isfinite(value) else None
@@ -626,11 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     pol.set_defaults(func=cmd_policies)
 
     probe = sub.add_parser("probe", help="oracle damage probe: which entries hurt to remove, and who ranks them")
-    src = probe.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-file")
-    probe.add_argument("--model", default=DEFAULT_MODEL)
-    probe.add_argument("--device", default="cpu")
+    _prompt_and_model_arguments(probe, DEFAULT_MODEL)
     probe.add_argument("--step", type=int, default=8, help="decode step to probe (>= 1)")
     probe.add_argument("--sample", type=int, help="probe a seeded sample of this many entries (default: all)")
     probe.add_argument("--seed", type=int, default=0)
@@ -643,6 +688,17 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--blindspot", action="store_true", help="also AvoKV-E's blindspot test (Fig. 1a): "
                        "high-damage share by read-pressure and payload rank (adds avokv to --policies)")
     probe.set_defaults(func=cmd_probe)
+
+    sc = sub.add_parser("scorers", help="each scorer's ranking against attention, per layer and through "
+                        "the EMA (InertiaKV §5.1), and how much layers agree")
+    _prompt_and_model_arguments(sc, DEFAULT_MODEL)
+    sc.add_argument("--steps", type=int, default=8, help="decode steps compared (each with the whole cache)")
+    sc.add_argument("--layer", type=int, help="layer of the per-layer comparison (default: the middle one)")
+    sc.add_argument("--compression", type=float, default=0.9, help="top-B sets at B = (1 - this) x cache size")
+    sc.add_argument("--alpha", type=float, default=0.8, help="EMA coefficient of the utilities compared")
+    sc.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    sc.add_argument("--json", action="store_true")
+    sc.set_defaults(func=cmd_scorers)
 
     tr = sub.add_parser("trace", help="a saved trace: its diagnostics, or what happened to chosen tokens")
     tr.add_argument("file", help="a parquet trace (kvviz generate --trace, or the app's download)")

@@ -360,6 +360,24 @@ def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")
 
 
+def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client):
+    from kvviz.spectrum import spectrum
+
+    table, note, plot = client.predict(TINY, PROMPT, False, 3, None, api_name="/spectrum")
+    model, tokenizer = kvviz.load_model(TINY)
+    expected = spectrum(model, kvviz.encode_prompt(tokenizer, PROMPT, chat=False), steps=3)
+    assert [row[0] for row in table["data"]] == [row["scorer"] for row in expected.table()]
+    assert [row[1] for row in table["data"]] == [round(row["layer_spearman"], 3) for row in expected.table()]
+    assert "layer 1 of 3" in note
+    bars = json.loads(plot["plot"])["data"]
+    assert [bar["y"] for bar in bars] == [[row[key] for row in expected.table()]
+                                         for key in ("layer_spearman", "utility_spearman")]
+    with pytest.raises(Exception, match="layer must be between 0 and 2"):
+        client.predict(TINY, PROMPT, False, 3, 5, api_name="/spectrum")
+    with pytest.raises(Exception, match="the steps compared must be between 1 and 64, got 0"):
+        client.predict(TINY, PROMPT, False, 0, None, api_name="/spectrum")
+
+
 def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     from kvviz.probe import blindspot, probe
 

@@ -30,7 +30,7 @@ from ..policies import REGISTRY, Policy, get_spec
 from ..trace import Trace, sampling_note, time_split
 from .config import Limits
 from ..store import Store
-from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure
+from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure
 from .results import build_results_tab
 
 log = logging.getLogger(__name__)
@@ -554,20 +554,56 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
         gr.update(value=frame, visible=True)
 
 
+def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
+    """The loaded model, its tokenizer and the prompt's ids, for the on-demand analyses (probe, spectrum);
+    raises ValueError with what to change."""
+    if model_name not in limits.models:
+        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
+    model, tokenizer = get_model(model_name)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
+                         "shorten it")
+    return model, tokenizer, prompt_ids
+
+
+def make_spectrum_handler(limits: Limits):
+    def run_spectrum(model_name, prompt, chat, steps, layer):
+        from ..spectrum import spectrum
+
+        try:
+            steps = whole_number("the steps compared", steps, 1, 64)
+            layer = None if layer is None or layer == "" else whole_number("the layer", layer, 0)
+            model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+            result = spectrum(model, prompt_ids, steps=steps, layer=layer)
+        except ValueError as error:
+            raise refused(str(error)) from None
+        except Exception as error:
+            raise unexpected("the scorer spectrum", error) from None
+        finally:
+            gc.collect()
+        rows = pd.DataFrame([{key: round(value, 3) if isinstance(value, float) else value for key, value in row.items()}
+                             for row in result.table()])
+        cross = result.cross_layer_summary()
+        note = (f"Steps 1–{result.steps[-1]} of the full-cache greedy run ({result.cache_sizes[-1]} entries at the "
+                f"end), top-B at 10%; layer {result.layer} of {result.num_layers}. Attention's own agreement between "
+                f"layers: top-B Jaccard {cross['cross_layer_jaccard']:.3f} (sd over layer pairs "
+                f"{cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn between steps "
+                f"{cross['layer_churn']:.3f}.")
+        return rows, note, spectrum_figure(result)
+
+    return run_spectrum
+
+
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
         from ..probe import aligned_quality, blindspot_at, check_fits, probe
 
         names = list(dict.fromkeys(names or []))
         try:
-            if model_name not in limits.models:
-                raise ValueError(f"model {model_name!r} is not available here")
             if not names:
                 raise ValueError("choose the policies to rank first")
-            model, tokenizer = get_model(model_name)
-            prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
-            if len(prompt_ids) > limits.max_prompt_tokens:
-                raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit is {limits.max_prompt_tokens}")
+            model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
             step = whole_number("the probe step", step, 1)
             sample = whole_number("entries sampled", sample or 0, 0)
             check_fits(model, prompt_ids, step, 8)
@@ -849,6 +885,20 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         p_note = gr.Markdown()
                         # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
                         p_blindspot = gr.Plot(label="Attention-only blindspot (AvoKV-E Fig. 1a)", visible=False)
+                    with gr.Accordion("Scorer spectrum (InertiaKV §5.1)", open=False):
+                        gr.Markdown("How far each scorer's ranking of the cache sits from last-query attention: "
+                                    "Spearman and top-B Jaccard (B = 10% of the cache) at one layer, and through "
+                                    "InertiaKV's EMA over layers, on the full-cache greedy run of this prompt. "
+                                    "Scorers close to attention (value-norm, entropy weighting) keep quality in the "
+                                    "paper; those far from it (key norm, recency) fail on retrieval.")
+                        with gr.Row():
+                            s_steps = gr.Number(value=8, precision=0, label="Steps")
+                            s_layer = gr.Number(value=None, precision=0, label="Layer (empty: the middle one)")
+                            s_run = gr.Button("Run spectrum")
+                        s_figure = gr.Plot(label="Scorer spectrum")
+                        s_table = gr.Dataframe(label="Mean over steps", interactive=False)
+                        s_note = gr.Markdown()
+            c_state = gr.State(None)
             c_state = gr.State(None)
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
                         c_temperature, c_top_p, c_seed]
@@ -868,6 +918,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             p_run.click(make_probe_handler(limits), [c_model, c_prompt, c_policies, c_chat, p_step, p_sample],
                         [p_table, p_note, p_blindspot], concurrency_limit=limits.runs_per_model,
                         concurrency_id="model", api_name="probe")
+
+            s_run.click(make_spectrum_handler(limits), [c_model, c_prompt, c_chat, s_steps, s_layer],
+                        [s_table, s_note, s_figure], concurrency_limit=limits.runs_per_model,
+                        concurrency_id="model", api_name="spectrum")
 
         with gr.Tab("Results"):
             build_results_tab(app, store)

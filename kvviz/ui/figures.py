@@ -476,3 +476,22 @@ def blindspot_figure(spot) -> go.Figure:
         xaxis_title="read-pressure rank N(p) (AvoKV-E)", yaxis_title="payload rank N(b)", height=380,
         margin=dict(l=60, r=20, t=50, b=50))
     return fig
+
+
+def spectrum_figure(spectrum) -> go.Figure:
+    """InertiaKV §5.1's correlation spectrum from a :class:`kvviz.spectrum.Spectrum`: each scorer's mean
+    Spearman with attention, at the chosen layer and through the InertiaKV utility, as grouped bars."""
+    rows = spectrum.table()
+    names = [row["scorer"] for row in rows]
+    fig = go.Figure()
+    for key, label, color in (("layer_spearman", f"layer {spectrum.layer}", "#7a9cc6"),
+                              ("utility_spearman", "InertiaKV utility (EMA over layers)", "#1f3b73")):
+        jaccard = key.replace("spearman", "jaccard")
+        fig.add_bar(x=names, y=[row[key] for row in rows], name=label, marker_color=color,
+                    customdata=[row[jaccard] for row in rows],
+                    hovertemplate="%{x}<br>Spearman %{y:.3f}<br>top-B Jaccard %{customdata:.3f}<extra>" + label + "</extra>")
+    fig.update_layout(barmode="group", yaxis=dict(title="Spearman with attention", range=[-1, 1.05]), height=340,
+                      title=dict(text=f"Scorers against last-query attention, steps 1–{spectrum.steps[-1]}",
+                                 font=dict(size=12)),
+                      legend=dict(orientation="h", y=-0.2), margin=dict(l=60, r=20, t=50, b=40))
+    return fig
