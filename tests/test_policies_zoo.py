@@ -114,6 +114,42 @@ def test_avokv_evicts_only_at_checkpoints():
     assert max(sizes) <= policy.cache_bound(3, 8) == 6
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_avokvs_first_checkpoint_on_an_over_budget_prompt_reads_the_last_w_obs_queries(tiny, tiny_prompt, shared):
+    """O_t (Eq. 2) is the last W_obs query positions: at a checkpoint on step 1 that is the prompt's last 7
+    queries and the step's own.  Read pressure p must be the eager model's attention from exactly those 8
+    rows, mean over heads and rows, then over layers, for every candidate (entries <= P - W_delay); the same
+    through a shared prefill (decode_many, as sweeps and Compare run it)."""
+    import copy
+
+    import kvviz
+    from kvviz.engine import decode, decode_many
+
+    model, tokenizer = tiny
+    policy = make_policy("avokv", interval=16)
+    if shared:
+        events = [e for _, e in decode_many(model, tokenizer, tiny_prompt, {"avokv": policy, "tova": make_policy("tova")},
+                                            budget=40, max_new_tokens=2) if e.step == 1]
+        event = events[0]  # the first (name, event) pair at step 1 is avokv's: insertion order
+    else:
+        event = [e for e in decode(model, tokenizer, tiny_prompt, policy, budget=40, max_new_tokens=2) if e.step == 1][0]
+    prompt_len = len(tiny_prompt)
+    assert prompt_len > 40 + 15  # over B + interval - 1: a checkpoint at step 1
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.inference_mode():
+        attentions = eager(input_ids=torch.tensor([tiny_prompt + [event.token_id]]), output_attentions=True).attentions
+    rows = slice(prompt_len - 7, prompt_len + 1)  # prompt positions P-7 .. P-1, then the step's query at P
+    candidates = np.arange(prompt_len + 1 - 32)  # W_delay = 32 below B = 768
+    expected = np.mean([layer[0, :, rows, :].float().mean((0, 1)).numpy()[candidates] for layer in attentions], axis=0)
+    present = event.present.tolist()
+    measured = event.components["p"][[present.index(c) for c in candidates]]
+    np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-7)
+    # one query alone (the decode one) would be another read pressure: the test tells the two apart
+    alone = np.mean([layer[0, :, prompt_len, :].float().mean(0).numpy()[candidates] for layer in attentions], axis=0)
+    assert not np.allclose(measured, alone, rtol=1e-3)
+
+
 def test_avokv_delay_rule_follows_the_budget():
     policy = make_policy("avokv")
     assert policy.protected(1024) == 8 and policy.protected(768) == 8

@@ -4,8 +4,10 @@ At a checkpoint (every ``interval`` generated tokens, AvoKV-E §4.3) the cache s
 tail P (the last ``W_delay`` entries, never judged before later queries could read them) and the older
 candidates C.  For each candidate, averaged over layers and heads:
 
-* read pressure ``p``: mean attention from the last ``W_obs`` decode queries (causal: each query only
-  sees keys not newer than itself);
+* read pressure ``p``: mean attention from the last ``W_obs`` queries (causal: each query only sees keys
+  not newer than itself).  O_t is a set of query positions (Eq. 2), so at a checkpoint within ``W_obs``
+  steps of the prompt -- only a prompt over budget puts one there -- the prompt's last queries fill it,
+  recorded at prefill;
 * key redundancy ``r``: max cosine of its post-RoPE key to any other candidate's key;
 * payload ``b``: ``||v|| / (median ||v|| over C + eps)``.
 
@@ -58,6 +60,10 @@ class AvoKVE(CheckpointPolicy):
         super().__post_init__()
         if self.delay and self.delay < self.observe_window:
             raise ValueError(f"delay (W_delay={self.delay}) must be >= observe_window (W_obs={self.observe_window})")
+
+    @property
+    def prefill_window(self) -> int:  # the prompt's last W_obs queries start the observation window
+        return self.observe_window
 
     def protected(self, budget: int) -> int:
         if self.delay:

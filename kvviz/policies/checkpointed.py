@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..scoring import LayerView
+from ..scoring import LayerView, PrefillView
 from .base import NO_SLOTS, Policy, lowest, param
 
 
@@ -78,6 +78,7 @@ class CheckpointPolicy(Policy):
         super().reset(prompt_len, budget, num_layers)
         self.queries: dict[int, deque] = {}
         self.checkpoint = False
+        self.terms = None  # asked for after the prefill too, where a subclass records prompt queries
 
     def wants_scores(self, step: int) -> bool:
         return True  # to buffer each step's queries; attention itself is only computed at checkpoints
@@ -98,6 +99,15 @@ class CheckpointPolicy(Policy):
         if budget <= reserved:
             raise ValueError(f"budget {budget} must exceed the {reserved} entries {name} always protects: "
                              f"raise the budget above {reserved} (or shrink what is protected)")
+
+    def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
+        """Start the buffer with the prompt's last queries (for a subclass whose ``prefill_window`` is
+        ``observe_window``): a checkpoint before ``observe_window`` decode steps then reads the newest queries
+        there are, the prompt's included, instead of the few decode ones."""
+        buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
+        first = int(positions.max()) + 1 - view.queries.shape[1]  # the window is the prompt's last positions
+        for offset in range(view.queries.shape[1]):
+            buffer.append((first + offset, view.queries[:, offset].detach().clone()))
 
     def observe(self, view: LayerView, positions: torch.Tensor) -> None:
         buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
