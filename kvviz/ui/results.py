@@ -513,6 +513,11 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                     reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
                     settings = gr.Checkbox(False, label="Also parameter sweeps (α, refresh: e.g. 'inertia alpha=0.9' "
                                            "against the reference at its defaults)")
+            if title == "Quality vs decode speed":
+                gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
+                            "may come from another machine (results_db/README.md says which; AvoKV-E's in "
+                            "sweep-2k and needle-grid ran on a faster one), so compare speeds within one run, "
+                            "or measure them together with `kvviz bench speed --policies ...`.")
             plot = gr.Plot()
             table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
