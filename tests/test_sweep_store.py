@@ -917,6 +917,12 @@ def test_results_command_says_when_a_sample_is_the_mean_of_sampled_draws(tmp_pat
     out = capsys.readouterr().out
     assert "t · m · measured · each sample the mean of up to 4 sampled draws" in out
     assert any(line.split()[:3] == ["tova", "0.50", "(2)"] for line in out.splitlines())
+    # the Results tab's quality figure says the same in its title, and plots the per-sample mean
+    from kvviz.ui.results import query
+
+    figure = query(Store(tmp_path), None, None, None, "measured", None, None, None, False)[0]
+    assert "each sample the mean of up to 4 sampled draws" in figure.layout.title.text
+    assert list(figure.data[0].y) == [0.5]
 
 
 def test_one_samples_draws_from_two_folders_stay_one_sample(tmp_path):

@@ -446,8 +446,9 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     grid = store.needle_grid(model, policies, source)
     figures = [
         (_line_figure(quality, "compression", "score",
-                      f"Quality vs {_versus(quality)} (each policy at its defaults; bars: ± 1 standard error)",
-                      "compression ρ", "mean score", colours), quality, "quality_vs_compression"),
+                      f"Quality vs {_versus(quality)} (each policy at its defaults; bars: ± 1 standard error"
+                      f"{_draws_note(quality)})", "compression ρ", "mean score", colours), quality,
+         "quality_vs_compression"),
         (_hits_figure(hits, colours), hits, "max_length_hits"),
         (_paired_figure(differences, reference, colours), differences, f"paired_vs_{reference}"),
         (_comparison_figure(comparison, suite, colours), comparison, f"measured_vs_paper_{suite}"),
@@ -462,6 +463,12 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     for figure, frame, name in figures:
         out += [figure, frame.round(4), gr.update(value=_csv(frame, name))]  # the CSV keeps full precision
     return tuple(out)
+
+
+def _draws_note(frame: pd.DataFrame) -> str:
+    """Where sampled cells are drawn: each sample's point is the mean of its draws (as ``kvviz results`` says)."""
+    draws = frame["draws"].max() if "draws" in frame and frame["draws"].notna().any() else 1
+    return f" over samples; each sample the mean of up to {int(draws)} sampled draws" if draws > 1 else ""
 
 
 def default_reference(policies: list[str]) -> str | None:
