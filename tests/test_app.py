@@ -363,7 +363,7 @@ def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
 def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client):
     from kvviz.spectrum import spectrum
 
-    table, note, plot = client.predict(TINY, PROMPT, False, 3, None, api_name="/spectrum")
+    table, note, plot = client.predict(TINY, PROMPT, False, 3, "", api_name="/spectrum")  # empty: the middle layer
     model, tokenizer = kvviz.load_model(TINY)
     expected = spectrum(model, kvviz.encode_prompt(tokenizer, PROMPT, chat=False), steps=3)
     assert [row[0] for row in table["data"]] == [row["scorer"] for row in expected.table()]
@@ -372,10 +372,14 @@ def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client)
     bars = json.loads(plot["plot"])["data"]
     assert [bar["y"] for bar in bars] == [[row[key] for row in expected.table()]
                                          for key in ("layer_spearman", "utility_spearman")]
+    _, note, _ = client.predict(TINY, PROMPT, False, 3, " 2 ", api_name="/spectrum")
+    assert "layer 2 of 3" in note
     with pytest.raises(Exception, match="layer must be between 0 and 2"):
-        client.predict(TINY, PROMPT, False, 3, 5, api_name="/spectrum")
+        client.predict(TINY, PROMPT, False, 3, "5", api_name="/spectrum")
+    with pytest.raises(Exception, match="the layer must be a whole number, got 'two'"):
+        client.predict(TINY, PROMPT, False, 3, "two", api_name="/spectrum")
     with pytest.raises(Exception, match="the steps compared must be between 1 and 64, got 0"):
-        client.predict(TINY, PROMPT, False, 0, None, api_name="/spectrum")
+        client.predict(TINY, PROMPT, False, 0, "", api_name="/spectrum")
 
 
 def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):

@@ -198,3 +198,17 @@ def test_a_refused_run_leaves_the_views_and_shows_the_count(page):
     page.get_by_text("tokens: over the limit of 2000, shorten it").wait_for(timeout=30_000)
     assert page.get_by_text("Error", exact=True).count() <= 2  # a toast each: this one, maybe Compare's
     assert page.locator(".wrap .error").count() == 0  # no output panel marked
+
+
+def test_the_scorer_spectrum_runs_at_the_middle_layer_when_layer_is_left_empty(page):
+    """The Layer field starts empty and stays so in the browser (a Number widget would send 0): the run is
+    at the middle layer, 1 of the tiny model's 3, and draws its bars."""
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_label("Prompt").nth(1).fill(PROMPT)
+    page.get_by_text("Scorer spectrum (InertiaKV §5.1)").click()
+    assert page.get_by_label("Layer (empty: the middle one)").input_value() == ""
+    page.get_by_role("button", name="Run spectrum").click()
+    page.get_by_text("layer 1 of 3", exact=False).wait_for(timeout=60_000)
+    page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot .legendtext')]"
+                           ".some(e => e.textContent === 'layer 1')", timeout=30_000)
+    page.screenshot(path=ARTIFACTS / "compare-spectrum.png", full_page=False)

@@ -573,7 +573,7 @@ def make_spectrum_handler(limits: Limits):
 
         try:
             steps = whole_number("the steps compared", steps, 1, 64)
-            layer = None if layer is None or layer == "" else whole_number("the layer", layer, 0)
+            layer = None if layer is None or not str(layer).strip() else whole_number("the layer", str(layer).strip(), 0)
             model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
             result = spectrum(model, prompt_ids, steps=steps, layer=layer)
         except ValueError as error:
@@ -893,7 +893,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                     "paper; those far from it (key norm, recency) fail on retrieval.")
                         with gr.Row():
                             s_steps = gr.Number(value=8, precision=0, label="Steps")
-                            s_layer = gr.Number(value=None, precision=0, label="Layer (empty: the middle one)")
+                            # a Textbox: a Number widget cannot stay empty in the browser (it shows and sends 0)
+                            s_layer = gr.Textbox(value="", label="Layer (empty: the middle one)", placeholder="middle")
                             s_run = gr.Button("Run spectrum")
                         s_figure = gr.Plot(label="Scorer spectrum")
                         s_table = gr.Dataframe(label="Mean over steps", interactive=False)
