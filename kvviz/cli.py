@@ -269,12 +269,13 @@ def cmd_scorers(args) -> int:
         finite = lambda value: value if math.isfinite(value) else None  # strict JSON has no NaN
         print(json.dumps({"layer": result.layer, "num_layers": result.num_layers, "compression": args.compression,
                           "prompt_len": len(prompt_ids), "steps": result.steps, "cache_sizes": result.cache_sizes,
+                          "budgets": result.budgets,
                           "scorers": [{key: finite(value) if isinstance(value, float) else value
                                        for key, value in row.items()} for row in rows],
                           **{key: finite(value) for key, value in cross.items()}}))
         return 0
     span = lambda first, last: f"{first}" if first == last else f"{first}-{last}"
-    sizes, keep = result.cache_sizes, [max(1, int((1 - args.compression) * size)) for size in result.cache_sizes]
+    sizes, keep = result.cache_sizes, result.budgets
     print(f"scorers against attention over decode steps {span(1, result.steps[-1])} of a full-cache greedy run "
           f"({span(sizes[0], sizes[-1])} entries); top-B at {1 - args.compression:.0%} (B = {span(keep[0], keep[-1])})")
     level = f"layer {result.layer} of {result.num_layers}"

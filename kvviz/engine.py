@@ -71,6 +71,9 @@ class EvictingCache(SlotCache):
         return self.policy.wants_layer(layer)
 
     def on_layer(self, view) -> None:
+        if self.step == 0:  # a one-token prompt's prefill has a single query too: still the prefill
+            self.on_prefill_layer(scoring.prefill_view(view))
+            return
         start = time.perf_counter()
         self.policy.observe(view, self.live_positions())
         self.score_seconds += time.perf_counter() - start
@@ -82,7 +85,8 @@ class EvictingCache(SlotCache):
 
     # -- step protocol --------------------------------------------------------------------------------
     def start_prefill(self, prompt_len: int, max_new_tokens: int | None = None) -> bool:
-        """Reset the policy for a prompt; True if the prefill itself must be scored (prefill-time policy)."""
+        """Reset the policy for a prompt; True if the policy reads the prefill's queries (``prefill_window`` > 0:
+        prefill-time policies, and checkpointed ones that start their window with the prompt's)."""
         self.budget = resolve_budget(prompt_len, **self._budget_args)
         self.policy.reset(prompt_len, self.budget, len(self.layers))
         self.step = 0
@@ -265,8 +269,8 @@ class _QueryRecorder:
     def wants_layer(self, layer: int) -> bool:
         return True
 
-    def on_layer(self, view) -> None:  # never called: a prefill has no single-query step
-        pass
+    def on_layer(self, view) -> None:  # a one-token prompt: its prefill's only query
+        self.on_prefill_layer(scoring.prefill_view(view))
 
     def on_prefill_layer(self, view) -> None:
         self.queries[view.layer] = view.queries.clone()
@@ -327,7 +331,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
             shared.replay(cache, policy.prefill_window)
         last_logits = shared.logits
     else:
-        with scoring.scoring(cache if prefill_scores else None):  # only prefill-time policies look at it
+        with scoring.scoring(cache if prefill_scores else None):  # only policies with a prefill_window look
             last_logits = model(input_ids=torch.tensor([prompt_ids], device=device),
                                 position_ids=torch.arange(prompt_len, device=device)[None],
                                 logits_to_keep=1, **{cache_arg: cache}).logits[0, -1]

@@ -110,6 +110,12 @@ class PrefillView:
         return torch.softmax(logits, dim=-1)
 
 
+def prefill_view(view: LayerView) -> PrefillView:
+    """A one-token prompt's prefill, which reaches the wrapper as a single query: the same layer as a
+    :class:`PrefillView` with a window of one."""
+    return PrefillView(view.layer, view.query[:, None], view.keys, view.values, view.scaling, view.rope)
+
+
 class ScoreSink(Protocol):
     """What the attention wrapper talks to: the engine's controller during a decode step."""
 

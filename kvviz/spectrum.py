@@ -16,6 +16,7 @@ pairs), with the top-B churn of the chosen layer between consecutive steps besid
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -43,6 +44,7 @@ class Spectrum:
     steps: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # the token each step fed (the full cache's greedy choice)
     cache_sizes: list[int] = field(default_factory=list)  # entries ranked at each step (the whole cache)
+    budgets: list[int] = field(default_factory=list)  # B of the top-B sets at each step
     layer_spearman: dict[str, list[float]] = field(default_factory=dict)
     layer_jaccard: dict[str, list[float]] = field(default_factory=dict)
     utility_spearman: dict[str, list[float]] = field(default_factory=dict)
@@ -67,6 +69,11 @@ class Spectrum:
         return {"cross_layer_jaccard": float(np.mean(means)) if means else nan,
                 "cross_layer_jaccard_std": float(np.mean(spreads)) if spreads else nan,
                 "layer_churn": float(np.mean(churn)) if churn else nan}
+
+
+def top_b(size: int, compression: float) -> int:
+    """``B = max(1, floor((1 - compression) * size))``; the epsilon keeps 0.1 * 120 at 12, not 11.99... -> 11."""
+    return max(1, math.floor((1.0 - compression) * size + 1e-9))
 
 
 class _Capture:
@@ -110,7 +117,7 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
         The layer of the per-layer comparison; default the middle one (15 of SmolLM2-135M's 30).
     compression : float
         Top-B sets use ``B = max(1, floor((1 - compression) * n))`` of the ``n`` cached entries (0.9: the
-        paper's 10% budget).
+        paper's 10% budget; :func:`top_b`).
     alpha : float
         The EMA coefficient of the InertiaKV utilities.
     """
@@ -147,7 +154,7 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
         if layer not in capture.attention:
             raise ValueError(f"layer {layer} has no attention over the cache in this model; choose another --layer")
         size = position + 1
-        budget = max(1, int((1.0 - compression) * size))
+        budget = top_b(size, compression)
         everything = torch.arange(size)
         attention, utility = capture.attention[layer], policies["attention"].utility(everything).numpy()
         for name in SCORERS:
@@ -166,4 +173,5 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
         result.steps.append(step)
         result.tokens.append(token)
         result.cache_sizes.append(size)
+        result.budgets.append(budget)
     return result

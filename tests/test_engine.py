@@ -137,6 +137,37 @@ def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
 
+@pytest.mark.parametrize("name, params", [("avokv", dict(interval=2, delay=8, sinks=1)), ("snapkv", dict(window=1)),
+                                          ("rkv", dict(interval=2, window=8, prompt_queries=True))])
+def test_a_one_token_prompt_is_still_a_prefill_for_policies_that_read_prompt_queries(tiny, name, params):
+    """A one-token prompt reaches the attention wrapper as a single query, like a decode step: the policies
+    that read the prompt's queries must still see it as the prefill (AvoKV-E crashed there), and the engine,
+    the shared prefill and model.generate must agree on tokens and keep sets."""
+    from kvviz.engine import decode_many
+
+    model, tokenizer = tiny
+    prompt = [42]
+    policy = kvviz.make_policy(name, **params)
+    events = kvviz.stream(model, tokenizer, prompt, policy, budget=10, max_new_tokens=24)
+    next(events)  # the prefill
+    if name != "snapkv":  # the prompt's one query, at position 0, starts every layer's window
+        assert [[position for position, _ in buffer] for buffer in policy.queries.values()] == \
+            [[0]] * model.config.num_hidden_layers
+    reference = kvviz.run(model, tokenizer, prompt, kvviz.make_policy(name, **params), budget=10,
+                          max_new_tokens=24).trace
+    if name != "snapkv":  # SnapKV compresses the prompt only, which fits here
+        assert any(event.evicted.size for event in reference.events)  # the keep rule ran
+    shared = [event for who, event in decode_many(model, tokenizer, prompt, {name: kvviz.make_policy(name, **params),
+                                                                            "full": kvviz.make_policy("full")},
+                                                   budget=10, max_new_tokens=24) if who == name]
+    assert [e.kept.tolist() for e in shared] == [e.kept.tolist() for e in reference.events]
+    with kvviz.attach(model, kvviz.make_policy(name, **params), budget=10) as cache:
+        out = model.generate(torch.tensor([prompt]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=24,
+                             do_sample=False)
+    assert out[0, 1:].tolist() == reference.token_ids
+    assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in reference.events]
+
+
 def test_checkpoint_terms_explain_each_eviction_and_survive_generate_and_parquet(tiny, tiny_prompt, tmp_path):
     """AvoKV-E's recorded terms at each checkpoint: S from the percentile ranks by its own formula, the
     protected tail unjudged, the kept candidates exactly the top of S (their utility S), and the same terms

@@ -128,9 +128,9 @@ def test_avokvs_first_checkpoint_on_an_over_budget_prompt_reads_the_last_w_obs_q
     model, tokenizer = tiny
     policy = make_policy("avokv", interval=16)
     if shared:
-        events = [e for _, e in decode_many(model, tokenizer, tiny_prompt, {"avokv": policy, "tova": make_policy("tova")},
-                                            budget=40, max_new_tokens=2) if e.step == 1]
-        event = events[0]  # the first (name, event) pair at step 1 is avokv's: insertion order
+        event = next(e for who, e in decode_many(model, tokenizer, tiny_prompt,
+                                                 {"avokv": policy, "tova": make_policy("tova")}, budget=40,
+                                                 max_new_tokens=2) if who == "avokv" and e.step == 1)
     else:
         event = [e for e in decode(model, tokenizer, tiny_prompt, policy, budget=40, max_new_tokens=2) if e.step == 1][0]
     prompt_len = len(tiny_prompt)

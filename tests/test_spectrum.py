@@ -112,6 +112,15 @@ def test_the_table_averages_the_steps(measured):
     assert rows["attention"]["utility_jaccard"] == 1.0
 
 
+def test_top_b_is_the_floor_of_the_share_even_where_floating_point_falls_short(tiny, tiny_prompt):
+    """0.1 * 120 is 11.999... in floating point; B must be 12 (and 12 at 121, 122; 60 at rho 0.5)."""
+    from kvviz.spectrum import top_b
+
+    result = spectrum(tiny[0], (tiny_prompt * 2)[:119], steps=3, compression=0.9)
+    assert result.cache_sizes == [120, 121, 122] and result.budgets == [12, 12, 12]
+    assert [top_b(120, 0.5), top_b(5, 0.9), top_b(130, 0.9)] == [60, 1, 13]
+
+
 @pytest.mark.parametrize("kwargs, message", [(dict(layer=3), "layer must be between 0 and 2"),
                                              (dict(steps=0), "steps must be at least 1"),
                                              (dict(compression=1.0), "compression must be in")])

@@ -9,7 +9,7 @@ compression or budget -- becomes one JSON row in ``OUT/rows.jsonl``, written wit
 skipped, so a SIGKILL loses at most the cell in flight and never duplicates a row.
 
 All policies of one sample share one prefill (:func:`kvviz.engine.prefill`); it records the last prompt
-queries that prefill-time policies (SnapKV) score with.  Decoding is greedy unless ``temperature`` > 0
+queries that the policies reading the prompt's queries (SnapKV, AvoKV-E's first window) use.  Decoding is greedy unless ``temperature`` > 0
 (with ``top_p``): then each sample is generated ``draws`` times (AvoKV-E's protocol: T = 0.6, top-p 0.95,
 several samples per problem), one row per draw, every policy's draw d seeded alike.  Rows carry
 provenance: model, kvviz version and git commit, torch and transformers versions, device, seed and date.
@@ -751,7 +751,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     budgets = [None if cell.policy == "full" else
                engine.resolve_budget(len(prompt_ids), compression=cell.compression, budget=cell.budget)
                for cell in group]
-    # One prefill per sample, also for prefill-time policies: it records the queries they score with.
+    # One prefill per sample, also for policies that read prompt queries: it records them.
     shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
     eos = engine.eos_ids(model, tokenizer)  # the ids decode() stops at
     temperature, top_p = float(config.get("temperature", 0.0)), float(config.get("top_p", 1.0))

@@ -5,9 +5,11 @@ tail P (the last ``W_delay`` entries, never judged before later queries could re
 candidates C.  For each candidate, averaged over layers and heads:
 
 * read pressure ``p``: mean attention from the last ``W_obs`` queries (causal: each query only sees keys
-  not newer than itself).  O_t is a set of query positions (Eq. 2), so at a checkpoint within ``W_obs``
-  steps of the prompt -- only a prompt over budget puts one there -- the prompt's last queries fill it,
-  recorded at prefill;
+  not newer than itself).  At a checkpoint within ``W_obs`` steps of the prompt (a prompt over budget, or
+  an interval below ``W_obs``) the prompt's last queries fill the window, recorded at prefill
+  (``prompt_queries``).  This is our reading of Eq. 2, which defines O_t by query positions; Appendix D
+  speaks of "the last W_obs decode steps", and the paper's own runs (prompts under budget, checkpoints
+  every 128 tokens) never meet the case.  ``prompt_queries=False`` reads decode queries only;
 * key redundancy ``r``: max cosine of its post-RoPE key to any other candidate's key;
 * payload ``b``: ``||v|| / (median ||v|| over C + eps)``.
 
@@ -49,6 +51,8 @@ def max_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
 class AvoKVE(CheckpointPolicy):
     """AvoKV-E (avokv-e.txt §4); ablations: lambda_b=0, delay=observe_window, normalise=False, lambda_r=0."""
 
+    prompt_queries: bool = param(True, help="the prompt's last queries count among the W_obs while fewer decode "
+                                 "queries exist (Eq. 2's O_t; recorded at prefill); False: decode queries only")
     delay: int = param(0, low=0, high=1024, help="W_delay (0 = the paper's rule: 8 if B >= 768 else 32)")
     lambda_p: float = param(0.1, low=0.0, high=1.0, help="weight of read pressure")
     lambda_r: float = param(0.9, low=0.0, high=1.0, help="weight of key redundancy (subtracted)")
@@ -60,10 +64,6 @@ class AvoKVE(CheckpointPolicy):
         super().__post_init__()
         if self.delay and self.delay < self.observe_window:
             raise ValueError(f"delay (W_delay={self.delay}) must be >= observe_window (W_obs={self.observe_window})")
-
-    @property
-    def prefill_window(self) -> int:  # the prompt's last W_obs queries start the observation window
-        return self.observe_window
 
     def protected(self, budget: int) -> int:
         if self.delay:

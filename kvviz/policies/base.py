@@ -3,8 +3,9 @@
 A decode step ``k`` (k = 1, 2, ...) is the forward pass that consumes generated token ``k``.  For each step
 the engine calls, in order:
 
-0. prefill-time policies only (``prefill_window > 0``): ``observe_prefill(view, positions)`` per layer
-   during the prefill; for a policy that ``reconstructs`` (KVzip), the engine then feeds "repeat the
+0. policies that read the prompt's last queries (``prefill_window > 0``: prefill-time ones such as SnapKV,
+   and checkpointed ones that start their observation window there): ``observe_prefill(view, positions)``
+   per layer during the prefill; for a policy that ``reconstructs`` (KVzip), the engine then feeds "repeat the
    context" plus the prompt, chunk by chunk, hands each layer's view of those queries to
    ``observe_reconstruction(view, positions, chunk)`` and drops the repeated tokens from the cache again;
    then ``select_evictions(0, ...)``;
@@ -39,7 +40,7 @@ def param(default, *, low=None, high=None, choices=None, help=""):
 class Policy:
     """Base class: keeps everything (the ``full`` reference)."""
 
-    prefill_window: ClassVar[int] = 0  # > 0 for prefill-time policies: prompt queries they score with
+    prefill_window: ClassVar[int] = 0  # > 0: the prompt's last queries the policy reads at prefill
     reconstructs: ClassVar[bool] = False  # True: score from a context-reconstruction pass after the prefill
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
@@ -59,7 +60,7 @@ class Policy:
         """One eligible layer of a scoring step; ``positions[slot]`` maps ``view``'s slots to positions."""
 
     def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
-        """One layer of the prefill (prefill-time policies only)."""
+        """One layer of the prefill (policies with ``prefill_window`` > 0 only)."""
 
     def observe_reconstruction(self, view: PrefillView, positions: torch.Tensor, chunk: tuple[int, int]) -> None:
         """One layer of a reconstruction pass (``reconstructs`` only): ``view.queries`` are the repeat tokens'

@@ -64,11 +64,17 @@ class CheckpointPolicy(Policy):
     """Base of checkpointed policies; subclasses implement ``protected``, ``layer_features`` and ``risk``."""
 
     interval: int = param(128, low=1, high=4096, help="generated tokens between compression checkpoints")
-    observe_window: int = param(8, low=1, high=128, help="W_obs: recent decode queries that measure attention")
+    observe_window: int = param(8, low=1, high=128, help="W_obs: the most recent queries that measure attention")
+    prompt_queries: bool = param(False, help="the prompt's last queries count among the W_obs while fewer decode "
+                                 "queries exist (recorded at prefill); False: decode queries only")
 
     def __post_init__(self):
         if self.interval < 1 or self.observe_window < 1:
             raise ValueError(f"interval and observe_window must be >= 1, got {self.interval} and {self.observe_window}")
+
+    @property
+    def prefill_window(self) -> int:  # the prompt queries to record at prefill (nothing is evicted there)
+        return self.observe_window if self.prompt_queries else 0
 
     def protected(self, budget: int) -> int:
         """How many of the most recent entries are never candidates."""
@@ -78,7 +84,8 @@ class CheckpointPolicy(Policy):
         super().reset(prompt_len, budget, num_layers)
         self.queries: dict[int, deque] = {}
         self.checkpoint = False
-        self.terms = None  # asked for after the prefill too, where a subclass records prompt queries
+        self.terms = None  # asked for after the prefill too, where prompt queries may be recorded
+        self.last_score = None  # a reused policy must not report the last run's utility before a checkpoint
 
     def wants_scores(self, step: int) -> bool:
         return True  # to buffer each step's queries; attention itself is only computed at checkpoints
@@ -101,9 +108,9 @@ class CheckpointPolicy(Policy):
                              f"raise the budget above {reserved} (or shrink what is protected)")
 
     def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
-        """Start the buffer with the prompt's last queries (for a subclass whose ``prefill_window`` is
-        ``observe_window``): a checkpoint before ``observe_window`` decode steps then reads the newest queries
-        there are, the prompt's included, instead of the few decode ones."""
+        """Start the buffer with the prompt's last queries (``prompt_queries``): a checkpoint before
+        ``observe_window`` decode steps then reads the newest queries there are, the prompt's included,
+        instead of the few decode ones."""
         buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
         first = int(positions.max()) + 1 - view.queries.shape[1]  # the window is the prompt's last positions
         for offset in range(view.queries.shape[1]):
@@ -145,7 +152,7 @@ class CheckpointPolicy(Policy):
         return candidates[lowest(score, positions[candidates], candidates.numel() - keep)]
 
     def utility(self, positions: torch.Tensor) -> torch.Tensor | None:
-        if not hasattr(self, "last_score"):
+        if getattr(self, "last_score", None) is None:
             return None
         return torch.tensor([self.last_score.get(p, float("inf")) for p in positions.tolist()])
 

@@ -3,8 +3,9 @@
 At a checkpoint (every ``interval``-th generated token, if the cache is over B) each candidate
 (everything but the last ``window`` entries) gets
 
-* importance: attention from the last ``observe_window`` decode queries (softmax, mean over queries and heads),
-  max-pooled over ``kernel`` neighbouring positions;
+* importance: attention from the last ``observe_window`` decode queries (softmax, mean over queries and heads;
+  ``prompt_queries=True`` lets the prompt's last queries fill the window while fewer decode queries exist, as
+  AvoKV-E does by default), max-pooled over ``kernel`` neighbouring positions;
 * redundancy: mean cosine of its key to the other candidates' keys, softmax over the candidates;
 
 and ``score = lam * importance - (1 - lam) * redundancy``.  The top ``B - window`` candidates stay.

@@ -900,7 +900,6 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         s_table = gr.Dataframe(label="Mean over steps", interactive=False)
                         s_note = gr.Markdown()
             c_state = gr.State(None)
-            c_state = gr.State(None)
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
                         c_temperature, c_top_p, c_seed]
             compare_check = make_compare_check(limits)

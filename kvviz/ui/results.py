@@ -522,9 +522,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                                            "against the reference at its defaults)")
             if title == "Quality vs decode speed":
                 gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
-                            "may come from another machine (results_db/README.md says which; AvoKV-E's in "
-                            "sweep-2k and needle-grid ran on a faster one), so compare speeds within one run, "
-                            "or measure them together with `kvviz bench speed --policies ...`.")
+                            "may come from another machine (results_db/README.md says which), so compare speeds "
+                            "within one run, or measure them together with `kvviz bench speed --policies ...`.")
             plot = gr.Plot()
             table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
