@@ -272,6 +272,8 @@ def cmd_scorers(args) -> int:
                           "budgets": result.budgets,
                           "scorers": [{key: finite(value) if isinstance(value, float) else value
                                        for key, value in row.items()} for row in rows],
+                          "by_layer": {name: [finite(float(value)) for value in values]
+                                       for name, values in result.layer_profile().items()},
                           **{key: finite(value) for key, value in cross.items()}}))
         return 0
     span = lambda first, last: f"{first}" if first == last else f"{first}-{last}"
@@ -284,6 +286,12 @@ def cmd_scorers(args) -> int:
     for row in rows:
         print(f"{row['scorer']:<12}{row['layer_spearman']:>10.3f}{row['layer_jaccard']:>10.3f}"
               f"{row['utility_spearman']:>10.3f}{row['utility_jaccard']:>10.3f}")
+    if args.by_layer:
+        profile = result.layer_profile()
+        print("\nSpearman with attention at each layer (mean over steps)")
+        print(f"{'layer':<8}" + "".join(f"{name:>11}" for name in profile))
+        for index in range(result.num_layers):
+            print(f"{index:<8}" + "".join(f"{values[index]:>11.3f}" for values in profile.values()))
     print(f"\ncross-layer agreement of attention: top-B Jaccard between layers {cross['cross_layer_jaccard']:.3f} "
           f"(sd over layer pairs {cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn "
           f"between steps {cross['layer_churn']:.3f}")
@@ -697,6 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--layer", type=int, help="layer of the per-layer comparison (default: the middle one)")
     sc.add_argument("--compression", type=float, default=0.9, help="top-B sets at B = (1 - this) x cache size")
     sc.add_argument("--alpha", type=float, default=0.8, help="EMA coefficient of the utilities compared")
+    sc.add_argument("--by-layer", action="store_true", help="also each scorer's Spearman at every layer")
     sc.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     sc.add_argument("--json", action="store_true")
     sc.set_defaults(func=cmd_scorers)

@@ -5,7 +5,8 @@ Spearman correlation of each scorer's per-token score with last-query attention,
 top-B sets at a 10% budget.  A scorer reaches eviction through the EMA over layers and steps, so we report
 both levels, at each of the first ``steps`` decode steps of one full-cache greedy run:
 
-* ``layer``: the scorer at the chosen layer against head-mean attention at that layer;
+* ``layer``: the scorer at the chosen layer against head-mean attention at that layer (and, for the
+  Spearman, at every layer: :meth:`Spectrum.layer_profile`);
 * ``utility``: the utility of ``InertiaKV(scorer=...)`` against that of ``InertiaKV`` (attention), all fed
   the same layer views in one pass, nothing evicted, so that every utility ranks the same entries.
 
@@ -17,6 +18,7 @@ pairs), with the top-B churn of the chosen layer between consecutive steps besid
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -50,6 +52,9 @@ class Spectrum:
     utility_spearman: dict[str, list[float]] = field(default_factory=dict)
     utility_jaccard: dict[str, list[float]] = field(default_factory=dict)
     cross_layer: list[np.ndarray] = field(default_factory=list)
+    # scorer -> per step, its Spearman with attention at every layer, (num_layers,) (NaN: a layer without
+    # attention over the cache, or constant attention)
+    by_layer: dict[str, list[np.ndarray]] = field(default_factory=dict)
     layer_churn: list[float] = field(default_factory=list)  # the chosen layer's top-B churn from the previous step
 
     def table(self) -> list[dict]:
@@ -59,6 +64,12 @@ class Spectrum:
                  "layer_jaccard": mean(self.layer_jaccard[name]),
                  "utility_spearman": mean(self.utility_spearman[name]),
                  "utility_jaccard": mean(self.utility_jaccard[name])} for name in SCORERS]
+
+    def layer_profile(self) -> dict[str, np.ndarray]:
+        """Each scorer's Spearman with attention at every layer, mean over the steps, ``(num_layers,)``."""
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a layer NaN at every step stays NaN
+            return {name: np.nanmean(np.stack(rows), axis=0) for name, rows in self.by_layer.items()}
 
     def cross_layer_summary(self) -> dict[str, float]:
         """Mean over steps of the pairwise cross-layer Jaccard's mean and standard deviation; mean churn."""
@@ -86,15 +97,19 @@ class _Capture:
         self.layer, self.policies = layer, policies
         self.attention: dict[int, np.ndarray] = {}
         self.scores: dict[str, np.ndarray] = {}
+        self.layer_spearman: dict[str, dict[int, float]] = {name: {} for name in SCORERS}  # scorer -> layer -> rho
 
     def wants_layer(self, layer: int) -> bool:
         return True
 
     def on_layer(self, view: scoring.LayerView) -> None:
         positions = torch.arange(view.keys.shape[1])  # a full cache: slot = position
-        self.attention[view.layer] = attention_score(view, positions).float().cpu().numpy()
+        attention = self.attention[view.layer] = attention_score(view, positions).float().cpu().numpy()
+        scores = {name: scorer(view, positions).float().cpu().numpy() for name, scorer in SCORERS.items()}
+        for name, score in scores.items():
+            self.layer_spearman[name][view.layer] = spearman(score, attention)
         if view.layer == self.layer:
-            self.scores = {name: scorer(view, positions).float().cpu().numpy() for name, scorer in SCORERS.items()}
+            self.scores = scores
         for policy in self.policies.values():
             policy.observe(view, positions)
 
@@ -136,7 +151,7 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
     for policy in policies.values():
         policy.reset(prompt_len, prompt_len + steps, num_layers)
     result = Spectrum(layer, num_layers, compression)
-    for level in ("layer_spearman", "layer_jaccard", "utility_spearman", "utility_jaccard"):
+    for level in ("layer_spearman", "layer_jaccard", "utility_spearman", "utility_jaccard", "by_layer"):
         setattr(result, level, {name: [] for name in SCORERS})
 
     cache = DynamicCache(config=model.config)
@@ -170,6 +185,9 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
         # the previous step's set lacks the new entry; churn compares sets as they are, as the paper's does
         result.layer_churn.append(float("nan") if previous_top is None else 1.0 - jaccard(previous_top, current))
         previous_top = current
+        for name in SCORERS:
+            result.by_layer[name].append(np.array([capture.layer_spearman[name].get(i, np.nan)
+                                                   for i in range(num_layers)]))
         result.steps.append(step)
         result.tokens.append(token)
         result.cache_sizes.append(size)

@@ -363,7 +363,7 @@ def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
 def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client):
     from kvviz.spectrum import spectrum
 
-    table, note, plot = client.predict(TINY, PROMPT, False, 3, "", api_name="/spectrum")  # empty: the middle layer
+    table, note, plot, layers = client.predict(TINY, PROMPT, False, 3, "", api_name="/spectrum")  # the middle layer
     model, tokenizer = kvviz.load_model(TINY)
     expected = spectrum(model, kvviz.encode_prompt(tokenizer, PROMPT, chat=False), steps=3)
     assert [row[0] for row in table["data"]] == [row["scorer"] for row in expected.table()]
@@ -372,7 +372,15 @@ def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client)
     bars = json.loads(plot["plot"])["data"]
     assert [bar["y"] for bar in bars] == [[row[key] for row in expected.table()]
                                          for key in ("layer_spearman", "utility_spearman")]
-    _, note, _ = client.predict(TINY, PROMPT, False, 3, " 2 ", api_name="/spectrum")
+    import base64
+
+    grid = json.loads(layers["plot"])["data"][0]
+    z = grid["z"]  # a numpy array travels as plotly's typed array: base64 bytes, dtype and shape
+    z = np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]).reshape(
+        [int(n) for n in z["shape"].split(",")]) if isinstance(z, dict) else np.asarray(z, dtype=float)
+    assert list(grid["y"]) == list(expected.layer_profile())
+    np.testing.assert_allclose(z, np.stack(list(expected.layer_profile().values())))
+    _, note, _, _ = client.predict(TINY, PROMPT, False, 3, " 2 ", api_name="/spectrum")
     assert "layer 2 of 3" in note
     with pytest.raises(Exception, match="layer must be between 0 and 2"):
         client.predict(TINY, PROMPT, False, 3, "5", api_name="/spectrum")

@@ -64,6 +64,20 @@ def test_the_layer_level_matches_eager_attention(measured, eager_attention):
         assert measured.layer_jaccard["entropy"][index] == 1.0
 
 
+def test_the_layer_profile_matches_eager_attention_at_every_layer(measured, eager_attention):
+    """At each layer, recency's Spearman is position against that layer's eager attention row (mean over the
+    steps); at the compared layer the profile is the per-layer level's own mean."""
+    profile = measured.layer_profile()
+    assert set(profile) == set(SCORERS) and all(values.shape == (3,) for values in profile.values())
+    for layer in (1, 2):  # layer 0 of the tiny model attends uniformly: its ranks are rounding
+        expected = np.mean([stats.spearmanr(np.arange(rows[layer].size), rows[layer]).statistic
+                            for rows in eager_attention])
+        assert profile["recency"][layer] == pytest.approx(expected, abs=1e-6)
+        assert profile["attention"][layer] == pytest.approx(1.0)
+    for name in SCORERS:
+        assert profile[name][measured.layer] == pytest.approx(np.mean(measured.layer_spearman[name]))
+
+
 def test_cross_layer_agreement_matches_eager_attention(measured, eager_attention):
     """Per step: the Jaccard of every pair of layers' top-B sets, B = floor(0.1 n), from the eager rows.  The
     tiny model's first layer attends uniformly, so its top-B is decided by ties (broken in rounding); only
@@ -138,5 +152,7 @@ def test_the_cli_prints_the_spectrum_as_json_and_refuses_bad_input(capsys):
     assert [row["scorer"] for row in out["scorers"]] == list(SCORERS)
     assert out["scorers"][0]["layer_spearman"] == pytest.approx(1.0)
     assert 0.0 <= out["cross_layer_jaccard"] <= 1.0
+    assert set(out["by_layer"]) == set(SCORERS) and all(len(values) == 3 for values in out["by_layer"].values())
+    assert out["by_layer"]["attention"][1] == pytest.approx(1.0)
     assert main(["scorers", "--model", "tiny-random-llama", "--prompt", prompt, "--layer", "9"]) == 2
     assert "layer must be between 0 and 2" in capsys.readouterr().err

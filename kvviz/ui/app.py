@@ -30,7 +30,7 @@ from ..policies import REGISTRY, Policy, get_spec
 from ..trace import Trace, sampling_note, time_split
 from .config import Limits
 from ..store import Store
-from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure
+from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure
 from .results import build_results_tab
 
 log = logging.getLogger(__name__)
@@ -590,7 +590,7 @@ def make_spectrum_handler(limits: Limits):
                 f"layers: top-B Jaccard {cross['cross_layer_jaccard']:.3f} (sd over layer pairs "
                 f"{cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn between steps "
                 f"{cross['layer_churn']:.3f}.")
-        return rows, note, spectrum_figure(result)
+        return rows, note, spectrum_figure(result), spectrum_layers_figure(result)
 
     return run_spectrum
 
@@ -897,6 +897,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             s_layer = gr.Textbox(value="", label="Layer (empty: the middle one)", placeholder="middle")
                             s_run = gr.Button("Run spectrum")
                         s_figure = gr.Plot(label="Scorer spectrum")
+                        s_layers = gr.Plot(label="By layer")
                         s_table = gr.Dataframe(label="Mean over steps", interactive=False)
                         s_note = gr.Markdown()
             c_state = gr.State(None)
@@ -920,7 +921,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         concurrency_id="model", api_name="probe")
 
             s_run.click(make_spectrum_handler(limits), [c_model, c_prompt, c_chat, s_steps, s_layer],
-                        [s_table, s_note, s_figure], concurrency_limit=limits.runs_per_model,
+                        [s_table, s_note, s_figure, s_layers], concurrency_limit=limits.runs_per_model,
                         concurrency_id="model", api_name="spectrum")
 
         with gr.Tab("Results"):

@@ -495,3 +495,19 @@ def spectrum_figure(spectrum) -> go.Figure:
                                  font=dict(size=12)),
                       legend=dict(orientation="h", y=-0.2), margin=dict(l=60, r=20, t=50, b=40))
     return fig
+
+
+def spectrum_layers_figure(spectrum) -> go.Figure:
+    """Each scorer's Spearman with attention at every layer (mean over steps): where on the spectrum a
+    scorer sits depends on the layer, and the paper reports one (15).  The compared layer is outlined."""
+    profile = spectrum.layer_profile()
+    names = list(profile)
+    z = np.array([profile[name] for name in names])
+    fig = go.Figure(go.Heatmap(
+        z=z, x=list(range(spectrum.num_layers)), y=names, colorscale="RdBu", zmid=0, zmin=-1, zmax=1,
+        colorbar=dict(title="Spearman"), hovertemplate="%{y} at layer %{x}<br>Spearman %{z:.3f}<extra></extra>"))
+    fig.add_shape(type="rect", x0=spectrum.layer - 0.5, x1=spectrum.layer + 0.5, y0=-0.5, y1=len(names) - 0.5,
+                  line=dict(color="#222", width=2))
+    fig.update_layout(title=dict(text="Spearman with attention at each layer (mean over steps)", font=dict(size=12)),
+                      xaxis_title="layer", height=300, margin=dict(l=80, r=20, t=50, b=40))
+    return fig
