@@ -567,14 +567,18 @@ def _print_paired(store, root: Path, args, policies) -> int:
 def _print_cache_over_budget(frame) -> None:
     """Name the cells whose policy held well over its nominal budget (checkpointed policies run up to
     B + interval - 1, prefill-time ones grow by the tokens generated): one B is not one memory size."""
-    # Budget cells only: a row's max_cache counts the prefill, so at a compression every decode-time policy
-    # "held" its whole prompt once.
-    budget = frame.absolute_budget.astype(float)
-    over = frame[(frame.policy != "full") & budget.notna() & (frame.max_cache > 1.1 * budget)]
+    import pandas as pd
+
+    # The largest cache while decoding (the store's decode_cache): the prefill's is left out, where at a
+    # compression every decode-time policy "held" its whole prompt once.
+    over = frame[(frame.policy != "full") & frame.decode_cache.notna()
+                 & (frame.decode_cache > 1.1 * frame.budget.astype(float))]
     if len(over):
-        cells = ", ".join(f"{policy} B={int(tokens)} {held:.0f}" for policy, tokens, held in
-                          zip(over.policy, over.absolute_budget, over.max_cache))
-        print(f"held over 1.1x the budget (mean largest cache, entries): {cells}")
+        cells = ", ".join((f"{row.policy} B={int(row.absolute_budget)} {row.decode_cache:.0f}"
+                           if not pd.isna(row.absolute_budget) else
+                           f"{row.policy} ρ={row.compression:g} {row.decode_cache:.0f} (B={row.budget:.0f})")
+                          for row in over.itertuples())
+        print(f"held over 1.1x the budget (mean largest cache while decoding, entries): {cells}")
 
 
 def _by_cut(part, values: str):

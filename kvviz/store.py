@@ -36,7 +36,7 @@ COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table":
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE",
            "absolute_budget": "INTEGER", "metric": "VARCHAR",
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
-           "budget": "INTEGER", "max_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
+           "budget": "INTEGER", "max_cache": "INTEGER", "max_decode_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
            "temperature": "DOUBLE", "top_p": "DOUBLE", "draw": "INTEGER",
            "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR"}
 # What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
@@ -50,6 +50,7 @@ GENERATION = {"max_new_tokens": 32, "chat": True, "temperature": 0.0, "top_p": 1
 # What one sample's draws (sampled generations) become in ``results``: the mean over them, as AvoKV-E
 # reports mean@k; ``generations`` keeps one row per draw.
 PER_DRAW = {"score": "avg(score)", "decode_tok_s": "avg(decode_tok_s)", "max_cache": "max(max_cache)",
+            "max_decode_cache": "max(max_decode_cache)",
             "new_tokens": "avg(new_tokens)", "hit_max_tokens": "CASE WHEN count(*) = 1 THEN bool_or(hit_max_tokens) END"}
 # Bad lines named per shard in a problem; the rest are counted.
 SHOWN_LINES = 5
@@ -323,13 +324,20 @@ class Store:
 
     def speed_vs_quality(self, task=None, model=None, policies=None) -> pd.DataFrame:
         """Measured decode throughput, cache size and score per (model, task, policy, compression or absolute
-        budget) at defaults."""
+        budget) at defaults.
+
+        ``decode_cache`` is the mean over samples of the largest cache during decoding: ``max_decode_cache``
+        where rows record it, else ``max_cache`` for a budget cell whose prompt fits its budget (there the
+        prefill is never the largest); NULL where neither says.  ``budget`` is the mean resolved budget."""
         where, params = self._filters(task, model, "measured", policies)
         return self.frame(
             f"""
             SELECT model, task, policy, {self._CUT}, avg(score) AS score,
                    avg(decode_tok_s) AS decode_tok_s,
-                   avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples
+                   avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples,
+                   avg(coalesce(max_decode_cache, CASE WHEN absolute_budget IS NOT NULL
+                       AND prompt_len <= absolute_budget THEN max_cache END)) AS decode_cache,
+                   avg(budget) AS budget
             FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where}
             GROUP BY ALL ORDER BY model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, params)

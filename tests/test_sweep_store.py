@@ -40,6 +40,13 @@ def test_rerun_skips_finished_cells_and_a_torn_line_is_dropped(tmp_path, tiny):
     assert len(first) == 21 and all(r["source"] == "measured" and 0 <= r["score"] <= 1 for r in first)
     assert {"model", "git_commit", "torch", "transformers", "device", "seed", "date"} <= set(first[0])
     assert (first[0]["max_new_tokens"], first[0]["chat"]) == (6, True)  # how it generated: part of the experiment
+    for row in first:  # the largest cache while decoding, by rule; max_cache also counts the prefill
+        if row["new_tokens"] == 1:  # ended at once: no decode step
+            assert row["max_decode_cache"] is None
+        elif row["policy"] == "full":
+            assert row["max_decode_cache"] == row["max_cache"] == row["prompt_len"] + row["new_tokens"] - 1
+        else:  # streaming and inertia evict to B at every step; the prefill held the whole prompt
+            assert row["max_decode_cache"] == row["budget"] < row["max_cache"] == row["prompt_len"]
     with open(tmp_path / "rows.jsonl", "ab") as handle:
         handle.write(b'{"cell": "half a row')  # what a kill in the middle of a write leaves
     assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 0
@@ -744,6 +751,7 @@ def test_a_budget_sweep_writes_budget_cells_and_resumes(tmp_path, tiny):
             assert row["budget"] < row["max_cache"] <= row["budget"] + 7
         else:  # every step at the budget
             assert row["max_cache"] == row["budget"]
+        assert row["max_decode_cache"] == row["max_cache"]  # the prompt fits: the prefill is never the largest
     assert sweep.run(BUDGET_SWEEP, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 0
     assert rows(tmp_path) == stored
     assert sweep.status(BUDGET_SWEEP, tmp_path, by_cut=True) == {
@@ -971,6 +979,18 @@ def test_quality_vs_cache_held_puts_each_policy_at_the_cache_it_really_held(tmp_
     figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
     points = {trace.name: (list(trace.x), list(trace.y), list(trace.text)) for trace in figure.data}
     assert points == {"avokv": ([92.5], [1.0], ["B=80"]), "inertia": ([80.0], [0.5], ["B=80"])}
+    # compression cells join where rows record the decode-time cache (max_cache counts the prefill: 140),
+    # and a budget cell over-budget at prefill (prompt 140 > B = 80) only through it
+    write_rows(tmp_path / "c", [{**row, "sample": 0, "prompt_len": 140, "compression": 0.5, "absolute_budget": None,
+                                 "budget": 70, "policy": "snapkv", "max_cache": 140, "max_decode_cache": 93,
+                                 "score": 1.0},
+                                {**row, "sample": 0, "prompt_len": 140, "compression": 0.5, "absolute_budget": None,
+                                 "budget": 70, "policy": "tova", "max_cache": 140, "score": 1.0},
+                                {**row, "sample": 0, "task": "v", "prompt_len": 140, "policy": "h2o",
+                                 "max_cache": 140, "score": 1.0}])
+    figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
+    points = {trace.name: (list(trace.x), list(trace.text)) for trace in figure.data}
+    assert points == {"avokv": ([92.5], ["B=80"]), "inertia": ([80.0], ["B=80"]), "snapkv": ([93.0], ["ρ=0.5"])}
 
 
 def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsys):
@@ -984,6 +1004,14 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
                                  "compression": 0.5, "budget": 35}])
     assert main(["results", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    # avokv: 95 > 1.1 x 80; inertia held exactly B; tova's compression cell is not judged (a row's largest
-    # cache counts the prefill, so at rho = 0.5 of 70 tokens it "held" the whole prompt and more)
-    assert "held over 1.1x the budget (mean largest cache, entries): avokv B=80 95\n" in out
+    # avokv: 95 > 1.1 x 80; inertia held exactly B; tova's compression cell is not judged: its row records no
+    # decode-time cache, and its largest cache counts the prefill (at rho = 0.5 of 70 tokens, the prompt)
+    assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80 95\n" in out
+    # a row that records the decode-time cache is judged at a compression too: snapkv compressed the prompt to
+    # B = 35 at prefill and grew by its 24 generated tokens; tova held B at every decode step
+    write_rows(tmp_path / "c", [{**row, "sample": 0, "task": "u", "compression": 0.5, "absolute_budget": None,
+                                 "budget": 35, "policy": policy, "max_cache": held, "max_decode_cache": decoding}
+                                for policy, held, decoding in (("snapkv", 59, 59), ("tova", 70, 35))])
+    assert main(["results", "--root", str(tmp_path), "--task", "u"]) == 0
+    assert "held over 1.1x the budget (mean largest cache while decoding, entries): snapkv ρ=0.5 59 (B=35)\n" \
+        in capsys.readouterr().out

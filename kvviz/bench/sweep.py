@@ -776,7 +776,10 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
             "max_new_tokens": max_new, "temperature": temperature, "top_p": top_p, "draw": cell.draw,
             "chat": config.get("chat", True), "new_tokens": len(events), "hit_max_tokens": hit_max_tokens,
             "budget": budget if budget is not None else len(prompt_ids) + max_new,
-            "max_cache": max(e.cache_size for e in events), "metric": sample.metric,
+            "max_cache": max(e.cache_size for e in events),
+            # what decoding held (the prefill's full prompt left out): the active-KV size a compression cell
+            # really ran at
+            "max_decode_cache": max((e.cache_size for e in steps), default=None), "metric": sample.metric,
             "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
             "answers": sample.answers, "meta": sample.meta, "prefill_ms": 1e3 * shared.seconds,
             "decode_tok_s": len(steps) / decode_seconds if decode_seconds else None,

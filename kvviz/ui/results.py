@@ -351,27 +351,30 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
 
 def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     """Quality against the cache each policy really held: one point per (policy, compression or budget), at
-    the mean over samples of the largest cache any step held.  The same nominal B is not the same memory: a
+    the mean over samples of the largest cache any decode step held.  The same nominal B is not the same memory: a
     checkpointed policy (AvoKV-E, R-KV) runs up to B + interval - 1, a prefill-time one grows by the tokens
     generated; AvoKV-E compares policies at matched active-KV sizes, which this axis shows."""
     fig = go.Figure()
-    # Absolute-budget cells only: a row's largest cache counts the prefill, so at a compression every
-    # decode-time policy once held its whole prompt.
-    frame = frame[frame.absolute_budget.notna() & frame.max_cache.notna() & (frame.policy != "full")]
+    # The largest cache while decoding: a row's max_cache also counts the prefill, where at a compression
+    # every decode-time policy once held its whole prompt.  Rows written before sweeps recorded it have it
+    # only for budget cells whose prompt fits (decode_cache: the store says how).
+    frame = frame[frame.decode_cache.notna() & (frame.policy != "full")]
     if frame.empty:
-        return _empty(fig, "no measured absolute-budget cells with a cache size for these filters")
-    per_point = _per_point(frame, ["score", "max_cache"])
+        return _empty(fig, "no measured cells with a decode-time cache size for these filters (rows written "
+                           "before sweeps recorded max_decode_cache have one for absolute budgets only)")
+    per_point = _per_point(frame, ["score", "decode_cache"])
     several = per_point.model.nunique() > 1
     for (model, policy), part in per_point.groupby(["model", "policy"]):
-        part = part.sort_values("max_cache")
+        part = part.sort_values("decode_cache")
         cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
-        fig.add_scatter(x=part.max_cache, y=part.score, name=f"{policy} · {model}" if several else policy,
+        fig.add_scatter(x=part.decode_cache, y=part.score, name=f"{policy} · {model}" if several else policy,
                         mode="lines+markers+text", text=cuts, textposition="top center", textfont=dict(size=9),
                         marker=dict(size=9, color=colours(policy)), line=dict(color=colours(policy), width=1),
                         customdata=cuts, hovertemplate=(f"{policy}<br>%{{customdata}}<br>score %{{y:.3f}}<br>"
-                                                        "largest cache %{x:.0f} entries<extra></extra>"))
+                                                        "largest cache while decoding %{x:.0f} entries"
+                                                        "<extra></extra>"))
     fig.update_layout(title="Quality vs the cache actually held (measured; mean over the selected tasks)",
-                      height=400, xaxis_title="largest cache in a run (entries, mean over samples)",
+                      height=400, xaxis_title="largest cache while decoding (entries, mean over samples)",
                       yaxis_title="mean score", margin=MARGIN, legend=dict(font=dict(size=10)))
     return fig
 
