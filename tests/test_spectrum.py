@@ -78,6 +78,39 @@ def test_the_layer_profile_matches_eager_attention_at_every_layer(measured, eage
         assert profile[name][measured.layer] == pytest.approx(np.mean(measured.layer_spearman[name]))
 
 
+def test_key_and_value_scorers_match_a_recomputation_from_the_eager_cache(tiny, tiny_prompt, measured):
+    """vnorm, knorm and keydiff at the compared layer, recomputed from the eager model's own attention rows
+    and its cache's post-RoPE keys and values (query head h reads KV head h // group), then ranked by scipy."""
+    from transformers import DynamicCache
+
+    from kvviz.engine import cache_kwarg
+
+    model, _ = tiny
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        attentions = eager(input_ids=torch.tensor([tiny_prompt + measured.tokens]), output_attentions=True,
+                           use_cache=True, **{cache_kwarg(model): cache}).attentions
+    layer = measured.layer
+    keys, values = (tensor[0].float() for tensor in (cache.layers[layer].keys, cache.layers[layer].values))
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    kv_of = torch.arange(heads) // (heads // kv_heads)
+    for index, step in enumerate(measured.steps):
+        n = len(tiny_prompt) + step
+        attention = attentions[layer][0, :, n - 1, :n].float()  # (heads, n)
+        value_norms = values[:, :n].norm(dim=-1)[kv_of]
+        key_norms = keys[:, :n].norm(dim=-1)
+        unit = torch.nn.functional.normalize(keys[:, :n], dim=-1)
+        anchor = torch.nn.functional.normalize(unit.mean(1, keepdim=True), dim=-1)
+        expected = {"vnorm": (attention * value_norms / value_norms.mean(-1, keepdim=True)).mean(0),
+                    "knorm": -(key_norms / key_norms.mean(-1, keepdim=True)).mean(0),
+                    "keydiff": -(unit * anchor).sum(-1).mean(0)}
+        for name, score in expected.items():
+            rho = stats.spearmanr(score.numpy(), attention.mean(0).numpy()).statistic
+            assert measured.layer_spearman[name][index] == pytest.approx(rho, abs=1e-4), name
+
+
 def test_cross_layer_agreement_matches_eager_attention(measured, eager_attention):
     """Per step: the Jaccard of every pair of layers' top-B sets, B = floor(0.1 n), from the eager rows.  The
     tiny model's first layer attends uniformly, so its top-B is decided by ties (broken in rounding); only
