@@ -343,6 +343,27 @@ def test_compare_follows_prompt_tokens_through_each_policy():
     assert "Run a comparison first" in compare_fates(None, "42")[0]
 
 
+def test_compare_lists_each_policys_stability_diagnostics(tiny):
+    """The table beside the comparison holds, per policy, what diagnostics.summary gives for the same run
+    made alone by kvviz.run (a shared prefill changes nothing), n/a where the policy records no such score."""
+    from kvviz import diagnostics
+    from kvviz.ui.app import _models, compare_diagnostics, make_compare_handler
+
+    _models[TINY] = tiny
+    model, tokenizer = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova", "streaming"], "compression", 0.5, 0,
+                                            12, False)
+    table = compare_diagnostics(last[-1])["value"].set_index("policy")
+    assert table.loc["streaming"].tolist() == ["n/a"] * 4  # no scores at all
+    assert float(table.loc["inertia", "utility churn"]) < float(table.loc["inertia", "raw churn"])  # the EMA's inertia
+    for name in ("inertia", "tova", "streaming"):
+        trace = kvviz.run(model, tokenizer, PROMPT, name, chat=False, compression=0.5, max_new_tokens=12).trace
+        for key, value in diagnostics.summary(trace).items():
+            assert table.loc[name, key.replace("_", " ")] == ("n/a" if np.isnan(value) else f"{value:.4f}")
+    assert compare_diagnostics(None)["visible"] is False
+
+
 def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     """Following tokens while a comparison runs must not show the previous comparison's fates."""
     from kvviz.ui.app import _models, make_compare_handler

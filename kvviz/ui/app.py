@@ -524,6 +524,21 @@ def jaccard_figure(names, views) -> go.Figure:
     return fig
 
 
+def compare_diagnostics(views: dict[str, RunView] | None):
+    """InertiaKV Appendix I's stability diagnostics side by side, one row per compared policy: raw and utility
+    top-B churn, raw/utility Jaccard and the share of each step's raw top-B that it evicted (means over
+    steps, k = the budget; n/a where a policy records no raw score or no utility), as the Live tab lists them."""
+    if not views:
+        return gr.update(value=None, visible=False)
+    rows = []
+    for name, view in views.items():
+        # the diagnostics read the budget and the decode events only; the prompt's ids are not kept here
+        trace = Trace([0] * view.prompt_len, view.budget, name, events=view.events)
+        rows.append({"policy": name, **{key.replace("_", " "): "n/a" if np.isnan(value) else f"{value:.4f}"
+                                        for key, value in diagnostics.summary(trace).items()}})
+    return gr.update(value=pd.DataFrame(rows), visible=True)
+
+
 def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
     """For each followed prompt token, what each compared policy did with it: kept to the end, or the step
     that evicted it.  With nothing typed: the prompt tokens the policies disagree on at the end."""
@@ -870,6 +885,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                           "empty: the prompt tokens the policies disagree on")
                     c_fates_note = gr.Markdown()
                     c_fates = gr.Dataframe(label="Fate per policy", visible=False, interactive=False, max_height=360)
+                    c_diagnostics = gr.Dataframe(label="Stability per policy (InertiaKV App. I): top-B churn of raw "
+                                                 "scores and of utility, their Jaccard, raw top-B evicted; mean "
+                                                 "over steps, n/a where a policy records no such score",
+                                                 visible=False, interactive=False)
                     with gr.Accordion("Oracle damage probe", open=False):
                         gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
                                     "of the full-cache continuation, and ranks each policy's utility against the damage. "
@@ -914,6 +933,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_checked.success(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False,
                               queue=False)
             compare.then(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False)
+            c_checked.success(lambda: compare_diagnostics(None), None, c_diagnostics, api_name=False, queue=False)
+            compare.then(compare_diagnostics, c_state, c_diagnostics, api_name=False)
             c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
                             trigger_mode="always_last")
             p_run.click(make_probe_handler(limits), [c_model, c_prompt, c_policies, c_chat, p_step, p_sample],
