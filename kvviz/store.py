@@ -50,7 +50,8 @@ GENERATION = {"max_new_tokens": 32, "chat": True, "temperature": 0.0, "top_p": 1
 # What one sample's draws (sampled generations) become in ``results``: the mean over them, as AvoKV-E
 # reports mean@k; ``generations`` keeps one row per draw.
 PER_DRAW = {"score": "avg(score)", "decode_tok_s": "avg(decode_tok_s)", "max_cache": "max(max_cache)",
-            "max_decode_cache": "max(max_decode_cache)",
+            # NULL unless every draw records it (a draw without it could have held more)
+            "max_decode_cache": "CASE WHEN count(max_decode_cache) = count(*) THEN max(max_decode_cache) END",
             "new_tokens": "avg(new_tokens)", "hit_max_tokens": "CASE WHEN count(*) = 1 THEN bool_or(hit_max_tokens) END"}
 # Bad lines named per shard in a problem; the rest are counted.
 SHOWN_LINES = 5
@@ -326,19 +327,22 @@ class Store:
         """Measured decode throughput, cache size and score per (model, task, policy, compression or absolute
         budget) at defaults.
 
-        ``decode_cache`` is the mean over samples of the largest cache during decoding: ``max_decode_cache``
-        where rows record it, else ``max_cache`` for a budget cell whose prompt fits its budget (there the
-        prefill is never the largest); NULL where neither says.  ``budget`` is the mean resolved budget."""
+        ``decode_cache`` is the mean over samples of the largest cache kept while decoding:
+        ``max_decode_cache`` where a row records it; for older rows ``max_cache`` where that cannot be the
+        prefill's -- it differs from the prompt length (the prefill holds at most the prompt, and a decode
+        step's cache is never smaller than a prefill-time policy's B), or the prompt fits an absolute budget;
+        NULL for the cell unless every sample says.  ``budget`` is the mean resolved budget."""
         where, params = self._filters(task, model, "measured", policies)
         return self.frame(
             f"""
             SELECT model, task, policy, {self._CUT}, avg(score) AS score,
                    avg(decode_tok_s) AS decode_tok_s,
                    avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples,
-                   avg(coalesce(max_decode_cache, CASE WHEN absolute_budget IS NOT NULL
-                       AND prompt_len <= absolute_budget THEN max_cache END)) AS decode_cache,
+                   CASE WHEN count(decoding) = count(*) THEN avg(decoding) END AS decode_cache,
                    avg(budget) AS budget
-            FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where}
+            FROM (SELECT *, coalesce(max_decode_cache, CASE WHEN max_cache <> prompt_len
+                                                     OR prompt_len <= absolute_budget THEN max_cache END) AS decoding
+                  FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where})
             GROUP BY ALL ORDER BY model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, params)
 

@@ -979,18 +979,20 @@ def test_quality_vs_cache_held_puts_each_policy_at_the_cache_it_really_held(tmp_
     figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
     points = {trace.name: (list(trace.x), list(trace.y), list(trace.text)) for trace in figure.data}
     assert points == {"avokv": ([92.5], [1.0], ["B=80"]), "inertia": ([80.0], [0.5], ["B=80"])}
-    # compression cells join where rows record the decode-time cache (max_cache counts the prefill: 140),
-    # and a budget cell over-budget at prefill (prompt 140 > B = 80) only through it
-    write_rows(tmp_path / "c", [{**row, "sample": 0, "prompt_len": 140, "compression": 0.5, "absolute_budget": None,
-                                 "budget": 70, "policy": "snapkv", "max_cache": 140, "max_decode_cache": 93,
-                                 "score": 1.0},
-                                {**row, "sample": 0, "prompt_len": 140, "compression": 0.5, "absolute_budget": None,
-                                 "budget": 70, "policy": "tova", "max_cache": 140, "score": 1.0},
-                                {**row, "sample": 0, "task": "v", "prompt_len": 140, "policy": "h2o",
-                                 "max_cache": 140, "score": 1.0}])
+    # Compression cells (prompt 140, B = 70) join where the rows tell the decode-time cache: recorded
+    # (tova: 70, though max_cache is the prefill's 140), or a max_cache the prefill cannot have held (snapkv
+    # cut the prompt at prefill and grew to 93).  Left out: a max_cache equal to the prompt (h2o: it may be
+    # the prefill's), and a cell where one sample cannot tell (streaming).
+    cut = {**row, "prompt_len": 140, "compression": 0.5, "absolute_budget": None, "budget": 70, "score": 1.0}
+    write_rows(tmp_path / "c", [{**cut, "sample": 0, "policy": "tova", "max_cache": 140, "max_decode_cache": 70},
+                                {**cut, "sample": 0, "policy": "snapkv", "max_cache": 93},
+                                {**cut, "sample": 0, "policy": "h2o", "max_cache": 140},
+                                {**cut, "sample": 0, "policy": "streaming", "max_cache": 140, "max_decode_cache": 70},
+                                {**cut, "sample": 1, "policy": "streaming", "max_cache": 140}])
     figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
     points = {trace.name: (list(trace.x), list(trace.text)) for trace in figure.data}
-    assert points == {"avokv": ([92.5], ["B=80"]), "inertia": ([80.0], ["B=80"]), "snapkv": ([93.0], ["ρ=0.5"])}
+    assert points == {"avokv": ([92.5], ["B=80"]), "inertia": ([80.0], ["B=80"]), "snapkv": ([93.0], ["ρ=0.5"]),
+                      "tova": ([70.0], ["ρ=0.5"])}
 
 
 def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsys):
@@ -1000,18 +1002,21 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
            "params": {}, "decode_tok_s": 9.0, "compression": None, "absolute_budget": 80, "budget": 80, "score": 0.0}
     write_rows(tmp_path / "s", [{**row, "sample": 0, "policy": "inertia", "max_cache": 80},
                                 {**row, "sample": 0, "policy": "avokv", "max_cache": 95},
-                                {**row, "sample": 0, "policy": "tova", "max_cache": 200, "absolute_budget": None,
+                                {**row, "sample": 0, "policy": "tova", "max_cache": 70, "absolute_budget": None,
                                  "compression": 0.5, "budget": 35}])
     assert main(["results", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     # avokv: 95 > 1.1 x 80; inertia held exactly B; tova's compression cell is not judged: its row records no
-    # decode-time cache, and its largest cache counts the prefill (at rho = 0.5 of 70 tokens, the prompt)
+    # decode-time cache, and its largest cache is the prompt's 70, which the prefill held
     assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80 95\n" in out
     # a row that records the decode-time cache is judged at a compression too: snapkv compressed the prompt to
     # B = 35 at prefill and grew by its 24 generated tokens; tova held B at every decode step
     write_rows(tmp_path / "c", [{**row, "sample": 0, "task": "u", "compression": 0.5, "absolute_budget": None,
                                  "budget": 35, "policy": policy, "max_cache": held, "max_decode_cache": decoding}
-                                for policy, held, decoding in (("snapkv", 59, 59), ("tova", 70, 35))])
+                                for policy, held, decoding in (("snapkv", 59, 59), ("tova", 70, 35))]
+               # an older row: a max_cache of 80 over a 70-token prompt was held while decoding
+               + [{**row, "sample": 0, "task": "u", "compression": 0.5, "absolute_budget": None, "budget": 35,
+                   "policy": "rkv", "max_cache": 80}])
     assert main(["results", "--root", str(tmp_path), "--task", "u"]) == 0
-    assert "held over 1.1x the budget (mean largest cache while decoding, entries): snapkv ρ=0.5 59 (B=35)\n" \
-        in capsys.readouterr().out
+    assert "held over 1.1x the budget (mean largest cache while decoding, entries): rkv ρ=0.5 80 (B=35), " \
+        "snapkv ρ=0.5 59 (B=35)\n" in capsys.readouterr().out

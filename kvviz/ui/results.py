@@ -333,16 +333,17 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     fig = go.Figure()
     if frame.empty:
         return _empty(fig, "no measured rows with a decode speed for these filters")
-    per_point = _per_point(frame, ["score", "decode_tok_s", "max_cache"])
+    per_point = _per_point(frame, ["score", "decode_tok_s", "decode_cache"])
     several = per_point.model.nunique() > 1
     for (model, policy), part in per_point.groupby(["model", "policy"]):
         cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
         fig.add_scatter(x=part.decode_tok_s, y=part.score, name=f"{policy} · {model}" if several else policy,
                         mode="markers+text", text=cuts, textposition="top center",
                         textfont=dict(size=9), marker=dict(size=10, color=colours(policy)),
-                        customdata=list(zip(cuts, part.max_cache)),
+                        customdata=list(zip(cuts, part.decode_cache)),
                         hovertemplate=(f"{policy}<br>%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
-                                       "%{x:.2f} tok/s<br>largest cache %{customdata[1]:.0f}<extra></extra>"))
+                                       "%{x:.2f} tok/s<br>largest cache while decoding %{customdata[1]:.0f}"
+                                       "<extra></extra>"))
     fig.update_layout(title="Quality vs decode speed (measured, mean over the selected tasks)", height=400,
                       xaxis_title="decode tok/s", yaxis_title="mean score", margin=MARGIN,
                       legend=dict(font=dict(size=10)))
@@ -356,23 +357,30 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     generated; AvoKV-E compares policies at matched active-KV sizes, which this axis shows."""
     fig = go.Figure()
     # The largest cache while decoding: a row's max_cache also counts the prefill, where at a compression
-    # every decode-time policy once held its whole prompt.  Rows written before sweeps recorded it have it
-    # only for budget cells whose prompt fits (decode_cache: the store says how).
+    # every decode-time policy once held its whole prompt.  Older rows that cannot tell the two apart are
+    # left out (decode_cache: the store says how).
     frame = frame[frame.decode_cache.notna() & (frame.policy != "full")]
     if frame.empty:
         return _empty(fig, "no measured cells with a decode-time cache size for these filters (rows written "
-                           "before sweeps recorded max_decode_cache have one for absolute budgets only)")
+                           "before sweeps recorded max_decode_cache cannot tell it at a compression for "
+                           "policies that evict while decoding)")
     per_point = _per_point(frame, ["score", "decode_cache"])
+    per_point["kind"] = per_point.absolute_budget.notna().map({True: "budget", False: "compression"})
     several = per_point.model.nunique() > 1
-    for (model, policy), part in per_point.groupby(["model", "policy"]):
+    shown = set()
+    # One line per policy and kind of cut: absolute budgets and compressions come from other prompts and tasks
+    for (model, policy, _), part in per_point.groupby(["model", "policy", "kind"]):
         part = part.sort_values("decode_cache")
         cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
-        fig.add_scatter(x=part.decode_cache, y=part.score, name=f"{policy} · {model}" if several else policy,
+        name = f"{policy} · {model}" if several else policy
+        fig.add_scatter(x=part.decode_cache, y=part.score, name=name, legendgroup=name,
+                        showlegend=name not in shown,
                         mode="lines+markers+text", text=cuts, textposition="top center", textfont=dict(size=9),
                         marker=dict(size=9, color=colours(policy)), line=dict(color=colours(policy), width=1),
                         customdata=cuts, hovertemplate=(f"{policy}<br>%{{customdata}}<br>score %{{y:.3f}}<br>"
                                                         "largest cache while decoding %{x:.0f} entries"
                                                         "<extra></extra>"))
+        shown.add(name)
     fig.update_layout(title="Quality vs the cache actually held (measured; mean over the selected tasks)",
                       height=400, xaxis_title="largest cache while decoding (entries, mean over samples)",
                       yaxis_title="mean score", margin=MARGIN, legend=dict(font=dict(size=10)))
