@@ -97,7 +97,7 @@ class _Capture:
         self.layer, self.policies = layer, policies
         self.attention: dict[int, np.ndarray] = {}
         self.scores: dict[str, np.ndarray] = {}
-        self.layer_spearman: dict[str, dict[int, float]] = {name: {} for name in SCORERS}  # scorer -> layer -> rho
+        self.spearman_by_layer: dict[str, dict[int, float]] = {name: {} for name in SCORERS}  # scorer -> layer -> rho
 
     def wants_layer(self, layer: int) -> bool:
         return True
@@ -107,7 +107,7 @@ class _Capture:
         attention = self.attention[view.layer] = attention_score(view, positions).float().cpu().numpy()
         scores = {name: scorer(view, positions).float().cpu().numpy() for name, scorer in SCORERS.items()}
         for name, score in scores.items():
-            self.layer_spearman[name][view.layer] = spearman(score, attention)
+            self.spearman_by_layer[name][view.layer] = spearman(score, attention)
         if view.layer == self.layer:
             self.scores = scores
         for policy in self.policies.values():
@@ -182,11 +182,12 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
         tops = [top_k(index, capture.attention[i], budget) for i in scored]
         result.cross_layer.append(np.array([jaccard(a, b) for a, b in combinations(tops, 2)]))
         current = tops[scored.index(layer)]
-        # the previous step's set lacks the new entry; churn compares sets as they are, as the paper's does
+        # the previous step's set lacks the new entry; churn compares the sets as they are, as
+        # diagnostics.raw_churn does for traces
         result.layer_churn.append(float("nan") if previous_top is None else 1.0 - jaccard(previous_top, current))
         previous_top = current
         for name in SCORERS:
-            result.by_layer[name].append(np.array([capture.layer_spearman[name].get(i, np.nan)
+            result.by_layer[name].append(np.array([capture.spearman_by_layer[name].get(i, np.nan)
                                                    for i in range(num_layers)]))
         result.steps.append(step)
         result.tokens.append(token)
