@@ -1,7 +1,8 @@
 """Shared machinery of checkpointed policies (R-KV, AvoKV-E): a buffer of recent queries and a schedule.
 
 Between checkpoints nothing is evicted; the newest query of every layer is buffered each step (a copy of
-``num_heads x head_dim`` floats, no attention computed).  At a checkpoint the subclass scores candidates
+``num_heads x head_dim`` floats, no attention computed); with ``prompt_queries`` the prompt's last
+queries start the buffer at prefill.  At a checkpoint the subclass scores candidates
 from the buffered queries and the cache as it is then -- only what the prefix provides, so every
 quantity is causal.
 """
