@@ -189,3 +189,15 @@ def test_the_cli_prints_the_spectrum_as_json_and_refuses_bad_input(capsys):
     assert out["by_layer"]["attention"][1] == pytest.approx(1.0)
     assert main(["scorers", "--model", "tiny-random-llama", "--prompt", prompt, "--layer", "9"]) == 2
     assert "layer must be between 0 and 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_the_invariants_hold_on_every_supported_family(family):
+    """Query bias (Qwen2), query/key norms (Qwen3), Mistral: attention against itself and entropy weighting
+    (a positive rescaling within a layer) still rank exactly like attention at every layer."""
+    model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
+    prompt_ids = tokenizer("The quick brown fox jumps over the lazy dog. The passkey is 71432. " * 3,
+                           add_special_tokens=False)["input_ids"]
+    profile = spectrum(model, prompt_ids, steps=2).layer_profile()
+    np.testing.assert_allclose(profile["attention"], 1.0)
+    np.testing.assert_allclose(profile["entropy"], 1.0)
