@@ -71,9 +71,6 @@ class EvictingCache(SlotCache):
         return self.policy.wants_layer(layer)
 
     def on_layer(self, view) -> None:
-        if self.step == 0:  # a one-token prompt's prefill has a single query too: still the prefill
-            self.on_prefill_layer(scoring.prefill_view(view))
-            return
         start = time.perf_counter()
         self.policy.observe(view, self.live_positions())
         self.score_seconds += time.perf_counter() - start
@@ -269,8 +266,8 @@ class _QueryRecorder:
     def wants_layer(self, layer: int) -> bool:
         return True
 
-    def on_layer(self, view) -> None:  # a one-token prompt: its prefill's only query
-        self.on_prefill_layer(scoring.prefill_view(view))
+    def on_layer(self, view) -> None:  # never called: a prefill has no decode step
+        pass
 
     def on_prefill_layer(self, view) -> None:
         self.queries[view.layer] = view.queries.clone()

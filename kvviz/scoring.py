@@ -110,12 +110,6 @@ class PrefillView:
         return torch.softmax(logits, dim=-1)
 
 
-def prefill_view(view: LayerView) -> PrefillView:
-    """A one-token prompt's prefill, which reaches the wrapper as a single query: the same layer as a
-    :class:`PrefillView` with a window of one."""
-    return PrefillView(view.layer, view.query[:, None], view.keys, view.values, view.scaling, view.rope)
-
-
 class ScoreSink(Protocol):
     """What the attention wrapper talks to: the engine's controller during a decode step."""
 
@@ -160,7 +154,9 @@ def kvviz_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
         return out
     scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
     rope = getattr(module, ROPE_ATTRIBUTE, None)
-    if query.shape[2] == 1:
+    # A decode step: one new query over a cache that holds more than it (a one-token prompt's prefill is a
+    # single query too, but over nothing but itself).
+    if query.shape[2] == 1 and key.shape[2] > 1:
         sink.on_layer(LayerView(layer, query[0, :, -1], key[0], value[0], scaling, rope))
     elif sink.prefill_window > 0:
         window = min(sink.prefill_window, query.shape[2])
