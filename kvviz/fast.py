@@ -224,12 +224,15 @@ class StaticInertia:
     @torch.inference_mode()
     def generate(self, tokenizer, prompt_ids: list[int], budget: int, max_new_tokens: int,
                  record_kept: bool = False, graph: bool = False, timer=None,
-                 stop_ids: set[int] | None = None, shared: engine.Prefill | None = None) -> StaticRun:
+                 stop_ids: set[int] | None = None, shared: engine.Prefill | None = None,
+                 on_ready=None) -> StaticRun:
         """Greedy decoding of up to ``max_new_tokens`` tokens under budget ``B`` (``B <= len(prompt_ids) + 1``).
 
         ``stop_ids``: end after the first of these tokens (it is included).  Checking a token means
         waiting for the device once per step, so benchmarks leave it out and get a fixed length.
         ``shared``: start from a copy of this prompt's prefill (:func:`kvviz.engine.prefill`), as the engine does.
+        ``on_ready``: called with no arguments once the B + 1 slots hold the cache and the engine's
+        prompt-sized cache is released (a benchmark resets its peak-memory counter there).
         """
         if not 1 <= budget <= len(prompt_ids) + 1:
             raise ValueError(f"the static path starts once the cache is full at step 1, so the budget must be "
@@ -266,6 +269,12 @@ class StaticInertia:
         if self.scoring:
             m[:size] = policy.m[cache.live_positions()].to(device)
         free = torch.tensor([size], device=device)  # the empty slot takes the next token
+        # The engine's cache has room for the whole prompt (8.6 GB at 64k on Llama-3.1-8B): from here on
+        # only the B + 1 slots are live.
+        events.close()
+        del events, cache, policy
+        if on_ready is not None:
+            on_ready()
         token = torch.tensor([[tokens[-1]]], device=device)
         position = torch.tensor([[len(prompt_ids) + 1]], device=device)
         big = torch.iinfo(torch.long).max

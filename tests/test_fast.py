@@ -42,6 +42,26 @@ def test_static_path_with_another_alpha_differs_from_the_default(tiny, tiny_prom
     assert other.kept != default.kept  # the comparison above can tell rules apart
 
 
+def test_static_path_releases_the_engines_prompt_sized_cache_before_decoding(tiny, tiny_prompt):
+    """Step 1 runs through the engine on a cache with room for the whole prompt; once the B + 1 slots hold
+    the cache, nothing may keep that one alive (at 64k on an 8B model it is gigabytes)."""
+    import gc
+
+    from kvviz.engine import EvictingCache
+
+    def caches() -> int:
+        gc.collect()
+        return sum(isinstance(o, EvictingCache) for o in gc.get_objects())
+
+    model, tokenizer = tiny
+    before, alive = caches(), []  # other tests' traces may hold some: only this run's count
+    plain = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 12, record_kept=True)
+    released = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 12, record_kept=True,
+                                             on_ready=lambda: alive.append(caches()))
+    assert alive == [before]
+    assert released.token_ids == plain.token_ids and released.kept == plain.kept
+
+
 def test_static_path_without_scoring_is_a_sliding_window(tiny, tiny_prompt):
     model, tokenizer = tiny
     static = StaticInertia(model, scoring=False).generate(tokenizer, tiny_prompt, 20, 20, record_kept=True)
