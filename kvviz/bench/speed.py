@@ -9,7 +9,9 @@ Every figure is measured in the same process and reported next to the ``generate
 Each configuration runs ``--repeats`` times, interleaved, and the best run is kept (least disturbed).
 The prompt is prefilled once (the ``prefill`` row) and every engine and static run starts from a copy of
 it; ``generate`` prefills on its own.  ``first_token_s`` is a run's time to its first token from that
-copy, ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill.
+copy, ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill (model weights included);
+for the static path ``decode_peak_memory_gb`` is the same once its B + 1 slots have replaced the
+prompt-sized cache of step 1 (which alone sets ``peak_memory_gb`` at long contexts).
 Rows come out as their configurations finish -- ``generate``, the static path, then the engine policies --
 so that a run stopped by a time limit or killed keeps what it measured, the GPU targets first (with
 ``--repeats`` above 1, as each configuration finishes its last repeat).
@@ -165,17 +167,28 @@ def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget
     from ..fast import StaticInertia
 
     static = StaticInertia(model, **options)  # outside the clock: importing the compiler is not prefill
+    cuda = torch.device(device).type == "cuda"
+    setup_peak: list[int] = []
+
+    def on_ready() -> None:  # the B + 1 slots now hold the cache: the decode phase's peak counts from here
+        if cuda:
+            setup_peak.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
     _sync(device)
     start = time.perf_counter()
     run = static.generate(tokenizer, prompt_ids, budget, new_tokens, graph=True, timer=lambda: _sync(device),
-                          shared=shared)
+                          shared=shared, on_ready=on_ready)
     _sync(device)
     end = time.perf_counter()
     decode_s = end - run.first_token_time
     setup_s = run.setup_seconds()
     # decode_tok_s is the steady state (setup steps out); with_setup_tok_s counts compile and capture too.
-    return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": setup_s,
-            "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s}
+    result = {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": setup_s,
+              "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s}
+    if setup_peak:  # absolute byte counts, made relative by measure()
+        result["_setup_peak_bytes"], result["_decode_peak_bytes"] = setup_peak[0], torch.cuda.max_memory_allocated()
+    return result
 
 
 def static_retained(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, options: dict,
@@ -226,14 +239,33 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _sync(device)
+    window = max(make_policy(name).prefill_window for name in policies)
+    fallback = None
     try:  # prefill-time policies score this same prefill through the queries it records (as in Compare)
-        shared = prefill(model, prompt_ids, window=max(make_policy(name).prefill_window for name in policies))
+        shared = prefill(model, prompt_ids, window=window)
         _sync(device)
     except Exception as error:  # noqa: BLE001 -- e.g. out of memory: no configuration can run on this context
-        yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": f"{type(error).__name__}: {str(error)[:500]}"}
-        return
+        failure = f"{type(error).__name__}: {str(error)[:500]}"
+        if not (cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+            yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure}
+            return
+        # cuDNN is SDPA's first choice on Hopper in recent torch; a long-context failure there must not
+        # cost the whole context. Without it SDPA falls back to flash / memory-efficient kernels, for every
+        # run from here on (the prefill row says so).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.cuda.empty_cache()
+        fallback = f"cuDNN attention disabled after: {failure}"
+        try:
+            shared = prefill(model, prompt_ids, window=window)
+            _sync(device)
+        except Exception as retry:  # noqa: BLE001
+            yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure,
+                   "retry_without_cudnn": f"{type(retry).__name__}: {str(retry)[:500]}"}
+            return
     resident = shared.cache.nbytes()
     prefill_row = {"what": "prefill", "prompt_len": len(prompt_ids), "prefill_s": round(shared.seconds, 5)}
+    if fallback:
+        prefill_row["sdpa_fallback"] = fallback
     if cuda:
         prefill_row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     yield prefill_row
@@ -253,7 +285,12 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
             if cuda:
                 torch.cuda.empty_cache()  # a failed capture must not hold memory for the next configuration
         if cuda:
-            result["peak_memory_gb"] = (torch.cuda.max_memory_allocated() - resident) / 2**30
+            # The static path resets the counter once its slots replace step 1's prompt-sized cache: its
+            # peak is the larger of the two phases', and the decode phase's is reported on its own.
+            peak = max(torch.cuda.max_memory_allocated(), result.pop("_setup_peak_bytes", 0))
+            result["peak_memory_gb"] = (peak - resident) / 2**30
+            if "_decode_peak_bytes" in result:
+                result["decode_peak_memory_gb"] = (result.pop("_decode_peak_bytes") - resident) / 2**30
         return result
 
     statics = static_configurations(compile)
@@ -344,6 +381,10 @@ def main(args) -> int:
             "compile": args.compile}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name()
+        # Which fused attention kernels SDPA may pick (cuDNN leads on Hopper in recent torch).
+        meta["sdpa_enabled"] = [name for name, on in (
+            ("cudnn", torch.backends.cuda.cudnn_sdp_enabled()), ("flash", torch.backends.cuda.flash_sdp_enabled()),
+            ("mem_efficient", torch.backends.cuda.mem_efficient_sdp_enabled())) if on]
     if args.config:
         model = build_from_config(args.config, args.device)
         tokenizer = _NullTokenizer()
