@@ -712,7 +712,7 @@ def test_bad_budget_configs_are_refused_saying_what_to_change(changes, message):
 def test_compression_cell_keys_are_those_the_shipped_sweeps_stored():
     """Resuming a shipped sweep must skip every stored row: compression cells keep their key, byte for byte; and
     every shipped sweep is complete, its rows exactly the cells of its config."""
-    first = json.loads((REPOSITORY / "results_db/sweep-2k/rows.jsonl").read_text().splitlines()[0])["cell"]
+    first = json.loads((REPOSITORY / "results_db/sweep-2k/rows-0.jsonl").read_text().splitlines()[0])["cell"]
     assert first == '["single_needle", 0, "full", [], 0.5]'
     assert sweep.Cell("single_needle", 0, "full", (), 0.5).key == first
     shipped = sorted(p.name for p in (REPOSITORY / "results_db").iterdir() if (p / "config.toml").exists())
