@@ -147,7 +147,8 @@ def test_results_tab_shows_figures_and_filters(page):
     page.wait_for_function(
         "() => { const p = [...document.querySelectorAll('.js-plotly-plot')].find(p => String((p.layout.title || {})"
         ".text || '').startsWith('Quality vs compression')); return p && p.data.length > 0 && "
-        "String(p.layout.title.text).endsWith(' · paper') && p.data.every(t => t.line.dash !== 'solid'); }",
+        "String(p.layout.title.text).split('<br>')[0].endsWith(' · paper') && "
+        "p.data.every(t => t.line.dash !== 'solid'); }",
         timeout=30_000)  # one source left: named once in the title, every line a paper's (dashed)
     page.screenshot(path=str(ARTIFACTS / "results-tab.png"), full_page=True)
 

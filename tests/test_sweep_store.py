@@ -358,7 +358,9 @@ def test_max_length_hits_figure_draws_the_store_frame(tmp_path):
     figure, table = query(store, "(all)", "(all)", [], "measured")[3:5]
     frame = store.max_length_hits()
     pd.testing.assert_frame_equal(table, frame.round(4))
-    colours = Colours(store.options("policy"))
+    colours = Colours.of(store)  # measured policies take the palette's first colours, paper-only ones after
+    measured = store.options("policy", source="measured")
+    assert list(colours.map)[:len(measured)] == measured and set(colours.map) == set(store.options("policy"))
     assert [(trace.xaxis, trace.name, list(trace.x), list(trace.y), trace.line.color, trace.line.dash)
             for trace in figure.data] == [
         ("x", "full", [0.5, 0.9], [0.0, 0.0], colours("full"), "dot"),  # h2o records nothing: no line
@@ -977,7 +979,7 @@ def test_quality_vs_cache_held_puts_each_policy_at_the_cache_it_really_held(tmp_
         {**row, "sample": 1, "policy": "avokv", "max_cache": 90, "score": 1.0}])
     at = 3 * SECTIONS.index("Quality vs cache held")
     figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
-    points = {trace.name: (list(trace.x), list(trace.y), list(trace.text)) for trace in figure.data}
+    points = {trace.name: (list(trace.x), list(trace.y), list(trace.customdata)) for trace in figure.data}
     assert points == {"avokv": ([92.5], [1.0], ["B=80"]), "inertia": ([80.0], [0.5], ["B=80"])}
     # Compression cells (prompt 140, B = 70) join where the rows tell the decode-time cache: recorded
     # (tova: 70, though max_cache is the prefill's 140), or a max_cache the prefill cannot have held (snapkv
@@ -990,9 +992,38 @@ def test_quality_vs_cache_held_puts_each_policy_at_the_cache_it_really_held(tmp_
                                 {**cut, "sample": 0, "policy": "streaming", "max_cache": 140, "max_decode_cache": 70},
                                 {**cut, "sample": 1, "policy": "streaming", "max_cache": 140}])
     figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[at]
-    points = {trace.name: (list(trace.x), list(trace.text)) for trace in figure.data}
+    points = {trace.name: (list(trace.x), list(trace.customdata)) for trace in figure.data}
     assert points == {"avokv": ([92.5], ["B=80"]), "inertia": ([80.0], ["B=80"]), "snapkv": ([93.0], ["ρ=0.5"]),
                       "tova": ([70.0], ["ρ=0.5"])}
+
+
+def test_speed_and_cache_figures_average_every_point_over_the_same_tasks(tmp_path):
+    """A point is a mean over tasks; a policy also run on a task the others were not must not get it in its
+    mean (its point would move for a reason that is not the policy), and the full cache is averaged over
+    the same tasks.  The titles say which tasks were left out."""
+    from kvviz.ui.results import SECTIONS, query
+
+    row = {"source": "measured", "model": "m", "seed": 0, "prompt_len": 140, "metric": "string_match",
+           "params": {}, "decode_tok_s": 9.0, "compression": 0.5, "absolute_budget": None, "budget": 70,
+           "max_cache": 140, "max_decode_cache": 70, "sample": 0}
+    scores = {("a", "tova"): 1.0, ("b", "tova"): 0.0, ("a", "h2o"): 0.5, ("b", "h2o"): 0.5,
+              ("extra", "tova"): 1.0}  # only tova ran "extra", e.g. in another sweep
+    rows = [{**row, "task": task, "policy": policy, "score": score} for (task, policy), score in scores.items()]
+    rows += [{**row, "task": task, "policy": "full", "score": score, "compression": None, "budget": 164,
+              "max_decode_cache": 163} for task, score in (("a", 1.0), ("b", 0.5), ("extra", 0.0))]
+    write_rows(tmp_path / "s", rows)
+    figures = query(Store(tmp_path), "(all)", "(all)", [], "measured")
+    speed = figures[3 * SECTIONS.index("Quality vs decode speed")]
+    assert {trace.name: list(trace.y) for trace in speed.data} == {"full": [0.75], "h2o": [0.5], "tova": [0.5]}
+    cache = figures[3 * SECTIONS.index("Quality vs cache held")]
+    assert {trace.name: list(trace.y) for trace in cache.data} == {"h2o": [0.5], "tova": [0.5]}
+    assert [shape.y0 for shape in cache.layout.shapes] == [0.75]  # the full cache over a and b
+    for figure in (speed, cache):
+        assert "mean over a, b; extra left out (not run at every point)" in figure.layout.title.text
+    # One task chosen: every point over it alone, nothing left out.
+    cache = query(Store(tmp_path), "(all)", "extra", [], "measured")[3 * SECTIONS.index("Quality vs cache held")]
+    assert {trace.name: list(trace.y) for trace in cache.data} == {"tova": [1.0]}
+    assert "left out" not in cache.layout.title.text
 
 
 def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsys):

@@ -24,7 +24,9 @@ from ..stats import paired_table
 from ..store import Store
 
 ALL = "(all)"
-PALETTE = qualitative.Plotly + qualitative.D3 + qualitative.Dark24
+# Not D3 after Plotly: its first hues repeat Plotly's (blue, orange, green, red, purple, pink); nor the
+# Dark24 hues closest to Plotly's (pink, red, violet, orange).
+PALETTE = qualitative.Plotly + [c for c in qualitative.Dark24 if c not in ("#E15F99", "#FB0D0D", "#DA16FF", "#EB663B")]
 MARGIN = dict(l=50, r=20, t=50, b=40)
 # Marker per model in the measured-vs-paper panels, named in the panel titles.
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon")
@@ -37,6 +39,13 @@ class Colours:
 
     def __init__(self, names: list[str]):
         self.map = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
+
+    @classmethod
+    def of(cls, store: Store) -> "Colours":
+        """Measured policies first: they share figures most, so they get the palette's most distinct colours;
+        policies only the papers report come after."""
+        measured = store.options("policy", source="measured")
+        return cls(measured + [name for name in store.options("policy") if name not in measured])
 
     def __call__(self, policy) -> str | None:
         return self.map.get(policy)
@@ -146,8 +155,12 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
         if first_x.setdefault(kind, x_axis) != x_axis:
             # one x range per kind: panels compare at a glance
             fig.update_xaxes(matches=first_x[kind], row=row, col=col)
-    fig.update_layout(title=title + (f" · {' · '.join(fixed)}" if fixed else ""), height=height,
-                      margin=MARGIN, legend=dict(font=dict(size=10)))
+    # What the figure is and which rows it shows on the first line; the parenthetical, which can run past a
+    # narrow figure's edge and hide that, on a second.
+    head, paren, rest = title.partition(" (")
+    text = head + (f" · {' · '.join(fixed)}" if fixed else "") + (f"<br><sup>({rest}</sup>" if paren else "")
+    fig.update_layout(title=text, height=height, margin={**MARGIN, "t": 75} if paren else MARGIN,
+                      legend=dict(font=dict(size=10)))
     fig.update_annotations(font_size=11)
     if frame.empty:
         _empty(fig)
@@ -321,69 +334,128 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def _comparable(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """The rows whose means can stand side by side, one point per (model, policy, cut), and what they cover.
+
+    Per model and kind of cut (compression or absolute budget): only the tasks that every policy has at
+    every cut of that kind, and the full cache over those same tasks, once per kind (column ``kind``).
+    Averaging whatever tasks each point has would put a policy run on three tasks next to one run on four,
+    or a greedy reasoning sweep's mean next to a sampled one's.  The notes, one per (model, kind), name the
+    tasks and those left out.
+    """
+    cells = _with_budgets(frame)
+    cells = cells.assign(kind=cells.absolute_budget.notna().map({True: "budget", False: "compression"}))
+    full, evicting = cells[cells.policy == "full"], cells[cells.policy != "full"]
+    if evicting.empty:  # the full cache alone: one point per task set it has, nothing to match
+        return full.assign(kind="full"), [f"full cache: mean over {', '.join(sorted(set(full.task)))}"]
+    several = evicting.model.nunique() > 1
+    parts, notes = [], []
+    for (model, kind), part in evicting.groupby(["model", "kind"]):
+        tasks = part.groupby(["policy", "compression", "absolute_budget"], dropna=False).task.agg(frozenset)
+        common = sorted(frozenset.intersection(*tasks))
+        left_out = sorted(set(part.task) - set(common))
+        parts += [part[part.task.isin(common)], full[(full.model == model) & full.task.isin(common)].assign(kind=kind)]
+        note = (f"{kind} cells: mean over {', '.join(common)}" if common else
+                f"{kind} cells: no task is run at every point, so none is shown; pick a task")
+        if common and left_out:
+            note += f"; {', '.join(left_out)} left out (not run at every point)"
+        notes.append(f"{model}, {note}" if several else note)
+    return pd.concat(parts), notes
+
+
 def _per_point(frame: pd.DataFrame, values: list[str]) -> pd.DataFrame:
-    """``values`` averaged per (model, policy, compression or absolute budget): one point, over the tasks."""
-    return _with_budgets(frame).groupby(["model", "policy", "compression", "absolute_budget"], as_index=False,
-                                        dropna=False)[values].mean()
+    """``values`` averaged per (model, kind, policy, compression or absolute budget) over the tasks of
+    :func:`_comparable`'s ``frame``."""
+    return _with_budgets(frame).groupby(["model", "kind", "policy", "compression", "absolute_budget"],
+                                        as_index=False, dropna=False)[values].mean()
+
+
+def _point_labels(part: pd.DataFrame, kinds: int) -> list[str]:
+    """Each point's cut for the hover; the full cache's says which kind's tasks it averages, if both show."""
+    return [f"full ({kind} tasks)" if policy == "full" and kinds > 1 else _cut_label(c, b)
+            for policy, kind, c, b in zip(part.policy, part.kind, part.compression, part.absolute_budget)]
+
+
+KIND_SYMBOLS = {"compression": "circle", "budget": "square", "full": "circle"}
 
 
 def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     """Quality against measured decode speed, one point per (policy, compression or budget), averaged over
-    tasks."""
+    the tasks every point has (:func:`_comparable`)."""
     fig = go.Figure()
     if frame.empty:
         return _empty(fig, "no measured rows with a decode speed for these filters")
-    per_point = _per_point(frame, ["score", "decode_tok_s", "decode_cache"])
-    several = per_point.model.nunique() > 1
+    rows, notes = _comparable(frame)
+    per_point = _per_point(rows, ["score", "decode_tok_s", "decode_cache"])
+    several, kinds = per_point.model.nunique() > 1, per_point.kind.nunique()
     for (model, policy), part in per_point.groupby(["model", "policy"]):
-        cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
+        cuts = _point_labels(part, kinds)
+        # No text on the points: a dozen policies share the 20-23 tok/s cluster; the hover names the cut.
         fig.add_scatter(x=part.decode_tok_s, y=part.score, name=f"{policy} · {model}" if several else policy,
-                        mode="markers+text", text=cuts, textposition="top center",
-                        textfont=dict(size=9), marker=dict(size=10, color=colours(policy)),
+                        mode="markers", marker=dict(size=10, color=colours(policy),
+                                                    symbol=[KIND_SYMBOLS[k] for k in part.kind]),
                         customdata=list(zip(cuts, part.decode_cache)),
                         hovertemplate=(f"{policy}<br>%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
                                        "%{x:.2f} tok/s<br>largest cache while decoding %{customdata[1]:.0f}"
                                        "<extra></extra>"))
-    fig.update_layout(title="Quality vs decode speed (measured, mean over the selected tasks)", height=400,
-                      xaxis_title="decode tok/s", yaxis_title="mean score", margin=MARGIN,
-                      legend=dict(font=dict(size=10)))
+    fig.update_layout(xaxis_title="decode tok/s", yaxis_title="mean score", legend=dict(font=dict(size=10)))
+    _title(fig, "Quality vs decode speed (measured)", notes + (["squares: budget cells"] if kinds > 1 else []))
     return fig
+
+
+def _title(fig: go.Figure, title: str, notes: list[str]) -> None:
+    """``title`` with each note on a small line of its own below it (one long line would run past the edge),
+    and the top margin and height that make room for them."""
+    fig.update_layout(title="<br>".join([title, *(f"<sup>{note}</sup>" for note in notes)]),
+                      margin={**MARGIN, "t": MARGIN["t"] + 16 * len(notes)}, height=400 + 16 * len(notes))
 
 
 def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     """Quality against the cache each policy really held: one point per (policy, compression or budget), at
-    the mean over samples of the largest cache any decode step held.  The same nominal B is not the same memory: a
-    checkpointed policy (AvoKV-E, R-KV) runs up to B + interval - 1, a prefill-time one grows by the tokens
-    generated; AvoKV-E compares policies at matched active-KV sizes, which this axis shows."""
+    the mean over samples of the largest cache any decode step held, averaged over the tasks every point
+    has (:func:`_comparable`), with the full cache's score over the same tasks as a dotted line.  The same
+    nominal B is not the same memory: a checkpointed policy (AvoKV-E, R-KV) runs up to B + interval - 1, a
+    prefill-time one grows by the tokens generated; AvoKV-E compares policies at matched active-KV sizes,
+    which this axis shows."""
     fig = go.Figure()
+    evicting = frame[frame.policy != "full"]
+    if evicting.empty:
+        return _empty(fig, "no measured rows of an evicting policy with a decode speed for these filters")
     # The largest cache while decoding: a row's max_cache also counts the prefill, where at a compression
     # every decode-time policy once held its whole prompt.  Older rows that cannot tell the two apart are
     # left out (decode_cache: the store says how).
-    frame = frame[frame.decode_cache.notna() & (frame.policy != "full")]
-    if frame.empty:
+    if evicting.decode_cache.isna().all():
         return _empty(fig, "no measured cells with a decode-time cache size for these filters (rows written "
                            "before sweeps recorded max_decode_cache cannot tell it at a compression for "
                            "policies that evict while decoding)")
-    per_point = _per_point(frame, ["score", "decode_cache"])
-    per_point["kind"] = per_point.absolute_budget.notna().map({True: "budget", False: "compression"})
+    rows, notes = _comparable(frame[frame.decode_cache.notna() | (frame.policy == "full")])
+    per_point = _per_point(rows, ["score", "decode_cache"])
+    kinds = per_point[per_point.policy != "full"].kind.nunique()
     several = per_point.model.nunique() > 1
     shown = set()
     # One line per policy and kind of cut: absolute budgets and compressions come from other prompts and tasks
-    for (model, policy, _), part in per_point.groupby(["model", "policy", "kind"]):
+    for (model, policy, kind), part in per_point[per_point.policy != "full"].groupby(["model", "policy", "kind"]):
         part = part.sort_values("decode_cache")
-        cuts = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)]
+        cuts = _point_labels(part, kinds)
         name = f"{policy} · {model}" if several else policy
         fig.add_scatter(x=part.decode_cache, y=part.score, name=name, legendgroup=name,
-                        showlegend=name not in shown,
-                        mode="lines+markers+text", text=cuts, textposition="top center", textfont=dict(size=9),
-                        marker=dict(size=9, color=colours(policy)), line=dict(color=colours(policy), width=1),
+                        showlegend=name not in shown, mode="lines+markers",
+                        marker=dict(size=9, color=colours(policy), symbol=KIND_SYMBOLS[kind]),
+                        line=dict(color=colours(policy), width=1),
                         customdata=cuts, hovertemplate=(f"{policy}<br>%{{customdata}}<br>score %{{y:.3f}}<br>"
                                                         "largest cache while decoding %{x:.0f} entries"
                                                         "<extra></extra>"))
         shown.add(name)
-    fig.update_layout(title="Quality vs the cache actually held (measured; mean over the selected tasks)",
-                      height=400, xaxis_title="largest cache while decoding (entries, mean over samples)",
-                      yaxis_title="mean score", margin=MARGIN, legend=dict(font=dict(size=10)))
+    for row in per_point[per_point.policy == "full"].itertuples():
+        what = " · ".join(filter(None, [row.model if several else "", f"{row.kind} tasks" if kinds > 1 else ""]))
+        fig.add_hline(y=row.score, line=dict(dash="dot", color="grey", width=1), annotation_position="top left",
+                      annotation_text=f"full cache{f' ({what})' if what else ''} {row.score:.2f}",
+                      annotation_font=dict(size=10, color="grey"))
+    fig.update_layout(xaxis_title="largest cache while decoding (entries, mean over samples)",
+                      yaxis_title="mean score", legend=dict(font=dict(size=10)))
+    _title(fig, "Quality vs the cache actually held (measured)",
+           notes + (["squares: budget cells; dotted: the full cache over the same tasks"] if kinds > 1
+                    else ["dotted: the full cache over the same tasks"]))
     return fig
 
 
@@ -438,7 +510,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     task = None if task in (None, ALL) else task
     source = None if source in (None, ALL) else source
     policies = policies or None
-    colours = colours or Colours(store.options("policy"))
+    colours = colours or Colours.of(store)
     suites = store.comparable_suites()
     suite = suite if suite in suites else (suites[0] if suites else "RULER")
 
@@ -499,7 +571,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
     if not store.shards:
         gr.Markdown("No sweep results are stored yet (`results_db/` is empty). Run `kvviz bench run CONFIG` to add some.")
         return
-    colours = Colours(store.options("policy"))
+    colours = Colours.of(store)
     suites = store.comparable_suites()
     with gr.Row():
         model = gr.Dropdown([ALL, *store.options("model")], value=ALL, label="Model")
