@@ -331,7 +331,8 @@ class Store:
         ``max_decode_cache`` where a row records it; for older rows ``max_cache`` where that cannot be the
         prefill's -- it differs from the prompt length (the prefill holds at most the prompt, and a decode
         step's cache is never smaller than a prefill-time policy's B), or the prompt fits an absolute budget;
-        NULL for the cell unless every sample says.  ``budget`` is the mean resolved budget."""
+        NULL for the cell unless every sample says.  ``budget`` is the mean resolved budget; ``sweeps`` names
+        the sweeps the rows come from (speeds compare within one run)."""
         where, params = self._filters(task, model, "measured", policies)
         return self.frame(
             f"""
@@ -339,7 +340,7 @@ class Store:
                    avg(decode_tok_s) AS decode_tok_s,
                    avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples,
                    CASE WHEN count(decoding) = count(*) THEN avg(decoding) END AS decode_cache,
-                   avg(budget) AS budget
+                   avg(budget) AS budget, string_agg(DISTINCT sweep, ', ' ORDER BY sweep) AS sweeps
             FROM (SELECT *, coalesce(max_decode_cache, CASE WHEN max_cache <> prompt_len
                                                      OR prompt_len <= absolute_budget THEN max_cache END) AS decoding
                   FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where})

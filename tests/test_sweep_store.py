@@ -1005,7 +1005,7 @@ def test_speed_and_cache_figures_average_every_point_over_the_same_tasks(tmp_pat
 
     row = {"source": "measured", "model": "m", "seed": 0, "prompt_len": 140, "metric": "string_match",
            "params": {}, "decode_tok_s": 9.0, "compression": 0.5, "absolute_budget": None, "budget": 70,
-           "max_cache": 140, "max_decode_cache": 70, "sample": 0}
+           "max_cache": 140, "max_decode_cache": 70, "sample": 0, "sweep": "s"}
     scores = {("a", "tova"): 1.0, ("b", "tova"): 0.0, ("a", "h2o"): 0.5, ("b", "h2o"): 0.5,
               ("extra", "tova"): 1.0}  # only tova ran "extra", e.g. in another sweep
     rows = [{**row, "task": task, "policy": policy, "score": score} for (task, policy), score in scores.items()]
@@ -1015,6 +1015,7 @@ def test_speed_and_cache_figures_average_every_point_over_the_same_tasks(tmp_pat
     figures = query(Store(tmp_path), "(all)", "(all)", [], "measured")
     speed = figures[3 * SECTIONS.index("Quality vs decode speed")]
     assert {trace.name: list(trace.y) for trace in speed.data} == {"full": [0.75], "h2o": [0.5], "tova": [0.5]}
+    assert {point[2] for trace in speed.data for point in trace.customdata} == {"s"}  # the run, in the hover
     cache = figures[3 * SECTIONS.index("Quality vs cache held")]
     assert {trace.name: list(trace.y) for trace in cache.data} == {"h2o": [0.5], "tova": [0.5]}
     assert [shape.y0 for shape in cache.layout.shapes] == [0.75]  # the full cache over a and b

@@ -387,6 +387,12 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
         return _empty(fig, "no measured rows with a decode speed for these filters")
     rows, notes = _comparable(frame)
     per_point = _per_point(rows, ["score", "decode_tok_s", "decode_cache"])
+    # Which runs a point's speed comes from: speeds compare within one run, not across machines.
+    sweeps = _with_budgets(rows).groupby(["model", "kind", "policy", "compression", "absolute_budget"],
+                                         dropna=False).sweeps.agg(
+        lambda names: ", ".join(sorted({name for joined in names.dropna() for name in joined.split(", ")}))
+        or "not recorded")
+    per_point = per_point.join(sweeps, on=["model", "kind", "policy", "compression", "absolute_budget"])
     several, kinds = per_point.model.nunique() > 1, per_point.kind.nunique()
     for (model, policy), part in per_point.groupby(["model", "policy"]):
         cuts = _point_labels(part, kinds)
@@ -394,10 +400,10 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
         fig.add_scatter(x=part.decode_tok_s, y=part.score, name=f"{policy} · {model}" if several else policy,
                         mode="markers", marker=dict(size=10, color=colours(policy),
                                                     symbol=[KIND_SYMBOLS[k] for k in part.kind]),
-                        customdata=list(zip(cuts, part.decode_cache)),
+                        customdata=list(zip(cuts, part.decode_cache, part.sweeps)),
                         hovertemplate=(f"{policy}<br>%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
                                        "%{x:.2f} tok/s<br>largest cache while decoding %{customdata[1]:.0f}"
-                                       "<extra></extra>"))
+                                       "<br>run: %{customdata[2]}<extra></extra>"))
     fig.update_layout(xaxis_title="decode tok/s", yaxis_title="mean score", legend=dict(font=dict(size=10)))
     _title(fig, "Quality vs decode speed (measured)", notes + (["squares: budget cells"] if kinds > 1 else []))
     return fig
