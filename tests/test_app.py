@@ -312,9 +312,9 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
                        "`S` first; the cut fell between `S` 0.1 (highest evicted) and 0.5 (lowest kept); 1 sinks "
                        "kept by rule; 2 in the protected tail, not judged.")
     assert view.terms_frame(0) == (None, "No decision by step 0 yet; the next at step 1.")
-    outputs = scrub(view, 2, "")
-    assert len(outputs) == 7 and "**Step 1**" in outputs[5] and outputs[6]["visible"]
-    table = outputs[6]["value"]
+    outputs = scrub(view, 2)
+    assert len(outputs) == 6 and "**Step 1**" in outputs[4] and outputs[5]["visible"]
+    table = outputs[5]["value"]
     assert table["position"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
     detail = view.step_detail_figure(1)
     assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[4]  # 4: not judged

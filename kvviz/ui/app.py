@@ -400,12 +400,15 @@ def make_open_handler(limits: Limits):
     return open_trace
 
 
-def scrub(view: RunView | None, step, follow: str = ""):
+def scrub(view: RunView | None, step):
+    """The views of one step: heatmaps, step detail, prompt fates and the last decision's terms.  The token
+    history is not among them: it follows in a second event, which reads the Follow field as it is then (a
+    field typed while this ran would otherwise be overwritten by a history of what it held before)."""
     if view is None or not view.events:
-        return (gr.skip(),) * 7
+        return (gr.skip(),) * 6
     step = int(step)
     return (view.retention_figure(step), view.rank_figure(step), view.step_detail_figure(step),
-            view.fate_html(step, prompt_only=False), *step_views(view, follow, step))
+            view.fate_html(step, prompt_only=False), *decision_views(view, step))
 
 
 def history_view(view: RunView | None, follow: str, step) -> go.Figure | None:
@@ -420,6 +423,11 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
     """What follows the scrubbed step besides the heatmaps: the token history and the last decision's terms."""
     if view is None or not view.events:
         return None, "", gr.update(value=None, visible=False)
+    return history_view(view, follow, step), *decision_views(view, step)
+
+
+def decision_views(view: RunView, step) -> tuple:
+    """The caption and the table of the last eviction decision's terms (AvoKV-E, R-KV) at ``step``."""
     frame, caption = view.terms_frame(min(int(step or 0), view.steps - 1))
     if frame is not None:  # four significant digits: attention probabilities are often below 1e-4
         numbers = frame.select_dtypes("number").columns.drop("position")
@@ -427,7 +435,7 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
         frame[numbers] = frame[numbers].apply(lambda column: column.map(
             lambda value: "+inf" if value == np.inf else float(f"{value:.4g}")))
     table = gr.update(visible=False) if frame is None else gr.update(value=frame, visible=True)
-    return history_view(view, follow, step), caption, table
+    return caption, table
 
 
 def make_compare_handler(limits: Limits):
@@ -837,8 +845,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                            api_name="open_trace", api_visibility="undocumented")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             after = [history, terms_note, terms]
-            step_slider.input(scrub, [view_state, step_slider, follow], [retention, ranks, detail, fate, *after],
-                              api_name=False, trigger_mode="always_last")
+            step_slider.input(scrub, [view_state, step_slider], [retention, ranks, detail, fate, terms_note, terms],
+                              api_name=False, trigger_mode="always_last").then(
+                history_view, [view_state, follow, step_slider], history, api_name=False)
             follow.change(history_view, [view_state, follow, step_slider], history, api_name=False,
                           trigger_mode="always_last")
             # The last run's views would otherwise stay up, beside the new run, until it ends.
