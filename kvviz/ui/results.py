@@ -365,9 +365,15 @@ def _comparable(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
 
 def _per_point(frame: pd.DataFrame, values: list[str]) -> pd.DataFrame:
     """``values`` averaged per (model, kind, policy, compression or absolute budget) over the tasks of
-    :func:`_comparable`'s ``frame``."""
-    return _with_budgets(frame).groupby(["model", "kind", "policy", "compression", "absolute_budget"],
-                                        as_index=False, dropna=False)[values].mean()
+    :func:`_comparable`'s ``frame``; with a ``sweeps`` column, also the sweeps each point's rows come from
+    (speeds compare within one run, not across machines)."""
+    groups = _with_budgets(frame).groupby(["model", "kind", "policy", "compression", "absolute_budget"],
+                                          dropna=False)
+    points = groups[values].mean()
+    if "sweeps" in frame:
+        points["sweeps"] = groups.sweeps.agg(lambda names: ", ".join(sorted(
+            {name for joined in names.dropna() for name in joined.split(", ")})) or "not recorded")
+    return points.reset_index()
 
 
 def _point_labels(part: pd.DataFrame, kinds: int) -> list[str]:
@@ -387,12 +393,6 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
         return _empty(fig, "no measured rows with a decode speed for these filters")
     rows, notes = _comparable(frame)
     per_point = _per_point(rows, ["score", "decode_tok_s", "decode_cache"])
-    # Which runs a point's speed comes from: speeds compare within one run, not across machines.
-    sweeps = _with_budgets(rows).groupby(["model", "kind", "policy", "compression", "absolute_budget"],
-                                         dropna=False).sweeps.agg(
-        lambda names: ", ".join(sorted({name for joined in names.dropna() for name in joined.split(", ")}))
-        or "not recorded")
-    per_point = per_point.join(sweeps, on=["model", "kind", "policy", "compression", "absolute_budget"])
     several, kinds = per_point.model.nunique() > 1, per_point.kind.nunique()
     for (model, policy), part in per_point.groupby(["model", "policy"]):
         cuts = _point_labels(part, kinds)
