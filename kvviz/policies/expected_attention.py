@@ -149,8 +149,9 @@ class ExpectedAttention(Policy):
     # -- statistics -----------------------------------------------------------------------------------
     def _rope(self, rope: torch.Tensor | None, dim: int) -> torch.Tensor:
         if rope is None or 2 * rope.numel() != dim:
-            raise ValueError("Expected Attention needs a model with rotary position embeddings over the whole "
-                             "head (Llama, Qwen, Mistral); this model's attention gives it none")
+            raise ValueError("Expected Attention needs rotary position embeddings over the whole head with fixed "
+                             "frequencies; this model has none, rotates part of each head, or changes them with "
+                             "the sequence length (dynamic or LongRoPE scaling): choose another policy")
         return rope
 
     def _judge(self, layer: int, keys, values, scaling: float, rope: torch.Tensor, positions) -> None:
