@@ -635,9 +635,15 @@ def _check_filters(store, root: Path, filters: dict[str, tuple[str, list[str]]])
 
 
 def cmd_serve(args) -> int:
-    from .ui.app import launch
+    import dataclasses
 
-    launch()  # the same app as `python app.py`
+    from .ui.app import launch
+    from .ui.config import Limits
+
+    limits = Limits.from_env()  # the same app as `python app.py`; flags override the environment
+    chosen = {"device": args.device, "dtype": args.dtype, "models": args.models and tuple(
+        dict.fromkeys(name.strip() for name in args.models.split(",") if name.strip()))}
+    launch(dataclasses.replace(limits, **{key: value for key, value in chosen.items() if value}))
     return 0
 
 
@@ -757,6 +763,11 @@ def build_parser() -> argparse.ArgumentParser:
     res.set_defaults(func=cmd_results)
 
     serve = sub.add_parser("serve", help="start the Gradio app (same as python app.py)")
+    serve.add_argument("--device", help="where every model runs: cpu, cuda or cuda:N (default: $KVVIZ_DEVICE or cpu)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                       help="model dtype (default: $KVVIZ_DTYPE, else float32 on the CPU, bfloat16 on a GPU)")
+    serve.add_argument("--models", help="the models offered, comma-separated, the first the default (default: "
+                                        "$KVVIZ_DEFAULT_MODEL and $KVVIZ_MODELS)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

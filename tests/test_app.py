@@ -482,6 +482,59 @@ def test_dockerfile_and_space_front_matter_agree_with_the_app():
     assert "kvviz.load_model()" in dockerfile  # the default model is baked in at build time
 
 
+def test_the_deployment_names_its_device_and_dtype_and_refuses_bad_ones(monkeypatch):
+    monkeypatch.setenv("KVVIZ_DEVICE", "cpu")
+    monkeypatch.setenv("KVVIZ_DTYPE", "bfloat16")
+    limits = Limits.from_env()
+    assert (limits.device, limits.dtype) == ("cpu", "bfloat16")
+    monkeypatch.delenv("KVVIZ_DEVICE")
+    monkeypatch.delenv("KVVIZ_DTYPE")
+    assert (Limits.from_env().device, Limits.from_env().dtype) == ("cpu", "")  # float32 on the CPU
+    with pytest.raises(ValueError, match="unknown device 'gpu': use cpu, cuda or cuda:N"):
+        Limits(device="gpu")
+    with pytest.raises(ValueError, match="KVVIZ_DTYPE, kvviz serve --dtype\) must be one of float32, bfloat16"):
+        Limits(dtype="float8")
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is visible here; use cpu"):
+            Limits(device="cuda")
+
+
+def test_kvviz_serve_flags_override_the_environment(monkeypatch):
+    import kvviz.ui.app
+    from kvviz.cli import main
+
+    launched = []
+    monkeypatch.setattr(kvviz.ui.app, "launch", launched.append)
+    monkeypatch.setenv("KVVIZ_MODELS", "tiny-random-qwen2")
+    assert main(["serve", "--dtype", "bfloat16"]) == 0
+    assert launched[-1].dtype == "bfloat16" and launched[-1].models[1:] == ("tiny-random-qwen2",)
+    assert main(["serve", "--models", "tiny-random-gemma, tiny-random-llama,tiny-random-gemma"]) == 0
+    assert launched[-1].models == ("tiny-random-gemma", "tiny-random-llama") and launched[-1].dtype == ""
+    assert main(["serve", "--device", "tpu"]) == 2 and len(launched) == 2
+
+
+def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
+    """A GPU deployment runs bfloat16 models: the app must load them so and decode as the library does."""
+    import torch
+
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, get_model, make_live_handler
+
+    name = "tiny-random-qwen2"
+    limits = Limits(models=(name,), max_prompt_tokens=400, max_new_tokens=16, dtype="bfloat16")
+    _models.pop(name, None)
+    try:
+        model, tokenizer = get_model(limits, name)
+        assert model.dtype == torch.bfloat16 and get_model(limits, name)[0] is model  # loaded once
+        defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
+        *_, last = make_live_handler(limits)(name, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY,
+                                             *defaults)
+        expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
+        assert last[0] == expected.text
+        assert [e.kept.tolist() for e in last[9].events] == [e.kept.tolist() for e in expected.trace.events]
+    finally:
+        _models.pop(name, None)
+
+
 GREEDY = (0.0, 0.95, 0)  # the Sampling widgets as the page starts: temperature 0, top-p, seed
 
 

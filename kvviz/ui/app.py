@@ -23,6 +23,7 @@ import gradio as gr
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import torch
 
 from .. import diagnostics, engine
 from ..models import load_model
@@ -55,10 +56,18 @@ _models: dict[str, tuple] = {}
 _models_lock = threading.Lock()
 
 
-def get_model(name: str):
+def release_memory() -> None:
+    """After a run, finished, failed or cancelled: drop its caches now, and hand a GPU's blocks back too."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def get_model(limits: Limits, name: str):
+    """The model ``name`` on the deployment's device and dtype, loaded once per process."""
     with _models_lock:
         if name not in _models:
-            _models[name] = load_model(name)
+            _models[name] = load_model(name, device=limits.device, dtype=limits.dtype or None)
         return _models[name]
 
 
@@ -165,7 +174,7 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     """Check everything before any work; raise ValueError with what to change."""
     max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
     sampling = check_sampling(temperature, top_p, seed)
-    model, tokenizer = get_model(model_name)
+    model, tokenizer = get_model(limits, model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
@@ -347,7 +356,7 @@ def make_live_handler(limits: Limits):
         except Exception as error:  # the run failed: say so, keep serving
             raise unexpected("generation", error) from None
         finally:
-            gc.collect()
+            release_memory()
 
     return live_run
 
@@ -376,7 +385,7 @@ def make_open_handler(limits: Limits):
         try:
             tokens = None
             if trace.model in limits.models:  # the prompt's own token texts; other models' tokens show as ids
-                tokens = token_texts(get_model(trace.model)[1], trace.prompt_ids)
+                tokens = token_texts(get_model(limits, trace.model)[1], trace.prompt_ids)
             spec = REGISTRY.get(trace.policy)
             pinned = spec.build(**trace.params).pinned(trace.budget) if spec else (0, 0)
         except Exception:  # a model that fails to load, parameters this version refuses: the trace still shows
@@ -474,7 +483,7 @@ def make_compare_handler(limits: Limits):
         except Exception as error:
             raise unexpected("the comparison", error) from None
         finally:
-            gc.collect()
+            release_memory()
 
     return compare_run
 
@@ -582,7 +591,7 @@ def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
     raises ValueError with what to change."""
     if model_name not in limits.models:
         raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
-    model, tokenizer = get_model(model_name)
+    model, tokenizer = get_model(limits, model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
@@ -604,7 +613,7 @@ def make_spectrum_handler(limits: Limits):
         except Exception as error:
             raise unexpected("the scorer spectrum", error) from None
         finally:
-            gc.collect()
+            release_memory()
         rows = pd.DataFrame([{key: round(value, 3) if isinstance(value, float) else value for key, value in row.items()}
                              for row in result.table()])
         cross = result.cross_layer_summary()
@@ -644,7 +653,7 @@ def make_probe_handler(limits: Limits):
         except Exception as error:
             raise unexpected("the probe", error) from None
         finally:
-            gc.collect()
+            release_memory()
         missing = sorted(set(names) - set(result.utilities))
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
@@ -694,7 +703,7 @@ def make_generate_api(limits: Limits):
         except Exception as error:
             raise unexpected("generation", error) from None
         finally:
-            gc.collect()
+            release_memory()
 
     return generate
 

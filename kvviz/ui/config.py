@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..models import DEFAULT_MODEL
+from ..models import DEFAULT_MODEL, check_device
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _int(name: str, default: int) -> int:
@@ -19,7 +21,9 @@ def _int(name: str, default: int) -> int:
 @dataclass(frozen=True)
 class Limits:
     """``KVVIZ_DEFAULT_MODEL``, ``KVVIZ_MODELS`` (extra allowed, comma-separated), ``KVVIZ_MAX_PROMPT_TOKENS``,
-    ``KVVIZ_MAX_NEW_TOKENS``, ``KVVIZ_QUEUE_SIZE``, ``KVVIZ_RUNS_PER_MODEL``; host/port from ``GRADIO_SERVER_*``."""
+    ``KVVIZ_MAX_NEW_TOKENS``, ``KVVIZ_QUEUE_SIZE``, ``KVVIZ_RUNS_PER_MODEL``, ``KVVIZ_DEVICE`` and
+    ``KVVIZ_DTYPE`` (where every model runs: ``cpu`` or ``cuda[:N]``; ``float32``, ``bfloat16`` or
+    ``float16``, empty for float32 on the CPU and bfloat16 on a GPU); host/port from ``GRADIO_SERVER_*``."""
 
     models: tuple[str, ...] = (DEFAULT_MODEL,)
     max_prompt_tokens: int = 4096
@@ -28,6 +32,18 @@ class Limits:
     runs_per_model: int = 1
     host: str = "127.0.0.1"
     port: int = 7860
+    device: str = "cpu"
+    dtype: str = ""
+
+    def __post_init__(self):
+        # Refused at start, not at the first run: a deployment on the wrong device should not come up.
+        try:
+            check_device(self.device)
+        except ValueError as error:
+            raise ValueError(f"the device (KVVIZ_DEVICE, kvviz serve --device): {error}") from None
+        if self.dtype not in ("", *DTYPES):
+            raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} (or empty for the device's default), "
+                             f"got {self.dtype!r}")
 
     @classmethod
     def from_env(cls) -> "Limits":
@@ -41,4 +57,6 @@ class Limits:
             runs_per_model=_int("KVVIZ_RUNS_PER_MODEL", 1),
             host=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
             port=_int("GRADIO_SERVER_PORT", 7860),
+            device=os.environ.get("KVVIZ_DEVICE", "cpu").strip() or "cpu",
+            dtype=os.environ.get("KVVIZ_DTYPE", "").strip(),
         )
