@@ -79,7 +79,7 @@ def cmd_generate(args) -> int:
     if args.static and (args.temperature != 0.0 or args.trace):
         raise ValueError("--static decodes greedily and keeps no per-step trace: drop --temperature/--trace, "
                          "or drop --static to use the engine")
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     engine.check_prompt(model, prompt_ids, args.max_new_tokens)
     budget = engine.resolve_budget(len(prompt_ids), compression=compression, budget=args.budget)
@@ -205,7 +205,7 @@ def cmd_probe(args) -> int:
     names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
     policies = {name: make_policy(name) for name in names}
     prompt = _read_prompt(args)
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     probe.check_fits(model, prompt_ids, args.step, args.future, step_name="--step", future_name="--future")
     result = probe.probe(model, tokenizer, prompt_ids, args.step, policies=policies, sample=args.sample,
@@ -245,7 +245,9 @@ def _prompt_and_model_arguments(parser, default_model: str) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
     parser.add_argument("--model", default=default_model, help="default model, HF hub id, local dir, or tiny-random-<model_type>")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
 
 
 def cmd_scorers(args) -> int:
@@ -260,7 +262,7 @@ def cmd_scorers(args) -> int:
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha must be in [0, 1], got {args.alpha}")
     prompt = _read_prompt(args)
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     result = spectrum(model, prompt_ids, steps=args.steps, layer=args.layer, compression=args.compression,
                       alpha=args.alpha)
@@ -661,11 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text with an eviction policy")
-    src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="read the prompt from this file")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="default model, HF hub id, local dir, or tiny-random-<model_type>")
-    gen.add_argument("--device", default="cpu")
+    _prompt_and_model_arguments(gen, DEFAULT_MODEL)
     gen.add_argument("--policy", default="inertia", help="a name from `kvviz policies`")
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--compression", type=float,

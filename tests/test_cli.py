@@ -134,6 +134,23 @@ def test_a_probe_future_past_the_context_says_to_lower_the_future(capsys):
     assert "--step 0" not in err and "choose --step" not in err
 
 
+def test_the_model_dtype_is_chosen_on_the_command_line(capsys):
+    import torch
+
+    from kvviz.cli import main
+
+    args = ["--prompt", TEXT, "--no-chat", "--policy", "inertia", "--compression", "0.5", "--max-new-tokens", "10",
+            "--json"]
+    assert main(["generate", *TINY, "--dtype", "bfloat16", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, tokenizer = kvviz.load_model("tiny-random-llama", dtype=torch.bfloat16)
+    expected = kvviz.run(model, tokenizer, TEXT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
+    assert out["token_ids"] == expected.token_ids
+    assert [step["kept"] for step in out["steps"]] == [e.kept.tolist() for e in expected.trace.decode_steps]
+    proc = kvviz_cli("generate", *TINY, "--dtype", "float64", *args)
+    assert proc.returncode == 2 and "invalid choice: 'float64'" in proc.stderr
+
+
 def test_refresh_zero_is_score_free(capsys):
     from kvviz.cli import main
 
