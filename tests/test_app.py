@@ -265,7 +265,11 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
     assert note(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False) == {"__type__": "update"}
     assert TINY not in _models
     assert note(TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False) == (
-        "*Not compared: choose two to four policies to compare.*")
+        "*Not compared: choose two to four policies to compare (one policy twice needs two settings, e.g. "
+        "'inertia' and 'inertia alpha=0.5').*")
+    # The same setting twice is one policy: "inertia alpha=0.8" is inertia at its default.
+    assert "choose two to four" in note(TINY, PROMPT, ["inertia", "inertia alpha=0.8"], "compression", 0.5, 0, 4,
+                                        False)
     assert "max new tokens must be between 1 and 512" in note(TINY, PROMPT, ["inertia", "tova"], "compression",
                                                               0.5, 0, 9999, False)
 
@@ -594,6 +598,27 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     assert [layout["title"]["text"].split("<br>")[0] for layout in layouts] == ["inertia", "streaming"]
     assert ["green never evicted" in layout["title"]["text"] for layout in layouts] == [False, True]
     assert not [a for layout in layouts for a in layout.get("annotations", []) if a["text"].startswith("green:")]
+
+
+def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
+    """Typed settings ('inertia alpha=0.3') are policies of their own, labelled by what they change; each
+    panel is that setting's own run, and the probe ranks the same settings."""
+    model, tokenizer = tiny
+    result = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0.3", "inertia alpha=0.8"], "budget", 0.5, 20,
+                            12, False, *GREEDY, api_name="/compare")
+    texts = result[:4]
+    assert [t.get("label") for t in texts[:2]] == ["inertia", "inertia alpha=0.3"]
+    assert texts[2]["visible"] is False  # alpha=0.8 is the default: the first panel already
+    runs = [kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("inertia", **params), chat=False, budget=20,
+                      max_new_tokens=12) for params in ({}, {"alpha": 0.3})]
+    assert [t["value"] for t in texts[:2]] == ["".join(e.text for e in run.trace.events) for run in runs]
+    assert runs[0].token_ids != runs[1].token_ids or \
+        [e.kept.tolist() for e in runs[0].trace.events] != [e.kept.tolist() for e in runs[1].trace.events]
+    with pytest.raises(Exception, match="alpha must be between 0.0 and 1.0"):
+        client.predict(TINY, PROMPT, ["inertia", "inertia alpha=7"], "budget", 0.5, 20, 12, False, *GREEDY,
+                       api_name="/compare")
+    table = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], False, 4, 16, api_name="/probe")[0]
+    assert [row[0] for row in table["data"]] == ["inertia", "inertia alpha=0.3"]
 
 
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):

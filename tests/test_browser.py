@@ -213,3 +213,19 @@ def test_the_scorer_spectrum_runs_at_the_middle_layer_when_layer_is_left_empty(p
     page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot .legendtext')]"
                            ".some(e => e.textContent === 'layer 1')", timeout=30_000)
     page.screenshot(path=ARTIFACTS / "compare-spectrum.png", full_page=False)
+
+
+def test_a_typed_setting_compares_one_policy_at_two_values(page):
+    """The Policies box takes a typed setting: Enter adds it beside the picked names, and its run gets a
+    panel of its own, labelled by what it changes."""
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_label("Prompt").nth(1).fill(PROMPT)
+    policies = page.get_by_label("Policies (2 to 4)", exact=False)
+    policies.click()
+    policies.fill("inertia alpha=0.3")
+    policies.press("Enter")
+    page.keyboard.press("Escape")  # close the list of choices
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.get_by_label("inertia alpha=0.3", exact=True).wait_for(timeout=60_000)
+    page.get_by_text("inertia alpha=0.3 vs inertia", exact=False).wait_for(timeout=60_000)  # its divergence line
+    page.screenshot(path=ARTIFACTS / "compare-settings.png", full_page=False)

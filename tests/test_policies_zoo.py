@@ -368,3 +368,20 @@ def test_parameters_are_converted_and_checked_by_the_registry():
             make_policy("inertia", **params)
     with pytest.raises(ValueError, match="true or false"):
         make_policy("avokv", normalise="maybe")
+
+
+def test_a_setting_is_a_name_and_parameters_labelled_by_what_it_changes():
+    from kvviz.policies import build_setting
+
+    label, policy = build_setting("  inertia-lazy   refresh=8 alpha=0.5 ")
+    assert label == "inertia-lazy alpha=0.5 refresh=8"  # the registry's order, not the typed one
+    assert (type(policy).__name__, policy.alpha, policy.refresh) == ("InertiaKV", 0.5, 8)
+    assert build_setting("inertia-lazy refresh=4")[0] == "inertia-lazy"  # its preset: no change
+    assert build_setting("inertia alpha=0.80")[0] == "inertia"  # the default, however written
+    assert build_setting("avokv normalise=off interval=16")[0] == "avokv interval=16 normalise=False"
+    assert build_setting("inertia layers=0,2")[1].layers == "0,2"
+    for text, message in [("", "entry is empty"), ("inertia alpha", "key=value"), ("inertia =3", "key=value"),
+                          ("inertia alpha=0.5 alpha=0.6", "sets alpha twice"), ("nope", "unknown policy 'nope'"),
+                          ("inertia alpha=1.5", "between 0.0 and 1.0"), ("tova window=3", "has no parameter")]:
+        with pytest.raises(ValueError, match=message):
+            build_setting(text)

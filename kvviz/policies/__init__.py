@@ -193,4 +193,31 @@ def make_policy(name: str, **params: Any) -> Policy:
     return get_spec(name).build(**params)
 
 
-__all__ = ["REGISTRY", "Policy", "PolicySpec", "coerce", "default_params", "get_spec", "make_policy"]
+def build_setting(text: str) -> tuple[str, Policy]:
+    """A policy written as its name and ``key=value`` parameters, e.g. ``"inertia alpha=0.5 refresh=4"``.
+
+    Returns the policy and its label: the name, then each given parameter that differs from the name's
+    defaults, in the registry's order (``"inertia alpha=0.8"`` is plain ``"inertia"``), the way the results
+    name a setting.  Raises ValueError with what to change.
+    """
+    name, *pairs = str(text or "").split() or [""]
+    if not name:
+        raise ValueError("a policy entry is empty; write a policy's name, e.g. 'inertia' or 'inertia alpha=0.5'")
+    params: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not (sep and key and value):
+            raise ValueError(f"{text!r}: write each parameter as key=value after the policy's name, e.g. "
+                             "'inertia alpha=0.5'")
+        if key in params:
+            raise ValueError(f"{text!r} sets {key} twice; keep one")
+        params[key] = value
+    spec = get_spec(name)
+    policy = spec.build(**params)
+    defaults = {p["name"]: p["default"] for p in spec.parameters()}
+    changed = [f"{key}={value}" for key, value in policy.params().items() if key in params and value != defaults[key]]
+    return " ".join([name, *changed]), policy
+
+
+__all__ = ["REGISTRY", "Policy", "PolicySpec", "build_setting", "coerce", "default_params", "get_spec",
+           "make_policy"]

@@ -27,7 +27,7 @@ import torch
 
 from .. import diagnostics, engine
 from ..models import load_model
-from ..policies import REGISTRY, Policy, get_spec
+from ..policies import REGISTRY, Policy, build_setting, get_spec
 from ..trace import Trace, sampling_note, time_split
 from .config import Limits
 from ..store import Store
@@ -246,12 +246,27 @@ def make_live_check(limits: Limits):
     return check_live
 
 
-def compare_names(names) -> list[str]:
-    """The chosen policies, each once; ValueError unless there are two to four."""
-    names = list(dict.fromkeys(names or []))
-    if not 2 <= len(names) <= 4:
-        raise ValueError("choose two to four policies to compare")
-    return names
+def policy_settings(entries) -> dict[str, str]:
+    """The chosen policies, each a name or a setting such as ``inertia alpha=0.5``, by label and each setting
+    once (``inertia alpha=0.8`` is ``inertia``); ValueError with what to change for an entry the registry refuses."""
+    settings: dict[str, str] = {}
+    for entry in entries or []:
+        settings.setdefault(build_setting(entry)[0], entry)
+    return settings
+
+
+def compare_settings(entries) -> dict[str, str]:
+    """:func:`policy_settings`, two to four of them."""
+    settings = policy_settings(entries)
+    if not 2 <= len(settings) <= 4:
+        raise ValueError("choose two to four policies to compare (one policy twice needs two settings, e.g. "
+                         "'inertia' and 'inertia alpha=0.5')")
+    return settings
+
+
+def build_policies(settings: dict[str, str]) -> dict[str, Policy]:
+    """A fresh policy for each label (a run leaves state in its policies)."""
+    return {label: build_setting(entry)[1] for label, entry in settings.items()}
 
 
 def make_compare_check(limits: Limits):
@@ -260,10 +275,10 @@ def make_compare_check(limits: Limits):
         """What is wrong with these inputs, if anything; ``load=False`` checks no further than the settings
         unless the model is loaded already."""
         try:
-            names = compare_names(names)
+            settings = compare_settings(names)
             if load or model_name in _models:
                 validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                         [get_spec(name).build() for name in names], temperature, top_p, seed)
+                         list(build_policies(settings).values()), temperature, top_p, seed)
             else:
                 check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
                 check_sampling(temperature, top_p, seed)
@@ -451,11 +466,11 @@ def make_compare_handler(limits: Limits):
     def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
                     temperature=0.0, top_p=1.0, seed=0):
         try:
-            names = compare_names(names)
-            policies = {name: get_spec(name).build() for name in names}
+            settings = compare_settings(names)
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                               list(policies.values()), temperature, top_p, seed)
-            policies = {name: get_spec(name).build() for name in names}  # fresh state
+                               list(build_policies(settings).values()), temperature, top_p, seed)
+            policies = build_policies(settings)  # fresh state
+            names = list(settings)
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -631,15 +646,16 @@ def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
         from ..probe import aligned_quality, blindspot_at, check_fits, probe
 
-        names = list(dict.fromkeys(names or []))
         try:
+            settings = policy_settings(names)
+            names = list(settings)
             if not names:
                 raise ValueError("choose the policies to rank first")
             model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
             step = whole_number("the probe step", step, 1)
             sample = whole_number("entries sampled", sample or 0, 0)
             check_fits(model, prompt_ids, step, 8)
-            result = probe(model, tokenizer, prompt_ids, step, policies={n: get_spec(n).build() for n in names},
+            result = probe(model, tokenizer, prompt_ids, step, policies=build_policies(settings),
                            sample=sample or None, future=8)
             quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
             rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in q.items()}} for n, q in quality.items()])
@@ -884,8 +900,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 with gr.Column(scale=1):
                     c_prompt = gr.Textbox(label="Prompt", lines=6, value=EXAMPLES["Four-key needle"])
                     c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
+                    # Typed entries are settings: one policy at two parameter values, side by side.
                     c_policies = gr.Dropdown([c for c in policy_choices], value=["inertia", "tova", "streaming"],
-                                             multiselect=True, label="Policies (2 to 4, default parameters)")
+                                             multiselect=True, allow_custom_value=True,
+                                             label="Policies (2 to 4): pick, or type a setting such as "
+                                                   "'inertia alpha=0.5' and press Enter")
                     c_mode, c_compression, c_budget, c_max_new, c_chat, c_temperature, c_top_p, c_seed = \
                         _run_settings(limits, 0.75, 48)
                     with gr.Row():
