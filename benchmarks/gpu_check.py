@@ -146,8 +146,8 @@ def bfloat16_agreement(device: str, compiles: bool, left=lambda: float("inf")) -
     from kvviz.models import tiny_model
 
     try:
-        model, tokenizer = tiny_model("llama")
-        model.to(device=device, dtype=torch.bfloat16)
+        model, tokenizer = tiny_model("llama", dtype=torch.bfloat16)  # built so: RoPE frequencies stay float32
+        model.to(device)
         prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
         reference = kvviz.run(model, tokenizer, prompt, "inertia", budget=20, max_new_tokens=30)
     except Exception as error:  # noqa: BLE001 -- reported; the script goes on

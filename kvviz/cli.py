@@ -637,15 +637,14 @@ def _check_filters(store, root: Path, filters: dict[str, tuple[str, list[str]]])
 
 
 def cmd_serve(args) -> int:
-    import dataclasses
-
     from .ui.app import launch
     from .ui.config import Limits
 
-    limits = Limits.from_env()  # the same app as `python app.py`; flags override the environment
-    chosen = {"device": args.device, "dtype": args.dtype, "models": args.models and tuple(
-        dict.fromkeys(name.strip() for name in args.models.split(",") if name.strip()))}
-    launch(dataclasses.replace(limits, **{key: value for key, value in chosen.items() if value}))
+    overrides = {"device": args.device, "dtype": args.dtype}
+    if args.models is not None:
+        overrides["models"] = tuple(dict.fromkeys(name.strip() for name in args.models.split(",") if name.strip()))
+    # The same app as `python app.py`, the flags over the environment.
+    launch(Limits.from_env(**{key: value for key, value in overrides.items() if value is not None}))
     return 0
 
 

@@ -172,6 +172,7 @@ def attach(model, policy: str | Policy = "inertia", *, budget: int | None = None
     if policy.reconstructs:
         raise ValueError(f"{type(policy).__name__} scores from an extra reconstruction pass after the prefill, "
                          "which model.generate cannot run; use kvviz.run or kvviz.stream")
+    policy.check_model(model)
     cache = EvictingCache(model, policy, budget=budget, compression=compression, auto=True)
     try:
         yield cache
@@ -314,6 +315,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression), max_new_tokens)
     total = prompt_len + max_new_tokens
     capacity = total if bound is None else min(total, max(prompt_len, bound) + 1)
+    check_policy(model, tokenizer, prompt_ids, policy)
     if cache is None:
         cache = EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
     prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
@@ -382,17 +384,36 @@ class _ReconstructionSink:
         self.cache.policy.observe_reconstruction(view, self.cache.live_positions(), self.chunk)
 
 
+def repeat_passes(tokenizer, prompt_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:
+    """KVzip's reconstruction passes: for each chunk ``[start, end)`` of the prompt, the ids fed after it --
+    an instruction to repeat it, the previous chunk's last 8 tokens ("starting with"), the chunk itself."""
+    for start in range(0, len(prompt_ids), RECONSTRUCTION_CHUNK):
+        end = min(start + RECONSTRUCTION_CHUNK, len(prompt_ids))
+        instruction = tokenizer(REPEAT_ALL if start == 0 else REPEAT_FROM, add_special_tokens=False)["input_ids"]
+        yield start, end, instruction + prompt_ids[max(0, start - 8):start] + prompt_ids[start:end]
+
+
+def check_policy(model, tokenizer, prompt_ids: list[int], policy: Policy) -> None:
+    """What ``policy`` needs of this model and prompt, before any forward pass: its own model check (Expected
+    Attention's RoPE), and for KVzip a repeat pass within the positions whose rotation stays fixed."""
+    policy.check_model(model)
+    if policy.reconstructs:
+        reach = len(prompt_ids) + max(len(ids) for _, _, ids in repeat_passes(tokenizer, prompt_ids))
+        limit = scoring.fixed_rope_limit(model)
+        if reach > limit:
+            raise ValueError(f"KVzip's repeat pass after this {len(prompt_ids)}-token prompt runs to position "
+                             f"{reach - 1}, past position {limit - 1}, beyond which this model does not rotate "
+                             "positions as it rotated the cached keys (the end of its context, or LongRoPE's "
+                             "original length); shorten the prompt or choose another policy")
+
+
 def reconstruct(model, tokenizer, cache: EvictingCache, prompt_ids: list[int]) -> float:
     """KVzip's context reconstruction, after the prefill: for each chunk of the prompt, feed an instruction
     to repeat it plus the chunk itself (teacher-forced), let the policy see those queries' views, then drop
     the repeated tokens so that the cache is the prefill's again.  Returns the seconds it took."""
     start_time = time.perf_counter()
     prompt_len, device, capacity = len(prompt_ids), model.device, cache.layers[0].capacity
-    for start in range(0, prompt_len, RECONSTRUCTION_CHUNK):
-        end = min(start + RECONSTRUCTION_CHUNK, prompt_len)
-        instruction = tokenizer(REPEAT_ALL if start == 0 else REPEAT_FROM, add_special_tokens=False)["input_ids"]
-        tail = prompt_ids[max(0, start - 8):start]  # "starting with" the previous chunk's last tokens
-        ids = instruction + tail + prompt_ids[start:end]
+    for start, end, ids in repeat_passes(tokenizer, prompt_ids):
         with scoring.scoring(_ReconstructionSink(cache, len(ids), (start, end))):
             model(input_ids=torch.tensor([ids], device=device),
                   position_ids=torch.arange(prompt_len, prompt_len + len(ids), device=device)[None],

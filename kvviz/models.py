@@ -68,10 +68,12 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     """
     check_device(device)
     if dtype is None:
-        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # Every model is built in its dtype, never cast afterwards: a cast would round the rotary embedding's
+    # float32 inverse frequencies too (HF keeps them in float32), and RoPE angles drift with position.
     if name.startswith(TINY_PREFIX):
-        model, tokenizer = tiny_model(name[len(TINY_PREFIX):])
+        model, tokenizer = tiny_model(name[len(TINY_PREFIX):], dtype=dtype)
     elif name in (DEFAULT_MODEL, DEFAULT_HUB_ID):
         model, tokenizer = _load_default(dtype)
     else:
@@ -79,7 +81,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     check_supported(model.config, name)
     # Traces record this as their model: the name to load it by again (not the converted checkpoint's path).
     model.config.name_or_path = name
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device).eval()
     scoring.install(model)
     return model, tokenizer
 
@@ -121,10 +123,9 @@ def check_device(device: str) -> None:
 
 def check_supported(config, name: str) -> None:
     if config.model_type not in SUPPORTED_TYPES:
-        raise ModelNotFound(
-            f"model {name!r} is a {config.model_type!r} model; kvviz supports the model types "
-            f"{', '.join(SUPPORTED_TYPES)}: choose a model of one of these families"
-        )
+        families = ", ".join(f"{display} ({model_type})" for model_type, display in FAMILIES.items())
+        raise ModelNotFound(f"model {name!r} is a {config.model_type!r} model; kvviz supports {families}: choose a "
+                            "model of one of these families")
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
         raise ModelNotFound(
@@ -140,6 +141,8 @@ def check_supported(config, name: str) -> None:
 def _load_pretrained(source: str | Path, dtype: torch.dtype):
     kwargs = dict(dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False)
     try:
+        # The config alone first: a family kvviz refuses is refused before gigabytes of weights load.
+        check_supported(AutoConfig.from_pretrained(source, trust_remote_code=False), str(source))
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as error:
@@ -242,15 +245,13 @@ TINY_EXTRAS = {
 }
 
 
-def tiny_model(family: str = "llama", *, seed: int = 0, layers: int = 3, vocab_size: int = 320, **overrides):
-    """A randomly initialised model of ``family`` small enough for unit tests (GQA: 4 query, 2 KV heads);
-    ``overrides`` are config fields, e.g. ``rope_parameters`` or ``layer_types``."""
+def tiny_model(family: str = "llama", *, seed: int = 0, layers: int = 3, vocab_size: int = 320,
+               dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised model of ``family`` small enough for unit tests (GQA: 4 query, 2 KV heads),
+    built in ``dtype``; ``overrides`` are config fields, e.g. ``rope_parameters`` or ``max_position_embeddings``."""
     if family not in SUPPORTED_TYPES:
         raise ModelNotFound(f"no tiny model for {family!r}; choose one of {', '.join(SUPPORTED_TYPES)}")
-    extra = {**({"sliding_window": None} if family in ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3")
-                else {}), **TINY_EXTRAS.get(family, {}), **overrides}
-    config = AutoConfig.for_model(
-        family,
+    fields = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -265,11 +266,13 @@ def tiny_model(family: str = "llama", *, seed: int = 0, layers: int = 3, vocab_s
         bos_token_id=0,
         eos_token_id=2,
         pad_token_id=0,
-        **extra,
     )
+    if family in ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3"):
+        fields["sliding_window"] = None
+    config = AutoConfig.for_model(family, **{**fields, **TINY_EXTRAS.get(family, {}), **overrides})
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     with torch.no_grad():  # EOS gets logit 0 while the max over 319 random logits is positive: greedy never
         model.lm_head.weight[2] = 0.0  # stops early, so tests get the lengths they ask for
     model.generation_config.eos_token_id = 2

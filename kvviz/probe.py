@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from .diagnostics import ranks, spearman
-from .engine import cache_kwarg, check_prompt, decode
+from .engine import cache_kwarg, check_policy, check_prompt, decode
 from .policies import Policy
 from .policies.checkpointed import CheckpointPolicy
 from .policies.full import FullCache
@@ -150,6 +150,8 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
         raise ValueError(f"the probe step must be >= 1 (a decode step), got {step}")
     if sample is not None and sample < 1:
         raise ValueError(f"sample must be >= 1 entries (None probes them all), got {sample}")
+    for policy in (policies or {}).values():  # refused now, not after the probe's own decoding
+        check_policy(model, tokenizer, prompt_ids, policy)
     # Tokens up to P + future: prompt_len + step + future in all.
     full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=step + future, ignore_eos=True))
     generated = [e.new_token_id for e in full]

@@ -164,7 +164,22 @@ def kvviz_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     return out
 
 
-DYNAMIC_ROPE = ("dynamic", "longrope")  # transformers swaps their frequencies with the sequence length
+def dynamic_rope(rope_type: str) -> bool:
+    """Whether transformers changes this RoPE's frequencies with the sequence length (dynamic NTK and its
+    variants, LongRoPE), rather than keeping one rotation per position."""
+    return rope_type == "longrope" or "dynamic" in rope_type
+
+
+def fixed_rope_limit(model) -> int:
+    """How many positions one forward pass may reach with the rotation every cached key was given: the
+    context, or for LongRoPE its original length, past which transformers switches every position to the
+    long factors (keys cached before the switch keep the short ones)."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        return int(rope.get("original_max_position_embeddings")
+                   or getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
+    return config.max_position_embeddings
 
 
 def rope_frequencies(model) -> torch.Tensor | None:
@@ -176,7 +191,7 @@ def rope_frequencies(model) -> torch.Tensor | None:
     for module in model.modules():
         inv_freq = getattr(module, "inv_freq", None)
         if type(module).__name__.endswith("RotaryEmbedding") and isinstance(inv_freq, torch.Tensor):
-            if getattr(module, "rope_type", "default") in DYNAMIC_ROPE:
+            if dynamic_rope(str(getattr(module, "rope_type", "default"))):
                 return None
             return inv_freq if 2 * inv_freq.numel() == head_dim else None
     return None

@@ -257,6 +257,30 @@ def test_the_judged_slots_line_shows_only_where_the_protected_are_unranked(tiny)
     assert lines["h2o"] == []
 
 
+def test_a_policy_the_model_cannot_serve_is_refused_by_the_check_before_the_run():
+    """Expected Attention on a model with dynamic RoPE: the check says so (a toast with what to change)
+    instead of the run failing after its prefill."""
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_compare_check, make_live_check
+
+    name = "tiny-random-mistral"  # a name of its own: the other tests' llama stays as it is
+    model, tokenizer = kvviz.models.tiny_model(
+        "mistral", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    kvviz.scoring.install(model)
+    limits = Limits(models=(name,), max_prompt_tokens=400, max_new_tokens=16)
+    _models[name] = (model, tokenizer)
+    try:
+        defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
+        with pytest.raises(Exception, match="fixed frequencies.*choose another policy"):
+            make_live_check(limits)(name, PROMPT, "expected-attention", "compression", 0.5, 0, 8, False, *GREEDY,
+                                    *defaults)
+        with pytest.raises(Exception, match="fixed frequencies"):
+            make_compare_check(limits)(name, PROMPT, ["inertia", "expected-attention"], "compression", 0.5, 0, 8,
+                                       False)
+        make_live_check(limits)(name, PROMPT, "inertia", "compression", 0.5, 0, 8, False, *GREEDY, *defaults)
+    finally:
+        _models.pop(name, None)
+
+
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
     from kvviz.ui.app import _models, make_compare_check
 
@@ -515,6 +539,12 @@ def test_kvviz_serve_flags_override_the_environment(monkeypatch):
     assert main(["serve", "--models", "tiny-random-gemma, tiny-random-llama,tiny-random-gemma"]) == 0
     assert launched[-1].models == ("tiny-random-gemma", "tiny-random-llama") and launched[-1].dtype == ""
     assert main(["serve", "--device", "tpu"]) == 2 and len(launched) == 2
+    # A flag corrects a bad variable instead of being refused with it; an empty list of models is refused.
+    monkeypatch.setenv("KVVIZ_DEVICE", "gpu")
+    monkeypatch.setenv("KVVIZ_DTYPE", "fp16")
+    assert main(["serve", "--device", "cpu", "--dtype", "float16"]) == 0
+    assert (launched[-1].device, launched[-1].dtype) == ("cpu", "float16")
+    assert main(["serve", "--device", "cpu", "--dtype", "float16", "--models", " , "]) == 2 and len(launched) == 3
 
 
 def test_the_live_tab_runs_the_model_in_the_deployments_dtype():

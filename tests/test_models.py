@@ -22,7 +22,7 @@ def test_every_family_loads_by_its_tiny_name_with_the_capture_installed():
 
 
 def test_an_unsupported_family_is_refused_with_the_families_that_are():
-    with pytest.raises(ModelNotFound, match="'gpt2' model; kvviz supports the model types llama, qwen2.*gemma"):
+    with pytest.raises(ModelNotFound, match="'gpt2' model; kvviz supports Llama \\(llama\\), Qwen2/2.5 \\(qwen2\\).*Gemma \\(gemma\\)"):
         check_supported(AutoConfig.for_model("gpt2"), "gpt2")
     with pytest.raises(ModelNotFound, match="no tiny model for 'gpt2'"):
         kvviz.load_model("tiny-random-gpt2")
@@ -40,17 +40,58 @@ def test_models_with_sliding_window_layers_are_refused():
     check_supported(AutoConfig.for_model("qwen2", use_sliding_window=False, num_hidden_layers=3), "q")
 
 
+LONGROPE = dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                 "long_factor": [4.0] * 8}, original_max_position_embeddings=64,
+                max_position_embeddings=256)  # Phi-3-128k's scheme, its switch moved to position 64
+
+
+def forward_counter(model) -> list:
+    """A list that grows by one at every forward pass of ``model``."""
+    calls: list = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
 @pytest.mark.parametrize("overrides, family", [
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "llama"),
     (dict(partial_rotary_factor=0.5), "phi3"),  # Phi-4-mini's layout: RoPE over part of each head
+    (LONGROPE, "phi3"),
 ])
-def test_expected_attention_refuses_rope_it_cannot_rotate_back(overrides, family, tiny_prompt):
+def test_expected_attention_refuses_rope_it_cannot_rotate_back_before_any_forward(overrides, family, tiny_prompt):
+    from kvviz.probe import probe
+
     model, tokenizer = tiny_model(family, **overrides)
     kvviz.scoring.install(model)
     assert rope_frequencies(model) is None
-    kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=40, max_new_tokens=3)  # the rest still runs
-    with pytest.raises(ValueError, match="fixed frequencies.*choose another policy"):
-        kvviz.run(model, tokenizer, tiny_prompt, "expected-attention", budget=40, max_new_tokens=3)
+    kvviz.run(model, tokenizer, tiny_prompt[:40], "inertia", budget=30, max_new_tokens=3)  # the rest still runs
+    calls = forward_counter(model)
+    for name in ("expected-attention", "expected-attention-decode"):
+        with pytest.raises(ValueError, match="fixed frequencies.*choose another policy"):
+            kvviz.run(model, tokenizer, tiny_prompt[:40], name, budget=30, max_new_tokens=3)
+        with pytest.raises(ValueError, match="fixed frequencies"):  # not after the probe's own decoding
+            probe(model, tokenizer, tiny_prompt[:40], 2, policies={"ea": kvviz.make_policy(name)}, sample=4)
+    assert calls == []
+
+
+def test_kvzip_refuses_a_repeat_pass_past_the_positions_its_cache_was_rotated_for(tiny_prompt):
+    """KVzip's repeat pass runs past the prompt by the chunk it repeats: beyond LongRoPE's switch (or the
+    context) transformers would rotate its queries otherwise than the cached keys, and score nonsense."""
+    longrope, tokenizer = tiny_model("phi3", **LONGROPE)
+    kvviz.scoring.install(longrope)
+    prompt = tiny_prompt[:40]  # prompt + new tokens fit under the switch; prompt + its repeat does not
+    reach = len(prompt) + max(len(ids) for *_, ids in kvviz.engine.repeat_passes(tokenizer, prompt))
+    assert len(prompt) + 3 <= 64 < reach
+    calls = forward_counter(longrope)
+    with pytest.raises(ValueError, match=f"runs to position {reach - 1}, past position 63.*shorten the prompt"):
+        kvviz.run(longrope, tokenizer, prompt, "kvzip", budget=30, max_new_tokens=3)
+    assert calls == []
+    short, _ = tiny_model("llama", max_position_embeddings=reach - 1)  # the same reach past a plain context
+    kvviz.scoring.install(short)
+    with pytest.raises(ValueError, match="past position"):
+        kvviz.run(short, tokenizer, prompt, "kvzip", budget=30, max_new_tokens=3)
+    fits, _ = tiny_model("llama", max_position_embeddings=reach)
+    kvviz.scoring.install(fits)
+    assert kvviz.run(fits, tokenizer, prompt, "kvzip", budget=30, max_new_tokens=3).trace.events[0].kept.size == 30
 
 
 def test_fixed_frequency_rope_is_described_on_every_family():
@@ -67,3 +108,33 @@ def test_the_static_path_refuses_layouts_its_step_does_not_reproduce(family):
     model, _ = kvviz.load_model(f"tiny-random-{family}")
     with pytest.raises(ValueError, match=f"not '{family}': decode this model with the engine"):
         StaticInertia(model)
+
+
+def test_a_half_precision_model_is_the_one_transformers_loads(tmp_path):
+    """Loaded in bfloat16, the model must compute what transformers' own bfloat16 load computes: a cast after
+    loading would round RoPE's float32 inverse frequencies too, and the angles would drift with position."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = tiny_model("llama", max_position_embeddings=8192)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ours, _ = kvviz.load_model(str(tmp_path), dtype="bfloat16")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    assert ours.dtype == torch.bfloat16 and ours.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert kvviz.load_model("tiny-random-llama", dtype="bfloat16")[0].model.rotary_emb.inv_freq.dtype == torch.float32
+    ids = torch.randint(3, 320, (1, 3000), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+
+
+def test_a_refused_family_is_refused_from_its_config_before_any_weight_loads(tmp_path, monkeypatch):
+    import transformers
+
+    AutoConfig.for_model("gpt2", n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded for a model that is refused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(ModelNotFound, match="'gpt2' model"):
+        kvviz.load_model(str(tmp_path))

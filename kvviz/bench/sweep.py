@@ -705,6 +705,7 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
     tokenizer or a benchmark record makes them differ).  All refusals are listed, one line per policy
     setting, task and compression or budget, with how many samples it hits."""
     from .. import engine
+    from ..policies import make_policy
 
     refused: dict[tuple, list] = {}
     for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
@@ -723,6 +724,11 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
                 continue
             budget, error = _budget_refusal(cell.policy, cell.params, len(prompt_ids), cell.compression,
                                             model.config.num_hidden_layers, budget=cell.budget)
+            if not error:  # what the policy needs of this model and prompt (Expected Attention's RoPE, KVzip's pass)
+                try:
+                    engine.check_policy(model, tokenizer, prompt_ids, make_policy(cell.policy, **dict(cell.params)))
+                except ValueError as refusal:
+                    error = str(refusal)
             if error:
                 refused.setdefault((cell.policy, cell.params, label, cell.compression, cell.budget), []).append(
                     f"sample {sample_index}: {len(prompt_ids)} tokens, budget {budget}: {error}")

@@ -43,6 +43,10 @@ class Policy:
     prefill_window: ClassVar[int] = 0  # > 0: the prompt's last queries the policy reads at prefill
     reconstructs: ClassVar[bool] = False  # True: score from a context-reconstruction pass after the prefill
 
+    def check_model(self, model) -> None:
+        """Refuse, before any forward pass, a model this policy cannot serve exactly (ValueError saying what
+        to change); every model is fine by default."""
+
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         """Start a new sequence whose prompt (positions ``0 .. prompt_len-1``) is about to be prefilled."""
         self.prompt_len, self.budget, self.num_layers = prompt_len, budget, num_layers

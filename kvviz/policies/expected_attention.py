@@ -33,10 +33,13 @@ from typing import ClassVar
 import torch
 from transformers.models.llama.modeling_llama import rotate_half  # the RoPE pairing every supported family shares
 
-from ..scoring import LayerView, PrefillView
+from ..scoring import LayerView, PrefillView, rope_frequencies
 from .base import NO_SLOTS, Policy, StepMean, grown, lowest, over_budget, param
 
 ALL_PROMPT_QUERIES = 1 << 30  # the prefill window: every prompt query feeds the statistics
+ROPE_REFUSAL = ("Expected Attention needs rotary position embeddings over the whole head with fixed frequencies; "
+                "this model has none, rotates part of each head, or changes them with the sequence length "
+                "(dynamic or LongRoPE scaling): choose another policy")
 
 
 def rope_angles(rope: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -146,12 +149,14 @@ class ExpectedAttention(Policy):
         self.rotation: torch.Tensor | None = None
         self.query_position = prompt_len - 1
 
+    def check_model(self, model) -> None:
+        if rope_frequencies(model) is None:
+            raise ValueError(ROPE_REFUSAL)
+
     # -- statistics -----------------------------------------------------------------------------------
     def _rope(self, rope: torch.Tensor | None, dim: int) -> torch.Tensor:
         if rope is None or 2 * rope.numel() != dim:
-            raise ValueError("Expected Attention needs rotary position embeddings over the whole head with fixed "
-                             "frequencies; this model has none, rotates part of each head, or changes them with "
-                             "the sequence length (dynamic or LongRoPE scaling): choose another policy")
+            raise ValueError(ROPE_REFUSAL)
         return rope
 
     def _judge(self, layer: int, keys, values, scaling: float, rope: torch.Tensor, positions) -> None:

@@ -193,6 +193,7 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
         resolved = engine.resolve_budget(len(prompt_ids), compression=fraction("compression", compression))
     for policy in policies:
         policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
+        engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
     return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling)
 
 

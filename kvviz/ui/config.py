@@ -41,15 +41,20 @@ class Limits:
             check_device(self.device)
         except ValueError as error:
             raise ValueError(f"the device (KVVIZ_DEVICE, kvviz serve --device): {error}") from None
+        if not self.models or not all(isinstance(name, str) and name for name in self.models):
+            raise ValueError(f"name at least one model to serve (KVVIZ_DEFAULT_MODEL, KVVIZ_MODELS, kvviz serve "
+                             f"--models), got {self.models!r}")
         if self.dtype not in ("", *DTYPES):
             raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} (or empty for the device's default), "
                              f"got {self.dtype!r}")
 
     @classmethod
-    def from_env(cls) -> "Limits":
+    def from_env(cls, **overrides) -> "Limits":
+        """The environment's settings, ``overrides`` (``kvviz serve``'s flags) taking precedence; each is
+        checked once, as it is finally set, so a flag can correct a bad variable."""
         default = os.environ.get("KVVIZ_DEFAULT_MODEL", DEFAULT_MODEL)
         extra = [m.strip() for m in os.environ.get("KVVIZ_MODELS", "").split(",") if m.strip()]
-        return cls(
+        settings = dict(
             models=tuple(dict.fromkeys([default, *extra])),
             max_prompt_tokens=_int("KVVIZ_MAX_PROMPT_TOKENS", 4096),
             max_new_tokens=_int("KVVIZ_MAX_NEW_TOKENS", 512),
@@ -60,3 +65,4 @@ class Limits:
             device=os.environ.get("KVVIZ_DEVICE", "cpu").strip() or "cpu",
             dtype=os.environ.get("KVVIZ_DTYPE", "").strip(),
         )
+        return cls(**{**settings, **overrides})
