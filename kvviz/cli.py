@@ -68,7 +68,7 @@ def cmd_generate(args) -> int:
     from . import engine
     from .models import load_model
     from .policies import make_policy
-    from .trace import Trace, time_split
+    from .trace import Trace, model_dtype, time_split
 
     _validate_generate(args)
     prompt = _read_prompt(args)
@@ -95,7 +95,8 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(event.text, end="", flush=True)
     elapsed = time.perf_counter() - start
-    trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampler.settings())
+    trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampler.settings(),
+                  model_dtype(model))
     decode_seconds = sum(time_split(events).values())
     summary = {
         "prompt_len": len(prompt_ids),
@@ -328,7 +329,7 @@ def cmd_trace(args) -> int:
     """A saved run (``kvviz generate --trace``, the app's download): what it was, its diagnostics, and what
     happened to the tokens ``--follow`` names."""
     from . import diagnostics
-    from .trace import Trace, sampling_note, time_split
+    from .trace import Trace, run_note, time_split
 
     trace = Trace.load(args.file)
     steps = trace.decode_steps
@@ -336,8 +337,7 @@ def cmd_trace(args) -> int:
         return _print_read_lags(trace)
     if not args.follow:
         params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
-        print(f"{trace.policy}" + (f" ({params})" if params else "") + f" on {trace.model or 'an unnamed model'}"
-              f"{sampling_note(trace.sampling)}: "
+        print(f"{trace.policy}" + (f" ({params})" if params else "") + f"{run_note(trace)}: "
               f"prompt {trace.prompt_len} tokens, budget B = {trace.budget}, {len(steps)} decode steps, "
               f"{sum(e.evicted.size for e in trace.events)} evictions")
         seconds = time_split(trace.events)

@@ -20,7 +20,7 @@ import torch
 from . import scoring
 from .cache import SlotCache
 from .policies import Policy, make_policy
-from .trace import StepEvent, Trace
+from .trace import StepEvent, Trace, model_dtype
 
 
 def resolve_budget(prompt_len: int, *, compression: float | None = None, budget: int | None = None) -> int:
@@ -513,7 +513,7 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     sampling = Sampler(*(run_kwargs.get(k, default) for k, default in
                          (("temperature", 0.0), ("top_p", 1.0), ("seed", 0)))).settings()
     trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events,
-                  sampling=sampling)
+                  sampling=sampling, dtype=model_dtype(model))
     text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
     return Result(text, trace)
 

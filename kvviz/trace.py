@@ -10,6 +10,17 @@ from pathlib import Path
 import numpy as np
 
 
+def model_dtype(model) -> str:
+    """A model's dtype as a trace records it: ``"bfloat16"``, ``"float32"``."""
+    return str(model.dtype).removeprefix("torch.")
+
+
+def run_note(trace) -> str:
+    """The model, its dtype and the sampling of a trace, for a caption (``" on M in bfloat16, sampled ..."``)."""
+    return (f" on {trace.model or 'an unnamed model'}" + (f" in {trace.dtype}" if trace.dtype else "")
+            + sampling_note(trace.sampling))
+
+
 def sampling_note(sampling: dict) -> str:
     """How a run picked its tokens, for a caption (``", sampled at temperature 0.6, ..."``): empty when greedy."""
     if not sampling:
@@ -109,6 +120,7 @@ class Trace:
     model: str = ""
     events: list[StepEvent] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments (temperature, top_p, seed); {}: greedy
+    dtype: str = ""  # the model's dtype ("bfloat16"); "" in traces saved before it was recorded
 
     @property
     def prompt_len(self) -> int:
@@ -125,7 +137,7 @@ class Trace:
 
     def meta(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "budget": self.budget, "policy": self.policy,
-                "params": self.params, "model": self.model, "sampling": self.sampling}
+                "params": self.params, "model": self.model, "sampling": self.sampling, "dtype": self.dtype}
 
     def save(self, path: str | Path) -> None:
         # Imported here: the engine (and a GPU machine's benchmark, which may lack them) never saves a trace.
@@ -189,6 +201,7 @@ class Trace:
                      "a list of token ids"), ("budget", _is_int(self.budget) and self.budget >= 1, "a whole number >= 1"),
                     ("policy", isinstance(self.policy, str), "a string"), ("model", isinstance(self.model, str), "a string"),
                     ("params", isinstance(self.params, dict), "an object"),
+                    ("dtype", isinstance(self.dtype, str), "a string"),
                     ("sampling", isinstance(self.sampling, dict) and (not self.sampling or (
                         set(self.sampling) == {"temperature", "top_p", "seed"} and _is_int(self.sampling["seed"])
                         and all(isinstance(self.sampling[k], (int, float)) and not isinstance(self.sampling[k], bool)

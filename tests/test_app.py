@@ -565,6 +565,7 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
         expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
         assert last[0] == expected.text
         assert [e.kept.tolist() for e in last[9].events] == [e.kept.tolist() for e in expected.trace.events]
+        assert kvviz.Trace.load(last[7]["value"]).dtype == "bfloat16"  # the download says how it decoded
     finally:
         _models.pop(name, None)
 

@@ -134,15 +134,19 @@ def test_a_probe_future_past_the_context_says_to_lower_the_future(capsys):
     assert "--step 0" not in err and "choose --step" not in err
 
 
-def test_the_model_dtype_is_chosen_on_the_command_line(capsys):
+def test_the_model_dtype_is_chosen_on_the_command_line_and_recorded_in_the_trace(tmp_path, capsys):
     import torch
 
     from kvviz.cli import main
 
     args = ["--prompt", TEXT, "--no-chat", "--policy", "inertia", "--compression", "0.5", "--max-new-tokens", "10",
             "--json"]
-    assert main(["generate", *TINY, "--dtype", "bfloat16", *args]) == 0
+    trace = tmp_path / "bf16.parquet"
+    assert main(["generate", *TINY, "--dtype", "bfloat16", *args, "--trace", str(trace)]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert kvviz.Trace.load(trace).dtype == "bfloat16"
+    assert main(["trace", str(trace)]) == 0
+    assert "inertia (alpha=0.8" in (printed := capsys.readouterr().out) and "on tiny-random-llama in bfloat16:" in printed
     model, tokenizer = kvviz.load_model("tiny-random-llama", dtype=torch.bfloat16)
     expected = kvviz.run(model, tokenizer, TEXT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
     assert out["token_ids"] == expected.token_ids

@@ -28,7 +28,7 @@ import torch
 from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, build_setting, get_spec
-from ..trace import Trace, sampling_note, time_split
+from ..trace import Trace, model_dtype, run_note, time_split
 from .config import Limits
 from ..store import Store
 from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure
@@ -365,7 +365,7 @@ def make_live_handler(limits: Limits):
                 else:
                     yield (text, *[gr.skip()] * 10)
             trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events,
-                          request.sampling)
+                          request.sampling, model_dtype(request.model))
             path = Path(tempfile.mkdtemp(prefix="kvviz-")) / f"trace-{policy_name}.parquet"
             trace.save(path)
             yield finished_outputs(view, trace, text, stats_markdown(view, time.perf_counter() - start), path)
@@ -415,7 +415,7 @@ def make_open_handler(limits: Limits):
                 view.add(event, event.text)
             params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
             origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
-                      + f" on {trace.model or 'an unnamed model'}" + sampling_note(trace.sampling)
+                      + run_note(trace)
                       + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n")
             text = "".join(event.text for event in trace.events)
             return finished_outputs(view, trace, text, origin + stats_markdown(view, None), None)
