@@ -227,6 +227,7 @@ def no_model(monkeypatch):
     ("policies", '["tovaa"]', "policies[0]: unknown policy 'tovaa'; choose one of full, inertia"),
     ("policies", '["tova", "tova"]', "policies[1]: repeats the setting of policies[0] (tova)"),
     ("max_new_token", "3", "key 'max_new_token': not a sweep setting"),
+    ("dtype", '"fp16"', "key 'dtype': must be one of float32, bfloat16, float16, got 'fp16'"),
     ("policies", '[{ name = "snapkv", compression = 0.5 }]',
      "policies[0] (snapkv) compression: must be a list of ratios in [0, 1)"),
     ("policies", '[{ name = "snapkv", colour = "red" }]',
@@ -245,6 +246,13 @@ def test_a_malformed_sweep_config_is_refused_in_one_line_before_a_model_loads(tm
         err = capsys.readouterr().err
         assert err.startswith(f"kvviz: error: sweep config {config}: {message}") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_loads_its_model_in_the_configs_dtype_and_records_it(tmp_path):
+    config = write_config(tmp_path / "bf16.toml", dtype='"bfloat16"')
+    assert main(["bench", "run", str(config), "--out", str(tmp_path / "out")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert [row["policy"] for row in rows] == ["tova"] and rows[0]["dtype"] == "bfloat16"
 
 
 def test_a_policy_runs_at_its_own_compressions_where_the_sweeps_would_refuse_it(tmp_path, tiny):

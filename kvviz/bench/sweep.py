@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm  # already a dependency of transformers
 
 from ..models import DEFAULT_MODEL
+from ..trace import model_dtype
 from ..tasks import loaders
 
 
@@ -86,8 +87,9 @@ def load_config(path: str | Path) -> dict:
     return config
 
 
-TOP_LEVEL = ("name", "model", "device", "chat", "max_new_tokens", "seed", "temperature", "top_p", "draws",
+TOP_LEVEL = ("name", "model", "device", "dtype", "chat", "max_new_tokens", "seed", "temperature", "top_p", "draws",
              "compression", "budget", "tasks", "policies")
+DTYPES = ("float32", "bfloat16", "float16")
 BENCHMARK_KEYS = ("name", "label", "task", "samples", "path", "split", "truncate")
 NEEDLE_GRID_KEYS = ("name", "label", "lengths", "depths", "haystack")
 
@@ -120,6 +122,9 @@ def validate(config: dict, source: str = "the sweep config") -> None:
     for key in ("name", "model", "device"):
         if key in config and (not isinstance(config[key], str) or not config[key].strip()):
             raise refuse(f"key {key!r}", f'must be a non-empty string, e.g. {key} = "..."')
+    if "dtype" in config and config["dtype"] not in DTYPES:
+        raise refuse("key 'dtype'", f"must be one of {', '.join(DTYPES)}, got {config['dtype']!r} (leave it out "
+                     "for float32 on the CPU and bfloat16 on a GPU)")
     if "chat" in config and not isinstance(config["chat"], bool):
         raise refuse("key 'chat'", f"must be true or false, got {config['chat']!r}")
     if "seed" in config and not _is_int(config["seed"]):
@@ -636,7 +641,7 @@ def status(config: dict, out_dir: str | Path, by_cut: bool = False) -> dict:
     return {key: (finished, total) for key, (finished, total) in counts.items()}
 
 
-def provenance(model_name: str, device: str, seed: int) -> dict:
+def provenance(model_name: str, device: str, seed: int, dtype: str = "") -> dict:
     import transformers
 
     from .. import __version__
@@ -647,7 +652,7 @@ def provenance(model_name: str, device: str, seed: int) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return {"model": model_name, "kvviz_version": __version__, "git_commit": commit, "torch": torch.__version__,
-            "transformers": transformers.__version__, "device": device, "seed": seed,
+            "transformers": transformers.__version__, "device": device, "dtype": dtype, "seed": seed,
             "machine": platform.node(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -680,10 +685,10 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     model_name = config.get("model", DEFAULT_MODEL)
     device = config.get("device", "cpu")
     if model is None:
-        model, tokenizer = load_model(model_name, device=device)
+        model, tokenizer = load_model(model_name, device=device, dtype=config.get("dtype"))
     check_lengths(config, model.config.max_position_embeddings, source)
     seed = int(config.get("seed", 0))
-    meta = provenance(model_name, device, seed)
+    meta = provenance(model_name, device, seed, model_dtype(model))
     tasks = {task_label(t): t for t in config["tasks"]}
     max_new = int(config.get("max_new_tokens", 32))
     check_cells(config, source, tasks, todo, model, tokenizer, seed, max_new)
