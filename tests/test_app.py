@@ -631,6 +631,15 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     assert not [a for layout in layouts for a in layout.get("annotations", []) if a["text"].startswith("green:")]
 
 
+def test_every_comparison_from_the_papers_is_two_to_four_distinct_settings_the_registry_accepts():
+    from kvviz.policies import build_setting
+    from kvviz.ui.app import COMPARISONS, compare_settings
+
+    for name, entries in COMPARISONS.items():
+        assert len(compare_settings(entries)) == len(entries), name  # none repeats another
+    assert build_setting("avokv delay=8")[1].delay == build_setting("avokv")[1].observe_window  # W_delay = W_obs
+
+
 def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
     """Typed settings ('inertia alpha=0.3') are policies of their own, labelled by what they change; each
     panel is that setting's own run, and the probe ranks the same settings."""

@@ -52,6 +52,20 @@ EXAMPLES = {
     "How many sheep does he have now? Think step by step.",
 }
 
+# The comparisons the papers make, ready to run (editable once chosen): settings as the Policies box takes them.
+COMPARISONS = {
+    "InertiaKV against the usual baselines": ["inertia", "tova", "streaming"],
+    "EMA against single-step and cumulative (InertiaKV §3.1, App. G)": ["inertia", "single-step", "cumulative"],
+    "EMA strength α (InertiaKV Table 5)": ["inertia alpha=0.3", "inertia alpha=0.6", "inertia", "inertia alpha=0.95"],
+    "Refresh interval: full, Lazy, Score-Free (InertiaKV §3.2)": ["inertia", "inertia-lazy", "inertia-lazy refresh=16",
+                                                                  "score-free"],
+    "Scorers under the EMA (InertiaKV §5.1)": ["inertia", "inertia-vnorm", "inertia-entropy", "inertia-knorm"],
+    "AvoKV-E without payload, delay or rank normalisation (AvoKV-E Table 4)": [
+        "avokv", "avokv lambda_b=0", "avokv delay=8", "avokv normalise=false"],
+    "AvoKV-E against R-KV, its baseline, and attention retention (AvoKV-E §5, Table 6)": ["avokv", "rkv", "h2o",
+                                                                                         "tova"],
+}
+
 _models: dict[str, tuple] = {}
 _models_lock = threading.Lock()
 
@@ -901,8 +915,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 with gr.Column(scale=1):
                     c_prompt = gr.Textbox(label="Prompt", lines=6, value=EXAMPLES["Four-key needle"])
                     c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
+                    c_preset = gr.Dropdown(list(COMPARISONS), value=list(COMPARISONS)[0],
+                                           label="Comparisons from the papers")
                     # Typed entries are settings: one policy at two parameter values, side by side.
-                    c_policies = gr.Dropdown([c for c in policy_choices], value=["inertia", "tova", "streaming"],
+                    c_policies = gr.Dropdown([c for c in policy_choices], value=COMPARISONS[c_preset.value],
                                              multiselect=True, allow_custom_value=True,
                                              label="Policies (2 to 4): pick, or type a setting such as "
                                                    "'inertia alpha=0.5' and press Enter")
@@ -957,6 +973,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         s_layers = gr.Plot(label="By layer")
                         s_table = gr.Dataframe(label="Mean over steps", interactive=False)
                         s_note = gr.Markdown()
+            c_preset.input(lambda name: COMPARISONS.get(name, gr.skip()), c_preset, c_policies, api_name=False)
             c_state = gr.State(None)
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
                         c_temperature, c_top_p, c_seed]
