@@ -401,10 +401,11 @@ def check_policy(model, tokenizer, prompt_ids: list[int], policy: Policy) -> Non
         reach = len(prompt_ids) + max(len(ids) for _, _, ids in repeat_passes(tokenizer, prompt_ids))
         limit = scoring.fixed_rope_limit(model)
         if reach > limit:
+            where = (f"LongRoPE's original length of {limit}, past which transformers rotates every position "
+                     "otherwise than it rotated the cached keys" if limit < model.config.max_position_embeddings
+                     else f"the model's context of {limit}")
             raise ValueError(f"KVzip's repeat pass after this {len(prompt_ids)}-token prompt runs to position "
-                             f"{reach - 1}, past position {limit - 1}, beyond which this model does not rotate "
-                             "positions as it rotated the cached keys (the end of its context, or LongRoPE's "
-                             "original length); shorten the prompt or choose another policy")
+                             f"{reach - 1}, beyond {where}; shorten the prompt or choose another policy")
 
 
 def reconstruct(model, tokenizer, cache: EvictingCache, prompt_ids: list[int]) -> float:
@@ -431,6 +432,8 @@ def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Pol
     Yields ``(policy name, event)``; a policy that reaches EOS drops out while the others go on.
     Prefill-time policies (SnapKV) score the same prefill through the queries it recorded.
     """
+    for policy in policies.values():  # all refused before the shared prefill, not one by one as they start
+        check_policy(model, tokenizer, prompt_ids, policy)
     shared = prefill(model, prompt_ids, window=max(p.prefill_window for p in policies.values()))
     streams = {name: decode(model, tokenizer, prompt_ids, policy, shared=shared,
                             sampler=Sampler(**(sampler_args or {})), **kwargs)

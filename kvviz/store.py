@@ -37,7 +37,7 @@ COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table":
            "absolute_budget": "INTEGER", "metric": "VARCHAR",
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
            "budget": "INTEGER", "max_cache": "INTEGER", "max_decode_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
-           "temperature": "DOUBLE", "top_p": "DOUBLE", "draw": "INTEGER",
+           "temperature": "DOUBLE", "top_p": "DOUBLE", "dtype": "VARCHAR", "draw": "INTEGER",
            "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR"}
 # What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
 # how a problem names it.  Numbers must also be finite: one NaN score would make its whole group's mean NaN.
@@ -46,7 +46,7 @@ ACCEPTED = {"VARCHAR": (("VARCHAR",), "a string"), "DOUBLE": (("BIGINT", "UBIGIN
             "BOOLEAN": (("BOOLEAN",), "true or false")}
 # How a sweep generated (the runner's defaults where its config is silent): rows that differ here are
 # different experiments, never one cell counted once.
-GENERATION = {"max_new_tokens": 32, "chat": True, "temperature": 0.0, "top_p": 1.0}
+GENERATION = {"max_new_tokens": 32, "chat": True, "temperature": 0.0, "top_p": 1.0, "dtype": "float32"}
 # What one sample's draws (sampled generations) become in ``results``: the mean over them, as AvoKV-E
 # reports mean@k; ``generations`` keeps one row per draw.
 PER_DRAW = {"score": "avg(score)", "decode_tok_s": "avg(decode_tok_s)", "max_cache": "max(max_cache)",
@@ -87,6 +87,11 @@ def policy_defaults() -> dict[str, dict[str, Any]]:
     return default_params()
 
 
+
+def _literal(value) -> str:
+    """A Python default as SQL: a quoted string, or JSON's true / false / number (which SQL reads alike)."""
+    return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else json.dumps(value)
+
 class Store:
     """Read-only access to the measured (and paper-reported) rows."""
 
@@ -120,15 +125,16 @@ class Store:
             more = f"; and {bad - len(lines)} more" if bad > len(lines) else ""
             self.problems.append(f"{shard}: skipped {bad} of {total} rows ({'; '.join(lines)}{more}); "
                                  "fix or delete those lines")
-        select = ", ".join(
-            (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
-             if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})') + f' AS "{name}"'
-            for name, kind in COLUMNS.items() if name not in GENERATION)
+        def read(name: str, kind: str) -> str:  # one JSON value as its column's SQL type
+            return (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
+                    if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})')
+
+        select = ", ".join(f'{read(name, kind)} AS "{name}"' for name, kind in COLUMNS.items() if name not in GENERATION)
         # Rows written before they carried their generation settings take them from their sweep's config, and
         # failing that the runner's defaults (counted in unknown_settings and reported below).
         measured = """json_extract_string(value."source", '$') = 'measured'"""  # papers print no such settings
-        select += ", " + ", ".join(f'CASE WHEN {measured} THEN coalesce(CAST(value."{name}" AS {COLUMNS[name]}), '
-                                   f'settings."{name}", {json.dumps(default)}) END AS "{name}"'
+        select += ", " + ", ".join(f'CASE WHEN {measured} THEN coalesce({read(name, COLUMNS[name])}, '
+                                   f'settings."{name}", {_literal(default)}) END AS "{name}"'
                                    for name, default in GENERATION.items())
         select += ", " + " AND ".join(f'value."{name}" IS NULL AND settings."{name}" IS NULL'
                                       for name in GENERATION) + " AS unknown_settings, split_part(shard, '/', 1) AS folder"
@@ -179,10 +185,11 @@ class Store:
         for model, task, sweeps, settings in self.con.execute(
                 "WITH mixed AS (SELECT model, task, policy, setting, compression, absolute_budget FROM results "
                 "WHERE source = 'measured' GROUP BY ALL "
-                "HAVING count(DISTINCT (max_new_tokens, chat, temperature, top_p)) > 1) "
+                "HAVING count(DISTINCT (max_new_tokens, chat, temperature, top_p, dtype)) > 1) "
                 "SELECT model, task, list(DISTINCT coalesce(sweep, folder) ORDER BY coalesce(sweep, folder)), "
                 "list(DISTINCT max_new_tokens || ' new tokens, chat ' || chat || CASE WHEN temperature > 0 THEN "
-                "', temperature ' || temperature || ', top-p ' || top_p ELSE '' END) "
+                "', temperature ' || temperature || ', top-p ' || top_p ELSE '' END "
+                "|| CASE WHEN dtype <> 'float32' THEN ', ' || dtype ELSE '' END) "
                 "FROM results JOIN mixed USING (model, task, policy, setting) "
                 "WHERE source = 'measured' AND results.compression IS NOT DISTINCT FROM mixed.compression "
                 "AND results.absolute_budget IS NOT DISTINCT FROM mixed.absolute_budget "
@@ -248,13 +255,16 @@ class Store:
             self.problems.append(f"{sweep.name}/config.toml: unreadable ({error}); its rows' generation settings "
                                  "are taken from the rows alone")
             return
-        values = [config.get(name, default) for name, default in GENERATION.items()]
+        # Rows that do not say their dtype ran in the config's, else the runner's default for its device.
+        defaults = {**GENERATION, "dtype": "float32" if str(config.get("device", "cpu")).startswith("cpu")
+                    else "bfloat16"}
+        values = [config.get(name, default) for name, default in defaults.items()]
         number = (int, float)
         kinds = [isinstance(values[0], int), isinstance(values[1], bool), isinstance(values[2], number),
-                 isinstance(values[3], number)]
+                 isinstance(values[3], number), isinstance(values[4], str)]
         if not all(kinds) or any(isinstance(value, bool) for value in (values[0], values[2], values[3])):
-            self.problems.append(f"{sweep.name}/config.toml: max_new_tokens, chat, temperature or top_p of the wrong "
-                                 "type; ignored")
+            self.problems.append(f"{sweep.name}/config.toml: max_new_tokens, chat, temperature, top_p or dtype of "
+                                 "the wrong type; ignored")
             return
         self.con.execute(f"INSERT INTO sweep_settings VALUES (?{', ?' * len(GENERATION)})", [sweep.name, *values])
 
@@ -450,7 +460,7 @@ class Store:
              AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed
              AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
              AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat
-             AND p.temperature = r.temperature AND p.top_p = r.top_p
+             AND p.temperature = r.temperature AND p.top_p = r.top_p AND p.dtype = r.dtype
              AND (r.policy = 'full' OR (p.compression IS NOT DISTINCT FROM r.compression
                                         AND p.absolute_budget IS NOT DISTINCT FROM r.absolute_budget))
             WHERE (? IS NULL OR list_contains(?, p.policy))

@@ -631,13 +631,17 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     assert not [a for layout in layouts for a in layout.get("annotations", []) if a["text"].startswith("green:")]
 
 
-def test_every_comparison_from_the_papers_is_two_to_four_distinct_settings_the_registry_accepts():
-    from kvviz.policies import build_setting
-    from kvviz.ui.app import COMPARISONS, compare_settings
+def test_every_comparison_from_the_papers_runs_at_the_tabs_defaults(tiny):
+    """Two to four distinct policies (distinct as policies, not only as labels), each accepted by the check
+    on the tab's own example and settings, so that picking one and pressing Compare runs."""
+    from kvviz.ui.app import COMPARISONS, EXAMPLES, _models, compare_settings, make_compare_check
 
+    _models[TINY] = tiny
+    check = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=4096, max_new_tokens=512))
     for name, entries in COMPARISONS.items():
-        assert len(compare_settings(entries)) == len(entries), name  # none repeats another
-    assert build_setting("avokv delay=8")[1].delay == build_setting("avokv")[1].observe_window  # W_delay = W_obs
+        settings = compare_settings(entries)
+        assert list(settings) == entries, name  # each entry is its own canonical label: none repeats another
+        check(TINY, EXAMPLES["Four-key needle"], entries, "compression", 0.75, 0, 48, True, 0.0, 0.95, 0)
 
 
 def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
@@ -657,8 +661,27 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
     with pytest.raises(Exception, match="alpha must be between 0.0 and 1.0"):
         client.predict(TINY, PROMPT, ["inertia", "inertia alpha=7"], "budget", 0.5, 20, 12, False, *GREEDY,
                        api_name="/compare")
-    table = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], False, 4, 16, api_name="/probe")[0]
-    assert [row[0] for row in table["data"]] == ["inertia", "inertia alpha=0.3"]
+    # The probe ranks each setting by its own utility: single-step (alpha 0) is not InertiaKV's EMA.
+    table = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0"], False, 4, 0, api_name="/probe")[0]
+    assert [row[0] for row in table["data"]] == ["inertia", "single-step"]  # alpha 0 is single-step's own name
+    assert table["data"][0][1:] != table["data"][1][1:]
+    for bad, message in [(["inertia", 3], "a list of names or settings"), (5, "a list of names or settings"),
+                         (["inertia", "single-step alpha=0.8"], "choose two to four")]:  # alpha 0.8 is inertia
+        with pytest.raises(Exception, match=message):
+            client.predict(TINY, PROMPT, bad, "budget", 0.5, 20, 12, False, *GREEDY, api_name="/compare")
+
+
+def test_each_compared_setting_keeps_its_label_in_the_fates_and_diagnostics(tiny):
+    from kvviz.ui.app import _models, compare_diagnostics, compare_fates, make_compare_handler
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], "compression", 0.5, 0,
+                                            8, False)
+    assert list(last[-1]) == ["inertia", "inertia alpha=0.3"]
+    assert compare_diagnostics(last[-1])["value"]["policy"].tolist() == ["inertia", "inertia alpha=0.3"]
+    columns = list(compare_fates(last[-1], "#0-3")[1]["value"].columns)
+    assert columns[2].startswith("inertia (to step") and columns[3].startswith("inertia alpha=0.3 (to step")
 
 
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):

@@ -82,12 +82,13 @@ def test_kvzip_refuses_a_repeat_pass_past_the_positions_its_cache_was_rotated_fo
     reach = len(prompt) + max(len(ids) for *_, ids in kvviz.engine.repeat_passes(tokenizer, prompt))
     assert len(prompt) + 3 <= 64 < reach
     calls = forward_counter(longrope)
-    with pytest.raises(ValueError, match=f"runs to position {reach - 1}, past position 63.*shorten the prompt"):
+    with pytest.raises(ValueError, match=f"runs to position {reach - 1}, beyond LongRoPE's original length of 64, "
+                                         "past which transformers rotates every position otherwise.*shorten the prompt"):
         kvviz.run(longrope, tokenizer, prompt, "kvzip", budget=30, max_new_tokens=3)
     assert calls == []
     short, _ = tiny_model("llama", max_position_embeddings=reach - 1)  # the same reach past a plain context
     kvviz.scoring.install(short)
-    with pytest.raises(ValueError, match="past position"):
+    with pytest.raises(ValueError, match=f"beyond the model's context of {reach - 1}; shorten the prompt"):
         kvviz.run(short, tokenizer, prompt, "kvzip", budget=30, max_new_tokens=3)
     fits, _ = tiny_model("llama", max_position_embeddings=reach)
     kvviz.scoring.install(fits)

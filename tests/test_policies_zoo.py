@@ -378,8 +378,18 @@ def test_a_setting_is_a_name_and_parameters_labelled_by_what_it_changes():
     assert (type(policy).__name__, policy.alpha, policy.refresh) == ("InertiaKV", 0.5, 8)
     assert build_setting("inertia-lazy refresh=4")[0] == "inertia-lazy"  # its preset: no change
     assert build_setting("inertia alpha=0.80")[0] == "inertia"  # the default, however written
-    assert build_setting("avokv normalise=off interval=16")[0] == "avokv interval=16 normalise=False"
+    assert build_setting("avokv normalise=off interval=16")[0] == "avokv interval=16 normalise=false"
+    assert build_setting("avokv lambda_b=0.0")[0] == "avokv lambda_b=0"  # as one types it
+    assert build_setting("inertia alpha=0.1234567")[0] != build_setting("inertia alpha=0.1234568")[0]
     assert build_setting("inertia layers=0,2")[1].layers == "0,2"
+    # One label per distinct policy, whichever name states it: the name needing the fewest changes.
+    for text, label in [("inertia-lazy refresh=1", "inertia"), ("single-step alpha=0.8", "inertia"),
+                        ("cumulative aggregation=ema", "inertia"), ("inertia-vnorm scorer=attention", "inertia"),
+                        ("score-free refresh=4", "inertia-lazy"), ("inertia alpha=0", "single-step"),
+                        ("inertia alpha=-0", "single-step"), ("expected-attention decode=true", "expected-attention-decode"),
+                        ("single-step alpha=0.5", "single-step alpha=0.5"),  # a tie: the name as written
+                        ("inertia-decoupled", "inertia-decoupled")]:  # another class: never plain inertia
+        assert build_setting(text)[0] == label, text
     for text, message in [("", "entry is empty"), ("inertia alpha", "key=value"), ("inertia =3", "key=value"),
                           ("inertia alpha=0.5 alpha=0.6", "sets alpha twice"), ("nope", "unknown policy 'nope'"),
                           ("inertia alpha=1.5", "between 0.0 and 1.0"), ("tova window=3", "has no parameter")]:

@@ -462,6 +462,30 @@ def test_cells_generated_with_other_settings_are_other_experiments_and_the_mix_i
                               "config.toml; read as the runner's defaults (32 new tokens, chat template on)"]
 
 
+def test_cells_run_in_another_dtype_are_other_experiments_and_the_mix_is_reported(tmp_path):
+    """A bfloat16 sweep of the same cells as a float32 one is another experiment: both stay, paired only with
+    their own dtype, and the store says that the figures average them.  Older rows ran in float32."""
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "compression": 0.9, "metric": "string_match", "params": {}, "max_new_tokens": 8, "chat": True}
+    write_rows(tmp_path / "cpu", [{**row, "sweep": "cpu", "policy": "tova", "score": 1.0},  # no dtype: float32
+                                  {**row, "sweep": "cpu", "policy": "full", "score": 1.0}])
+    write_rows(tmp_path / "gpu", [{**row, "sweep": "gpu", "policy": "tova", "score": 0.0, "dtype": "bfloat16"},
+                                  {**row, "sweep": "gpu", "policy": "full", "score": 0.5, "dtype": "bfloat16"}])
+    store = Store(tmp_path)
+    assert store.frame("SELECT sweep, policy, dtype, score FROM results ORDER BY sweep, policy").values.tolist() == [
+        ["cpu", "full", "float32", 1.0], ["cpu", "tova", "float32", 1.0],
+        ["gpu", "full", "bfloat16", 0.5], ["gpu", "tova", "bfloat16", 0.0]]
+    paired = store.paired_scores("full")
+    assert sorted(zip(paired.score, paired.reference_score)) == [(0.0, 0.5), (1.0, 1.0)]  # never across dtypes
+    assert store.problems == ["m / t: sweeps cpu, gpu generated with different settings (8 new tokens, chat true; "
+                              "8 new tokens, chat true, bfloat16) are averaged together; give one of them another "
+                              "task label to keep them apart"]
+    # an older GPU sweep's rows say no dtype: its config's device says bfloat16
+    write_rows(tmp_path / "gpu", [{**row, "sweep": "gpu", "policy": "tova", "score": 0.0}])
+    (tmp_path / "gpu" / "config.toml").write_text('name = "gpu"\ndevice = "cuda"\nmax_new_tokens = 8\n')
+    assert Store(tmp_path).frame("SELECT dtype FROM results WHERE sweep = 'gpu'").values.tolist() == [["bfloat16"]]
+
+
 def test_the_generation_warning_names_only_what_a_figure_averages(tmp_path):
     """Different policies generated with different settings are never averaged together: no warning."""
     row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,

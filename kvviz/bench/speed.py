@@ -94,7 +94,7 @@ def build_from_config(name: str, device: str):
 
     spec = dict(CONFIGS[name])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()

@@ -102,7 +102,7 @@ def coerce(policy: str, parameter: dict[str, Any], value: Any) -> Any:
                 raise refuse("a whole number")
             number = int(number)
         else:
-            number = float(number)
+            number = float(number) + 0.0  # -0.0 is 0.0
         low, high = parameter.get("low"), parameter.get("high")
         if (low is not None and number < low) or (high is not None and number > high):
             raise refuse(f"between {low} and {high}")
@@ -196,9 +196,9 @@ def make_policy(name: str, **params: Any) -> Policy:
 def build_setting(text: str) -> tuple[str, Policy]:
     """A policy written as its name and ``key=value`` parameters, e.g. ``"inertia alpha=0.5 refresh=4"``.
 
-    Returns the policy and its label: the name, then each given parameter that differs from the name's
-    defaults, in the registry's order (``"inertia alpha=0.8"`` is plain ``"inertia"``), the way the results
-    name a setting.  Raises ValueError with what to change.
+    Returns the policy and its label, :func:`setting_label`: one label per distinct policy, however it was
+    written (``"inertia alpha=0.8"`` and ``"single-step alpha=0.8"`` are both ``"inertia"``).  Raises
+    ValueError with what to change.
     """
     name, *pairs = str(text or "").split() or [""]
     if not name:
@@ -212,12 +212,34 @@ def build_setting(text: str) -> tuple[str, Policy]:
         if key in params:
             raise ValueError(f"{text!r} sets {key} twice; keep one")
         params[key] = value
-    spec = get_spec(name)
-    policy = spec.build(**params)
-    defaults = {p["name"]: p["default"] for p in spec.parameters()}
-    changed = [f"{key}={value}" for key, value in policy.params().items() if key in params and value != defaults[key]]
-    return " ".join([name, *changed]), policy
+    policy = get_spec(name).build(**params)
+    return setting_label(policy, prefer=name), policy
+
+
+def setting_label(policy: Policy, prefer: str = "") -> str:
+    """The registry name that states ``policy`` with the fewest parameter changes (``prefer`` on a tie), then
+    those changes as ``key=value`` in the registry's order: e.g. ``"inertia alpha=0.5"``, ``"single-step"``."""
+    params = policy.params()
+
+    def changes(spec: PolicySpec) -> list[str]:
+        defaults = {p["name"]: p["default"] for p in spec.parameters()}
+        return [f"{key}={_shown(value)}" for key, value in params.items() if value != defaults[key]]
+
+    # Only names of this exact class: a subclass (inertia-decoupled) changes the rule, not a parameter.
+    specs = [spec for spec in REGISTRY.values() if spec.cls is type(policy)]
+    best = min(specs, key=lambda spec: (len(changes(spec)), spec.name != prefer))
+    return " ".join([best.name, *changes(best)])
+
+
+def _shown(value: Any) -> str:
+    """A parameter value as one types it: ``0`` not ``0.0``, ``false`` not ``False``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):  # repr: exact, so that two settings never share a label
+        text = repr(value)
+        return text[:-2] if text.endswith(".0") else text
+    return str(value)
 
 
 __all__ = ["REGISTRY", "Policy", "PolicySpec", "build_setting", "coerce", "default_params", "get_spec",
-           "make_policy"]
+           "make_policy", "setting_label"]

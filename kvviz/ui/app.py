@@ -52,18 +52,24 @@ EXAMPLES = {
     "How many sheep does he have now? Think step by step.",
 }
 
-# The comparisons the papers make, ready to run (editable once chosen): settings as the Policies box takes them.
+# The comparisons the papers make, ready to run (editable once chosen): settings as the Policies box takes them,
+# the reference first (the divergence and Jaccard lines are against it).  AvoKV-E and R-KV check every 16 tokens
+# instead of 128, so that the tab's 48 new tokens see several checkpoints (and AvoKV-E's delay matters).
 COMPARISONS = {
-    "InertiaKV against the usual baselines": ["inertia", "tova", "streaming"],
-    "EMA against single-step and cumulative (InertiaKV §3.1, App. G)": ["inertia", "single-step", "cumulative"],
-    "EMA strength α (InertiaKV Table 5)": ["inertia alpha=0.3", "inertia alpha=0.6", "inertia", "inertia alpha=0.95"],
-    "Refresh interval: full, Lazy, Score-Free (InertiaKV §3.2)": ["inertia", "inertia-lazy", "inertia-lazy refresh=16",
-                                                                  "score-free"],
+    "InertiaKV against TOVA (one step of attention) and StreamingLLM (sinks and a window)": ["inertia", "tova",
+                                                                                             "streaming"],
+    "InertiaKV against lightweight baselines of its Table 4": ["inertia", "tova", "snapkv", "keydiff"],
+    "EMA against single-step and cumulative aggregation (InertiaKV §3.1, App. G)": ["inertia", "single-step",
+                                                                                     "cumulative"],
+    "EMA strength α = 0.8, 0, 0.3, 0.95 (InertiaKV Table 5)": ["inertia", "single-step", "inertia alpha=0.3",
+                                                                "inertia alpha=0.95"],
+    "Full refresh, Lazy (r = 4) and Score-Free (InertiaKV §3.2)": ["inertia", "inertia-lazy", "score-free"],
     "Scorers under the EMA (InertiaKV §5.1)": ["inertia", "inertia-vnorm", "inertia-entropy", "inertia-knorm"],
     "AvoKV-E without payload, delay or rank normalisation (AvoKV-E Table 4)": [
-        "avokv", "avokv lambda_b=0", "avokv delay=8", "avokv normalise=false"],
-    "AvoKV-E against R-KV, its baseline, and attention retention (AvoKV-E §5, Table 6)": ["avokv", "rkv", "h2o",
-                                                                                         "tova"],
+        "avokv interval=16", "avokv interval=16 lambda_b=0", "avokv interval=16 delay=8",
+        "avokv interval=16 normalise=false"],
+    "AvoKV-E against R-KV, its redundancy-aware baseline (AvoKV-E §5)": ["full", "avokv interval=16",
+                                                                        "rkv interval=16"],
 }
 
 _models: dict[str, tuple] = {}
@@ -261,22 +267,26 @@ def make_live_check(limits: Limits):
     return check_live
 
 
-def policy_settings(entries) -> dict[str, str]:
-    """The chosen policies, each a name or a setting such as ``inertia alpha=0.5``, by label and each setting
-    once (``inertia alpha=0.8`` is ``inertia``); ValueError with what to change for an entry the registry refuses."""
+def policy_settings(entries, fewest: int, what: str) -> dict[str, str]:
+    """The chosen policies, each a name or a setting such as ``inertia alpha=0.5``, by label, each distinct
+    policy once (``inertia alpha=0.8`` is ``inertia``), ``fewest`` to four of them; ValueError with what to
+    change otherwise (the API may send anything)."""
+    if isinstance(entries, str):
+        entries = [entries]
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(entry, str) for entry in entries):
+        raise ValueError(f"give the policies as a list of names or settings such as 'inertia alpha=0.5', got "
+                         f"{entries!r:.80}")
     settings: dict[str, str] = {}
-    for entry in entries or []:
+    for entry in entries:
         settings.setdefault(build_setting(entry)[0], entry)
+    if not fewest <= len(settings) <= 4:
+        raise ValueError(f"choose {'two' if fewest == 2 else 'one'} to four policies to {what} (one policy twice "
+                         "needs two settings, e.g. 'inertia' and 'inertia alpha=0.5')")
     return settings
 
 
 def compare_settings(entries) -> dict[str, str]:
-    """:func:`policy_settings`, two to four of them."""
-    settings = policy_settings(entries)
-    if not 2 <= len(settings) <= 4:
-        raise ValueError("choose two to four policies to compare (one policy twice needs two settings, e.g. "
-                         "'inertia' and 'inertia alpha=0.5')")
-    return settings
+    return policy_settings(entries, 2, "compare")
 
 
 def build_policies(settings: dict[str, str]) -> dict[str, Policy]:
@@ -662,10 +672,8 @@ def make_probe_handler(limits: Limits):
         from ..probe import aligned_quality, blindspot_at, check_fits, probe
 
         try:
-            settings = policy_settings(names)
+            settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
             names = list(settings)
-            if not names:
-                raise ValueError("choose the policies to rank first")
             model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
             step = whole_number("the probe step", step, 1)
             sample = whole_number("entries sampled", sample or 0, 0)
