@@ -21,7 +21,7 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "128", "--new-tokens", "6", "--repeats", "1",
                  "--compile", "on", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert "meta" in rows[0]
+    assert rows[0]["meta"]["dtype"] == "float32"  # the CPU's default
     assert rows[1]["what"] == "prefill" and rows[1]["prefill_s"] > 0  # one prefill, shared by engine and static runs
     assert rows[-1]["what"] == "context done" and rows[-1]["seconds"] > 0
     rows = [rows[0], *rows[2:-1]]
@@ -50,8 +50,10 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
 def test_speed_bench_times_chosen_policies_prefill_time_ones_from_the_shared_prefill(tmp_path):
     out = tmp_path / "speed.jsonl"
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "128", "--new-tokens", "4", "--repeats", "1",
-                 "--compile", "off", "--policies", "inertia, kvzip,expected-attention", "--out", str(out)]) == 0
+                 "--compile", "off", "--policies", "inertia, kvzip,expected-attention", "--dtype", "bfloat16",
+                 "--out", str(out)]) == 0
     rows = {row.get("what"): row for row in map(json.loads, out.read_text().splitlines())}
+    assert rows[None]["meta"]["dtype"] == "bfloat16"  # as asked, on the CPU too
     assert [name for name in rows if name in ("inertia", "kvzip", "expected-attention", "full")] == \
         ["inertia", "kvzip", "expected-attention"]
     for name in ("kvzip", "expected-attention"):  # cut at prefill: B plus the 3 decoded tokens
@@ -161,7 +163,7 @@ def test_probe_bench_compares_batched_with_one_at_a_time(tmp_path):
     assert main(["bench", "probe", "--model", "tiny-random-llama", "--prompt-tokens", "120", "--step", "3",
                  "--sample", "6", "--future", "3", "--batch", "4", "--out", str(out)]) == 0
     meta, one, batched = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [one["what"], batched["what"]] == ["one at a time", "batched (4)"]
+    assert [one["what"], batched["what"]] == ["one at a time", "batched (4)"] and meta["meta"]["dtype"] == "float32"
     # Recompute the probe outside the bench: the prompt, its full-cache continuation from model.generate,
     # and the damage of each candidate removed on its own.
     from kvviz import load_model, probe

@@ -18,6 +18,8 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--step", type=int, default=8)
     parser.add_argument("--sample", type=int, default=64, help="candidates probed")
@@ -35,7 +37,7 @@ def main(args) -> int:
     from ..probe import damage
     from .speed import haystack_prompt
 
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = haystack_prompt(tokenizer, args.prompt_tokens)
     full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=args.step + args.future,
                        ignore_eos=True))
@@ -43,7 +45,8 @@ def main(args) -> int:
     prefix_len = len(prompt_ids) + args.step - 1
     candidates = np.sort(np.random.default_rng(0).choice(prefix_len, args.sample, replace=False)).tolist()
     rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
-                      "machine": platform.node(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "dtype": str(model.dtype).removeprefix("torch."), "machine": platform.node(),
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "prompt_len": len(prompt_ids), "step": args.step, "future": args.future,
                       "prefix_len": prefix_len, "candidate_positions": candidates}}]
     results = {}

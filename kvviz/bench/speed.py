@@ -46,6 +46,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--config", choices=sorted(CONFIGS), help="random-weight model built from a config")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default model)")
     parser.add_argument("--contexts", default="16384,32768,65536", help="prompt lengths with --config")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -87,14 +89,14 @@ def haystack_prompt(tokenizer, tokens: int) -> list[int]:
                 return ids[:tokens]
 
 
-def build_from_config(name: str, device: str):
+def build_from_config(name: str, device: str, dtype: str | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .. import scoring
 
     spec = dict(CONFIGS[name])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    dtype = getattr(torch, dtype) if dtype else torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()
@@ -372,6 +374,7 @@ def main(args) -> int:
     import transformers
 
     from ..models import load_model
+    from ..trace import model_dtype
 
     policy_names(args.policies)  # refused before the model loads
     started = time.perf_counter()  # --time-limit counts the model's build too
@@ -386,16 +389,17 @@ def main(args) -> int:
             ("cudnn", torch.backends.cuda.cudnn_sdp_enabled()), ("flash", torch.backends.cuda.flash_sdp_enabled()),
             ("mem_efficient", torch.backends.cuda.mem_efficient_sdp_enabled())) if on]
     if args.config:
-        model = build_from_config(args.config, args.device)
+        model = build_from_config(args.config, args.device, args.dtype)
         tokenizer = _NullTokenizer()
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, model.config.vocab_size, (int(n),), generator=generator).tolist()
                    for n in args.contexts.split(",")]
         meta["model"] = f"{args.config} (random weights)"
     else:
-        model, tokenizer = load_model(args.model, device=args.device)
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
         prompts = [haystack_prompt(tokenizer, args.prompt_tokens)]
         meta["model"] = args.model
+    meta["dtype"] = model_dtype(model)
     out = open(args.out, "w") if args.out else None
 
     def emit(record: dict) -> None:  # line by line: a run cut short by a time limit keeps what it measured
