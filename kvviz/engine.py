@@ -398,7 +398,7 @@ def check_policy(model, tokenizer, prompt_ids: list[int], policy: Policy) -> Non
     Attention's RoPE), and for KVzip a repeat pass within the positions whose rotation stays fixed."""
     policy.check_model(model)
     if policy.reconstructs:
-        reach = len(prompt_ids) + max(len(ids) for _, _, ids in repeat_passes(tokenizer, prompt_ids))
+        reach = len(prompt_ids) + max((len(ids) for _, _, ids in repeat_passes(tokenizer, prompt_ids)), default=0)
         limit = scoring.fixed_rope_limit(model)
         if reach > limit:
             where = (f"LongRoPE's original length of {limit}, past which transformers rotates every position "
