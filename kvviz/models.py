@@ -237,11 +237,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 # What makes each family's tiny model exercise its own code: experts and routing for the mixtures of
-# experts, Granite's multipliers away from 1 (its attention scale is not 1/sqrt(head_dim)).
+# experts, Granite's multipliers away from 1 (its attention scale is not 1/sqrt(head_dim)), and Gemma's
+# heads wider than hidden_size / heads (256 against 3072 / 16 in Gemma-7B).
 TINY_EXTRAS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "granite": dict(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),
+    "gemma": dict(head_dim=32),
 }
 
 
