@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -671,8 +672,8 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
             client.predict(TINY, PROMPT, bad, "budget", 0.5, 20, 12, False, *GREEDY, api_name="/compare")
 
 
-def test_each_compared_setting_keeps_its_label_in_the_fates_and_diagnostics(tiny):
-    from kvviz.ui.app import _models, compare_diagnostics, compare_fates, make_compare_handler
+def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_download(tiny):
+    from kvviz.ui.app import _models, compare_diagnostics, compare_fates, make_compare_handler, make_open_handler
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -680,6 +681,21 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_and_diagnostics(tiny
                                             8, False)
     assert list(last[-1]) == ["inertia", "inertia alpha=0.3"]
     assert compare_diagnostics(last[-1])["value"]["policy"].tolist() == ["inertia", "inertia alpha=0.3"]
+    # The download: one trace per setting, in order, each the policy it is labelled as, with its own run.
+    import zipfile
+
+    from kvviz.policies import setting_label
+
+    with zipfile.ZipFile(last[-2]["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
+        assert bundle.namelist() == ["1-inertia.parquet", "2-inertia_alpha=0.3.parquet"]
+        bundle.extractall(folder)
+        traces = [kvviz.Trace.load(Path(folder) / name) for name in bundle.namelist()]
+        opened = make_open_handler(limits)(str(Path(folder) / "2-inertia_alpha=0.3.parquet"))  # in the Live tab
+        assert "**opened** 2-inertia_alpha=0.3.parquet: `inertia` (alpha=0.3" in opened[1]
+    assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[-1])
+    for trace, view in zip(traces, last[-1].values()):
+        assert [e.kept.tolist() for e in trace.events] == [e.kept.tolist() for e in view.events]
+        assert trace.prompt_len == view.prompt_len and trace.dtype == "float32" and trace.model == TINY
     columns = list(compare_fates(last[-1], "#0-3")[1]["value"].columns)
     assert columns[2].startswith("inertia (to step") and columns[3].startswith("inertia alpha=0.3 (to step")
 

@@ -228,7 +228,8 @@ def test_a_typed_setting_compares_one_policy_at_two_values(page):
     page.get_by_role("button", name="Compare", exact=True).click()
     page.get_by_label("inertia alpha=0.3", exact=True).wait_for(timeout=60_000)
     page.get_by_text("inertia alpha=0.3 vs inertia", exact=False).wait_for(timeout=60_000)  # its divergence line
-    page.screenshot(path=ARTIFACTS / "compare-settings.png", full_page=False)
+    page.locator("a[download='comparison.zip']").wait_for(timeout=60_000)  # every run's trace, to download
+    page.screenshot(path=ARTIFACTS / "compare-settings.png", full_page=True)
     # A comparison from the papers fills the box with its settings.
     page.get_by_label("Comparisons from the papers").click()
     page.get_by_role("option", name="EMA strength α", exact=False).click()

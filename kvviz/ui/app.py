@@ -12,10 +12,12 @@ import gc
 import json
 import logging
 import math
+import re
 from collections.abc import Iterator
 import tempfile
 import threading
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -505,7 +507,8 @@ def make_compare_handler(limits: Limits):
                                policies[name].pinned(request.budget)) for name in names}
         texts = {name: "" for name in names}
         last_figure = 0.0
-        yield (*[gr.skip()] * 10, None)  # the last comparison's state goes now, not when this one ends
+        # The last comparison's download and state go now, not when this one ends.
+        yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None)
         try:
             # Sampled, every policy draws the same random stream: where their next-token distributions agree
             # they pick the same token, so the first divergence is still the eviction's doing.
@@ -519,7 +522,9 @@ def make_compare_handler(limits: Limits):
                 if refresh:
                     last_figure = now
                 yield _compare_outputs(names, texts, views, request.tokenizer, figures=refresh, final=False)
-            yield _compare_outputs(names, texts, views, request.tokenizer, figures=True, final=True)
+            archive = save_comparison(request, model_name, policies, views)
+            yield _compare_outputs(names, texts, views, request.tokenizer, figures=True, final=True,
+                                   download=gr.update(value=str(archive), visible=True))
         except Exception as error:
             raise unexpected("the comparison", error) from None
         finally:
@@ -528,7 +533,22 @@ def make_compare_handler(limits: Limits):
     return compare_run
 
 
-def _compare_outputs(names, texts, views, tokenizer, figures: bool, final: bool):
+def save_comparison(request: Request, model_name: str, policies: dict[str, Policy], views: dict[str, RunView]) -> Path:
+    """Every compared run as its own trace (the Live tab's format, so each opens there), zipped in order;
+    each file is named by its label and records the registry name and parameters that label stands for."""
+    folder = Path(tempfile.mkdtemp(prefix="kvviz-compare-"))
+    archive = folder / "comparison.zip"
+    with zipfile.ZipFile(archive, "w") as bundle:
+        for index, (label, policy) in enumerate(policies.items(), start=1):
+            trace = Trace(request.prompt_ids, request.budget, label.split()[0], policy.params(), model_name,
+                          views[label].events, request.sampling, model_dtype(request.model))
+            path = folder / f"{index}-{re.sub(r'[^A-Za-z0-9.=_-]+', '_', label)}.parquet"
+            trace.save(path)
+            bundle.write(path, path.name)
+    return archive
+
+
+def _compare_outputs(names, texts, views, tokenizer, figures: bool, final: bool, download=None):
     slots = 4
     out = []
     for i in range(slots):
@@ -552,6 +572,7 @@ def _compare_outputs(names, texts, views, tokenizer, figures: bool, final: bool)
         out.append(jaccard_figure(names, views))
     else:
         out += [gr.skip(), gr.skip()]
+    out.append(download if download is not None else gr.skip())
     out.append(views if final else gr.skip())
     return tuple(out)
 
@@ -942,6 +963,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         c_figs = [gr.Plot(visible=i < 3) for i in range(4)]
                     c_divergence = gr.Markdown()
                     c_jaccard = gr.Plot(label="Keep-set Jaccard")
+                    c_download = gr.File(label="This comparison's traces (a zip of one parquet trace per policy; "
+                                         "each opens in the Live tab)", visible=False, interactive=False)
                     c_follow = gr.Textbox(label="Follow prompt tokens", elem_id="compare-follow",
                                           placeholder="text to find (e.g. 9074615) or positions (#12, #40-45); "
                                           "empty: the prompt tokens the policies disagree on")
@@ -989,7 +1012,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_checked = c_run.click(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
             c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
             compare = c_checked.success(make_compare_handler(limits), c_inputs,
-                                        [*c_texts, *c_figs, c_divergence, c_jaccard, c_state],
+                                        [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state],
                                         concurrency_limit=limits.runs_per_model, concurrency_id="model",
                                         api_name="compare", api_visibility="undocumented")
             c_stop.click(None, cancels=[c_checked, compare])
