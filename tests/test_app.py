@@ -672,14 +672,40 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
             client.predict(TINY, PROMPT, bad, "budget", 0.5, 20, 12, False, *GREEDY, api_name="/compare")
 
 
+def test_downloads_keep_only_the_newest_folders(monkeypatch, tmp_path):
+    import kvviz.ui.app as app
+
+    monkeypatch.setattr(app, "DOWNLOADS", tmp_path)
+    monkeypatch.setattr(app, "KEEP_DOWNLOADS", 3)
+    made = [app.download_folder() for _ in range(5)]
+    assert sorted(tmp_path.iterdir()) == sorted(made[-3:])  # the two oldest went
+
+
+def test_a_comparison_whose_download_fails_still_shows_everything(tiny, monkeypatch):
+    """Saving the traces is the last step: a full disk (or any failure there) costs the download only."""
+    import kvviz.ui.app as app
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    app._models[TINY] = tiny
+    monkeypatch.setattr(app, "save_comparison", full_disk)
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    *_, last = app.make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False)
+    assert list(last[-1]) == ["inertia", "tova"] and last[-2] == {"__type__": "update"}  # state, no download
+    assert "vs **inertia**" in last[8]
+
+
 def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_download(tiny):
-    from kvviz.ui.app import _models, compare_diagnostics, compare_fates, make_compare_handler, make_open_handler
+    from kvviz.ui.app import (Request, _models, compare_diagnostics, compare_fates, make_compare_handler,
+                              make_open_handler, save_comparison)
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], "compression", 0.5, 0,
                                             8, False)
     assert list(last[-1]) == ["inertia", "inertia alpha=0.3"]
+    view_len = last[-1]["inertia"].prompt_len
     assert compare_diagnostics(last[-1])["value"]["policy"].tolist() == ["inertia", "inertia alpha=0.3"]
     # The download: one trace per setting, in order, each the policy it is labelled as, with its own run.
     import zipfile
@@ -691,6 +717,13 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
         bundle.extractall(folder)
         traces = [kvviz.Trace.load(Path(folder) / name) for name in bundle.namelist()]
         opened = make_open_handler(limits)(str(Path(folder) / "2-inertia_alpha=0.3.parquet"))  # in the Live tab
+        # a label longer than a file name may be is cut in its name (the index keeps names unique)
+        archive = save_comparison(
+            Request(tiny[0], tiny[1], [0] * view_len, 4, 8), TINY,
+            {"inertia layers=" + ",".join(["0"] * 200): kvviz.make_policy("inertia")},
+            {"inertia layers=" + ",".join(["0"] * 200): last[-1]["inertia"]})
+        with zipfile.ZipFile(archive) as long_names:
+            assert [len(name) for name in long_names.namelist()] == [len("1-") + 80 + len(".parquet")]
         assert "**opened** 2-inertia_alpha=0.3.parquet: `inertia` (alpha=0.3" in opened[1]
     assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[-1])
     for trace, view in zip(traces, last[-1].values()):

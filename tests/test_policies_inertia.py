@@ -158,6 +158,14 @@ def test_invalid_parameters_are_refused(bad):
         make_policy("inertia", **bad)
 
 
+def test_layers_name_a_set_of_layers_one_way():
+    assert make_policy("inertia", layers=" 5,0,5").layers == "0,5"
+    assert make_policy("inertia", layers="0,5")._eligible == {0, 5}
+    for bad in ("0_5", "0,\u0665", "-1", "1,", "x"):  # int() reads the first two as 5 and 0,5
+        with pytest.raises(ValueError, match="comma-separated layer indices"):
+            make_policy("inertia", layers=bad)
+
+
 def test_unknown_policy_and_parameter_say_what_exists():
     with pytest.raises(ValueError, match="choose one of"):
         make_policy("nope")

@@ -374,7 +374,7 @@ def test_a_setting_is_a_name_and_parameters_labelled_by_what_it_changes():
     from kvviz.policies import build_setting
 
     label, policy = build_setting("  inertia-lazy   refresh=8 alpha=0.5 ")
-    assert label == "inertia-lazy alpha=0.5 refresh=8"  # the registry's order, not the typed one
+    assert label == "inertia alpha=0.5 refresh=8"  # two changes from either name: the registry's first, its order
     assert (type(policy).__name__, policy.alpha, policy.refresh) == ("InertiaKV", 0.5, 8)
     assert build_setting("inertia-lazy refresh=4")[0] == "inertia-lazy"  # its preset: no change
     assert build_setting("inertia alpha=0.80")[0] == "inertia"  # the default, however written
@@ -387,9 +387,21 @@ def test_a_setting_is_a_name_and_parameters_labelled_by_what_it_changes():
                         ("cumulative aggregation=ema", "inertia"), ("inertia-vnorm scorer=attention", "inertia"),
                         ("score-free refresh=4", "inertia-lazy"), ("inertia alpha=0", "single-step"),
                         ("inertia alpha=-0", "single-step"), ("expected-attention decode=true", "expected-attention-decode"),
-                        ("single-step alpha=0.5", "single-step alpha=0.5"),  # a tie: the name as written
+                        ("single-step alpha=0.5", "inertia alpha=0.5"),  # a tie: the registry's first name
                         ("inertia-decoupled", "inertia-decoupled")]:  # another class: never plain inertia
         assert build_setting(text)[0] == label, text
+    # Every pair of names of one class, each set to the other's preset: one policy, so one label.
+    from kvviz.policies import REGISTRY
+
+    for first in REGISTRY.values():
+        for second in REGISTRY.values():
+            if first.cls is second.cls:
+                shared = {p["name"]: p["default"] for p in second.parameters()}
+                typed = " ".join([first.name, *(f"{key}={value}" for key, value in shared.items()
+                                                 if not isinstance(value, bool))])
+                bools = {key: value for key, value in shared.items() if isinstance(value, bool)}
+                typed += "".join(f" {key}={str(value).lower()}" for key, value in bools.items())
+                assert build_setting(typed)[0] == build_setting(second.name)[0], (first.name, second.name)
     for text, message in [("", "entry is empty"), ("inertia alpha", "key=value"), ("inertia =3", "key=value"),
                           ("inertia alpha=0.5 alpha=0.6", "sets alpha twice"), ("nope", "unknown policy 'nope'"),
                           ("inertia alpha=1.5", "between 0.0 and 1.0"), ("tova window=3", "has no parameter")]:

@@ -213,12 +213,13 @@ def build_setting(text: str) -> tuple[str, Policy]:
             raise ValueError(f"{text!r} sets {key} twice; keep one")
         params[key] = value
     policy = get_spec(name).build(**params)
-    return setting_label(policy, prefer=name), policy
+    return setting_label(policy), policy
 
 
-def setting_label(policy: Policy, prefer: str = "") -> str:
-    """The registry name that states ``policy`` with the fewest parameter changes (``prefer`` on a tie), then
-    those changes as ``key=value`` in the registry's order: e.g. ``"inertia alpha=0.5"``, ``"single-step"``."""
+def setting_label(policy: Policy) -> str:
+    """The registry name that states ``policy`` with the fewest parameter changes (the first in the registry
+    on a tie, so that the label never depends on how the policy was typed), then those changes as
+    ``key=value`` in the registry's order: e.g. ``"inertia alpha=0.5"``, ``"single-step"``."""
     params = policy.params()
 
     def changes(spec: PolicySpec) -> list[str]:
@@ -227,7 +228,7 @@ def setting_label(policy: Policy, prefer: str = "") -> str:
 
     # Only names of this exact class: a subclass (inertia-decoupled) changes the rule, not a parameter.
     specs = [spec for spec in REGISTRY.values() if spec.cls is type(policy)]
-    best = min(specs, key=lambda spec: (len(changes(spec)), spec.name != prefer))
+    best = min(specs, key=lambda spec: len(changes(spec)))  # min keeps the first of equals: registry order
     return " ".join([best.name, *changes(best)])
 
 

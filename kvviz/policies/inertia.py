@@ -91,13 +91,16 @@ class InertiaKV(Policy):
             raise ValueError(f"aggregation must be 'ema' or 'sum', got {self.aggregation!r}")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {sorted(SCORERS)}, got {self.scorer!r}")
-        try:
-            self._eligible = None if self.layers == "all" else {int(i) for i in str(self.layers).split(",")}
-        except ValueError:
-            raise ValueError(f"layers must be 'all' or comma-separated layer indices such as '0,5,10', "
-                             f"got {self.layers!r}") from None
-        if self._eligible is not None and min(self._eligible) < 0:
-            raise ValueError(f"layer indices start at 0, got layers={self.layers!r}")
+        self._eligible = None
+        if self.layers != "all":
+            pieces = [piece.strip() for piece in str(self.layers).split(",")]
+            # ASCII digits only: int() would also read '0_5' as 5 and other scripts' digits.
+            if not all(piece.isascii() and piece.isdigit() for piece in pieces):
+                raise ValueError(f"layers must be 'all' or comma-separated layer indices (0 and up) such as "
+                                 f"'0,5,10', got {self.layers!r}")
+            self._eligible = {int(piece) for piece in pieces}
+            # One spelling per set ('5,0,5' is '0,5'): a setting's label and a sweep's cell key name the set.
+            self.layers = ",".join(str(layer) for layer in sorted(self._eligible))
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if num_layers and self._eligible is not None and max(self._eligible) >= num_layers:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import re
+import shutil
 from collections.abc import Iterator
 import tempfile
 import threading
@@ -76,6 +77,10 @@ COMPARISONS = {
 
 _models: dict[str, tuple] = {}
 _models_lock = threading.Lock()
+
+# Where the Live tab's traces and the Compare tab's zips are written, one folder a run, the newest kept.
+DOWNLOADS = Path(tempfile.mkdtemp(prefix="kvviz-downloads-"))
+KEEP_DOWNLOADS = 32
 
 
 def release_memory() -> None:
@@ -273,6 +278,8 @@ def policy_settings(entries, fewest: int, what: str) -> dict[str, str]:
     """The chosen policies, each a name or a setting such as ``inertia alpha=0.5``, by label, each distinct
     policy once (``inertia alpha=0.8`` is ``inertia``), ``fewest`` to four of them; ValueError with what to
     change otherwise (the API may send anything)."""
+    if entries is None:
+        entries = []
     if isinstance(entries, str):
         entries = [entries]
     if not isinstance(entries, (list, tuple)) or not all(isinstance(entry, str) for entry in entries):
@@ -392,7 +399,7 @@ def make_live_handler(limits: Limits):
                     yield (text, *[gr.skip()] * 10)
             trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events,
                           request.sampling, model_dtype(request.model))
-            path = Path(tempfile.mkdtemp(prefix="kvviz-")) / f"trace-{policy_name}.parquet"
+            path = download_folder() / f"trace-{policy_name}.parquet"
             trace.save(path)
             yield finished_outputs(view, trace, text, stats_markdown(view, time.perf_counter() - start), path)
         except Exception as error:  # the run failed: say so, keep serving
@@ -522,9 +529,12 @@ def make_compare_handler(limits: Limits):
                 if refresh:
                     last_figure = now
                 yield _compare_outputs(names, texts, views, request.tokenizer, figures=refresh, final=False)
-            archive = save_comparison(request, model_name, policies, views)
-            yield _compare_outputs(names, texts, views, request.tokenizer, figures=True, final=True,
-                                   download=gr.update(value=str(archive), visible=True))
+            try:  # the comparison is shown whether or not its download could be written
+                download = gr.update(value=str(save_comparison(request, model_name, policies, views)), visible=True)
+            except Exception:  # noqa: BLE001 -- logged; the figures, fates and diagnostics still come
+                log.exception("saving the comparison's traces")
+                download = gr.skip()
+            yield _compare_outputs(names, texts, views, request.tokenizer, figures=True, final=True, download=download)
         except Exception as error:
             raise unexpected("the comparison", error) from None
         finally:
@@ -533,16 +543,25 @@ def make_compare_handler(limits: Limits):
     return compare_run
 
 
+def download_folder() -> Path:
+    """A new folder for one run's download.  Only the newest KEEP_DOWNLOADS are kept: a long-running server
+    would otherwise fill its disk (Gradio serves its own copy, expired by the Blocks' delete_cache)."""
+    folders = sorted(DOWNLOADS.iterdir(), key=lambda path: path.stat().st_mtime)
+    for old in folders[:max(0, len(folders) - KEEP_DOWNLOADS + 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(dir=DOWNLOADS))
+
+
 def save_comparison(request: Request, model_name: str, policies: dict[str, Policy], views: dict[str, RunView]) -> Path:
     """Every compared run as its own trace (the Live tab's format, so each opens there), zipped in order;
     each file is named by its label and records the registry name and parameters that label stands for."""
-    folder = Path(tempfile.mkdtemp(prefix="kvviz-compare-"))
-    archive = folder / "comparison.zip"
-    with zipfile.ZipFile(archive, "w") as bundle:
+    archive = download_folder() / "comparison.zip"
+    with zipfile.ZipFile(archive, "w") as bundle, tempfile.TemporaryDirectory() as staging:
         for index, (label, policy) in enumerate(policies.items(), start=1):
             trace = Trace(request.prompt_ids, request.budget, label.split()[0], policy.params(), model_name,
                           views[label].events, request.sampling, model_dtype(request.model))
-            path = folder / f"{index}-{re.sub(r'[^A-Za-z0-9.=_-]+', '_', label)}.parquet"
+            # The index keeps names unique; 80 characters keep a long layer list under the file system's limit.
+            path = Path(staging) / f"{index}-{re.sub(r'[^A-Za-z0-9.=_-]+', '_', label)[:80]}.parquet"
             trace.save(path)
             bundle.write(path, path.name)
     return archive
@@ -854,7 +873,8 @@ def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
 def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
     limits = limits or Limits.from_env()
     policy_choices = [(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()]
-    with gr.Blocks(title="kvviz") as app:
+    # Gradio's copies of the downloads expire after two hours, checked hourly (else they pile up for good).
+    with gr.Blocks(title="kvviz", delete_cache=(3600, 7200)) as app:
         gr.Markdown("# kvviz\nWatch what a KV-cache eviction policy keeps and drops while the model decodes.")
         with gr.Tab("Live"):
             with gr.Row():
