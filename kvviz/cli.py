@@ -242,12 +242,14 @@ def cmd_probe(args) -> int:
 
 
 def _prompt_and_model_arguments(parser, default_model: str) -> None:
+    from .models import DTYPES
+
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
     parser.add_argument("--model", default=default_model, help="default model, HF hub id, local dir, or tiny-random-<model_type>")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
 
 
@@ -656,7 +658,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .models import DEFAULT_MODEL
+    from .models import DEFAULT_MODEL, DTYPES
 
     parser = _Parser(prog="kvviz", description="Explore decoding-time KV-cache eviction.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -761,7 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start the Gradio app (same as python app.py)")
     serve.add_argument("--device", help="where every model runs: cpu, cuda or cuda:N (default: $KVVIZ_DEVICE or cpu)")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    serve.add_argument("--dtype", choices=DTYPES,
                        help="model dtype (default: $KVVIZ_DTYPE, else float32 on the CPU, bfloat16 on a GPU)")
     serve.add_argument("--models", help="the models offered, comma-separated, the first the default (default: "
                                         "$KVVIZ_DEFAULT_MODEL and $KVVIZ_MODELS)")

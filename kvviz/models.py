@@ -39,6 +39,12 @@ FAMILIES = {
     "gemma": "Gemma",
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
+DTYPES = ("float32", "bfloat16", "float16")  # the dtypes a model may be asked for by name
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """float32 on the CPU, bfloat16 on an accelerator."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
 class ModelNotFound(ValueError):
@@ -67,9 +73,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
         Defaults to float32 on CPU and bfloat16 elsewhere.
     """
     check_device(device)
-    if dtype is None:
-        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = default_dtype(device) if dtype is None else getattr(torch, dtype) if isinstance(dtype, str) else dtype
     # Every model is built in its dtype, never cast afterwards: a cast would round the rotary embedding's
     # float32 inverse frequencies too (HF keeps them in float32), and RoPE angles drift with position.
     if name.startswith(TINY_PREFIX):

@@ -87,10 +87,10 @@ def policy_defaults() -> dict[str, dict[str, Any]]:
     return default_params()
 
 
-
 def _literal(value) -> str:
     """A Python default as SQL: a quoted string, or JSON's true / false / number (which SQL reads alike)."""
     return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else json.dumps(value)
+
 
 class Store:
     """Read-only access to the measured (and paper-reported) rows."""
@@ -256,8 +256,8 @@ class Store:
                                  "are taken from the rows alone")
             return
         # Rows that do not say their dtype ran in the config's, else the runner's default for its device.
-        defaults = {**GENERATION, "dtype": "float32" if str(config.get("device", "cpu")).startswith("cpu")
-                    else "bfloat16"}
+        device_default = "float32" if str(config.get("device", "cpu")).startswith("cpu") else "bfloat16"
+        defaults = {**GENERATION, "dtype": device_default}
         values = [config.get(name, default) for name, default in defaults.items()]
         number = (int, float)
         kinds = [isinstance(values[0], int), isinstance(values[1], bool), isinstance(values[2], number),

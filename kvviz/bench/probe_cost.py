@@ -14,11 +14,11 @@ import torch
 
 
 def add_arguments(parser) -> None:
-    from ..models import DEFAULT_MODEL
+    from ..models import DEFAULT_MODEL, DTYPES
 
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--step", type=int, default=8)
@@ -35,6 +35,7 @@ def main(args) -> int:
     from ..models import load_model
     from ..policies.full import FullCache
     from ..probe import damage
+    from ..trace import model_dtype
     from .speed import haystack_prompt
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -45,7 +46,7 @@ def main(args) -> int:
     prefix_len = len(prompt_ids) + args.step - 1
     candidates = np.sort(np.random.default_rng(0).choice(prefix_len, args.sample, replace=False)).tolist()
     rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
-                      "dtype": str(model.dtype).removeprefix("torch."), "machine": platform.node(),
+                      "dtype": model_dtype(model), "machine": platform.node(),
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "prompt_len": len(prompt_ids), "step": args.step, "future": args.future,
                       "prefix_len": prefix_len, "candidate_positions": candidates}}]

@@ -41,12 +41,12 @@ POLICIES = ("full", "inertia", "inertia-lazy", "score-free")
 
 
 def add_arguments(parser) -> None:
-    from ..models import DEFAULT_MODEL
+    from ..models import DEFAULT_MODEL, DTYPES
 
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--config", choices=sorted(CONFIGS), help="random-weight model built from a config")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default model)")
     parser.add_argument("--contexts", default="16384,32768,65536", help="prompt lengths with --config")
@@ -93,10 +93,11 @@ def build_from_config(name: str, device: str, dtype: str | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .. import scoring
+    from ..models import default_dtype
 
     spec = dict(CONFIGS[name])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    dtype = getattr(torch, dtype) if dtype else torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    dtype = getattr(torch, dtype) if dtype else default_dtype(device)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()

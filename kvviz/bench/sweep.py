@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm  # already a dependency of transformers
 
-from ..models import DEFAULT_MODEL
+from ..models import DEFAULT_MODEL, DTYPES
 from ..trace import model_dtype
 from ..tasks import loaders
 
@@ -89,7 +89,6 @@ def load_config(path: str | Path) -> dict:
 
 TOP_LEVEL = ("name", "model", "device", "dtype", "chat", "max_new_tokens", "seed", "temperature", "top_p", "draws",
              "compression", "budget", "tasks", "policies")
-DTYPES = ("float32", "bfloat16", "float16")
 BENCHMARK_KEYS = ("name", "label", "task", "samples", "path", "split", "truncate")
 NEEDLE_GRID_KEYS = ("name", "label", "lengths", "depths", "haystack")
 

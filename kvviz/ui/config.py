@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..models import DEFAULT_MODEL, check_device
-
-DTYPES = ("float32", "bfloat16", "float16")
+from ..models import DEFAULT_MODEL, DTYPES, check_device
 
 
 def _int(name: str, default: int) -> int:
