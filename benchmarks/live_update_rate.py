@@ -22,7 +22,10 @@ def main() -> None:
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     prompt = EXAMPLES["Passkey in a haystack"] * 2
     stamps, sizes, yields = [], [], 0
-    for out in handler("SmolLM2-135M-Instruct", prompt, "inertia", "compression", 0.9, 256, 64, True, *widgets):
+    greedy = (0.0, 1.0, 0)  # temperature, top-p, seed
+    # "" and None: no click's ticket id nor session tickets, as an API call
+    for out in handler("SmolLM2-135M-Instruct", prompt, "inertia", "compression", 0.9, 256, 64, True, *greedy,
+                       *widgets, "", None):
         yields += 1
         if out[2] is not None and not isinstance(out[2], dict):  # a figure update, not a skip/clear
             stamps.append(time.perf_counter())

@@ -131,6 +131,159 @@ def test_a_run_cancelled_half_way_stops_frees_its_cache_and_the_server_keeps_ser
     assert client.predict(PROMPT, "tova", 0.5, 4, False, TINY, "{}", api_name="/generate")["step"] == 3
 
 
+def outputs_after(job, count: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(job.outputs()) >= count  # streaming has started
+
+
+def finished(job) -> tuple:
+    import time
+
+    deadline = time.monotonic() + 60
+    while not job.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.done()
+    return job.outputs()[-1]
+
+
+def test_stop_ends_the_run_and_shows_and_saves_it_as_the_first_steps_of_the_whole_run(client, tiny):
+    """Stop ends the run between two steps, and its last update shows what ran as a finished run's views:
+    the scrubber, the diagnostics and a trace whose steps are the first steps of the same run left to go on."""
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    job = client.submit(TINY, PROMPT, "inertia", "budget", 0.5, 24, 3000, False, *GREEDY, *widgets, "", api_name="/live")
+    outputs_after(job, 5)
+    client.predict(api_name="/stop_live")
+    text, stats, retention, ranks, timeline, fate, slider, trace_file, diag, detail = finished(job)
+    trace = kvviz.Trace.load(trace_file["value"])
+    steps = len(trace.events)
+    assert 4 <= steps < 3000
+    model, tokenizer = tiny
+    whole = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=steps + 5).trace
+    assert [e.kept.tolist() for e in trace.events] == [e.kept.tolist() for e in whole.events[:steps]]
+    assert text == "".join(e.text for e in whole.events[:steps])
+    assert stats.startswith("**stopped** · ") and f"**tokens** {steps} / 3000" in stats
+    assert slider["visible"] and slider["maximum"] == steps - 1 and "raw utility jaccard" in diag
+    client.predict(api_name="/stop_live")  # nothing running: nothing happens, and the next run goes to its end
+    again = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 6, False, *GREEDY, *widgets, "", api_name="/live")
+    assert not again[1].startswith("**stopped**") and kvviz.Trace.load(again[7]["value"]).events[-1].step == 5
+
+
+def test_stop_cuts_a_comparison_to_the_steps_every_policy_made_and_zips_them(client, tiny):
+    import zipfile
+
+    job = client.submit(TINY, PROMPT, ["inertia", "tova"], "budget", 0.5, 20, 3000, False, *GREEDY, "",
+                        api_name="/compare")
+    outputs_after(job, 6)
+    client.predict(api_name="/stop_compare")
+    result = finished(job)
+    texts, divergence, download = result[:2], result[8], result[10]
+    with zipfile.ZipFile(download["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
+        assert bundle.namelist() == ["1-inertia.parquet", "2-tova.parquet"]
+        bundle.extractall(folder)
+        traces = [kvviz.Trace.load(Path(folder) / name) for name in bundle.namelist()]
+    steps = len(traces[0].events)
+    assert 2 <= steps < 3000 and len(traces[1].events) == steps  # the one a step ahead was cut back
+    assert divergence.startswith(f"**stopped** after {steps} of 3000 tokens (runs that had ended are whole)")
+    model, tokenizer = tiny
+    for trace, text, name in zip(traces, texts, ("inertia", "tova")):
+        whole = kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=steps + 5).trace
+        assert [e.kept.tolist() for e in trace.events] == [e.kept.tolist() for e in whole.events[:steps]]
+        assert text["value"] == "".join(e.text for e in whole.events[:steps])
+
+
+def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_its_own_click(tiny):
+    """Each click gets a ticket of its own; Stop sets every ticket the session holds, so a run stopped while it
+    waits in the queue (or is checked) leaves every view as it is when its turn comes, even after a later
+    click; a ticket starts one run at most; an API call (no id) goes by a ticket of its own."""
+    import gradio as gr
+
+    from kvviz.ui.app import (PARAM_NAMES, PARAMETERS, _models, button_ticket, make_compare_handler,
+                              make_live_handler, request_stop, run_ticket)
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    tickets, running = button_ticket(None)
+    same, queued = button_ticket(tickets)  # a second click while the first run runs
+    assert same is tickets and queued != running
+    assert run_ticket(running, tickets)[0].id == running and run_ticket(running, tickets) == (None, None)  # once
+    request_stop(tickets)
+    _, later = button_ticket(tickets)  # the next click, after Stop
+    defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
+    live = make_live_handler(limits)
+    assert list(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, queued,
+                     tickets)) == [(gr.skip(),) * 12]
+    _, compared = button_ticket(tickets)
+    request_stop(tickets)
+    assert list(make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False,
+                                             *GREEDY, ticket_id=compared, tickets=tickets)) == [(gr.skip(),) * 13]
+    assert run_ticket(later, tickets) == (None, None)  # stopped too: Stop came after its click
+    _, fresh = button_ticket(tickets)
+    *_, last = live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, fresh, tickets)
+    assert last[9].steps == 10 and last[-1] == gr.skip()  # ran to the end; the session keeps its tickets
+    with pytest.raises(TypeError, match="ticket id"):
+        next(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults[:-1], None))
+    own, made = run_ticket("", None)  # an API call's first run makes the session's holder
+    again, none_made = run_ticket("", made)
+    assert made is not None and none_made is None and again is not own and not own.is_set()
+    request_stop(made)  # /stop_live
+    assert own.is_set() and again.is_set()
+
+
+def test_memory_is_freed_after_stop(client):
+    """A stopped run lets go of its cache like a finished one."""
+    import gc
+    import time
+
+    from kvviz.engine import EvictingCache
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+
+    def live_caches() -> int:
+        gc.collect()
+        return sum(type(o) is EvictingCache for o in gc.get_objects())
+
+    before = live_caches()
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    job = client.submit(TINY, PROMPT, "inertia", "budget", 0.5, 24, 3000, False, *GREEDY, *widgets, "", api_name="/live")
+    outputs_after(job, 5)
+    client.predict(api_name="/stop_live")
+    finished(job)
+    deadline = time.monotonic() + 30
+    while live_caches() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_caches() == before
+
+
+def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_same_steps(tiny):
+    """Level: the policies still decoding (not at max new tokens, not after an end-of-sequence) have all made
+    the same number of steps, at least one; a run that had ended may have made more or fewer."""
+    from kvviz.ui.app import Progress, Request
+
+    model, tokenizer = tiny
+    policies = {name: kvviz.make_policy(name) for name in ("inertia", "tova", "streaming")}
+    prompt_ids = kvviz.encode_prompt(tokenizer, PROMPT, chat=False)
+    run = Progress.start(Request(model, tokenizer, prompt_ids, 20, 10), TINY, policies,
+                         [tokenizer.decode([i]) for i in prompt_ids])
+    traces = {name: kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=10).trace
+              for name in policies}
+    assert not run.level()  # no step yet
+    for name, steps in (("inertia", 10), ("tova", 7), ("streaming", 6)):
+        for event in traces[name].events[:steps]:
+            run.add(name, event)
+    assert [run.finished(name) for name in policies] == [True, False, False]
+    assert run.running() == ["tova", "streaming"] and not run.level()  # tova is a step ahead
+    run.add("streaming", traces["streaming"].events[6])
+    assert run.level()
+    run.ends = {traces["tova"].events[6].new_token_id}  # as if tova's 7th token had been end-of-sequence
+    assert run.finished("tova") and run.running() == ["streaming"] and run.level()
+    assert run.texts["tova"] == "".join(e.text for e in traces["tova"].events[:7])
+
+
 def test_run_view_retention_equals_the_trace(tiny):
     model, tokenizer = tiny
     trace = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=20, max_new_tokens=16).trace
@@ -383,7 +536,7 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova", "streaming"], "compression", 0.5, 0,
                                             12, False)
-    table = compare_diagnostics(last[-1])["value"].set_index("policy")
+    table = compare_diagnostics(last[-2])["value"].set_index("policy")
     assert table.loc["streaming"].tolist() == ["n/a"] * 4  # no scores at all
     assert float(table.loc["inertia", "utility churn"]) < float(table.loc["inertia", "raw churn"])  # the EMA's inertia
     for name in ("inertia", "tova", "streaming"):
@@ -400,9 +553,9 @@ def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     updates = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False)
-    assert next(updates)[-1] is None  # the state output, before any step
+    assert next(updates)[-2] is None  # the state output, before any step
     *_, last = updates
-    assert set(last[-1]) == {"inertia", "tova"}
+    assert set(last[-2]) == {"inertia", "tova"}
 
 
 def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
@@ -562,7 +715,7 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
         assert model.dtype == torch.bfloat16 and get_model(limits, name)[0] is model  # loaded once
         defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
         *_, last = make_live_handler(limits)(name, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY,
-                                             *defaults)
+                                             *defaults, "", None)
         expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
         assert last[0] == expected.text
         assert [e.kept.tolist() for e in last[9].events] == [e.kept.tolist() for e in expected.trace.events]
@@ -579,7 +732,7 @@ def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
 
     # Every parameter widget at its registry default, as the browser sends them for InertiaKV.
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, api_name="/live")
+    result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, "", api_name="/live")
     text, stats, retention, ranks, timeline, fate, slider, trace_file, diag, detail = result
     model, tokenizer = tiny
     expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10).trace
@@ -599,7 +752,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     from kvviz.ui.app import PARAM_NAMES, PARAMETERS
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, api_name="/live")
+    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, "", api_name="/live")
     trace_file = live[7]["value"] if isinstance(live[7], dict) else live[7]
     opened = client.predict(handle_file(trace_file), api_name="/open_trace")
     plots = lambda result: [json.loads(result[i]["plot"])["data"] for i in (2, 3, 4, 9)]  # + step detail
@@ -615,7 +768,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
 
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):
     model, tokenizer = tiny
-    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False, *GREEDY,
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False, *GREEDY, "",
                             api_name="/compare")
     texts, divergence = result[:4], result[8]
     runs = [kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=12)
@@ -650,7 +803,7 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
     panel is that setting's own run, and the probe ranks the same settings."""
     model, tokenizer = tiny
     result = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0.3", "inertia alpha=0.8"], "budget", 0.5, 20,
-                            12, False, *GREEDY, api_name="/compare")
+                            12, False, *GREEDY, "", api_name="/compare")
     texts = result[:4]
     assert [t.get("label") for t in texts[:2]] == ["inertia", "inertia alpha=0.3"]
     assert texts[2]["visible"] is False  # alpha=0.8 is the default: the first panel already
@@ -660,7 +813,7 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
     assert runs[0].token_ids != runs[1].token_ids or \
         [e.kept.tolist() for e in runs[0].trace.events] != [e.kept.tolist() for e in runs[1].trace.events]
     with pytest.raises(Exception, match="alpha must be between 0.0 and 1.0"):
-        client.predict(TINY, PROMPT, ["inertia", "inertia alpha=7"], "budget", 0.5, 20, 12, False, *GREEDY,
+        client.predict(TINY, PROMPT, ["inertia", "inertia alpha=7"], "budget", 0.5, 20, 12, False, *GREEDY, "",
                        api_name="/compare")
     # The probe ranks each setting by its own utility: single-step (alpha 0) is not InertiaKV's EMA.
     table = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0"], False, 4, 0, api_name="/probe")[0]
@@ -669,7 +822,7 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
     for bad, message in [(["inertia", 3], "a list of names or settings"), (5, "a list of names or settings"),
                          (["inertia", "single-step alpha=0.8"], "choose two to four")]:  # alpha 0.8 is inertia
         with pytest.raises(Exception, match=message):
-            client.predict(TINY, PROMPT, bad, "budget", 0.5, 20, 12, False, *GREEDY, api_name="/compare")
+            client.predict(TINY, PROMPT, bad, "budget", 0.5, 20, 12, False, *GREEDY, "", api_name="/compare")
 
 
 def test_downloads_keep_only_the_newest_folders(monkeypatch, tmp_path):
@@ -692,44 +845,45 @@ def test_a_comparison_whose_download_fails_still_shows_everything(tiny, monkeypa
     monkeypatch.setattr(app, "save_comparison", full_disk)
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = app.make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False)
-    assert list(last[-1]) == ["inertia", "tova"] and last[-2] == {"__type__": "update"}  # state, no download
+    assert list(last[-2]) == ["inertia", "tova"] and last[-3] == {"__type__": "update"}  # state, no download
     assert "vs **inertia**" in last[8]
 
 
 def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_download(tiny):
-    from kvviz.ui.app import (Request, _models, compare_diagnostics, compare_fates, make_compare_handler,
+    from kvviz.ui.app import (Progress, Request, _models, compare_diagnostics, compare_fates, make_compare_handler,
                               make_open_handler, save_comparison)
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], "compression", 0.5, 0,
                                             8, False)
-    assert list(last[-1]) == ["inertia", "inertia alpha=0.3"]
-    view_len = last[-1]["inertia"].prompt_len
-    assert compare_diagnostics(last[-1])["value"]["policy"].tolist() == ["inertia", "inertia alpha=0.3"]
+    assert list(last[-2]) == ["inertia", "inertia alpha=0.3"]
+    view_len = last[-2]["inertia"].prompt_len
+    assert compare_diagnostics(last[-2])["value"]["policy"].tolist() == ["inertia", "inertia alpha=0.3"]
     # The download: one trace per setting, in order, each the policy it is labelled as, with its own run.
     import zipfile
 
     from kvviz.policies import setting_label
 
-    with zipfile.ZipFile(last[-2]["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
+    with zipfile.ZipFile(last[-3]["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
         assert bundle.namelist() == ["1-inertia.parquet", "2-inertia_alpha=0.3.parquet"]
         bundle.extractall(folder)
         traces = [kvviz.Trace.load(Path(folder) / name) for name in bundle.namelist()]
         opened = make_open_handler(limits)(str(Path(folder) / "2-inertia_alpha=0.3.parquet"))  # in the Live tab
         # a label longer than a file name may be is cut in its name (the index keeps names unique)
-        archive = save_comparison(
-            Request(tiny[0], tiny[1], [0] * view_len, 4, 8), TINY,
-            {"inertia layers=" + ",".join(["0"] * 200): kvviz.make_policy("inertia")},
-            {"inertia layers=" + ",".join(["0"] * 200): last[-1]["inertia"]})
+        long_label = "inertia layers=" + ",".join(["0"] * 200)
+        run = Progress.start(Request(tiny[0], tiny[1], [0] * view_len, 4, 8), TINY,
+                             {long_label: kvviz.make_policy("inertia")}, [])
+        run.views[long_label] = last[-2]["inertia"]
+        archive = save_comparison(run)
         with zipfile.ZipFile(archive) as long_names:
             assert [len(name) for name in long_names.namelist()] == [len("1-") + 80 + len(".parquet")]
         assert "**opened** 2-inertia_alpha=0.3.parquet: `inertia` (alpha=0.3" in opened[1]
-    assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[-1])
-    for trace, view in zip(traces, last[-1].values()):
+    assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[-2])
+    for trace, view in zip(traces, last[-2].values()):
         assert [e.kept.tolist() for e in trace.events] == [e.kept.tolist() for e in view.events]
         assert trace.prompt_len == view.prompt_len and trace.dtype == "float32" and trace.model == TINY
-    columns = list(compare_fates(last[-1], "#0-3")[1]["value"].columns)
+    columns = list(compare_fates(last[-2], "#0-3")[1]["value"].columns)
     assert columns[2].startswith("inertia (to step") and columns[3].startswith("inertia alpha=0.3 (to step")
 
 
@@ -739,7 +893,7 @@ def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny)
     model, tokenizer = tiny
     prompt_len = len(kvviz.engine.encode_prompt(tokenizer, PROMPT, chat=False))
     budget = prompt_len + 5
-    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, budget, 20, False, *GREEDY,
+    result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, budget, 20, False, *GREEDY, "",
                             api_name="/compare")
     runs = [kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=budget, max_new_tokens=20)
             for name in ("inertia", "streaming")]
@@ -747,7 +901,7 @@ def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny)
     sizes = [e.cache_size for e in runs[0].trace.events]
     assert sizes[5] == budget and sizes[-1] == budget and not any(len(e.evicted) for e in runs[0].trace.events[:5])
     with pytest.raises(Exception, match="nothing would be evicted"):
-        client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, prompt_len + 19, 20, False, *GREEDY,
+        client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, prompt_len + 19, 20, False, *GREEDY, "",
                        api_name="/compare")
     # The same through the API, whose optional last argument is the budget in tokens.
     job = client.submit(PROMPT, "inertia", 0.5, 20, False, TINY, "{}", budget, api_name="/generate")
@@ -795,7 +949,7 @@ def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
     model, tokenizer = tiny
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     sampling = dict(temperature=0.9, top_p=0.9, seed=7)
-    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *sampling.values(), *widgets,
+    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *sampling.values(), *widgets, "",
                           api_name="/live")
     expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10, **sampling)
     greedy = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10)
@@ -806,7 +960,7 @@ def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
     assert "sampled at temperature 0.9, top-p 0.9, seed 7" in opened[1].split("\n")[0]
 
     result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False,
-                            *sampling.values(), api_name="/compare")
+                            *sampling.values(), "", api_name="/compare")
     for text, name in zip(result[:2], ("inertia", "streaming")):
         run = kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=12, **sampling)
         assert text["value"] == "".join(e.text for e in run.trace.events)

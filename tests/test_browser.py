@@ -107,7 +107,7 @@ def test_run_watch_scrub(page):
     page.screenshot(path=str(ARTIFACTS / "live-scrubbed.png"), full_page=True)
 
 
-def test_stop_cancels_a_long_run(page):
+def test_stop_cancels_a_long_run_and_leaves_what_ran_to_scrub(page):
     set_inputs(page, 3000)
     page.locator("#live-run").click()
     # The last run's views stay up until this one passes its checks; its first update hides the scrubber.
@@ -128,8 +128,16 @@ def test_stop_cancels_a_long_run(page):
     assert time.time() - stable_since > 2.5, "text kept growing after Stop"
     time.sleep(2.0)
     assert generated_text(page) == last
-    assert not page.get_by_text("Scrub to step").is_visible()  # only a run that finished offers the scrubber
+    # What ran stays to be read as a finished run's is: the scrubber over its steps, its trace's download.
+    page.get_by_text("Scrub to step").wait_for(timeout=60_000)
+    page.get_by_text("stopped", exact=True).wait_for(timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "live-stopped.png"), full_page=True)
+    page.locator("a[href*='trace-inertia.parquet']").first.wait_for(timeout=30_000)
+    # Run again: the next click gets a new ticket, and its run goes to its end.
+    set_inputs(page, 12)
+    page.locator("#live-run").click()
+    page.wait_for_function("() => document.body.innerText.includes('tokens 12 / 12') && "
+                           "!document.body.innerText.includes('stopped ·')", timeout=60_000)
 
 
 def test_results_tab_shows_figures_and_filters(page):
@@ -234,3 +242,27 @@ def test_a_typed_setting_compares_one_policy_at_two_values(page):
     page.get_by_label("Comparisons from the papers").click()
     page.get_by_role("option", name="EMA strength α", exact=False).click()
     page.get_by_text("inertia alpha=0.95", exact=True).wait_for(timeout=10_000)
+
+
+def test_a_stopped_comparison_shows_and_zips_what_ran(page):
+    """Stop in the Compare tab: the runs so far, cut to the steps all of them made, their divergence lines,
+    the zip of their traces and the fates, as a comparison that had ended there."""
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_label("Prompt").nth(1).fill(PROMPT)
+    max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
+    max_new.nth(1).fill("3000")
+    max_new.nth(1).press("Enter")
+    page.get_by_label("Comparisons from the papers").click()
+    page.get_by_role("option", name="InertiaKV against TOVA", exact=False).click()
+    page.get_by_text("StreamingLLM (streaming)", exact=True).wait_for(timeout=10_000)
+    page.get_by_role("button", name="Compare", exact=True).click()
+    # This comparison's own progress (the panels of the last one are still up), then a few of its steps.
+    page.wait_for_function("() => document.querySelector('.generating') !== null", timeout=60_000)
+    time.sleep(1.0)
+    page.evaluate("document.querySelector('#compare-stop').click()")  # as the Live tab's Stop test does
+    page.get_by_text("stopped after", exact=False).wait_for(timeout=60_000)
+    page.locator("a[download='comparison.zip']").wait_for(timeout=30_000)
+    page.get_by_label("Fate per policy").first.wait_for(timeout=30_000)
+    time.sleep(2.0)  # nothing may land over it
+    assert page.get_by_text("stopped after", exact=False).is_visible() and page.locator(".generating").count() == 0
+    page.screenshot(path=ARTIFACTS / "compare-stopped.png", full_page=True)

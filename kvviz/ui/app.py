@@ -3,7 +3,8 @@
 Handlers consume the engine's step events and nothing else.  Every input is validated before any model
 work starts and a bad one is refused with what to change (``gr.Error``); anything else that goes wrong
 reaches the user as a one-line message too (its traceback goes to the server log only).  A run that
-fails or is stopped drops its state and the server keeps serving.
+fails drops its state; one that is stopped ends between two steps and is shown and saved as far as it
+got; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Iterator
 import tempfile
 import threading
 import time
+import uuid
+import weakref
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +227,122 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling)
 
 
+@dataclass
+class Progress:
+    """A run (the Live tab's) or comparison (the Compare tab's) as far as it has got: its views and texts and
+    what their traces record.  Stop ends it between two steps, and it is then shown and saved as far as it got."""
+
+    prompt_ids: list[int]
+    budget: int
+    max_new_tokens: int
+    model_name: str
+    dtype: str
+    sampling: dict
+    settings: dict[str, tuple[str, dict]]  # label -> (registry name, parameters)
+    views: dict[str, RunView]
+    texts: dict[str, str]
+    ends: set[int]  # end-of-sequence ids: a policy that produced one had finished before Stop came
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, request: Request, model_name: str, policies: dict[str, Policy], tokens: list[str]) -> "Progress":
+        views = {label: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens,
+                                policy.pinned(request.budget)) for label, policy in policies.items()}
+        settings = {label: (label.split()[0], policy.params()) for label, policy in policies.items()}
+        return cls(request.prompt_ids, request.budget, request.max_new_tokens, model_name, model_dtype(request.model),
+                   request.sampling, settings, views, {label: "" for label in policies},
+                   engine.eos_ids(request.model, request.tokenizer))
+
+    def add(self, label: str, event) -> None:
+        self.views[label].add(event, event.text)
+        self.texts[label] += event.text
+
+    def trace(self, label: str) -> Trace:
+        name, params = self.settings[label]
+        return Trace(self.prompt_ids, self.budget, name, params, self.model_name, self.views[label].events,
+                     self.sampling, self.dtype)
+
+    def finished(self, label: str) -> bool:
+        events = self.views[label].events
+        return bool(events) and (events[-1].new_token_id in self.ends or len(events) == self.max_new_tokens)
+
+    def running(self) -> list[str]:
+        return [label for label in self.views if not self.finished(label)]
+
+    def level(self) -> bool:
+        """Whether the policies still decoding have all made the same steps, at least one: where a stopped
+        comparison ends (its interleaved steps otherwise leave one policy a step ahead)."""
+        steps = {self.views[label].steps for label in self.running()}
+        return len(steps) <= 1 and 0 not in steps
+
+
+_tickets: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Ticket, while a session holds it
+
+
+class Ticket(threading.Event):
+    """One run's stop switch: Stop sets it, and the run ends before its next step, showing what ran (or,
+    stopped while queued or checked, does nothing when its turn comes).  Not Gradio's cancel, which drops the
+    run's last update, where the run so far is shown."""
+
+    def __init__(self):
+        super().__init__()
+        self.id = uuid.uuid4().hex
+        self.claimed = False  # a run goes by it: a ticket starts one run at most
+        self.done = False  # that run is over
+        _tickets[self.id] = self
+
+
+class Tickets:
+    """A session's tickets (held in its State, never replaced): one a click, all of them set by Stop."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: list[Ticket] = []
+
+    def issue(self, ticket: Ticket | None = None) -> Ticket:
+        with self._lock:
+            self._held = [held for held in self._held if not (held.is_set() or held.done)]
+            ticket = ticket or Ticket()
+            self._held.append(ticket)
+            return ticket
+
+    def stop(self) -> None:
+        with self._lock:
+            for ticket in self._held:
+                ticket.set()
+            self._held = []
+
+
+def button_ticket(tickets: Tickets | None) -> tuple[Tickets, str]:
+    """A Run (Compare) click, before its check: a new ticket, and its id in a hidden field that the run is
+    sent with, so that a run waiting in the queue goes by its own click's ticket."""
+    tickets = tickets or Tickets()
+    return tickets, tickets.issue().id
+
+
+def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Tickets | None]:
+    """The ticket a starting run goes by, or None if Stop came before it started (or its ticket already
+    started a run), and the session's holder if it was made here.  An API call sends no id (""): it gets a
+    ticket of its own in the session's holder (made here for its first call, and kept by the run's first
+    update), which /stop_live or /stop_compare then sets."""
+    if not isinstance(ticket_id, str):
+        raise TypeError(f"the last input is the run's ticket id (a string, '' for an API call), got {ticket_id!r}")
+    made = None
+    if not ticket_id:
+        made = None if tickets is not None else Tickets()
+        return (made or tickets).issue(), made
+    ticket = _tickets.get(ticket_id)
+    if ticket is None or ticket.is_set() or ticket.claimed:
+        return None, None
+    ticket.claimed = True
+    return ticket, None
+
+
+def request_stop(tickets: Tickets | None) -> None:
+    if tickets is not None:
+        tickets.stop()
+
+
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
@@ -360,28 +479,36 @@ def check_trace(path) -> None:
 
 def make_live_handler(limits: Limits):
     def live_run(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat,
-                 temperature, top_p, seed, *param_values):
+                 temperature, top_p, seed, *values):
+        *param_values, ticket_id, tickets = values  # the widgets, the ticket id its click made, the session's
+        ticket, made = run_ticket(ticket_id, tickets)
+        if ticket is None:  # stopped while queued or checked: leave every view as it is
+            yield (gr.skip(),) * 12
+            return
         try:
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
                                [policy], temperature, top_p, seed)
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))  # fresh state
+            run = Progress.start(request, model_name, {policy_name: policy},
+                                 token_texts(request.tokenizer, request.prompt_ids))
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
             raise unexpected("starting the run", error) from None
-        view = RunView(len(request.prompt_ids), request.max_new_tokens, request.budget,
-                       token_texts(request.tokenizer, request.prompt_ids), policy.pinned(request.budget))
-        text, last_figure, last_secondary, last_fate, start = "", 0.0, 0.0, 0.0, time.perf_counter()
-        # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming.
+        view = run.views[policy_name]
+        last_figure, last_secondary, last_fate = 0.0, 0.0, 0.0
+        # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming (and keep
+        # the session's tickets if this API call made them).
         yield ("", "", None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
-               None, None)
+               None, None, made or gr.skip())
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
                                        budget=request.budget, max_new_tokens=request.max_new_tokens,
                                        sampler=request.sampler()):
-                view.add(event, event.text)
-                text += event.text
+                run.add(policy_name, event)
+                if ticket.is_set():
+                    break
                 now = time.perf_counter()
                 if now - last_figure >= FIGURE_EVERY_S:
                     last_figure = now
@@ -393,21 +520,34 @@ def make_live_handler(limits: Limits):
                         last_secondary, rank, timeline = now, view.rank_figure(), view.timeline_figure()
                     if now - last_fate >= 10 * FIGURE_EVERY_S:
                         last_fate, fate = now, view.fate_html()
-                    yield (text, stats_markdown(view, now - start), view.retention_figure(), rank, timeline, fate,
-                           gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                    yield (run.texts[policy_name], stats_markdown(view, now - run.started), view.retention_figure(),
+                           rank, timeline, fate, *[gr.skip()] * 6)
                 else:
-                    yield (text, *[gr.skip()] * 10)
-            trace = Trace(request.prompt_ids, request.budget, policy_name, policy.params(), model_name, view.events,
-                          request.sampling, model_dtype(request.model))
-            path = download_folder() / f"trace-{policy_name}.parquet"
-            trace.save(path)
-            yield finished_outputs(view, trace, text, stats_markdown(view, time.perf_counter() - start), path)
+                    yield (run.texts[policy_name], *[gr.skip()] * 11)
+            yield (*live_result(run, stopped=ticket.is_set()), gr.skip())
         except Exception as error:  # the run failed: say so, keep serving
             raise unexpected("generation", error) from None
         finally:
+            ticket.done = True
             release_memory()
 
     return live_run
+
+
+def live_result(run: Progress, stopped: bool = False) -> tuple:
+    """The Live tab once its run has ended or been stopped: every view, the scrubber and the trace's download
+    (the views come whether or not the trace could be written)."""
+    (label, view), = run.views.items()
+    trace = run.trace(label)
+    try:
+        path = download_folder() / f"trace-{label}.parquet"
+        trace.save(path)
+    except Exception:  # noqa: BLE001 -- logged; a full disk costs the download only
+        log.exception("saving the run's trace")
+        path = None
+    note = "**stopped** · " if stopped and not run.finished(label) else ""
+    return finished_outputs(view, trace, run.texts[label],
+                            note + stats_markdown(view, time.perf_counter() - run.started), path)
 
 
 def finished_outputs(view: RunView, trace: Trace, text: str, stats: str, path: Path | None) -> tuple:
@@ -498,49 +638,64 @@ def decision_views(view: RunView, step) -> tuple:
 
 def make_compare_handler(limits: Limits):
     def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
-                    temperature=0.0, top_p=1.0, seed=0):
+                    temperature=0.0, top_p=1.0, seed=0, ticket_id="", tickets=None):
+        ticket, made = run_ticket(ticket_id, tickets)
+        if ticket is None:  # stopped while queued or checked: leave every view as it is
+            yield (gr.skip(),) * 13
+            return
         try:
             settings = compare_settings(names)
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
                                list(build_policies(settings).values()), temperature, top_p, seed)
             policies = build_policies(settings)  # fresh state
             names = list(settings)
+            run = Progress.start(request, model_name, policies, token_texts(request.tokenizer, request.prompt_ids))
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
             raise unexpected("starting the comparison", error) from None
-        tokens = token_texts(request.tokenizer, request.prompt_ids)
-        views = {name: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens,
-                               policies[name].pinned(request.budget)) for name in names}
-        texts = {name: "" for name in names}
         last_figure = 0.0
         # The last comparison's download and state go now, not when this one ends.
-        yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None)
+        yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None, made or gr.skip())
         try:
             # Sampled, every policy draws the same random stream: where their next-token distributions agree
             # they pick the same token, so the first divergence is still the eviction's doing.
             for name, event in engine.decode_many(request.model, request.tokenizer, request.prompt_ids, policies,
                                                   budget=request.budget, max_new_tokens=request.max_new_tokens,
                                                   sampler_args=request.sampling):
-                views[name].add(event)
-                texts[name] += event.text
+                run.add(name, event)
+                if ticket.is_set() and run.level():  # every policy still decoding has made this step
+                    break
                 now = time.perf_counter()
                 refresh = now - last_figure >= 4 * FIGURE_EVERY_S
                 if refresh:
                     last_figure = now
-                yield _compare_outputs(names, texts, views, request.tokenizer, figures=refresh, final=False)
-            try:  # the comparison is shown whether or not its download could be written
-                download = gr.update(value=str(save_comparison(request, model_name, policies, views)), visible=True)
-            except Exception:  # noqa: BLE001 -- logged; the figures, fates and diagnostics still come
-                log.exception("saving the comparison's traces")
-                download = gr.skip()
-            yield _compare_outputs(names, texts, views, request.tokenizer, figures=True, final=True, download=download)
+                yield (*_compare_outputs(names, run.texts, run.views, figures=refresh, final=False), gr.skip())
+            yield (*comparison_result(run, stopped=ticket.is_set()), gr.skip())
         except Exception as error:
             raise unexpected("the comparison", error) from None
         finally:
+            ticket.done = True
             release_memory()
 
     return compare_run
+
+
+def comparison_result(run: Progress, stopped: bool = False) -> tuple:
+    """The Compare tab once its comparison has ended or been stopped: every panel, the divergence and
+    Jaccard lines and the zip of its traces (shown whether or not that zip could be written)."""
+    running = run.running()
+    note = (f"**stopped** after {run.views[running[0]].steps} of {run.max_new_tokens} tokens (runs that had "
+            "ended are whole)\n\n" if stopped and running else "")
+    try:
+        download = gr.update(value=str(save_comparison(run)), visible=True)
+    except Exception:  # noqa: BLE001 -- logged; the figures, fates and diagnostics still come
+        log.exception("saving the comparison's traces")
+        download = gr.skip()
+    outputs = list(_compare_outputs(list(run.views), run.texts, run.views, figures=True, final=True,
+                                    download=download))
+    outputs[8] = note + outputs[8]  # the divergence lines
+    return tuple(outputs)
 
 
 def download_folder() -> Path:
@@ -552,22 +707,20 @@ def download_folder() -> Path:
     return Path(tempfile.mkdtemp(dir=DOWNLOADS))
 
 
-def save_comparison(request: Request, model_name: str, policies: dict[str, Policy], views: dict[str, RunView]) -> Path:
+def save_comparison(run: Progress) -> Path:
     """Every compared run as its own trace (the Live tab's format, so each opens there), zipped in order;
     each file is named by its label and records the registry name and parameters that label stands for."""
     archive = download_folder() / "comparison.zip"
     with zipfile.ZipFile(archive, "w") as bundle, tempfile.TemporaryDirectory() as staging:
-        for index, (label, policy) in enumerate(policies.items(), start=1):
-            trace = Trace(request.prompt_ids, request.budget, label.split()[0], policy.params(), model_name,
-                          views[label].events, request.sampling, model_dtype(request.model))
+        for index, label in enumerate(run.views, start=1):
             # The index keeps names unique; 80 characters keep a long layer list under the file system's limit.
             path = Path(staging) / f"{index}-{re.sub(r'[^A-Za-z0-9.=_-]+', '_', label)[:80]}.parquet"
-            trace.save(path)
+            run.trace(label).save(path)
             bundle.write(path, path.name)
     return archive
 
 
-def _compare_outputs(names, texts, views, tokenizer, figures: bool, final: bool, download=None):
+def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None):
     slots = 4
     out = []
     for i in range(slots):
@@ -922,11 +1075,18 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             detail]
             # Its progress shows under the prompt (the first run's check loads the model, which takes a while);
             # after a refusal the prompt's token count replaces it there, and the last run's views stay.
-            checked = run.click(make_live_check(limits), inputs, None, api_name=False, show_progress_on=prompt_size)
-            live = checked.success(make_live_handler(limits), inputs, live_outputs,
-                                   concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="live",
+            # The button first makes the run's stop switch (read by the run when it starts), then checks.
+            live_ticket, live_ticket_id = gr.State(None), gr.Textbox("", visible=False)  # "": an API call
+            ticketed = run.click(button_ticket, live_ticket, [live_ticket, live_ticket_id], queue=False, api_name=False)
+            checked = ticketed.then(make_live_check(limits), inputs, None, api_name=False, show_progress_on=prompt_size)
+            live = checked.success(make_live_handler(limits), [*inputs, live_ticket_id, live_ticket],
+                                   [*live_outputs, live_ticket], concurrency_limit=limits.runs_per_model,
+                                   concurrency_id="model", api_name="live",
                                    api_visibility="undocumented")  # the API is /generate; /live drives the widgets
-            stop.click(None, cancels=[checked, live])  # a click during the check stops the run before it starts
+            # The run ends before its next step and shows what ran; one still checked or queued does nothing.
+            # Not queued, so that a full queue cannot hold Stop up.
+            stop.click(request_stop, live_ticket, None, queue=False, api_name="stop_live", api_visibility="undocumented",
+                       cancels=[checked])
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
             trace_checked = saved.upload(check_trace, saved, None, api_name=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
@@ -975,7 +1135,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         _run_settings(limits, 0.75, 48)
                     with gr.Row():
                         c_run = gr.Button("Compare", variant="primary")
-                        c_stop = gr.Button("Stop")
+                        c_stop = gr.Button("Stop", elem_id="compare-stop")
                 with gr.Column(scale=3):
                     with gr.Row():
                         c_texts = [gr.Textbox(label=f"policy {i + 1}", lines=6, visible=i < 3) for i in range(4)]
@@ -1029,17 +1189,20 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
                         c_temperature, c_top_p, c_seed]
             compare_check = make_compare_check(limits)
-            c_checked = c_run.click(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
+            c_ticket, c_ticket_id = gr.State(None), gr.Textbox("", visible=False)  # as in the Live tab
+            c_ticketed = c_run.click(button_ticket, c_ticket, [c_ticket, c_ticket_id], queue=False, api_name=False)
+            c_checked = c_ticketed.then(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
             c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
-            compare = c_checked.success(make_compare_handler(limits), c_inputs,
-                                        [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state],
+            compare = c_checked.success(make_compare_handler(limits), [*c_inputs, c_ticket_id, c_ticket],
+                                        [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state, c_ticket],
                                         concurrency_limit=limits.runs_per_model, concurrency_id="model",
                                         api_name="compare", api_visibility="undocumented")
-            c_stop.click(None, cancels=[c_checked, compare])
+            c_stop.click(request_stop, c_ticket, None, queue=False, api_name="stop_compare",
+                         api_visibility="undocumented", cancels=[c_checked])
             c_checked.success(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False,
                               queue=False)
-            compare.then(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False)
             c_checked.success(lambda: compare_diagnostics(None), None, c_diagnostics, api_name=False, queue=False)
+            compare.then(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False)
             compare.then(compare_diagnostics, c_state, c_diagnostics, api_name=False)
             c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
                             trigger_mode="always_last")
