@@ -140,6 +140,25 @@ def test_stop_cancels_a_long_run_and_leaves_what_ran_to_scrub(page):
                            "!document.body.innerText.includes('stopped ·')", timeout=60_000)
 
 
+def test_a_second_click_while_running_is_stopped_with_the_first(page):
+    """Run, Run again while it runs, Stop: the run shows what it ran and nothing starts after it."""
+    page.get_by_role("tab", name="Live").click()
+    set_inputs(page, 3000)
+    page.locator("#live-run").click()
+    page.get_by_text("Scrub to step").wait_for(state="hidden", timeout=60_000)
+    deadline = time.time() + 60
+    while len(generated_text(page)) < 5 and time.time() < deadline:
+        time.sleep(0.2)
+    page.evaluate("document.querySelector('#live-run').click()")
+    time.sleep(0.5)
+    page.evaluate("document.querySelector('#live-stop').click()")
+    page.get_by_text("Scrub to step").wait_for(timeout=60_000)
+    stopped = generated_text(page)
+    time.sleep(4.0)
+    assert generated_text(page) == stopped and page.get_by_text("Scrub to step").is_visible()
+    assert page.evaluate("() => document.body.innerText.includes('stopped ·')")
+
+
 def test_results_tab_shows_figures_and_filters(page):
     page.get_by_role("tab", name="Results").click()
     page.get_by_text("Quality vs compression").first.wait_for(timeout=30_000)
