@@ -200,7 +200,8 @@ def test_stop_cuts_a_comparison_to_the_steps_every_policy_made_and_zips_them(cli
 def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_its_own_click(tiny):
     """Each click gets a ticket of its own; Stop sets every ticket the session holds, so a run stopped while it
     waits in the queue (or is checked) leaves every view as it is when its turn comes, even after a later
-    click; a ticket starts one run at most; an API call (no id) goes by a ticket of its own."""
+    click (and when none decodes, Stop also cancels what waits); a ticket starts one run at most; an API
+    call (no id) goes by a ticket of its own."""
     import gradio as gr
 
     from kvviz.ui.app import (PARAM_NAMES, PARAMETERS, _models, button_ticket, make_compare_handler,
@@ -212,14 +213,15 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     same, queued = button_ticket(tickets)  # a second click while the first run runs
     assert same is tickets and queued != running
     assert run_ticket(running, tickets)[0].id == running and run_ticket(running, tickets) == (None, None)  # once
-    request_stop(tickets)
+    assert request_stop(tickets) == gr.skip()  # a run decodes: it ends by itself, showing what it ran
     _, later = button_ticket(tickets)  # the next click, after Stop
     defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
     live = make_live_handler(limits)
     assert list(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, queued,
                      tickets)) == [(gr.skip(),) * 12]
     _, compared = button_ticket(tickets)
-    request_stop(tickets)
+    cancel = request_stop(tickets)  # none decodes: the hidden field changes, cancelling what waits in the queue
+    assert isinstance(cancel, float) and request_stop(tickets) != cancel
     assert list(make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False,
                                              *GREEDY, ticket_id=compared, tickets=tickets)) == [(gr.skip(),) * 13]
     assert run_ticket(later, tickets) == (None, None)  # stopped too: Stop came after its click

@@ -159,6 +159,34 @@ def test_a_second_click_while_running_is_stopped_with_the_first(page):
     assert page.evaluate("() => document.body.innerText.includes('stopped ·')")
 
 
+def test_stop_takes_a_queued_run_out_of_the_queue(page, app_url):
+    """While another session (an API client here) holds the model, a run waits in the queue; Stop takes it
+    out, so that the next Run click is queued in its place (not dropped as a click while a run is pending)
+    and runs once the other session's run ends."""
+    from gradio_client import Client
+
+    job = Client(app_url, verbose=False).submit(PROMPT, "inertia", 0.5, 3000, False, TINY, "{}",
+                                                api_name="/generate")
+    try:
+        deadline = time.time() + 60
+        while len(job.outputs()) < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        page.get_by_role("tab", name="Live").click()
+        set_inputs(page, 3000)
+        page.locator("#live-run").click()
+        time.sleep(2.0)  # checked, then queued behind the other session's run
+        page.evaluate("document.querySelector('#live-stop').click()")
+        time.sleep(1.0)
+        set_inputs(page, 12)
+        page.locator("#live-run").click()
+        time.sleep(2.0)
+        assert not job.done()  # the other session still held the model
+    finally:
+        job.cancel()
+    page.wait_for_function("() => document.body.innerText.includes('tokens 12 / 12') && "
+                           "!document.body.innerText.includes('stopped ·')", timeout=60_000)
+
+
 def test_results_tab_shows_figures_and_filters(page):
     page.get_by_role("tab", name="Results").click()
     page.get_by_text("Quality vs compression").first.wait_for(timeout=30_000)

@@ -306,11 +306,14 @@ class Tickets:
             self._held.append(ticket)
             return ticket
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Set every ticket; whether a run of this session was decoding (it then ends by itself)."""
         with self._lock:
+            running = any(ticket.claimed and not ticket.done for ticket in self._held)
             for ticket in self._held:
                 ticket.set()
             self._held = []
+            return running
 
 
 def button_ticket(tickets: Tickets | None) -> tuple[Tickets, str]:
@@ -338,9 +341,13 @@ def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Ticke
     return ticket, None
 
 
-def request_stop(tickets: Tickets | None) -> None:
-    if tickets is not None:
-        tickets.stop()
+def request_stop(tickets: Tickets | None):
+    """Stop: every ticket of the session set.  When no run of it is decoding, a new value for the hidden
+    field whose change cancels the Run's events: a run waiting in the queue then leaves it (and the next Run
+    click is not dropped while it would have waited), which its set ticket alone would only do at its turn."""
+    if tickets is None or tickets.stop():
+        return gr.skip()
+    return time.time()
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
@@ -1085,8 +1092,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                    api_visibility="undocumented")  # the API is /generate; /live drives the widgets
             # The run ends before its next step and shows what ran; one still checked or queued does nothing.
             # Not queued, so that a full queue cannot hold Stop up.
-            stop.click(request_stop, live_ticket, None, queue=False, api_name="stop_live", api_visibility="undocumented",
-                       cancels=[checked])
+            live_cancel = gr.Number(0, visible=False)
+            stop.click(request_stop, live_ticket, live_cancel, queue=False, api_name="stop_live",
+                       api_visibility="undocumented", cancels=[checked])
+            live_cancel.change(None, cancels=[live])  # a decoding run is never cancelled: it shows what it ran
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
             trace_checked = saved.upload(check_trace, saved, None, api_name=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
@@ -1197,8 +1206,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                         [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state, c_ticket],
                                         concurrency_limit=limits.runs_per_model, concurrency_id="model",
                                         api_name="compare", api_visibility="undocumented")
-            c_stop.click(request_stop, c_ticket, None, queue=False, api_name="stop_compare",
+            c_cancel = gr.Number(0, visible=False)
+            c_stop.click(request_stop, c_ticket, c_cancel, queue=False, api_name="stop_compare",
                          api_visibility="undocumented", cancels=[c_checked])
+            c_cancel.change(None, cancels=[compare])
             c_checked.success(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False,
                               queue=False)
             c_checked.success(lambda: compare_diagnostics(None), None, c_diagnostics, api_name=False, queue=False)
