@@ -554,7 +554,11 @@ def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    from kvviz.ui.app import Tickets
+
     updates = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False)
+    first = next(updates)  # an API call's first in its session: only its tickets, before the checks
+    assert isinstance(first[-1], Tickets) and all(u == {"__type__": "update"} for u in first[:-1])
     assert next(updates)[-2] is None  # the state output, before any step
     *_, last = updates
     assert set(last[-2]) == {"inertia", "tova"}

@@ -326,8 +326,8 @@ def button_ticket(tickets: Tickets | None) -> tuple[Tickets, str]:
 def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Tickets | None]:
     """The ticket a starting run goes by, or None if Stop came before it started (or its ticket already
     started a run), and the session's holder if it was made here.  An API call sends no id (""): it gets a
-    ticket of its own in the session's holder (made here for its first call, and kept by the run's first
-    update), which /stop_live or /stop_compare then sets."""
+    ticket of its own in the session's holder (made here for the session's first call, and kept by the run's
+    first update, before its checks), which /stop_live or /stop_compare then sets."""
     if not isinstance(ticket_id, str):
         raise TypeError(f"the last input is the run's ticket id (a string, '' for an API call), got {ticket_id!r}")
     made = None
@@ -492,6 +492,8 @@ def make_live_handler(limits: Limits):
         if ticket is None:  # stopped while queued or checked: leave every view as it is
             yield (gr.skip(),) * 12
             return
+        if made:  # an API call's first run in its session: from now on /stop_live reaches it
+            yield (*[gr.skip()] * 11, made)
         try:
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
@@ -505,10 +507,9 @@ def make_live_handler(limits: Limits):
             raise unexpected("starting the run", error) from None
         view = run.views[policy_name]
         last_figure, last_secondary, last_fate = 0.0, 0.0, 0.0
-        # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming (and keep
-        # the session's tickets if this API call made them).
+        # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming.
         yield ("", "", None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
-               None, None, made or gr.skip())
+               None, None, gr.skip())
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
                                        budget=request.budget, max_new_tokens=request.max_new_tokens,
@@ -650,6 +651,8 @@ def make_compare_handler(limits: Limits):
         if ticket is None:  # stopped while queued or checked: leave every view as it is
             yield (gr.skip(),) * 13
             return
+        if made:  # as in the Live tab: /stop_compare reaches it from now on
+            yield (*[gr.skip()] * 12, made)
         try:
             settings = compare_settings(names)
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
@@ -663,7 +666,7 @@ def make_compare_handler(limits: Limits):
             raise unexpected("starting the comparison", error) from None
         last_figure = 0.0
         # The last comparison's download and state go now, not when this one ends.
-        yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None, made or gr.skip())
+        yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None, gr.skip())
         try:
             # Sampled, every policy draws the same random stream: where their next-token distributions agree
             # they pick the same token, so the first divergence is still the eviction's doing.
