@@ -104,15 +104,18 @@ def test_parameter_widgets_take_the_selected_policys_meaning():
     assert policy_from_inputs("inertia", {"refresh": 4.0, "sinks": 3}).refresh == 4  # other policies' widgets ignored
 
 
-def test_a_run_cancelled_half_way_stops_frees_its_cache_and_the_server_keeps_serving(client):
+def live_caches() -> int:
+    """Evicting caches alive in this process (a run that let go of its own leaves none)."""
     import gc
-    import time
 
     from kvviz.engine import EvictingCache
 
-    def live_caches() -> int:
-        gc.collect()
-        return sum(type(o) is EvictingCache for o in gc.get_objects())
+    gc.collect()
+    return sum(type(o) is EvictingCache for o in gc.get_objects())
+
+
+def test_a_run_cancelled_half_way_stops_frees_its_cache_and_the_server_keeps_serving(client):
+    import time
 
     before = live_caches()
     job = client.submit(PROMPT, "inertia", 0.5, 3000, False, TINY, "{}", api_name="/generate")
@@ -239,15 +242,9 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
 
 def test_memory_is_freed_after_stop(client):
     """A stopped run lets go of its cache like a finished one."""
-    import gc
     import time
 
-    from kvviz.engine import EvictingCache
     from kvviz.ui.app import PARAM_NAMES, PARAMETERS
-
-    def live_caches() -> int:
-        gc.collect()
-        return sum(type(o) is EvictingCache for o in gc.get_objects())
 
     before = live_caches()
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]

@@ -71,6 +71,22 @@ def set_inputs(page, max_new_tokens: int) -> None:
     page.get_by_label("Chat template").uncheck()
 
 
+def start_a_long_run(page) -> None:
+    """Run for 3000 tokens and wait until its text streams."""
+    set_inputs(page, 3000)
+    page.locator("#live-run").click()
+    # The last run's views stay up until this one passes its checks; its first update hides the scrubber.
+    page.get_by_text("Scrub to step").wait_for(state="hidden", timeout=60_000)
+    deadline = time.time() + 60
+    while len(generated_text(page)) < 5 and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def wait_for_a_run_to_its_end(page, tokens: int) -> None:
+    page.wait_for_function(f"() => document.body.innerText.includes('tokens {tokens} / {tokens}') && "
+                           "!document.body.innerText.includes('stopped ·')", timeout=60_000)
+
+
 def test_run_watch_scrub(page):
     set_inputs(page, 48)
     page.locator("#live-run").click()
@@ -108,13 +124,7 @@ def test_run_watch_scrub(page):
 
 
 def test_stop_cancels_a_long_run_and_leaves_what_ran_to_scrub(page):
-    set_inputs(page, 3000)
-    page.locator("#live-run").click()
-    # The last run's views stay up until this one passes its checks; its first update hides the scrubber.
-    page.get_by_text("Scrub to step").wait_for(state="hidden", timeout=60_000)
-    deadline = time.time() + 60
-    while len(generated_text(page)) < 5 and time.time() < deadline:
-        time.sleep(0.2)
+    start_a_long_run(page)
     # A DOM click: no scrolling or hit-testing while the outputs re-render under the button.
     page.evaluate("document.querySelector('#live-stop').click()")
     last, stable_since, deadline = generated_text(page), time.time(), time.time() + 30
@@ -136,19 +146,13 @@ def test_stop_cancels_a_long_run_and_leaves_what_ran_to_scrub(page):
     # Run again: the next click gets a new ticket, and its run goes to its end.
     set_inputs(page, 12)
     page.locator("#live-run").click()
-    page.wait_for_function("() => document.body.innerText.includes('tokens 12 / 12') && "
-                           "!document.body.innerText.includes('stopped ·')", timeout=60_000)
+    wait_for_a_run_to_its_end(page, 12)
 
 
 def test_a_second_click_while_running_is_stopped_with_the_first(page):
     """Run, Run again while it runs, Stop: the run shows what it ran and nothing starts after it."""
     page.get_by_role("tab", name="Live").click()
-    set_inputs(page, 3000)
-    page.locator("#live-run").click()
-    page.get_by_text("Scrub to step").wait_for(state="hidden", timeout=60_000)
-    deadline = time.time() + 60
-    while len(generated_text(page)) < 5 and time.time() < deadline:
-        time.sleep(0.2)
+    start_a_long_run(page)
     page.evaluate("document.querySelector('#live-run').click()")
     time.sleep(0.5)
     page.evaluate("document.querySelector('#live-stop').click()")
@@ -183,8 +187,7 @@ def test_stop_takes_a_queued_run_out_of_the_queue(page, app_url):
         assert not job.done()  # the other session still held the model
     finally:
         job.cancel()
-    page.wait_for_function("() => document.body.innerText.includes('tokens 12 / 12') && "
-                           "!document.body.innerText.includes('stopped ·')", timeout=60_000)
+    wait_for_a_run_to_its_end(page, 12)
 
 
 def test_results_tab_shows_figures_and_filters(page):

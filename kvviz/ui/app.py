@@ -299,12 +299,11 @@ class Tickets:
         self._lock = threading.Lock()
         self._held: list[Ticket] = []
 
-    def issue(self, ticket: Ticket | None = None) -> Ticket:
+    def issue(self) -> Ticket:
         with self._lock:
             self._held = [held for held in self._held if not (held.is_set() or held.done)]
-            ticket = ticket or Ticket()
-            self._held.append(ticket)
-            return ticket
+            self._held.append(Ticket())
+            return self._held[-1]
 
     def stop(self) -> bool:
         """Set every ticket; whether a run of this session was decoding (it then ends by itself)."""
@@ -330,9 +329,8 @@ def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Ticke
     first update, before its checks), which /stop_live or /stop_compare then sets."""
     if not isinstance(ticket_id, str):
         raise TypeError(f"the last input is the run's ticket id (a string, '' for an API call), got {ticket_id!r}")
-    made = None
     if not ticket_id:
-        made = None if tickets is not None else Tickets()
+        made = Tickets() if tickets is None else None
         return (made or tickets).issue(), made
     ticket = _tickets.get(ticket_id)
     if ticket is None or ticket.is_set() or ticket.claimed:
@@ -1093,7 +1091,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                    [*live_outputs, live_ticket], concurrency_limit=limits.runs_per_model,
                                    concurrency_id="model", api_name="live",
                                    api_visibility="undocumented")  # the API is /generate; /live drives the widgets
-            # The run ends before its next step and shows what ran; one still checked or queued does nothing.
+            # The run ends before its next step and shows what ran; one still checked or queued is cancelled.
             # Not queued, so that a full queue cannot hold Stop up.
             live_cancel = gr.Number(0, visible=False)
             stop.click(request_stop, live_ticket, live_cancel, queue=False, api_name="stop_live",
