@@ -106,6 +106,69 @@ def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_pa
     assert all(row["decode_tok_s"] > 0 for row in rows if "error" not in row)
 
 
+def test_speed_bench_names_the_error_a_failed_capture_masks_and_prints_where_it_failed(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from kvviz.bench import speed
+
+    def masked(*args, **kwargs):  # what torch.cuda.graph's exit does to an error raised inside the capture
+        try:
+            raise IndexError("index 7 is out of bounds")
+        except IndexError:
+            raise RuntimeError("operation failed due to a previous error during capture") from None
+
+    def caused(*args, **kwargs):
+        try:
+            raise IndexError("index 7 is out of bounds")
+        except IndexError as error:
+            raise RuntimeError("capture failed") from error
+
+    for function in (masked, caused):
+        monkeypatch.setattr(speed, "time_static", function)
+        out = tmp_path / "speed.jsonl"
+        assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "3", "--repeats", "1",
+                     "--compile", "off", "--policies", "full", "--out", str(out)]) == 0
+        failed = [json.loads(line) for line in out.read_text().splitlines()[1:] if '"error"' in line]
+        assert len(failed) == 4 and len({row["error"] for row in failed}) == 1
+        message = "operation failed due to a previous error during capture" if function is masked else "capture failed"
+        # `from None` hides the context from the traceback, not from the error: it is still named
+        assert failed[0]["error"] == f"RuntimeError: {message} (during: IndexError: index 7 is out of bounds)"
+        err = capsys.readouterr().err
+        assert err.count("Traceback") >= 4 and f"in {function.__name__}" in err
+
+
+def test_a_cudnn_attention_failure_reruns_once_without_cudnn(monkeypatch):
+    from kvviz.bench import speed
+
+    enabled = {"cudnn": True}
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: enabled["cudnn"])
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: enabled.update(cudnn=on))
+    calls = []
+
+    def run(error=RuntimeError("cuDNN Frontend error: No valid execution plans built.")):
+        calls.append(enabled["cudnn"])
+        if enabled["cudnn"]:
+            raise error
+        return {"decode_tok_s": 1.0}
+
+    assert speed.without_cudnn_on_failure(run, cuda=True) == (
+        {"decode_tok_s": 1.0}, "cuDNN attention disabled after: RuntimeError: cuDNN Frontend error: No valid "
+                               "execution plans built.")
+    assert calls == [True, False] and not enabled["cudnn"]
+    assert speed.without_cudnn_on_failure(run, cuda=True) == ({"decode_tok_s": 1.0}, None)  # stays off
+    # Not cuDNN's failure, not on CUDA, or cuDNN already off: the error stands, and nothing is rerun.
+    for cuda, cudnn, error in ((True, True, RuntimeError("CUDA out of memory")),
+                               (False, True, RuntimeError("cudnn error")), (True, False, RuntimeError("cudnn error"))):
+        enabled["cudnn"], calls[:] = cudnn, []
+
+        def failing():
+            calls.append(1)
+            raise error
+
+        with pytest.raises(RuntimeError, match=str(error)):
+            speed.without_cudnn_on_failure(failing, cuda=cuda)
+        assert calls == [1] and enabled["cudnn"] == cudnn
+
+
 def test_speed_bench_keeps_every_finished_row_when_killed_and_survives_a_failed_prefill(tmp_path, monkeypatch):
     from kvviz import engine
     from kvviz.bench import speed

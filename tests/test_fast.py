@@ -109,6 +109,35 @@ def test_attention_of_the_static_step_matches_a_plain_softmax():
             torch.testing.assert_close(out[kv, group], weights @ values[kv])
 
 
+def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():
+    """The bfloat16 branch (float32 logits straight from bfloat16 keys, ``bmm(..., out_dtype=float32)``) has
+    no CPU kernel, so it runs only on a GPU; on meta tensors it still composes with the decoder layer and
+    traces without a graph break (Dynamo, AOT) under inference mode, as :meth:`StaticInertia.generate` runs
+    it.  Its numbers are the GPU run's to check (``benchmarks/gpu_check.py``)."""
+    import torch
+
+    from kvviz.fast import decode_layer
+    from kvviz.models import tiny_model
+
+    model, _ = tiny_model("llama", dtype=torch.bfloat16)
+    model.to("meta")
+    layer, config, slots = model.model.layers[0], model.config, 9
+    head_dim = layer.self_attn.head_dim
+
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    inputs = (empty(1, 1, config.hidden_size), empty(1, 1, head_dim), empty(1, 1, head_dim),
+              torch.zeros(1, dtype=torch.long, device="meta"), empty(1, config.num_key_value_heads, slots, head_dim),
+              empty(1, config.num_key_value_heads, slots, head_dim), empty(slots, dtype=torch.float32))
+    compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.inference_mode():
+        for step in (decode_layer, compiled):
+            hidden = step(layer, *inputs, 0.8, True)
+            assert hidden.shape == (1, 1, config.hidden_size) and hidden.dtype == torch.bfloat16
+            assert inputs[-1].dtype == torch.float32  # the utilities stay float32
+
+
 def test_static_path_stops_after_a_stop_token(tiny, tiny_prompt):
     model, tokenizer = tiny
     full = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 16)

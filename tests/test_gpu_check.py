@@ -60,3 +60,30 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     assert [line["compile"] for line in exact if "skipped" in line] == [True] * 4
     assert len(exact) == 2 * (3 + 2) and all(line["tokens"] and line["kept"] for line in exact if "skipped" not in line)
     assert not (tmp_path / "speed-more.jsonl").exists()
+
+
+def test_a_failure_line_shows_where_it_failed_and_the_error_a_capture_masked():
+    """The device's output is all there is to debug with: the innermost frames (not the script's outer
+    ones), and the error that a failed CUDA-graph capture replaces with its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def slot_of_the_new_token():
+        raise IndexError("index 7 is out of bounds for dimension 2 with size 7")
+
+    def deep(levels: int):  # the script's own frames, many of them above the failing one
+        return deep(levels - 1) if levels else slot_of_the_new_token()
+
+    try:
+        try:
+            deep(20)
+        except IndexError:
+            raise RuntimeError("operation failed due to a previous error during capture")  # as the capture's exit
+    except RuntimeError as error:
+        record = gpu_check._failure(error)
+    assert record["error"] == "RuntimeError: operation failed due to a previous error during capture"
+    assert record["during"] == "IndexError: index 7 is out of bounds for dimension 2 with size 7"
+    assert "in slot_of_the_new_token" in record["trace"] and "deep(20)" not in record["trace"]

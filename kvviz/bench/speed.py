@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
+import traceback
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
@@ -63,6 +65,36 @@ def add_arguments(parser) -> None:
                              "it (judged by the last one's duration) is skipped, and past it no configuration "
                              "starts; the first context always starts")
     parser.add_argument("--out", help="also write the JSON lines to this file")
+
+
+def error_text(error: BaseException) -> str:
+    """A failed configuration's row text, its traceback on stderr (the row alone would not say where).
+
+    An error inside a CUDA-graph capture surfaces as the capture's own failure ("operation failed due to
+    a previous error during capture"); the error that caused it is the context, so it goes in too."""
+    traceback.print_exc(file=sys.stderr)
+    text = f"{type(error).__name__}: {str(error)[:500]}"
+    cause = error.__cause__ or error.__context__
+    if cause is not None:
+        text += f" (during: {type(cause).__name__}: {str(cause)[:500]})"
+    return text
+
+
+def without_cudnn_on_failure(run, cuda: bool) -> tuple[dict, str | None]:
+    """``run()``, and once more with cuDNN attention off (for the rest of the process) if it failed there.
+
+    The prefill has its own fallback; this one is for the decode shape, one query over the whole cache,
+    which a context first meets in ``generate`` or in a run's first step.  Returns the result and the
+    fallback's note (None if there was none)."""
+    try:
+        return run(), None
+    except Exception as error:  # noqa: BLE001 -- re-raised unless it is cuDNN's
+        failure = f"{type(error).__name__}: {error} {error.__cause__ or error.__context__ or ''}"
+        if not (cuda and "cudnn" in failure.lower() and torch.backends.cuda.cudnn_sdp_enabled()):
+            raise
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        note = f"cuDNN attention disabled after: {type(error).__name__}: {str(error)[:500]}"
+    return run(), note
 
 
 def _sync(device) -> None:
@@ -248,7 +280,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
         shared = prefill(model, prompt_ids, window=window)
         _sync(device)
     except Exception as error:  # noqa: BLE001 -- e.g. out of memory: no configuration can run on this context
-        failure = f"{type(error).__name__}: {str(error)[:500]}"
+        failure = error_text(error)
         if not (cuda and torch.backends.cuda.cudnn_sdp_enabled()):
             yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure}
             return
@@ -263,7 +295,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
             _sync(device)
         except Exception as retry:  # noqa: BLE001
             yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure,
-                   "retry_without_cudnn": f"{type(retry).__name__}: {str(retry)[:500]}"}
+                   "retry_without_cudnn": error_text(retry)}
             return
     resident = shared.cache.nbytes()
     prefill_row = {"what": "prefill", "prompt_len": len(prompt_ids), "prefill_s": round(shared.seconds, 5)}
@@ -277,16 +309,23 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
         """One configuration; a failure becomes an ``error`` row and the run goes on to the next one."""
         if name in errors:
             return None
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            result = function(*call_args, **call_kwargs)
-        except Exception as error:  # noqa: BLE001 -- reported in the output, not swallowed
-            errors[name] = f"{type(error).__name__}: {str(error)[:500]}"
-            return None
-        finally:
+
+        def attempt() -> dict:
             if cuda:
-                torch.cuda.empty_cache()  # a failed capture must not hold memory for the next configuration
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                return function(*call_args, **call_kwargs)
+            finally:
+                if cuda:
+                    torch.cuda.empty_cache()  # a failed capture must not hold memory for the next configuration
+
+        try:
+            result, fallback_note = without_cudnn_on_failure(attempt, cuda)
+        except Exception as error:  # noqa: BLE001 -- reported in the output, not swallowed
+            errors[name] = error_text(error)
+            return None
+        if fallback_note:
+            result["sdpa_fallback"] = fallback_note
         if cuda:
             # The static path resets the counter once its slots replace step 1's prompt-sized cache: its
             # peak is the larger of the two phases', and the decode phase's is reported on its own.
@@ -426,8 +465,7 @@ def main(args) -> int:
                 for row in measure(model, tokenizer, prompt_ids, args, deadline):
                     emit(row)
             except Exception as error:  # noqa: BLE001 -- outside any configuration: this context ends, the next runs
-                emit({"what": "context failed", "prompt_len": len(prompt_ids),
-                      "error": f"{type(error).__name__}: {str(error)[:500]}"})
+                emit({"what": "context failed", "prompt_len": len(prompt_ids), "error": error_text(error)})
             last = time.perf_counter() - context_start
             emit({"what": "context done", "prompt_len": len(prompt_ids), "seconds": round(last, 1)})
     finally:
