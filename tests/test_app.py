@@ -201,43 +201,63 @@ def test_stop_cuts_a_comparison_to_the_steps_every_policy_made_and_zips_them(cli
 
 
 def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_its_own_click(tiny):
-    """Each click gets a ticket of its own; Stop sets every ticket the session holds, so a run stopped while it
-    waits in the queue (or is checked) leaves every view as it is when its turn comes, even after a later
-    click (and when none decodes, Stop also cancels what waits); a ticket starts one run at most; an API
-    call (no id) goes by a ticket of its own."""
+    """Each click gets a ticket of its own, unless the session's run is pending (checked, queued or decoding)
+    and not stopped: that click does nothing.  Stop sets every ticket the session holds, so a run stopped
+    while it waits in the queue (or is checked) leaves every view as it is when its turn comes (and when none
+    decodes, Stop also cancels what waits); a ticket starts one run at most; a refused check or run frees the
+    next click; an API call (no id) goes by a ticket of its own."""
     import gradio as gr
 
     from kvviz.ui.app import (PARAM_NAMES, PARAMETERS, _models, button_ticket, make_compare_handler,
-                              make_live_handler, request_stop, run_ticket)
+                              make_live_handler, request_stop, retire, run_ticket)
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     tickets, running = button_ticket(None)
-    same, queued = button_ticket(tickets)  # a second click while the first run runs
-    assert same is tickets and queued != running
+    with pytest.raises(gr.Error):  # a second click while the first run is pending: ended before its check
+        button_ticket(tickets)
     assert run_ticket(running, tickets)[0].id == running and run_ticket(running, tickets) == (None, None)  # once
+    with pytest.raises(gr.Error):  # ... and while it decodes
+        button_ticket(tickets)
     assert request_stop(tickets) == gr.skip()  # a run decodes: it ends by itself, showing what it ran
-    _, later = button_ticket(tickets)  # the next click, after Stop
+    same, later = button_ticket(tickets)  # the next click, after Stop, while the stopped run shows itself
+    assert same is tickets and later != running
+    assert request_stop(tickets) == gr.skip()  # Stop again: the stopped run is still showing itself
     defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
     live = make_live_handler(limits)
-    assert list(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, queued,
+    assert list(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, later,
                      tickets)) == [(gr.skip(),) * 12]
+    _tickets_of(tickets)[running].done = True  # the stopped run has shown itself
     _, compared = button_ticket(tickets)
     cancel = request_stop(tickets)  # none decodes: the hidden field changes, cancelling what waits in the queue
     assert isinstance(cancel, float) and request_stop(tickets) != cancel
     assert list(make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False,
                                              *GREEDY, ticket_id=compared, tickets=tickets)) == [(gr.skip(),) * 13]
-    assert run_ticket(later, tickets) == (None, None)  # stopped too: Stop came after its click
-    _, fresh = button_ticket(tickets)
+
+    _, refused = button_ticket(tickets)
+    retire(tickets)  # its check refused (or a full queue refused the check or the run)
+    assert run_ticket(refused, tickets) == (None, None)  # its run will not start by it
+    _, full_queue = button_ticket(tickets)  # not taken for a second click of the refused run
+    retire(tickets)
+    _, bad_budget = button_ticket(tickets)
+    with pytest.raises(gr.Error, match="budget"):  # refused as it starts (the API skips the check)
+        next(live(TINY, PROMPT, "inertia", "budget", 0.5, -3, 10, False, *GREEDY, *defaults, bad_budget, tickets))
+    assert run_ticket(full_queue, tickets) == (None, None)
+    _, fresh = button_ticket(tickets)  # a refused run is over: the next click runs
     *_, last = live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, fresh, tickets)
     assert last[9].steps == 10 and last[-1] == gr.skip()  # ran to the end; the session keeps its tickets
+    button_ticket(tickets)  # and after it, the next
     with pytest.raises(TypeError, match="ticket id"):
         next(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults[:-1], None))
     own, made = run_ticket("", None)  # an API call's first run makes the session's holder
-    again, none_made = run_ticket("", made)
+    again, none_made = run_ticket("", made)  # API calls of one session may run side by side
     assert made is not None and none_made is None and again is not own and not own.is_set()
     request_stop(made)  # /stop_live
     assert own.is_set() and again.is_set()
+
+
+def _tickets_of(tickets) -> dict:
+    return {ticket.id: ticket for ticket in tickets._held}
 
 
 def test_memory_is_freed_after_stop(client):

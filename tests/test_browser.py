@@ -161,6 +161,102 @@ def test_a_second_click_while_running_is_stopped_with_the_first(page):
     time.sleep(4.0)
     assert generated_text(page) == stopped and page.get_by_text("Scrub to step").is_visible()
     assert page.evaluate("() => document.body.innerText.includes('stopped ·')")
+    # The second click ended at its ticket without a word: no "Error" badge over the views (nor a toast,
+    # which this Gradio shows for no error of an unqueued event anyway).
+    assert page.get_by_test_id("toast-text").filter(has_text="pending").count() == 0
+    assert page.get_by_text("Error", exact=True).count() == 0
+
+
+def held_open(shown, clicked: list):
+    """``shown`` (the stopped run's last update), held open until the next click has reached the server and
+    for 1.5 s more, so that the click's check passes and its run is sent while the stopped run still shows
+    itself -- however late the browser sends the click; ``clicked`` records whether it came."""
+    from kvviz.ui import app
+
+    def held(*args, **kwargs):
+        if not clicked:  # the stopped run's; the next run ends as usual
+            before = set(app._tickets)
+
+            def fresh_ticket() -> bool:  # a click's since then, not yet run
+                return any(not (ticket.claimed or ticket.done or ticket.is_set())
+                           for id, ticket in list(app._tickets.items()) if id not in before)
+
+            deadline = time.time() + 20
+            while not fresh_ticket() and time.time() < deadline:
+                time.sleep(0.05)
+            clicked.append(fresh_ticket())
+            time.sleep(1.5)
+        return shown(*args, **kwargs)
+
+    return held
+
+
+def test_run_right_after_stop_runs_once_the_stopped_run_has_shown_itself(page, monkeypatch):
+    """Stop, then Run while the stopped run still shows what it ran (held open here until the click has come,
+    as a long run's figures and trace take a while): the click is not dropped; its run waits for that, then
+    goes to its end with the inputs as they are then."""
+    from kvviz.ui import app
+
+    clicked = []
+    monkeypatch.setattr(app, "live_result", held_open(app.live_result, clicked))
+    page.get_by_role("tab", name="Live").click()
+    start_a_long_run(page)
+    max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
+    max_new.first.fill("12", force=True)  # for the next run (the running one keeps its inputs); forced: no
+    # waiting for the streaming page to hold still
+    page.evaluate("document.querySelector('#live-stop').click()")
+    deadline = time.time() + 10
+    while not all(ticket.is_set() for ticket in app._tickets.values()) and time.time() < deadline:
+        time.sleep(0.05)  # Stop has reached the server
+    page.evaluate("document.querySelector('#live-run').click()")
+    wait_for_a_run_to_its_end(page, 12)
+    assert clicked[0]  # the click had come while the stopped run showed itself
+    page.get_by_text("Scrub to step").wait_for(timeout=60_000)
+
+
+def test_a_click_refused_by_a_full_queue_leaves_run_working(page, app_url, monkeypatch):
+    """A full queue refuses the click's check: the click's ticket is retired, so once the queue has room the
+    next click runs (it is not taken for a second click while a run is pending)."""
+    import threading
+
+    from gradio_client import Client
+
+    from kvviz import engine
+    from kvviz.ui import app
+
+    release, decode = threading.Event(), engine.decode
+
+    def held(*args, **kwargs):  # the API client's run holds the model until released
+        for event in decode(*args, **kwargs):
+            release.wait(60)
+            yield event
+
+    monkeypatch.setattr(engine, "decode", held)
+    client = Client(app_url, verbose=False)
+    jobs = [client.submit(PROMPT, "inertia", 0.5, 30, False, TINY, "{}", api_name="/generate") for _ in range(10)]
+    try:
+        deadline = time.time() + 60  # one decoding, eight waiting: the queue (eight) is full
+        while sum(job.status().code.name == "IN_QUEUE" for job in jobs) < 8 and time.time() < deadline:
+            time.sleep(0.1)
+        page.get_by_role("tab", name="Live").click()
+        set_inputs(page, 11)  # not the last test's count, which its views still show
+        before = set(app._tickets)
+        page.locator("#live-run").click()
+        deadline = time.time() + 20
+        while not (set(app._tickets) - before and all(app._tickets[id].done for id in set(app._tickets) - before)) \
+                and time.time() < deadline:
+            time.sleep(0.1)
+        clicked = [app._tickets[id] for id in set(app._tickets) - before]
+        assert clicked and all(ticket.done and not ticket.claimed for ticket in clicked)  # refused, retired
+    finally:
+        release.set()
+        for job in jobs:
+            job.cancel()
+    deadline = time.time() + 60
+    while not all(job.done() for job in jobs) and time.time() < deadline:
+        time.sleep(0.2)
+    page.locator("#live-run").click()
+    wait_for_a_run_to_its_end(page, 11)
 
 
 def test_stop_takes_a_queued_run_out_of_the_queue(page, app_url):
@@ -316,3 +412,46 @@ def test_a_stopped_comparison_shows_and_zips_what_ran(page):
     time.sleep(2.0)  # nothing may land over it
     assert page.get_by_text("stopped after", exact=False).is_visible() and page.locator(".generating").count() == 0
     page.screenshot(path=ARTIFACTS / "compare-stopped.png", full_page=True)
+
+
+def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown_itself(page, monkeypatch):
+    """The Compare tab's Stop, then Compare while the stopped comparison still shows itself (held open here
+    until the click has come): the click is not dropped, and its comparison runs to its end."""
+    from kvviz.ui import app
+
+    clicked = []
+    monkeypatch.setattr(app, "comparison_result", held_open(app.comparison_result, clicked))
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_label("Prompt").nth(1).fill(PROMPT)
+    max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
+    max_new.nth(1).fill("3000")
+    max_new.nth(1).press("Enter")
+    page.get_by_label("Chat template").nth(1).uncheck()
+    page.get_by_role("button", name="Compare", exact=True).click()
+
+    def decoding():
+        return [ticket for ticket in app._tickets.values() if ticket.claimed and not ticket.done]
+
+    deadline = time.time() + 60
+    while not decoding() and time.time() < deadline:  # checked, out of the queue and decoding
+        time.sleep(0.1)
+    time.sleep(1.0)
+    max_new.nth(1).fill("9", force=True)  # for the next comparison
+    page.evaluate("document.querySelector('#compare-stop').click()")
+    deadline = time.time() + 10
+    while not all(ticket.is_set() for ticket in app._tickets.values()) and time.time() < deadline:
+        time.sleep(0.05)  # Stop has reached the server
+    page.evaluate("document.querySelector('#compare-run').click()")  # a DOM click: no waiting for the page
+    page.get_by_text("stopped after", exact=False).wait_for(timeout=60_000)  # the stopped one, shown
+    page.get_by_text("stopped after", exact=False).wait_for(state="hidden", timeout=60_000)  # the next one's
+    page.wait_for_function("() => !document.querySelector('.generating') && "
+                           "document.querySelector(\"a[download='comparison.zip']\")", timeout=60_000)
+    # The comparison ran to its end with the inputs of its click: InertiaKV's panel holds its 9 tokens (the
+    # Compare tab's default compression is 0.75).
+    import kvviz
+
+    model, tokenizer = kvviz.load_model(TINY)
+    run = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.75, max_new_tokens=9)
+    expected = "".join(event.text for event in run.trace.events).replace("\r\n", "\n").replace("\r", "\n")
+    assert page.get_by_label("inertia", exact=True).input_value() == expected
+    assert clicked[0]  # the click had come while the stopped comparison showed itself

@@ -288,7 +288,7 @@ class Ticket(threading.Event):
         super().__init__()
         self.id = uuid.uuid4().hex
         self.claimed = False  # a run goes by it: a ticket starts one run at most
-        self.done = False  # that run is over
+        self.done = False  # that run is over, or none will start by it (its check refused, its queue was full)
         _tickets[self.id] = self
 
 
@@ -299,11 +299,27 @@ class Tickets:
         self._lock = threading.Lock()
         self._held: list[Ticket] = []
 
-    def issue(self) -> Ticket:
+    def _prune(self) -> None:
+        """Keep the tickets that matter: a run that has not ended, or one that may still start."""
+        self._held = [held for held in self._held if not held.done and (held.claimed or not held.is_set())]
+
+    def issue(self, exclusive: bool = False) -> Ticket | None:
+        """A new ticket; ``exclusive`` (a click): None while a ticket of the session is neither stopped nor
+        over -- its run is being checked, waits in the queue or decodes -- so a second click does nothing."""
         with self._lock:
-            self._held = [held for held in self._held if not (held.is_set() or held.done)]
+            self._prune()
+            if exclusive and any(not held.is_set() for held in self._held):
+                return None
             self._held.append(Ticket())
             return self._held[-1]
+
+    def retire(self) -> None:
+        """No run will start by the tickets not yet claimed: their check refused, or their run failed to
+        start (a full queue).  The next click then gets a ticket."""
+        with self._lock:
+            for ticket in self._held:
+                if not ticket.claimed:
+                    ticket.done = True
 
     def stop(self) -> bool:
         """Set every ticket; whether a run of this session was decoding (it then ends by itself)."""
@@ -311,15 +327,29 @@ class Tickets:
             running = any(ticket.claimed and not ticket.done for ticket in self._held)
             for ticket in self._held:
                 ticket.set()
-            self._held = []
+            self._prune()  # a stopped run still showing itself stays: a second Stop must not cancel it
             return running
 
 
 def button_ticket(tickets: Tickets | None) -> tuple[Tickets, str]:
     """A Run (Compare) click, before its check: a new ticket, and its id in a hidden field that the run is
-    sent with, so that a run waiting in the queue goes by its own click's ticket."""
+    sent with, so that a run waiting in the queue goes by its own click's ticket.
+
+    A click while the session's run is pending (checked, queued or decoding) and not stopped does nothing:
+    the error, never shown, ends its chain before the check.  After Stop the click goes ahead, and its run
+    waits for the stopped one to show itself (the run events' ``always_last``)."""
     tickets = tickets or Tickets()
-    return tickets, tickets.issue().id
+    ticket = tickets.issue(exclusive=True)
+    if ticket is None:
+        raise gr.Error("a run of this session is pending", visible=False, print_exception=False)
+    return tickets, ticket.id
+
+
+def retire(tickets: Tickets | None) -> None:
+    """A click's check refused, or its check or run did not start (a full queue): its ticket is retired, so
+    that the next click is not taken for a second one while this run is pending."""
+    if tickets is not None:
+        tickets.retire()
 
 
 def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Tickets | None]:
@@ -333,7 +363,7 @@ def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Ticke
         made = Tickets() if tickets is None else None
         return (made or tickets).issue(), made
     ticket = _tickets.get(ticket_id)
-    if ticket is None or ticket.is_set() or ticket.claimed:
+    if ticket is None or ticket.is_set() or ticket.claimed or ticket.done:
         return None, None
     ticket.claimed = True
     return ticket, None
@@ -483,13 +513,19 @@ def check_trace(path) -> None:
             raise unexpected("opening the trace", error) from None
 
 def make_live_handler(limits: Limits):
-    def live_run(model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens, chat,
-                 temperature, top_p, seed, *values):
-        *param_values, ticket_id, tickets = values  # the widgets, the ticket id its click made, the session's
+    def live_run(*inputs):
+        *inputs, ticket_id, tickets = inputs  # the run's inputs, the ticket id its click made, the session's
         ticket, made = run_ticket(ticket_id, tickets)
         if ticket is None:  # stopped while queued or checked: leave every view as it is
             yield (gr.skip(),) * 12
             return
+        try:
+            yield from live_steps(ticket, made, *inputs)
+        finally:
+            ticket.done = True  # also when the run is refused: the next click gets a ticket
+
+    def live_steps(ticket, made, model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens,
+                   chat, temperature, top_p, seed, *param_values):
         if made:  # an API call's first run in its session: from now on /stop_live reaches it
             yield (*[gr.skip()] * 11, made)
         try:
@@ -534,7 +570,6 @@ def make_live_handler(limits: Limits):
         except Exception as error:  # the run failed: say so, keep serving
             raise unexpected("generation", error) from None
         finally:
-            ticket.done = True
             release_memory()
 
     return live_run
@@ -649,6 +684,14 @@ def make_compare_handler(limits: Limits):
         if ticket is None:  # stopped while queued or checked: leave every view as it is
             yield (gr.skip(),) * 13
             return
+        try:
+            yield from compare_steps(ticket, made, model_name, prompt, names, budget_mode, compression, budget,
+                                     max_new_tokens, chat, temperature, top_p, seed)
+        finally:
+            ticket.done = True  # as in the Live tab
+
+    def compare_steps(ticket, made, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens,
+                      chat, temperature, top_p, seed):
         if made:  # as in the Live tab: /stop_compare reaches it from now on
             yield (*[gr.skip()] * 12, made)
         try:
@@ -683,7 +726,6 @@ def make_compare_handler(limits: Limits):
         except Exception as error:
             raise unexpected("the comparison", error) from None
         finally:
-            ticket.done = True
             release_memory()
 
     return compare_run
@@ -1085,12 +1127,17 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             # after a refusal the prompt's token count replaces it there, and the last run's views stay.
             # The button first makes the run's stop switch (read by the run when it starts), then checks.
             live_ticket, live_ticket_id = gr.State(None), gr.Textbox("", visible=False)  # "": an API call
+            # A click while its run is pending ends at the ticket; one after Stop waits for the stopped run to
+            # show itself (always_last), where Gradio's default would drop it.
             ticketed = run.click(button_ticket, live_ticket, [live_ticket, live_ticket_id], queue=False, api_name=False)
-            checked = ticketed.then(make_live_check(limits), inputs, None, api_name=False, show_progress_on=prompt_size)
+            checked = ticketed.success(make_live_check(limits), inputs, None, api_name=False,
+                                       show_progress_on=prompt_size)
+            checked.failure(retire, live_ticket, None, queue=False, api_name=False)
             live = checked.success(make_live_handler(limits), [*inputs, live_ticket_id, live_ticket],
                                    [*live_outputs, live_ticket], concurrency_limit=limits.runs_per_model,
-                                   concurrency_id="model", api_name="live",
+                                   concurrency_id="model", api_name="live", trigger_mode="always_last",
                                    api_visibility="undocumented")  # the API is /generate; /live drives the widgets
+            live.failure(retire, live_ticket, None, queue=False, api_name=False)
             # The run ends before its next step and shows what ran; one still checked or queued is cancelled.
             # Not queued, so that a full queue cannot hold Stop up.
             live_cancel = gr.Number(0, visible=False)
@@ -1144,7 +1191,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     c_mode, c_compression, c_budget, c_max_new, c_chat, c_temperature, c_top_p, c_seed = \
                         _run_settings(limits, 0.75, 48)
                     with gr.Row():
-                        c_run = gr.Button("Compare", variant="primary")
+                        c_run = gr.Button("Compare", variant="primary", elem_id="compare-run")
                         c_stop = gr.Button("Stop", elem_id="compare-stop")
                 with gr.Column(scale=3):
                     with gr.Row():
@@ -1201,12 +1248,14 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             compare_check = make_compare_check(limits)
             c_ticket, c_ticket_id = gr.State(None), gr.Textbox("", visible=False)  # as in the Live tab
             c_ticketed = c_run.click(button_ticket, c_ticket, [c_ticket, c_ticket_id], queue=False, api_name=False)
-            c_checked = c_ticketed.then(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
+            c_checked = c_ticketed.success(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
             c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
+            c_checked.failure(retire, c_ticket, None, queue=False, api_name=False)
             compare = c_checked.success(make_compare_handler(limits), [*c_inputs, c_ticket_id, c_ticket],
                                         [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state, c_ticket],
                                         concurrency_limit=limits.runs_per_model, concurrency_id="model",
-                                        api_name="compare", api_visibility="undocumented")
+                                        api_name="compare", trigger_mode="always_last", api_visibility="undocumented")
+            compare.failure(retire, c_ticket, None, queue=False, api_name=False)
             c_cancel = gr.Number(0, visible=False)
             c_stop.click(request_stop, c_ticket, c_cancel, queue=False, api_name="stop_compare",
                          api_visibility="undocumented", cancels=[c_checked])
