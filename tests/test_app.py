@@ -260,6 +260,42 @@ def _tickets_of(tickets) -> dict:
     return {ticket.id: ticket for ticket in tickets._held}
 
 
+def test_a_stopped_run_that_fails_to_show_itself_warns_and_ends_as_a_run_does(tiny, monkeypatch):
+    """An error after Stop (its last step, or building what it ran) ends the run without an error -- a
+    warning says what failed -- so that the run a click made after Stop is not dropped by the browser (which
+    re-sends a deferred run only after one that ended normally); the ticket is over either way."""
+    import gradio as gr
+
+    from kvviz.ui import app
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, button_ticket, make_compare_handler, make_live_handler
+
+    def broken(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(app, "live_result", broken)
+    monkeypatch.setattr(app, "comparison_result", broken)
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", lambda message, **kwargs: warnings.append(message))
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
+    for name, run_of in (("run", lambda ticket_id, tickets: make_live_handler(limits)(
+            TINY, PROMPT, "inertia", "compression", 0.5, 0, 16, False, *GREEDY, *defaults, ticket_id, tickets)),
+                         ("comparison", lambda ticket_id, tickets: make_compare_handler(limits)(
+            TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 16, False, *GREEDY, ticket_id=ticket_id,
+            tickets=tickets))):
+        tickets, ticket_id = button_ticket(None)
+        outputs = run_of(ticket_id, tickets)
+        for _ in range(4):
+            next(outputs)
+        tickets.stop()
+        list(outputs)  # the step in flight, then the end: no exception (the views stay as they streamed)
+        assert warnings.pop() == f"the stopped {name} could not show what it ran: OSError: no space left on device"
+        button_ticket(tickets)  # its ticket is over: the next click gets one
+        with pytest.raises(gr.Error, match="no space left"):  # not stopped: the failure is the run's error
+            list(run_of(*reversed(button_ticket(None))))
+
+
 def test_memory_is_freed_after_stop(client):
     """A stopped run lets go of its cache like a finished one."""
     import time

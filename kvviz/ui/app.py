@@ -345,6 +345,13 @@ def button_ticket(tickets: Tickets | None) -> tuple[Tickets, str]:
     return tickets, ticket.id
 
 
+def stopped_run_failed(what: str, error: Exception) -> None:
+    """A stopped run that fails (its last step, or showing what it ran) warns and ends as a run does: ended by
+    an error, the browser would drop the run event a click made after Stop has deferred until this one ends."""
+    log.exception("%s failed", what)
+    gr.Warning(f"{what} could not show what it ran: {type(error).__name__}: {error}")
+
+
 def retire(tickets: Tickets | None) -> None:
     """A click's check refused, or its check or run did not start (a full queue): its ticket is retired, so
     that the next click is not taken for a second one while this run is pending."""
@@ -568,6 +575,9 @@ def make_live_handler(limits: Limits):
                     yield (run.texts[policy_name], *[gr.skip()] * 11)
             yield (*live_result(run, stopped=ticket.is_set()), gr.skip())
         except Exception as error:  # the run failed: say so, keep serving
+            if ticket.is_set():
+                stopped_run_failed("the stopped run", error)
+                return
             raise unexpected("generation", error) from None
         finally:
             release_memory()
@@ -724,6 +734,9 @@ def make_compare_handler(limits: Limits):
                 yield (*_compare_outputs(names, run.texts, run.views, figures=refresh, final=False), gr.skip())
             yield (*comparison_result(run, stopped=ticket.is_set()), gr.skip())
         except Exception as error:
+            if ticket.is_set():
+                stopped_run_failed("the stopped comparison", error)
+                return
             raise unexpected("the comparison", error) from None
         finally:
             release_memory()
