@@ -23,6 +23,9 @@ def _policy_params(args) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--param takes NAME=VALUE, got {item!r}")
+        if key in params:  # --alpha 0.7 --param alpha=0.5: one of them would be silently dropped
+            given = f"--{key}" if key in ("alpha", "refresh") and getattr(args, key) is not None else f"--param {key}="
+            raise ValueError(f"{key} is given twice ({given}... and --param {item}); give it once")
         params[key] = value  # the registry converts and checks it (kvviz.policies.coerce)
     return params
 
@@ -35,6 +38,12 @@ def _validate_generate(args) -> None:
     # --alpha and --refresh are checked by the registry with every other parameter (refresh 0 = score-free).
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ValueError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
+    if args.temperature == 0 and (args.top_p is not None or args.seed is not None):
+        given = " and ".join(flag for flag, value in (("--top-p", args.top_p), ("--seed", args.seed)) if value is not None)
+        raise ValueError(f"{given} shape sampling, and --temperature 0 decodes greedily: add --temperature T > 0 "
+                         "(the random policy's own seed is --param seed=N)")
+    args.top_p = 1.0 if args.top_p is None else args.top_p
+    args.seed = 0 if args.seed is None else args.seed
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
@@ -118,7 +127,9 @@ def cmd_generate(args) -> int:
         }
         print(json.dumps(out))
     else:
-        print(f"\n\n-- prompt {summary['prompt_len']} tokens, budget {budget}, final cache "
+        # The full cache evicts nothing: a budget given with it (one command line for every policy) is not held.
+        held = f"budget {budget}" if args.policy != "full" else "no eviction (full cache)"
+        print(f"\n\n-- prompt {summary['prompt_len']} tokens, {held}, final cache "
               f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s",
               file=sys.stderr)
     if args.trace:  # checked before the run; still after the output, so that a failing save keeps the result
@@ -489,8 +500,8 @@ def cmd_results(args) -> int:
                                  "--policies": ("policy", policies or [])})
     if args.paper and args.vs:
         raise ValueError("--paper and --vs are two different tables; give one of them")
-    if args.settings and not args.vs:
-        raise ValueError("--settings adds parameter settings to the paired table: give --vs POLICY too")
+    if args.settings and args.paper:
+        raise ValueError("--paper compares each policy at its defaults: drop --settings")
     if args.paper:
         frame = store.paper_comparison(args.paper, policies)
         if frame.empty:
@@ -502,13 +513,17 @@ def cmd_results(args) -> int:
         return 0
     if args.vs:
         return _print_paired(store, root, args, policies)
-    frame = store.quality_vs_compression(args.task, args.model, policies, args.source)
+    frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings)
+    others = store.other_settings(args.task, args.model, policies, args.source)
+    if frame.empty and len(others):  # e.g. AvoKV-E run only at interval=16
+        raise ValueError("these filters match only rows with non-default parameters (" + _settings_listed(others)
+                         + "): add --settings to list them")
     if frame.empty:  # each value is stored (checked above), but not in combination
         raise ValueError("no rows for these filters together; drop one, or see `kvviz results --help`")
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
-    measured = store.speed_vs_quality(args.task, args.model, policies)
+    measured = store.speed_vs_quality(args.task, args.model, policies, settings=args.settings)
     speed = measured.groupby(["model", "task", "policy"]).decode_tok_s.mean()
     for (source, model, task), part in frame.groupby(["source", "model", "task"]):
         draws = int(part.draws.max())
@@ -526,15 +541,22 @@ def cmd_results(args) -> int:
         if source == "measured":
             _print_cache_over_budget(measured[(measured.model == model) & (measured.task == task)])
     if args.source != "paper":  # papers print no per-run max-length hits
-        _print_max_length_hits(store.max_length_hits(args.task, args.model, policies))
-    # These tables are each policy at its defaults: say what they leave out rather than hide it.
-    others = store.other_settings(args.task, args.model, policies, args.source)
-    if len(others):
-        listed = ", ".join(f"{policy} {setting} ({rows})" for policy, setting, rows in others.values[:8])
-        more = f", and {len(others) - 8} more" if len(others) > 8 else ""
+        _print_max_length_hits(store.max_length_hits(args.task, args.model, policies, settings=args.settings))
+    # Without --settings these tables are each policy at its defaults: say what they leave out, not hide it.
+    if len(others) and not args.settings:
         print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
-              f"rows): {listed}{more}; the app's Results tab plots the α and refresh sweeps, and --vs POLICY --settings pairs every setting")
+              f"rows): {_settings_listed(others)}; --settings lists each setting as its own row, --vs POLICY "
+              "--settings pairs them, and the app's Results tab plots the α and refresh sweeps")
     return 0
+
+
+def _settings_listed(others) -> str:
+    """The first eight (policy, setting, rows) of :meth:`Store.other_settings`, as one phrase."""
+    from .store import setting_names
+
+    names = setting_names(others.policy, others.setting)
+    listed = ", ".join(f"{name} ({rows})" for name, rows in zip(names[:8], others.rows[:8]))
+    return listed + (f", and {len(others) - 8} more" if len(others) > 8 else "")
 
 
 def _print_paired(store, root: Path, args, policies) -> int:
@@ -550,6 +572,12 @@ def _print_paired(store, root: Path, args, policies) -> int:
     if args.source == "paper":
         raise ValueError("--vs pairs measured samples; the papers print aggregates, not samples: drop --source paper")
     table = paired_table(store.paired_scores(args.vs, args.task, args.model, policies, settings=args.settings))
+    if table.empty and store.quality_vs_compression(args.task, args.model, [args.vs], "measured").empty:
+        others = store.other_settings(args.task, args.model, [args.vs], "measured")
+        if len(others):  # pairs are made against the reference at its defaults
+            raise ValueError(f"--vs {args.vs}: under these filters {args.vs} ran only with non-default parameters "
+                             f"({_settings_listed(others)}), and pairs are made against its defaults; pick a "
+                             f"reference run at its defaults (e.g. --vs inertia --settings)")
     if table.empty:
         raise ValueError(f"no measured samples pair with {args.vs} under these filters (same task, sample and "
                          f"compression); drop a filter or pick another --vs")
@@ -675,12 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--alpha", type=float, help="EMA coefficient (InertiaKV family)")
     gen.add_argument("--refresh", type=int, help="score every r-th step (InertiaKV family; 1 = every step, 0 = score-free)")
     gen.add_argument("--param", action="append", metavar="NAME=VALUE", help="any other policy parameter")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap the prompt in the chat template (--no-chat: tokenise as is, no special tokens)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling, with --temperature (default 1: the whole "
+                                                 "distribution)")
+    gen.add_argument("--seed", type=int, help="sampling seed, with --temperature (default 0)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--trace", help="save the per-step trace to this parquet file")
     gen.add_argument("--static", action="store_true",
@@ -755,8 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--paper", metavar="SUITE", help="measured vs paper on this benchmark, e.g. RULER")
     res.add_argument("--vs", metavar="POLICY", help="each policy's paired difference to this one on the same "
                      "samples, with a bootstrap confidence interval and wins/ties/losses, e.g. --vs inertia")
-    res.add_argument("--settings", action="store_true", help="with --vs: also every other parameter setting run "
-                     "(the α and refresh sweeps), e.g. 'inertia alpha=0.9' against inertia at its defaults")
+    res.add_argument("--settings", action="store_true", help="also every other parameter setting run (the α "
+                     "and refresh sweeps, ablations), each its own row such as 'avokv interval=16'; with --vs, "
+                     "paired against the reference at its defaults")
     res.add_argument("--csv", action="store_true", help="the long table as CSV instead")
     res.add_argument("--root", help="results folder (default: the repository's results_db/)")
     res.set_defaults(func=cmd_results)

@@ -506,9 +506,21 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     neither, nothing is compressed (budget = prompt length: eviction starts only once generation adds
     tokens).  The CLI differs: ``kvviz generate`` defaults to ``--compression 0.9``.
     """
-    policy_obj = make_policy(policy, **{k: v for k, v in kwargs.items() if k not in _RUN_ARGS}) \
-        if isinstance(policy, str) else policy
     run_kwargs = {k: v for k, v in kwargs.items() if k in _RUN_ARGS}
+    policy_kwargs = {k: v for k, v in kwargs.items() if k not in _RUN_ARGS}
+    if not isinstance(policy, str) and policy_kwargs:
+        raise ValueError(f"run() takes {', '.join(sorted(_RUN_ARGS))}, not {', '.join(policy_kwargs)}: set a "
+                         "policy object's parameters where it is made")
+    if not run_kwargs.get("temperature") and run_kwargs.keys() & {"top_p", "seed"}:
+        given = " and ".join(f"{k}=" for k in ("top_p", "seed") if k in run_kwargs)
+        raise ValueError(f"{given} shape sampling, and temperature 0 decodes greedily: pass temperature > 0 (the "
+                         "random policy's own seed: make_policy('random', seed=N))")
+    try:
+        policy_obj = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
+    except ValueError as error:
+        if "has no parameter" not in str(error):
+            raise
+        raise ValueError(f"{error}; and run() itself takes {', '.join(sorted(_RUN_ARGS))}") from None
     prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=run_kwargs.get("chat", True))
     events = list(stream(model, tokenizer, prompt_ids, policy_obj, **run_kwargs))
     budget = resolve_budget(len(prompt_ids), compression=run_kwargs.get("compression"), budget=run_kwargs.get("budget"))

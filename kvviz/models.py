@@ -73,7 +73,12 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
         Defaults to float32 on CPU and bfloat16 elsewhere.
     """
     check_device(device)
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     dtype = default_dtype(device) if dtype is None else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():  # a path, not a hub id
+        raise ModelNotFound(f"no folder {name!r}: give a local directory with config.json and *.safetensors, an "
+                            f"HF hub id or {DEFAULT_MODEL!r}")
     # Every model is built in its dtype, never cast afterwards: a cast would round the rotary embedding's
     # float32 inverse frequencies too (HF keeps them in float32), and RoPE angles drift with position.
     if name.startswith(TINY_PREFIX):

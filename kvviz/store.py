@@ -92,6 +92,14 @@ def _literal(value) -> str:
     return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else json.dumps(value)
 
 
+def setting_names(policies, settings) -> list[str]:
+    """Each row's policy, named by the parameters its setting changes (``"inertia alpha=0.9"``; the defaults,
+    ``{}``, keep the bare name)."""
+    return [policy if setting == "{}" else f"{policy} " + " ".join(
+        f"{name}={value}" for name, value in json.loads(setting).items())
+        for policy, setting in zip(policies, settings)]
+
+
 class Store:
     """Read-only access to the measured (and paper-reported) rows."""
 
@@ -283,19 +291,24 @@ class Store:
         return sql, [task, task, model, model, source, source, policies, policies, list(QUALITY_METRICS)]
 
     def quality_vs_compression(self, task: str | None = None, model: str | None = None,
-                               policies: list[str] | None = None, source: str | None = None) -> pd.DataFrame:
+                               policies: list[str] | None = None, source: str | None = None,
+                               settings: bool = False) -> pd.DataFrame:
         """Mean score and its standard error per (source, model, task, policy, compression or absolute budget)
         of each policy at its default setting (the α and refresh sweeps have their own queries), under
-        optional filters; over samples, each the mean of its ``draws`` where a sweep sampled several.  A compression cell has ``absolute_budget`` NULL, a budget cell ``compression``
-        NULL; the full cache has neither (one reference for both)."""
+        optional filters; over samples, each the mean of its ``draws`` where a sweep sampled several.  A
+        compression cell has ``absolute_budget`` NULL, a budget cell ``compression`` NULL; the full cache has
+        neither (one reference for both).  With ``settings``, every other parameter setting that was run too,
+        each its own policy named by what it changes (``"avokv interval=16"``)."""
         where, params = self._filters(task, model, source, policies)
-        return self.frame(
+        frame = self.frame(
             f"""
-            SELECT source, model, task, policy, {self._CUT}, avg(score) AS score,
+            SELECT source, model, task, policy, setting, {self._CUT}, avg(score) AS score,
                    stddev_samp(score) / sqrt(count(*)) AS stderr, count(*) AS samples, max(draws) AS draws
-            FROM results WHERE setting = '{{}}' AND {where}
-            GROUP BY ALL ORDER BY source, model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
-            """, params)
+            FROM results WHERE (setting = '{{}}' OR ?) AND {where}
+            GROUP BY ALL ORDER BY source, model, task, policy, setting, absolute_budget NULLS FIRST,
+                                  compression NULLS FIRST
+            """, [settings, *params])
+        return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
 
     def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
         """InertiaKV's mean score per EMA coefficient α, from rows that change nothing but α (rows at the
@@ -333,9 +346,9 @@ class Store:
             GROUP BY ALL ORDER BY source, model, task, compression, absolute_budget, refresh
             """, [list(family), list(family.values()), *params])
 
-    def speed_vs_quality(self, task=None, model=None, policies=None) -> pd.DataFrame:
+    def speed_vs_quality(self, task=None, model=None, policies=None, settings: bool = False) -> pd.DataFrame:
         """Measured decode throughput, cache size and score per (model, task, policy, compression or absolute
-        budget) at defaults.
+        budget) at defaults (``settings``: every setting run, named as in :meth:`quality_vs_compression`).
 
         ``decode_cache`` is the mean over samples of the largest cache kept while decoding:
         ``max_decode_cache`` where a row records it; for older rows ``max_cache`` where that cannot be the
@@ -344,20 +357,21 @@ class Store:
         NULL for the cell unless every sample says.  ``budget`` is the mean resolved budget; ``sweeps`` names
         the sweeps the rows come from (speeds compare within one run)."""
         where, params = self._filters(task, model, "measured", policies)
-        return self.frame(
+        frame = self.frame(
             f"""
-            SELECT model, task, policy, {self._CUT}, avg(score) AS score,
+            SELECT model, task, policy, setting, {self._CUT}, avg(score) AS score,
                    avg(decode_tok_s) AS decode_tok_s,
                    avg(max_cache) AS max_cache, avg(prompt_len) AS prompt_len, count(*) AS samples,
                    CASE WHEN count(decoding) = count(*) THEN avg(decoding) END AS decode_cache,
                    avg(budget) AS budget, string_agg(DISTINCT sweep, ', ' ORDER BY sweep) AS sweeps
             FROM (SELECT *, coalesce(max_decode_cache, CASE WHEN max_cache <> prompt_len
                                                      OR prompt_len <= absolute_budget THEN max_cache END) AS decoding
-                  FROM results WHERE setting = '{{}}' AND decode_tok_s IS NOT NULL AND {where})
-            GROUP BY ALL ORDER BY model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
-            """, params)
+                  FROM results WHERE (setting = '{{}}' OR ?) AND decode_tok_s IS NOT NULL AND {where})
+            GROUP BY ALL ORDER BY model, task, policy, setting, absolute_budget NULLS FIRST, compression NULLS FIRST
+            """, [settings, *params])
+        return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
 
-    def max_length_hits(self, task=None, model=None, policies=None) -> pd.DataFrame:
+    def max_length_hits(self, task=None, model=None, policies=None, settings: bool = False) -> pd.DataFrame:
         """How many generations reached ``max_new_tokens`` instead of ending with end-of-sequence, per (model,
         task, policy, compression or absolute budget) of each policy at its defaults (AvoKV-E's Table 2 counts
         the same, per absolute budget).
@@ -368,14 +382,15 @@ class Store:
         NULL where no row records it.  Measured rows only: the papers print counts per table, not per run.
         """
         where, params = self._filters(task, model, "measured", policies)
-        return self.frame(
+        frame = self.frame(
             f"""
-            SELECT source, model, task, policy, {self._CUT},
+            SELECT source, model, task, policy, setting, {self._CUT},
                    count(*) AS rows, count(hit_max_tokens) AS recorded, count(*) FILTER (hit_max_tokens) AS hits,
                    count(*) FILTER (hit_max_tokens) / nullif(count(hit_max_tokens), 0) AS hit_rate
-            FROM generations WHERE setting = '{{}}' AND {where}
-            GROUP BY ALL ORDER BY model, task, policy, absolute_budget NULLS FIRST, compression NULLS FIRST
-            """, params)
+            FROM generations WHERE (setting = '{{}}' OR ?) AND {where}
+            GROUP BY ALL ORDER BY model, task, policy, setting, absolute_budget NULLS FIRST, compression NULLS FIRST
+            """, [settings, *params])
+        return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
 
     # Per task, each policy's mean score next to the full cache's on the same task and model (a task whose
     # full cache scores 0 cannot be normalised and is left out).  Paper rows: the printed aggregate only.
@@ -466,10 +481,7 @@ class Store:
             WHERE (? IS NULL OR list_contains(?, p.policy))
             ORDER BY p.model, p.task, p.policy, p.setting, p.absolute_budget NULLS FIRST, p.compression, p.sample
             """, [settings, *params, reference, policies, policies])
-        named = [policy if setting == "{}" else f"{policy} " + " ".join(
-            f"{name}={value}" for name, value in json.loads(setting).items())
-            for policy, setting in zip(frame.policy, frame.setting)]
-        return frame.assign(policy=named)
+        return frame.assign(policy=setting_names(frame.policy, frame.setting))
 
     def other_settings(self, task=None, model=None, policies=None, source=None) -> pd.DataFrame:
         """Rows that the per-policy queries leave out because they change a parameter from its default (α and

@@ -82,6 +82,28 @@ def test_speed_bench_reports_what_the_static_path_kept_not_its_budget(tmp_path, 
     assert rows["inertia"]["final_cache"] == 12  # the engine path is untouched
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--contexts", "256"], "--contexts sets the prompt lengths of a --config model (random weights); for "
+                            "SmolLM2-135M-Instruct give its prompt length with --prompt-tokens"),
+    (["--config", "tiny", "--contexts", "256,abc"], "--contexts takes prompt lengths of at least 2 tokens, "
+                                                    "comma-separated (e.g. 16384,32768), got 'abc' in '256,abc'"),
+    (["--config", "tiny", "--contexts", "256", "--new-tokens", "1"], "--new-tokens must be at least 2"),
+    (["--config", "tiny", "--contexts", "256", "--repeats", "0"], "--repeats must be at least 1"),
+    (["--config", "tiny", "--contexts", "256", "--compression", "1"], "--compression must be in [0, 1)"),
+    (["--prompt-tokens", "1"], "--prompt-tokens must be at least 2"),
+])
+def test_speed_bench_refuses_what_it_would_ignore_or_fail_on_before_loading_a_model(args, message, capsys,
+                                                                                  monkeypatch):
+    from kvviz import models
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", loaded)
+    assert main(["bench", "speed", *args]) == 2
+    assert capsys.readouterr().err.startswith(f"kvviz: error: {message}")
+
+
 def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_path, monkeypatch):
     from kvviz.bench import speed
 

@@ -95,6 +95,13 @@ def test_plain_output_streams_text_and_summary(tiny):
         (["--prompt", TEXT, "--static", "--policy", "inertia-vnorm"], "InertiaKV with its attention scorer"),
         (["--prompt", TEXT, "--static", "--temperature", "0.7"], "greedily"),
         (["--prompt", TEXT, "--static", "--budget", "100000"], "budget must be between 1 and the prompt length"),
+        # Flags that would be silently dropped: said, not guessed.
+        (["--prompt", TEXT, "--alpha", "0.7", "--param", "alpha=0.5"], "alpha is given twice (--alpha... and --param"),
+        (["--prompt", TEXT, "--param", "alpha=0.7", "--param", "alpha=0.5"], "alpha is given twice"),
+        (["--prompt", TEXT, "--policy", "random", "--seed", "2"], "--seed shape sampling, and --temperature 0 "
+                                                                  "decodes greedily"),
+        (["--prompt", TEXT, "--top-p", "0.5"], "(the random policy's own seed is --param seed=N)"),
+        (["--prompt", TEXT, "--model", "/nonexistent/model"], "no folder '/nonexistent/model'"),
     ],
 )
 def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
@@ -555,3 +562,15 @@ def test_a_trace_with_malformed_sampling_is_refused_saying_so(tmp_path):
     with pytest.raises(ValueError, match="sampling .*empty \\(greedy\\) or an object of temperature, top_p and an "
                                          "integer seed"):
         kvviz.Trace.load(tmp_path / "bad.parquet")
+
+
+def test_the_full_cache_is_not_reported_as_holding_a_budget(capsys):
+    """One command line for every policy may give --budget to full too: it evicts nothing, and says so rather
+    than print a budget next to a larger final cache."""
+    from kvviz.cli import main
+
+    assert main(["generate", *TINY, "--prompt", TEXT, "--policy", "full", "--budget", "10", "--max-new-tokens",
+                 "3"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    prompt_len = int(summary.split("prompt ")[1].split()[0])
+    assert f"no eviction (full cache), final cache {prompt_len + 2}," in summary and "budget" not in summary

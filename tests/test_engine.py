@@ -500,3 +500,21 @@ def test_prefill_time_policy_scores_a_shared_prefill_exactly(family, tiny_prompt
     events = list(kvviz.engine.decode(model, tokenizer, tiny_prompt, kvviz.make_policy("snapkv", window=8), budget=20,
                                       max_new_tokens=2, shared=short))
     assert events[0].t_forward > 0
+
+
+def test_run_names_its_own_keywords_and_refuses_what_it_would_ignore(tiny, tiny_prompt):
+    """A typo of run()'s own keyword is not blamed on the policy alone; sampling settings without a temperature,
+    and parameters beside a policy object, would be silently ignored: refused, saying what to do."""
+    model, tokenizer = tiny
+    own = "budget, chat, compression, max_new_tokens, seed, temperature, top_p"
+    with pytest.raises(ValueError, match=f"has no parameter\\(s\\) budgt; .*; and run\\(\\) itself takes {own}"):
+        kvviz.run(model, tokenizer, tiny_prompt, "inertia", budgt=10)
+    with pytest.raises(ValueError, match="seed= shape sampling, and temperature 0 decodes greedily"):
+        kvviz.run(model, tokenizer, tiny_prompt, "random", budget=10, seed=2)  # meant for the policy
+    with pytest.raises(ValueError, match="top_p= shape sampling"):
+        kvviz.run(model, tokenizer, tiny_prompt, "full", top_p=0.9, temperature=0)
+    with pytest.raises(ValueError, match="not alpha: set a policy object's parameters where it is made"):
+        kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), alpha=0.5)
+    seeded = [kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("random", seed=seed), budget=10,
+                        max_new_tokens=6).trace for seed in (1, 2)]
+    assert [e.evicted.tolist() for e in seeded[0].events] != [e.evicted.tolist() for e in seeded[1].events]

@@ -139,3 +139,10 @@ def test_a_refused_family_is_refused_from_its_config_before_any_weight_loads(tmp
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     with pytest.raises(ModelNotFound, match="'gpt2' model"):
         kvviz.load_model(str(tmp_path))
+
+
+def test_an_unknown_dtype_or_a_missing_folder_is_named():
+    with pytest.raises(ValueError, match="unknown dtype 'fp8': use one of float32, bfloat16, float16"):
+        kvviz.load_model("tiny-random-llama", dtype="fp8")
+    with pytest.raises(ValueError, match="no folder './no/such/model'"):
+        kvviz.load_model("./no/such/model")

@@ -410,7 +410,17 @@ def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     assert any(line.split()[:2] == ["inertia", "0.75"] for line in out.splitlines())
     assert "inertia-lazy" not in out.split("not in these tables")[0]  # its row sets refresh = 8: a refresh point
     assert 'not in these tables: 2 rows with non-default parameters (policy, setting, rows): inertia ' \
-           '{"alpha": 0.3} (1), inertia-lazy {"refresh": 8} (1)' in out  # ... and said to be left out
+           'alpha=0.3 (1), inertia-lazy refresh=8 (1); --settings lists each setting' in out  # ... said to be left out
+    assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured", "--settings"]) == 0
+    out = capsys.readouterr().out
+    assert "not in these tables" not in out
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("inertia")] == [
+        ["inertia", "0.75"], ["inertia", "alpha=0.3"], ["inertia-lazy", "refresh=8"]]
+    # A policy run only at other settings is not "no rows": what there is, and how to see it, is said.
+    assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured", "--policies",
+                 "inertia-lazy"]) == 2
+    assert capsys.readouterr().err.endswith("kvviz: error: these filters match only rows with non-default "
+                                            "parameters (inertia-lazy refresh=8 (1)): add --settings to list them\n")
     assert main(["results", "--root", str(tmp_path), "--paper", "t"]) == 0
     out = capsys.readouterr().out
     assert "0.75" in out and "0.5" in out  # measured 0.75 / 1.0, paper 42 / 84

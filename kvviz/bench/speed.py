@@ -40,24 +40,27 @@ CONFIGS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192),
 }
 POLICIES = ("full", "inertia", "inertia-lazy", "score-free")
+CONTEXTS = "16384,32768,65536"
 
 
 def add_arguments(parser) -> None:
     from ..models import DEFAULT_MODEL, DTYPES
 
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local path (default: %(default)s)")
     parser.add_argument("--config", choices=sorted(CONFIGS), help="random-weight model built from a config")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="e.g. cuda (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default model)")
-    parser.add_argument("--contexts", default="16384,32768,65536", help="prompt lengths with --config")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--compression", type=float, default=0.9)
+    parser.add_argument("--contexts", default=CONTEXTS, help="prompt lengths with --config (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run (default: %(default)s)")
+    parser.add_argument("--compression", type=float, default=0.9,
+                        help="share of the prompt's cache evicted: B = (1 - compression) x prompt (default: %(default)s)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="engine policies to time, comma-separated (default: %(default)s); a prefill-time "
                              "one's first_token_s is its cost beyond the shared prefill (e.g. kvzip's extra pass)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each configuration, interleaved; the best is kept (default: %(default)s)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
     parser.add_argument("--time-limit", type=float, default=0.0,
@@ -398,6 +401,28 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     del shared
 
 
+def check_arguments(args) -> None:
+    """What ``bench speed`` refuses, before anything is built: ValueError saying what to change."""
+    policy_names(args.policies)
+    if args.new_tokens < 2:  # decode speed is timed from the first new token to the last
+        raise ValueError(f"--new-tokens must be at least 2 (decode speed runs from the first new token to the "
+                         f"last), got {args.new_tokens}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if not 0.0 <= args.compression < 1.0:
+        raise ValueError(f"--compression must be in [0, 1), got {args.compression}")
+    if args.config:
+        for length in args.contexts.split(","):
+            if not length.strip().isdigit() or int(length) < 2:
+                raise ValueError(f"--contexts takes prompt lengths of at least 2 tokens, comma-separated (e.g. "
+                                 f"16384,32768), got {length.strip()!r} in {args.contexts!r}")
+    elif args.contexts != CONTEXTS:
+        raise ValueError("--contexts sets the prompt lengths of a --config model (random weights); for "
+                         f"{args.model} give its prompt length with --prompt-tokens")
+    elif args.prompt_tokens < 2:
+        raise ValueError(f"--prompt-tokens must be at least 2, got {args.prompt_tokens}")
+
+
 def policy_names(text: str) -> list[str]:
     """The ``--policies`` list, each name checked against the registry."""
     from ..policies import get_spec
@@ -416,7 +441,7 @@ def main(args) -> int:
     from ..models import load_model
     from ..trace import model_dtype
 
-    policy_names(args.policies)  # refused before the model loads
+    check_arguments(args)  # refused before the model loads
     started = time.perf_counter()  # --time-limit counts the model's build too
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
