@@ -360,7 +360,8 @@ def test_max_length_hits_figure_draws_the_store_frame(tmp_path):
     pd.testing.assert_frame_equal(table, frame.round(4))
     colours = Colours.of(store)  # measured policies take the palette's first colours, paper-only ones after
     measured = store.options("policy", source="measured")
-    assert list(colours.map)[:len(measured)] == measured and set(colours.map) == set(store.options("policy"))
+    names = store.options("policy")  # then each other setting run, as --settings names it
+    assert list(colours.map)[:len(measured)] == measured and set(colours.map) == {*names, "inertia alpha=0.3"}
     assert [(trace.xaxis, trace.name, list(trace.x), list(trace.y), trace.line.color, trace.line.dash)
             for trace in figure.data] == [
         ("x", "full", [0.5, 0.9], [0.0, 0.0], colours("full"), "dot"),  # h2o records nothing: no line
@@ -1086,3 +1087,21 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
     assert main(["results", "--root", str(tmp_path), "--task", "u"]) == 0
     assert "held over 1.1x the budget (mean largest cache while decoding, entries): rkv ρ=0.5 80 (B=35), " \
         "snapkv ρ=0.5 59 (B=35)\n" in capsys.readouterr().out
+
+
+def test_the_results_tab_shows_other_settings_as_their_own_policies_when_asked(tmp_path):
+    """The Results tab's settings box: quality, max-length hits and speed show every setting run as its own
+    policy, with its own colour; unticked, each policy at its defaults only."""
+    from kvviz.ui.results import query
+
+    store = handmade_store(tmp_path)
+    names = lambda figure: sorted({trace.name for trace in figure.data})
+    default = query(store, "(all)", "t", [], "measured")
+    assert "inertia alpha=0.3" not in names(default[0]) and "inertia" in names(default[0])
+    every = query(store, "(all)", "t", [], "measured", settings=True)
+    assert {"inertia", "inertia alpha=0.3", "inertia-lazy refresh=8"} <= set(names(every[0]))
+    assert "every setting run, each its own line" in every[0].layout.title.text
+    table = every[1].value if hasattr(every[1], "value") else every[1]
+    assert set(table.policy) >= {"inertia alpha=0.3", "inertia-lazy refresh=8"}
+    colours = {trace.name: trace.line.color for trace in every[0].data if trace.mode and "lines" in trace.mode}
+    assert colours.get("inertia alpha=0.3") and colours["inertia alpha=0.3"] != colours.get("inertia")

@@ -21,7 +21,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from ..stats import paired_table
-from ..store import Store
+from ..store import Store, setting_names
 
 ALL = "(all)"
 # Not D3 after Plotly: its first hues repeat Plotly's (blue, orange, green, red, purple, pink); nor the
@@ -45,7 +45,9 @@ class Colours:
         """Measured policies first: they share figures most, so they get the palette's most distinct colours;
         policies only the papers report come after."""
         measured = store.options("policy", source="measured")
-        return cls(measured + [name for name in store.options("policy") if name not in measured])
+        others = store.other_settings()  # then each other setting run, as --settings names it
+        names = measured + [name for name in store.options("policy") if name not in measured]
+        return cls(names + [name for name in setting_names(others.policy, others.setting) if name not in names])
 
     def __call__(self, policy) -> str | None:
         return self.map.get(policy)
@@ -520,22 +522,25 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     suites = store.comparable_suites()
     suite = suite if suite in suites else (suites[0] if suites else "RULER")
 
-    quality = store.quality_vs_compression(task, model, policies, source)
+    settings = bool(settings)
+    quality = store.quality_vs_compression(task, model, policies, source, settings=settings)
     references = store.options("policy", source="measured")
     reference = reference if reference in references else default_reference(references)
-    differences = paired(store, reference, task, model, tuple(policies) if policies else None, bool(settings)) \
+    differences = paired(store, reference, task, model, tuple(policies) if policies else None, settings) \
         if reference and source != "paper" else paired_table(pd.DataFrame())  # papers print no samples
-    hits = store.max_length_hits(task, model, policies)
+    hits = store.max_length_hits(task, model, policies, settings=settings)
     comparison = store.paper_comparison(suite, policies)
     alpha = store.alpha_sensitivity(task, model, source)
     refresh = store.refresh_curve(task, model, source)
-    speed = store.speed_vs_quality(task, model, policies)
+    speed = store.speed_vs_quality(task, model, policies, settings=settings)
     if source == "paper":  # the papers report no per-run decode speed or max-length hits
         speed, hits = speed.iloc[0:0], hits.iloc[0:0]
     grid = store.needle_grid(model, policies, source)
     figures = [
         (_line_figure(quality, "compression", "score",
-                      f"Quality vs {_versus(quality)} (each policy at its defaults; bars: ± 1 standard error"
+                      f"Quality vs {_versus(quality)} ("
+                      + ("every setting run, each its own line" if settings else "each policy at its defaults")
+                      + "; bars: ± 1 standard error"
                       f"{_draws_note(quality)})", "compression ρ", "mean score", colours), quality,
          "quality_vs_compression"),
         (_hits_figure(hits, colours), hits, "max_length_hits"),
@@ -585,8 +590,12 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
         policies = gr.Dropdown(store.options("policy"), value=[], multiselect=True, label="Policies (none = all)")
         # measured first: paper scores are on each benchmark's own scale (0-100, 0-1, %), ours are 0-1
         source = gr.Radio([ALL, "measured", "paper"], value="measured", label="Source")
+        # A policy run only at other settings (AvoKV-E at interval=16) is otherwise in no figure but the grid's.
+        settings = gr.Checkbox(False, label="Other parameter settings too (α and refresh sweeps, intervals, "
+                                            "ablations): each its own policy, e.g. 'avokv interval=16', paired "
+                                            "against the reference at its defaults")
     outputs = []
-    suite = reference = settings = None
+    suite = reference = None
     for title in SECTIONS:
         with gr.Accordion(title, open=title in ("Quality vs compression", "Measured vs paper")):
             if title == "Measured vs paper":
@@ -605,10 +614,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "apart, whatever the interval (a few differing samples among many ties make it "
                             "narrow). Measured rows only.")
                 measured = store.options("policy", source="measured")
-                with gr.Row():
-                    reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
-                    settings = gr.Checkbox(False, label="Also parameter sweeps (α, refresh: e.g. 'inertia alpha=0.9' "
-                                           "against the reference at its defaults)")
+                reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
             if title == "Quality vs decode speed":
                 gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
                             "may come from another machine (results_db/README.md says which), so compare speeds "
