@@ -24,7 +24,8 @@ def _policy_params(args) -> dict:
         if not sep or not key:
             raise ValueError(f"--param takes NAME=VALUE, got {item!r}")
         if key in params:  # --alpha 0.7 --param alpha=0.5: one of them would be silently dropped
-            given = f"--{key}" if key in ("alpha", "refresh") and getattr(args, key) is not None else f"--param {key}="
+            flag = key in ("alpha", "refresh") and getattr(args, key) is not None
+            given = f"--{key}" if flag else f"--param {key}="
             raise ValueError(f"{key} is given twice ({given}... and --param {item}); give it once")
         params[key] = value  # the registry converts and checks it (kvviz.policies.coerce)
     return params
@@ -39,7 +40,8 @@ def _validate_generate(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ValueError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
     if args.temperature == 0 and (args.top_p is not None or args.seed is not None):
-        given = " and ".join(flag for flag, value in (("--top-p", args.top_p), ("--seed", args.seed)) if value is not None)
+        given = " and ".join(flag for flag, value in (("--top-p", args.top_p), ("--seed", args.seed))
+                             if value is not None)
         raise ValueError(f"{given} shape sampling, and --temperature 0 decodes greedily: add --temperature T > 0 "
                          "(the random policy's own seed is --param seed=N)")
     args.top_p = 1.0 if args.top_p is None else args.top_p

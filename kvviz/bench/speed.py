@@ -55,7 +55,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--contexts", default=CONTEXTS, help="prompt lengths with --config (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run (default: %(default)s)")
     parser.add_argument("--compression", type=float, default=0.9,
-                        help="share of the prompt's cache evicted: B = (1 - compression) x prompt (default: %(default)s)")
+                        help="share of the prompt's cache evicted: B = (1 - compression) x prompt "
+                             "(default: %(default)s)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="engine policies to time, comma-separated (default: %(default)s); a prefill-time "
                              "one's first_token_s is its cost beyond the shared prefill (e.g. kvzip's extra pass)")
