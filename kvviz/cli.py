@@ -54,6 +54,9 @@ def _validate_generate(args) -> None:
         raise ValueError("--compile applies to --static only; add --static or drop --compile")
     if args.trace:
         _check_writable(args.trace, "--trace")
+        if Path(args.trace).suffix != ".parquet":  # what is written, and what `kvviz trace` and the app open
+            raise ValueError(f"--trace writes a parquet file: name it .parquet, e.g. "
+                             f"{str(Path(args.trace).with_suffix('.parquet'))!r}")
 
 
 def _check_writable(path: str, option: str) -> None:

@@ -104,6 +104,14 @@ def test_speed_bench_refuses_what_it_would_ignore_or_fail_on_before_loading_a_mo
     assert capsys.readouterr().err.startswith(f"kvviz: error: {message}")
 
 
+def test_speed_bench_without_the_static_path_times_generate_and_the_named_policies(tmp_path):
+    out = tmp_path / "speed.jsonl"
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "3", "--repeats", "1",
+                 "--policies", "tova", "--no-static", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [row["what"] for row in rows] == ["prefill", "generate", "tova", "context done"]
+
+
 def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_path, monkeypatch):
     from kvviz.bench import speed
 

@@ -192,6 +192,7 @@ def test_a_trace_that_cannot_be_written_keeps_the_printed_result(tmp_path, capsy
     ("folder", "is a folder"),
     ("missing/trace.parquet", "does not exist"),
     ("file/trace.parquet", "is a file, not a folder"),
+    ("trace.csv", "--trace writes a parquet file: name it .parquet, e.g. "),
 ])
 def test_an_unwritable_trace_path_is_refused_before_the_model_loads(where, message, tmp_path, capsys, monkeypatch):
     from kvviz.cli import main

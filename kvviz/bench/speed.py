@@ -19,6 +19,7 @@ so that a run stopped by a time limit or killed keeps what it measured, the GPU 
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -62,6 +63,9 @@ def add_arguments(parser) -> None:
                              "one's first_token_s is its cost beyond the shared prefill (e.g. kvzip's extra pass)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each configuration, interleaved; the best is kept (default: %(default)s)")
+    parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the static decode path too (B slots, InertiaKV computed beside the attention; "
+                             "the GPU targets): --no-static times generate and the --policies rows only")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
     parser.add_argument("--time-limit", type=float, default=0.0,
@@ -339,7 +343,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
                 result["decode_peak_memory_gb"] = (result.pop("_decode_peak_bytes") - resident) / 2**30
         return result
 
-    statics = static_configurations(compile)
+    statics = static_configurations(compile) if args.static else {}
     runs = {"generate": lambda: measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
     for name, options in statics.items():
         runs[name] = lambda name=name, options=options: measured(
