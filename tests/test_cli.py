@@ -513,6 +513,8 @@ def test_trace_read_lag_needs_an_attention_run_that_scored_every_step_and_kept_t
 
 
 def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
+    import numpy as np
+
     from kvviz.cli import main
 
     args = ["probe", *TINY, "--prompt", TEXT * 3, "--no-chat", "--step", "3", "--future", "2", "--policies", "tova,avokv"]
@@ -526,6 +528,10 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"ranked over the {newest - 35} entries every policy judged (35 left out" in out
+    # k is the top damage decile of those ranked entries (np.quantile's 90th percentile, ties included)
+    ranked = np.array(report["damage"])[report["ranked"]]
+    k = int((ranked >= np.quantile(ranked, 0.9)).sum())
+    assert f"(label: the top decile of damage, k = {k} of {newest - 35} entries; top-k rec:" in out
     assert main([*args[:-1], "tova", "--json"]) == 0  # one policy that judges everything: nothing left out
     assert json.loads(capsys.readouterr().out)["ranked"] == list(range(newest))
 
