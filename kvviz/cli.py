@@ -418,6 +418,11 @@ def _print_read_lags(trace) -> int:
         print(f"{label:<28}{group['entries']:>8}" + "".join(f"{group['read_by'][t]:>8.0%}" for t in times)
               + f"{group['never']:>8.0%}")
     print(f"one-sided KS p that the well read are read sooner: {split['ks_p']:.3g}")
+    first = times[0]
+    if all(split[name]["read_by"][first] == 1.0 for name in ("low", "high") if split[name]["entries"]):
+        # The next query is each entry's peak reader (common on a small model): nothing is left to split.
+        print(f"every entry was strongly read at lag {first}: the split says nothing about delayed reads here; "
+              "a larger model or a longer run reads later")
     return 0
 
 

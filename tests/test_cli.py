@@ -503,6 +503,15 @@ def test_trace_read_lag_needs_an_attention_run_that_scored_every_step_and_kept_t
     assert lags.positions.size == len(whole.decode_steps) - 32 > 0
     row = next(line for line in out.splitlines() if line.startswith("N(early) >= 0.6"))
     assert row.split()[4] == str(split["high"]["entries"])
+    assert "the split says nothing about delayed reads here" not in out  # read later here (F(1) = 0%)
+    # Every entry read at once (as SmolLM2 does over 64 tokens): the table is all 100%, and says why.
+    at_once = {group: {**split[group], "read_by": dict.fromkeys(split[group]["read_by"], 1.0), "never": 0.0}
+               for group in ("low", "high")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(diagnostics, "read_lag_split", lambda lags: {**split, **at_once})
+        assert main(["trace", str(tmp_path / "whole.parquet"), "--read-lag"]) == 0
+    assert "every entry was strongly read at lag 1: the split says nothing about delayed reads here" in \
+        capsys.readouterr().out
     for policy, budget, reason in (("inertia-lazy", 200, "scores every step"),  # not every step
                                    ("knorm", 200, "does not record attention"),  # a key norm is no read
                                    ("inertia", 30, "evicted entries")):  # evicted entries are never read again
