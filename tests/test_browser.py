@@ -167,17 +167,17 @@ def test_a_second_click_while_running_is_stopped_with_the_first(page):
     assert page.get_by_text("Error", exact=True).count() == 0
 
 
-def held_open(shown, clicked: list):
+def held_open(shown, clicked: list, before: set):
     """``shown`` (the stopped run's last update), held open until the next click has reached the server and
     for 1.5 s more, so that the click's check passes and its run is sent while the stopped run still shows
-    itself -- however late the browser sends the click; ``clicked`` records whether it came."""
+    itself -- however late the browser sends the click (or however early: its ticket may come before the
+    stopped run gets here); ``clicked`` records whether it came, ``before`` holds the tickets from before it."""
     from kvviz.ui import app
 
     def held(*args, **kwargs):
         if not clicked:  # the stopped run's; the next run ends as usual
-            before = set(app._tickets)
 
-            def fresh_ticket() -> bool:  # a click's since then, not yet run
+            def fresh_ticket() -> bool:  # the click's, not yet run
                 return any(not (ticket.claimed or ticket.done or ticket.is_set())
                            for id, ticket in list(app._tickets.items()) if id not in before)
 
@@ -197,8 +197,8 @@ def test_run_right_after_stop_runs_once_the_stopped_run_has_shown_itself(page, m
     goes to its end with the inputs as they are then."""
     from kvviz.ui import app
 
-    clicked = []
-    monkeypatch.setattr(app, "live_result", held_open(app.live_result, clicked))
+    clicked, before = [], set()
+    monkeypatch.setattr(app, "live_result", held_open(app.live_result, clicked, before))
     page.get_by_role("tab", name="Live").click()
     start_a_long_run(page)
     max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
@@ -208,6 +208,7 @@ def test_run_right_after_stop_runs_once_the_stopped_run_has_shown_itself(page, m
     deadline = time.time() + 10
     while not all(ticket.is_set() for ticket in app._tickets.values()) and time.time() < deadline:
         time.sleep(0.05)  # Stop has reached the server
+    before.update(app._tickets)
     page.evaluate("document.querySelector('#live-run').click()")
     wait_for_a_run_to_its_end(page, 12)
     assert clicked[0]  # the click had come while the stopped run showed itself
@@ -419,8 +420,8 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
     until the click has come): the click is not dropped, and its comparison runs to its end."""
     from kvviz.ui import app
 
-    clicked = []
-    monkeypatch.setattr(app, "comparison_result", held_open(app.comparison_result, clicked))
+    clicked, before = [], set()
+    monkeypatch.setattr(app, "comparison_result", held_open(app.comparison_result, clicked, before))
     page.get_by_role("tab", name="Compare").click()
     page.get_by_label("Prompt").nth(1).fill(PROMPT)
     max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
@@ -441,6 +442,7 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
     deadline = time.time() + 10
     while not all(ticket.is_set() for ticket in app._tickets.values()) and time.time() < deadline:
         time.sleep(0.05)  # Stop has reached the server
+    before.update(app._tickets)
     page.evaluate("document.querySelector('#compare-run').click()")  # a DOM click: no waiting for the page
     page.get_by_text("stopped after", exact=False).wait_for(timeout=60_000)  # the stopped one, shown
     page.get_by_text("stopped after", exact=False).wait_for(state="hidden", timeout=60_000)  # the next one's
