@@ -100,6 +100,11 @@ def setting_names(policies, settings) -> list[str]:
         for policy, setting in zip(policies, settings)]
 
 
+def named_by_setting(frame: pd.DataFrame) -> pd.DataFrame:
+    """A frame with ``policy`` and ``setting`` columns, each policy named by its setting, ``setting`` dropped."""
+    return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
+
+
 class Store:
     """Read-only access to the measured (and paper-reported) rows."""
 
@@ -308,7 +313,7 @@ class Store:
             GROUP BY ALL ORDER BY source, model, task, policy, setting, absolute_budget NULLS FIRST,
                                   compression NULLS FIRST
             """, [settings, *params])
-        return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
+        return named_by_setting(frame)
 
     def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
         """InertiaKV's mean score per EMA coefficient α, from rows that change nothing but α (rows at the
@@ -369,7 +374,7 @@ class Store:
                   FROM results WHERE (setting = '{{}}' OR ?) AND decode_tok_s IS NOT NULL AND {where})
             GROUP BY ALL ORDER BY model, task, policy, setting, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, [settings, *params])
-        return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
+        return named_by_setting(frame)
 
     def max_length_hits(self, task=None, model=None, policies=None, settings: bool = False) -> pd.DataFrame:
         """How many generations reached ``max_new_tokens`` instead of ending with end-of-sequence, per (model,
@@ -390,7 +395,7 @@ class Store:
             FROM generations WHERE (setting = '{{}}' OR ?) AND {where}
             GROUP BY ALL ORDER BY model, task, policy, setting, absolute_budget NULLS FIRST, compression NULLS FIRST
             """, [settings, *params])
-        return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
+        return named_by_setting(frame)
 
     # Per task, each policy's mean score next to the full cache's on the same task and model (a task whose
     # full cache scores 0 cannot be normalised and is left out).  Paper rows: the printed aggregate only.

@@ -376,6 +376,20 @@ def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Ticke
     return ticket, None
 
 
+def ticketed(ticket_id, tickets: Tickets | None, outputs: int, steps) -> Iterator[tuple]:
+    """A run by its ticket: ``steps(ticket, made)`` streams it (``made``: a holder made here for an API
+    session); stopped while queued or checked, it leaves every view as it is.  Its ticket is over however the
+    run ends, refused as it starts included, so that the next click gets one."""
+    ticket, made = run_ticket(ticket_id, tickets)
+    if ticket is None:
+        yield (gr.skip(),) * outputs
+        return
+    try:
+        yield from steps(ticket, made)
+    finally:
+        ticket.done = True
+
+
 def request_stop(tickets: Tickets | None):
     """Stop: every ticket of the session set.  When no run of it is decoding, a new value for the hidden
     field whose change cancels the Run's events: a run waiting in the queue then leaves it (and the next Run
@@ -522,14 +536,7 @@ def check_trace(path) -> None:
 def make_live_handler(limits: Limits):
     def live_run(*inputs):
         *inputs, ticket_id, tickets = inputs  # the run's inputs, the ticket id its click made, the session's
-        ticket, made = run_ticket(ticket_id, tickets)
-        if ticket is None:  # stopped while queued or checked: leave every view as it is
-            yield (gr.skip(),) * 12
-            return
-        try:
-            yield from live_steps(ticket, made, *inputs)
-        finally:
-            ticket.done = True  # also when the run is refused: the next click gets a ticket
+        yield from ticketed(ticket_id, tickets, 12, lambda ticket, made: live_steps(ticket, made, *inputs))
 
     def live_steps(ticket, made, model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens,
                    chat, temperature, top_p, seed, *param_values):
@@ -690,15 +697,9 @@ def decision_views(view: RunView, step) -> tuple:
 def make_compare_handler(limits: Limits):
     def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
                     temperature=0.0, top_p=1.0, seed=0, ticket_id="", tickets=None):
-        ticket, made = run_ticket(ticket_id, tickets)
-        if ticket is None:  # stopped while queued or checked: leave every view as it is
-            yield (gr.skip(),) * 13
-            return
-        try:
-            yield from compare_steps(ticket, made, model_name, prompt, names, budget_mode, compression, budget,
-                                     max_new_tokens, chat, temperature, top_p, seed)
-        finally:
-            ticket.done = True  # as in the Live tab
+        yield from ticketed(ticket_id, tickets, 13, lambda ticket, made: compare_steps(
+            ticket, made, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
+            temperature, top_p, seed))
 
     def compare_steps(ticket, made, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens,
                       chat, temperature, top_p, seed):
@@ -1086,6 +1087,32 @@ def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
     return mode, rho, budget, max_new, chat, temperature, top_p, seed
 
 
+def stoppable_run(limits: Limits, run_button, stop_button, check, handler, inputs: list, outputs: list, name: str,
+                  progress_on) -> tuple:
+    """A Run button and its Stop (the Live tab's, the Compare tab's): the events ``/{name}`` and ``/stop_{name}``.
+
+    The click first takes a ticket, the run's stop switch (a click while the session's run is pending ends
+    there), then checks the inputs, then runs in the models' concurrency group.  The run goes by its click's
+    ticket (sent in a hidden field), is ``always_last`` (a click after Stop waits for the stopped run to show
+    itself, where Gradio's default would drop it), and a failed check or run retires the click's ticket.
+    Stop, unqueued so that a full queue cannot hold it up, sets the session's tickets: a decoding run ends
+    before its next step and shows what ran; one being checked or waiting in the queue is cancelled (through
+    a hidden field's change, never a decoding one).  Returns the check's and the run's events."""
+    tickets, ticket_id = gr.State(None), gr.Textbox("", visible=False)  # "": an API call
+    taken = run_button.click(button_ticket, tickets, [tickets, ticket_id], queue=False, api_name=False)
+    checked = taken.success(check, inputs, None, api_name=False, show_progress_on=progress_on)
+    checked.failure(retire, tickets, None, queue=False, api_name=False)
+    running = checked.success(handler, [*inputs, ticket_id, tickets], [*outputs, tickets],
+                              concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name=name,
+                              trigger_mode="always_last", api_visibility="undocumented")
+    running.failure(retire, tickets, None, queue=False, api_name=False)
+    cancel = gr.Number(0, visible=False)
+    stop_button.click(request_stop, tickets, cancel, queue=False, api_name=f"stop_{name}",
+                      api_visibility="undocumented", cancels=[checked])
+    cancel.change(None, cancels=[running])
+    return checked, running
+
+
 def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
     limits = limits or Limits.from_env()
     policy_choices = [(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()]
@@ -1138,25 +1165,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             detail]
             # Its progress shows under the prompt (the first run's check loads the model, which takes a while);
             # after a refusal the prompt's token count replaces it there, and the last run's views stay.
-            # The button first makes the run's stop switch (read by the run when it starts), then checks.
-            live_ticket, live_ticket_id = gr.State(None), gr.Textbox("", visible=False)  # "": an API call
-            # A click while its run is pending ends at the ticket; one after Stop waits for the stopped run to
-            # show itself (always_last), where Gradio's default would drop it.
-            ticketed = run.click(button_ticket, live_ticket, [live_ticket, live_ticket_id], queue=False, api_name=False)
-            checked = ticketed.success(make_live_check(limits), inputs, None, api_name=False,
-                                       show_progress_on=prompt_size)
-            checked.failure(retire, live_ticket, None, queue=False, api_name=False)
-            live = checked.success(make_live_handler(limits), [*inputs, live_ticket_id, live_ticket],
-                                   [*live_outputs, live_ticket], concurrency_limit=limits.runs_per_model,
-                                   concurrency_id="model", api_name="live", trigger_mode="always_last",
-                                   api_visibility="undocumented")  # the API is /generate; /live drives the widgets
-            live.failure(retire, live_ticket, None, queue=False, api_name=False)
-            # The run ends before its next step and shows what ran; one still checked or queued is cancelled.
-            # Not queued, so that a full queue cannot hold Stop up.
-            live_cancel = gr.Number(0, visible=False)
-            stop.click(request_stop, live_ticket, live_cancel, queue=False, api_name="stop_live",
-                       api_visibility="undocumented", cancels=[checked])
-            live_cancel.change(None, cancels=[live])  # a decoding run is never cancelled: it shows what it ran
+            # The API is /generate; /live drives the widgets.
+            checked, live = stoppable_run(limits, run, stop, make_live_check(limits), make_live_handler(limits),
+                                          inputs, live_outputs, "live", progress_on=prompt_size)
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
             trace_checked = saved.upload(check_trace, saved, None, api_name=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
@@ -1259,20 +1270,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
                         c_temperature, c_top_p, c_seed]
             compare_check = make_compare_check(limits)
-            c_ticket, c_ticket_id = gr.State(None), gr.Textbox("", visible=False)  # as in the Live tab
-            c_ticketed = c_run.click(button_ticket, c_ticket, [c_ticket, c_ticket_id], queue=False, api_name=False)
-            c_checked = c_ticketed.success(compare_check, c_inputs, None, api_name=False, show_progress_on=c_divergence)
+            c_checked, compare = stoppable_run(
+                limits, c_run, c_stop, compare_check, make_compare_handler(limits), c_inputs,
+                [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state], "compare",
+                progress_on=c_divergence)
             c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
-            c_checked.failure(retire, c_ticket, None, queue=False, api_name=False)
-            compare = c_checked.success(make_compare_handler(limits), [*c_inputs, c_ticket_id, c_ticket],
-                                        [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state, c_ticket],
-                                        concurrency_limit=limits.runs_per_model, concurrency_id="model",
-                                        api_name="compare", trigger_mode="always_last", api_visibility="undocumented")
-            compare.failure(retire, c_ticket, None, queue=False, api_name=False)
-            c_cancel = gr.Number(0, visible=False)
-            c_stop.click(request_stop, c_ticket, c_cancel, queue=False, api_name="stop_compare",
-                         api_visibility="undocumented", cancels=[c_checked])
-            c_cancel.change(None, cancels=[compare])
             c_checked.success(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False,
                               queue=False)
             c_checked.success(lambda: compare_diagnostics(None), None, c_diagnostics, api_name=False, queue=False)
