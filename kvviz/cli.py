@@ -368,7 +368,7 @@ def cmd_trace(args) -> int:
             print(f"decode {len(steps) / total:.1f} tok/s: " + ", ".join(
                 f"{part} {value / total:.0%}" for part, value in seconds.items()))
         for name, value in diagnostics.summary(trace).items():
-            print(f"{name.replace('_', ' '):<22}{'n/a' if np.isnan(value) else f'{value:.4f}'}")
+            print(f"{name.replace('_', ' '):<24}{'n/a' if np.isnan(value) else f'{value:.4f}'}")
         decided = [e.step for e in trace.events if e.components]
         if decided:
             print(f"terms recorded at {len(decided)} decision(s), steps {', '.join(map(str, decided[:8]))}"

@@ -4,6 +4,11 @@
   "top-B Jaccard churn" of InertiaKV §5.3);
 * raw/EMA Jaccard: agreement of this step's raw top-k (``event.raw``) with the policy's top-k utility;
 * raw-top evicted rate: share of this step's raw top-k that the step evicted;
+* keep-set turnover: ``1 - Jaccard`` of consecutive keep sets.  With k = B and the cache held at B, the
+  utility top-k *is* the keep set, so utility churn equals this turnover (``2 / (B + 1)`` a step when the new
+  entry displaces an old one) for every policy that evicts by its utility, InertiaKV or not;
+* rank stability: Spearman correlation of consecutive steps' raw scores (or utilities) over the entries
+  scored at both steps, the step-to-step ranking inertia that churn at k = B cannot show;
 * Spearman correlation and top-k Jaccard between two scorers on the same step;
 * mean pairwise Jaccard of the keep sets of several policies run on the same prompt;
 * token history: one token's raw score, utility and their ranks at every step, and how often its raw rank
@@ -117,6 +122,37 @@ def raw_top_evicted_rate(trace: Trace, k: int | None = None) -> list[tuple[int, 
     return out
 
 
+def keep_turnover(trace: Trace) -> list[tuple[int, float]]:
+    """(step, churn of the keep set against the previous step's), for consecutive decode steps."""
+    steps = trace.decode_steps
+    return [(b.step, churn(set(a.kept.tolist()), set(b.kept.tolist())))
+            for a, b in zip(steps, steps[1:]) if b.step == a.step + 1]
+
+
+def _common_spearman(positions_a, values_a, positions_b, values_b) -> float:
+    """Spearman of two steps' scores over the positions both scored finitely (AvoKV-E's +inf: not judged);
+    NaN with fewer than three such positions or a constant side."""
+    _, in_a, in_b = np.intersect1d(positions_a, positions_b, assume_unique=True, return_indices=True)
+    a, b = np.asarray(values_a, np.float64)[in_a], np.asarray(values_b, np.float64)[in_b]
+    finite = np.isfinite(a) & np.isfinite(b)
+    return spearman(a[finite], b[finite]) if finite.sum() >= 3 else float("nan")
+
+
+def raw_rank_stability(trace: Trace) -> list[tuple[int, float]]:
+    """(step, Spearman of this step's raw scores and the previous step's over the entries present at both),
+    for consecutive scored steps."""
+    steps = [e for e in trace.decode_steps if e.raw is not None]
+    return [(b.step, _common_spearman(a.present, a.raw, b.present, b.raw))
+            for a, b in zip(steps, steps[1:]) if b.step == a.step + 1]
+
+
+def utility_rank_stability(trace: Trace) -> list[tuple[int, float]]:
+    """(step, Spearman of this step's utilities and the previous step's over the entries kept at both)."""
+    steps = [e for e in trace.decode_steps if e.utility is not None]
+    return [(b.step, _common_spearman(a.kept, a.utility, b.kept, b.utility))
+            for a, b in zip(steps, steps[1:]) if b.step == a.step + 1]
+
+
 def mean_pairwise_jaccard(traces: list[Trace]) -> float:
     """Mean over steps and policy pairs of the Jaccard of their keep sets (same prompt; common steps)."""
     values = []
@@ -133,15 +169,20 @@ def keep_set_jaccard_over_time(a: Trace, b: Trace) -> list[tuple[int, float]]:
 
 
 def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
-    """Means of each diagnostic over the run (NaN where the policy records no raw scores or utility)."""
+    """Means of each diagnostic over the run (NaN where the policy records no raw scores or utility, or where
+    no two consecutive steps have them)."""
     def mean(pairs):
-        return float(np.mean([v for _, v in pairs])) if pairs else float("nan")
+        values = [v for _, v in pairs if not np.isnan(v)]  # a rank stability is NaN on a constant step
+        return float(np.mean(values)) if values else float("nan")
 
     return {
         "raw_churn": mean(raw_churn(trace, k)),
         "utility_churn": mean(utility_churn(trace, k)),
+        "keep_turnover": mean(keep_turnover(trace)),
         "raw_utility_jaccard": mean(raw_utility_jaccard(trace, k)),
         "raw_top_evicted_rate": mean(raw_top_evicted_rate(trace, k)),
+        "raw_rank_stability": mean(raw_rank_stability(trace)),
+        "utility_rank_stability": mean(utility_rank_stability(trace)),
     }
 
 

@@ -412,7 +412,7 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
     out = capsys.readouterr().out
     evictions = sum(e.evicted.size for e in trace.events)
     assert f"budget B = {trace.budget}, 15 decode steps, {evictions} evictions" in out
-    assert f"utility churn         {diagnostics.summary(trace)['utility_churn']:.4f}" in out
+    assert f"utility churn           {diagnostics.summary(trace)['utility_churn']:.4f}" in out
     # Following the passkey's text: every position whose token holds part of it, each with its own fate.
     tokens = [tokenizer.decode([i]) for i in trace.prompt_ids]
     assert main(["trace", str(tmp_path / "run.parquet"), "--follow", "71432"]) == 0

@@ -45,6 +45,31 @@ def test_churn_jaccard_and_evicted_rate_on_a_hand_trace():
     assert summary["raw_utility_jaccard"] == pytest.approx(2 / 3)
 
 
+def test_keep_turnover_and_rank_stability_on_a_hand_trace():
+    # Budget 4.  Step 1: present 0-4, raw descending with position; evicts 4, utilities [.9, .8, .7, .6].
+    # Step 2: present [0, 1, 2, 3, 5], raw ascending; evicts 3, keeping [0, 1, 2, 5] with [.6, .8, .7, .9];
+    #   position 6 arrives at step 3 with +inf utility (not judged yet) beside the same four.
+    events = [event(0, [0, 1, 2, 3], []),
+              event(1, [0, 1, 2, 3], [4], raw=[.5, .4, .3, .2, .1], utility=[.9, .8, .7, .6]),
+              event(2, [0, 1, 2, 5], [3], raw=[.1, .2, .3, .4, .5], utility=[.6, .8, .7, .9]),
+              event(3, [0, 1, 2, 5, 6], [], utility=[.6, .8, .7, .9, np.inf])]
+    trace = Trace([7, 8, 9, 10], 4, "test", events=events)
+    # Keep sets {0,1,2,3} -> {0,1,2,5}: 3 shared of 5 -> churn 2/5; then {0,1,2,5} -> {0,1,2,5,6}: 4 of 5.
+    assert dx.keep_turnover(trace) == [(2, pytest.approx(2 / 5)), (3, pytest.approx(1 / 5))]
+    # Raw over the positions present at both steps 1 and 2, {0, 1, 2, 3}: [.5, .4, .3, .2] then
+    # [.1, .2, .3, .4], exactly reversed -> Spearman -1.  Step 3 scored nothing.
+    assert dx.raw_rank_stability(trace) == [(2, pytest.approx(-1.0))]
+    # Utilities over {0, 1, 2}, kept at both: ranks [3, 2, 1] then [1, 3, 2]; d = [2, -1, -1], sum d^2 = 6,
+    # rho = 1 - 6 * 6 / (3 * 8) = -0.5.  Step 3: {0, 1, 2, 5} unchanged -> 1; the +inf entry is left out.
+    assert dx.utility_rank_stability(trace) == [(2, pytest.approx(-0.5)), (3, pytest.approx(1.0))]
+    summary = dx.summary(trace)
+    assert summary["keep_turnover"] == pytest.approx(0.3)
+    assert summary["utility_rank_stability"] == pytest.approx(0.25)
+    # Fewer than three common positions: no correlation, and the mean skips it.
+    assert np.isnan(dx.utility_rank_stability(hand_trace())[0][1])
+    assert np.isnan(dx.summary(hand_trace())["utility_rank_stability"])
+
+
 def test_token_history_on_a_hand_trace():
     history = dx.token_history(hand_trace().events, [0, 2, 3]).set_index(["step", "position"])
     # Step 0: only the prompt {0, 1}; 2 and 3 do not exist yet, and nothing was scored.
@@ -117,7 +142,7 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
     model, tokenizer = tiny
     trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=20, max_new_tokens=12).trace
     values = dx.summary(trace)
-    assert all(0.0 <= v <= 1.0 for v in values.values())
+    assert all(-1.0 <= v <= 1.0 for v in values.values())
     # InertiaKV keeps exactly its top-B utilities, so with k = B the utility churn is the churn of the keep
     # sets themselves: 2/21 when the new token displaces one of 20 entries, 0 when it is itself evicted.
     steps = trace.decode_steps
@@ -127,8 +152,19 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
     assert [step for step, _ in measured] == [step for step, _ in expected]
     assert [v for _, v in measured] == pytest.approx([v for _, v in expected])
     assert {round(v, 6) for _, v in expected} <= {0.0, round(2 / 21, 6)} and any(v for _, v in expected)
+    assert dx.keep_turnover(trace) == measured
     lazy = kvviz.run(model, tokenizer, tiny_prompt, "inertia-lazy", budget=20, max_new_tokens=12).trace
     assert len(dx.raw_churn(lazy)) == 0  # no two consecutive scored steps with r = 4
+    # Between refreshes Lazy's utilities do not move, so their ranking is the previous step's exactly; a
+    # refresh (a scored step) reorders them.
+    stability = dict(dx.utility_rank_stability(lazy))
+    scored = {e.step for e in lazy.decode_steps if e.scored}
+    assert {step: value for step, value in stability.items() if step not in scored} == pytest.approx(
+        {step: 1.0 for step in stability if step not in scored})
+    assert any(stability[step] < 1.0 for step in stability if step in scored)
+    # Score-Free ranks by its first scores for the whole run.
+    frozen = kvviz.run(model, tokenizer, tiny_prompt, "score-free", budget=20, max_new_tokens=12).trace
+    assert [value for _, value in dx.utility_rank_stability(frozen)] == pytest.approx([1.0] * 10)
 
 
 def test_token_history_of_a_real_run_agrees_with_its_events(tiny, tiny_prompt):

@@ -425,7 +425,15 @@ def diagnostics_markdown(trace: Trace) -> str:
     values = diagnostics.summary(trace)
     rows = "\n".join(f"| {name.replace('_', ' ')} | {'n/a' if np.isnan(v) else f'{v:.4f}'} |" for name, v in values.items())
     return ("| diagnostic (mean over steps, k = budget) | value |\n|---|---|\n" + rows +
-            "\n\n*n/a: this policy records no raw per-step score (or no utility) to compare.*")
+            "\n\n" + DIAGNOSTICS_NOTE + "\n\n*n/a: this policy records no raw per-step score (or no utility) to "
+            "compare, or no two consecutive steps have one.*")
+
+
+# Why two policies' utility churn can match while their rankings do not (README, "Stability diagnostics").
+DIAGNOSTICS_NOTE = ("*Where the cache holds B, the top-B by utility is the keep set itself, so utility churn is "
+                    "the keep turnover, 2/(B+1) a step when a new entry displaces an old one, for any policy. "
+                    "Ranking inertia shows in the rank stabilities: the Spearman correlation of consecutive steps' "
+                    "raw scores, and of their utilities, over the entries both steps scored.*")
 
 
 # ----------------------------------------------------------------------------------------- handlers
@@ -840,8 +848,9 @@ def jaccard_figure(names, views) -> go.Figure:
 
 def compare_diagnostics(views: dict[str, RunView] | None):
     """InertiaKV Appendix I's stability diagnostics side by side, one row per compared policy: raw and utility
-    top-B churn, raw/utility Jaccard and the share of each step's raw top-B that it evicted (means over
-    steps, k = the budget; n/a where a policy records no raw score or no utility), as the Live tab lists them."""
+    top-B churn, keep turnover, raw/utility Jaccard, the share of each step's raw top-B that it evicted and
+    the raw and utility rank stabilities (means over steps, k = the budget; n/a where a policy records no raw
+    score or no utility), as the Live tab lists them."""
     if not views:
         return gr.update(value=None, visible=False)
     rows = []
@@ -1231,9 +1240,13 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                           "empty: the prompt tokens the policies disagree on")
                     c_fates_note = gr.Markdown()
                     c_fates = gr.Dataframe(label="Fate per policy", visible=False, interactive=False, max_height=360)
-                    c_diagnostics = gr.Dataframe(label="Stability per policy (InertiaKV App. I): top-B churn of raw "
-                                                 "scores and of utility, their Jaccard, raw top-B evicted; mean "
-                                                 "over steps, n/a where a policy records no such score",
+                    c_diagnostics = gr.Dataframe(label="Stability per policy (InertiaKV App. I; means over steps, "
+                                                 "k = B): top-B churn of raw scores and of utility (the keep "
+                                                 "turnover wherever the cache holds B, for any policy), their "
+                                                 "Jaccard, raw top-B evicted, and the rank stabilities: Spearman "
+                                                 "of consecutive steps' raw scores, and of their utilities, over "
+                                                 "the entries both scored (the ranking inertia); n/a where a "
+                                                 "policy records no such score",
                                                  visible=False, interactive=False)
                     with gr.Accordion("Oracle damage probe", open=False):
                         gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
