@@ -74,7 +74,7 @@ def test_generate_endpoint_streams_what_the_cli_keeps(client, capsys):
         ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"alpha": [1]}'), "alpha must be a number"),
         ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"refresh": Infinity}'), "refresh must be a finite number"),
         ((PROMPT, "inertia", None, 8, False, TINY, "{}"), "compression must be a number"),
-        ((PROMPT, "inertia", 0.5, None, False, TINY, "{}"), "max new tokens must be a whole number"),
+        ((PROMPT, "inertia", 0.5, None, False, TINY, "{}"), "max new tokens is empty; type a whole number"),
         ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"layers": "99"}'), "beyond this model"),
         # Silently ignored or misread before:
         ((PROMPT, "inertia", 0.5, 8, False, TINY, '{"alpah": 0.1}'), "no parameter"),
@@ -490,6 +490,41 @@ def test_a_policy_the_model_cannot_serve_is_refused_by_the_check_before_the_run(
         _models.pop(name, None)
 
 
+def test_values_typed_past_a_sliders_end_reach_our_checks_and_are_named(tiny, monkeypatch):
+    """Gradio's slider check refused 999 with an unnamed "Value 999 is greater than maximum value 64", a
+    server traceback and "Error" on the outputs; the value now reaches the registry's check, which names the
+    policy's parameter, and the release note (the browser then sets the box to the end) names it too.  A
+    fraction typed as the budget is refused, no longer rounded."""
+    import gradio as gr
+
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_live_check, parameter_past_end_note, past_end_note
+    from kvviz.ui.widgets import TypedSlider
+
+    assert TypedSlider(0, 64, step=1).preprocess(999) == 999
+    assert TypedSlider(0, 64, step=1).get_block_name() == "slider"  # drawn by the browser's own slider
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", warnings.append)
+    past_end_note("Max new tokens", 1, 512)(100000)
+    past_end_note("Max new tokens", 1, 512)(512)  # in range: nothing said
+    parameter_past_end_note("refresh")("inertia-lazy", 999)
+    parameter_past_end_note("refresh")("tova", 999)  # not this policy's parameter: its slider is hidden
+    refresh = next(p for p in kvviz.policies.get_spec("inertia-lazy").parameters() if p["name"] == "refresh")
+    low, high = refresh["low"], refresh["high"]
+    assert warnings == ["Max new tokens goes from 1 to 512: 100000 was set to 512",
+                        f"inertia-lazy's refresh goes from {low:g} to {high:g}: 999 was set to {high:g}"]
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    values = {p: PARAMETERS[p]["default"] for p in PARAM_NAMES}
+    with pytest.raises(gr.Error, match=f"policy 'inertia-lazy': refresh must be between {low} and {high}, got 999"):
+        make_live_check(limits)(TINY, PROMPT, "inertia-lazy", "compression", 0.5, 0, 8, False, *GREEDY,
+                                *{**values, "refresh": 999}.values())
+    with pytest.raises(gr.Error, match="the budget must be a whole number, got 3.7"):
+        make_live_check(limits)(TINY, PROMPT, "inertia", "budget", 0.5, 3.7, 8, False, *GREEDY, *values.values())
+    with pytest.raises(gr.Error, match="the budget is empty; type a whole number"):
+        make_live_check(limits)(TINY, PROMPT, "inertia", "budget", 0.5, None, 8, False, *GREEDY, *values.values())
+
+
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
     from kvviz.ui.app import _models, make_compare_check
 
@@ -790,6 +825,26 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
 
 
 GREEDY = (0.0, 0.95, 0)  # the Sampling widgets as the page starts: temperature 0, top-p, seed
+
+
+def test_a_one_token_run_says_why_its_cache_is_over_budget_and_offers_no_scrubber(tiny):
+    """One new token is the prefill alone: no decode step ran, so nothing was evicted yet (InertiaKV evicts
+    at every step) and there is no step to scrub to.  The stats line counts allocated memory as such."""
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_live_handler
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
+    *_, last = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 1, False, *GREEDY,
+                                         *defaults, "", None)
+    stats, slider = last[1], last[6]
+    assert "(over B: eviction starts at the first decode step)" in stats and "does not evict" not in stats
+    assert slider["visible"] is False
+    *_, last = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, *GREEDY,
+                                         *defaults, "", None)
+    assert "over B" not in last[1] and last[6]["visible"] is True and last[6]["maximum"] == 3
+    bytes_ = last[9].events[-1].cache_bytes
+    assert f"entries, {bytes_ / 2**20:.2f} MiB allocated" in last[1]
 
 
 def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):

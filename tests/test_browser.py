@@ -356,6 +356,25 @@ def test_a_refused_run_leaves_the_views_and_shows_the_count(page):
     assert page.locator(".wrap .error").count() == 0  # no output panel marked
 
 
+def test_a_parameter_typed_past_its_end_is_named_and_set_to_the_end(page):
+    """A policy parameter typed past its slider's end: the note names the policy and parameter (not Gradio's
+    bare "Value 999 is greater than maximum value 64"), the box reads the end, and no panel says "Error"."""
+    page.get_by_role("tab", name="Live").click()
+    page.get_by_label("Policy", exact=True).first.click()
+    page.get_by_role("option", name="(inertia-lazy)", exact=False).first.click()
+    page.get_by_text("Policy parameters").first.click()
+    box = page.get_by_label("number input for refresh", exact=False).first
+    box.wait_for()
+    box.fill("999")
+    box.press("Tab")  # leaving the box releases the slider
+    note = page.get_by_test_id("toast-text").filter(has_text="inertia-lazy's refresh goes from 0 to 64: 999 was set to 64")
+    note.first.wait_for(timeout=30_000)
+    assert box.input_value() == "64"
+    assert page.locator(".wrap .error").count() == 0
+    page.get_by_label("Policy", exact=True).first.click()
+    page.get_by_role("option", name="(inertia)", exact=False).first.click()  # as the other tests expect
+
+
 def test_the_scorer_spectrum_runs_at_the_middle_layer_when_layer_is_left_empty(page):
     """The Layer field starts empty and stays so in the browser (a Number widget would send 0): the run is
     at the middle layer, 1 of the tiny model's 3, and draws its bars."""

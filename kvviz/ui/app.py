@@ -39,6 +39,7 @@ from .config import Limits
 from ..store import Store
 from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure
 from .results import build_results_tab
+from .widgets import TypedSlider
 
 log = logging.getLogger(__name__)
 FIGURE_EVERY_S = 0.1  # figures refresh at most 10 times a second (every token at CPU speeds); text on every token
@@ -127,6 +128,8 @@ def policy_from_inputs(name: str, values: dict, strict: bool = False) -> Policy:
 
 def whole_number(label: str, value, low: int, high: int | None = None) -> int:
     """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{label} is empty; type a whole number")
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -413,9 +416,14 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
     share = (lambda x: f"{x / decode_time:.0%}") if decode_time else (lambda x: "-")
     tokens = view.total - view.prompt_len
     # Some policies evict only at checkpoints (AvoKV-E, R-KV) or at prefill (SnapKV): say why the cache is over B.
-    over = " (over B: this policy does not evict at every step)" if last.cache_size > view.budget else ""
+    over = ""
+    if last.cache_size > view.budget:
+        over = (" (over B: eviction starts at the first decode step)" if last.step == 0
+                else " (over B: this policy does not evict at every step)")
+    # Allocated, not live: a checkpointed policy holds room for every entry it may take before its next eviction.
     return (f"**tokens** {last.step + 1} / {tokens} · **prompt** {view.prompt_len} tokens · **budget** "
-            f"{view.budget} · **cache** {last.cache_size} entries ({last.cache_bytes / 2**20:.2f} MiB){over} · "
+            f"{view.budget} · **cache** {last.cache_size} entries{over}, {last.cache_bytes / 2**20:.2f} MiB "
+            f"allocated · "
             f"**evicted this step** {last.evicted.size} · **decode** {rate:.1f} tok/s"
             f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)}"
             + (f" · {elapsed:.1f} s" if elapsed is not None else ""))
@@ -620,7 +628,8 @@ def finished_outputs(view: RunView, trace: Trace, text: str, stats: str, path: P
     """The Live tab once a run is over (or a saved one is opened): every view, the scrubber, the download."""
     last_step = view.steps - 1
     return (text, stats, view.retention_figure(), view.rank_figure(), view.timeline_figure(), view.fate_html(),
-            gr.update(maximum=max(last_step, 1), value=last_step, visible=True, interactive=True),
+            # a run that decoded no step (one new token) has nothing to scrub
+            gr.update(maximum=max(last_step, 1), value=last_step, visible=last_step > 0, interactive=True),
             gr.update(value=str(path), visible=True) if path else gr.update(value=None, visible=False),
             diagnostics_markdown(trace), view, view.step_detail_figure(last_step))
 
@@ -670,7 +679,7 @@ def scrub(view: RunView | None, step):
     field typed while this ran would otherwise be overwritten by a history of what it held before)."""
     if view is None or not view.events:
         return (gr.skip(),) * 6
-    step = int(step)
+    step = min(max(int(step or 0), 0), view.steps - 1)  # a value typed past an end, as the browser then sets it
     return (view.retention_figure(step), view.rank_figure(step), view.step_detail_figure(step),
             view.fate_html(step, prompt_only=False), *decision_views(view, step))
 
@@ -1015,6 +1024,24 @@ def make_generate_api(limits: Limits):
 
 # ----------------------------------------------------------------------------------------- layout
 
+def past_end_note(label: str, low: float, high: float):
+    """A slider's release handler: a value typed past an end is set to that end by the browser; say so."""
+    def note(value) -> None:
+        if isinstance(value, (int, float)) and not low <= value <= high:
+            gr.Warning(f"{label} goes from {low:g} to {high:g}: {value:g} was set to {min(max(value, low), high):g}")
+    return note
+
+
+def parameter_past_end_note(name: str):
+    """The release handler of a policy parameter's shared slider, whose range is the chosen policy's."""
+    def note(policy_name: str, value) -> None:
+        spec = REGISTRY.get(policy_name)
+        own = {p["name"]: p for p in spec.parameters()} if spec else {}
+        if name in own and own[name].get("low") is not None:
+            past_end_note(f"{spec.name}'s {name}", own[name]["low"], own[name]["high"])(value)
+    return note
+
+
 def _parameter_widget(p: dict):
     label = f"{p['name']}: {p.get('help', '')}"
     if p.get("choices"):
@@ -1023,7 +1050,7 @@ def _parameter_widget(p: dict):
         return gr.Checkbox(value=p["default"], label=label, visible=False)
     if p.get("low") is not None:
         step = 1 if isinstance(p["default"], int) else 0.01
-        return gr.Slider(p["low"], p["high"], value=p["default"], step=step, label=label, visible=False)
+        return TypedSlider(p["low"], p["high"], value=p["default"], step=step, label=label, visible=False)
     return gr.Textbox(value=str(p["default"]), label=label, visible=False)
 
 
@@ -1082,15 +1109,21 @@ def _parameter_update(p: dict):
 def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
     """Cache size (by compression or absolute budget), max new tokens and chat template, wired together."""
     mode = gr.Radio(["compression", "budget"], value="compression", label="Cache size by")
-    rho = gr.Slider(0.0, 0.99, value=compression, step=0.01, label="Compression ρ: B = ⌊(1−ρ)·L0⌋")
-    budget = gr.Number(value=256, precision=0, label="Budget B (tokens)", visible=False)
-    max_new = gr.Slider(1, limits.max_new_tokens, value=min(max_new_tokens, limits.max_new_tokens), step=1,
-                        label="Max new tokens")
+    rho = TypedSlider(0.0, 0.99, value=compression, step=0.01, label="Compression ρ: B = ⌊(1−ρ)·L0⌋")
+    # precision None: a fraction typed reaches whole_number, which refuses it (precision 0 rounded it silently)
+    budget = gr.Number(value=256, label="Budget B (tokens)", visible=False)
+    max_new = TypedSlider(1, limits.max_new_tokens, value=min(max_new_tokens, limits.max_new_tokens), step=1,
+                          label="Max new tokens")
     chat = gr.Checkbox(value=True, label="Chat template")
     with gr.Accordion("Sampling (temperature 0: greedy)", open=False):
-        temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (AvoKV-E samples at 0.6)")
-        top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
-        seed = gr.Number(value=0, precision=0, label="Seed (the same random stream for every policy)")
+        temperature = TypedSlider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (AvoKV-E samples at 0.6)")
+        top_p = TypedSlider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
+        seed = gr.Number(value=0, label="Seed (the same random stream for every policy)")
+    for slider, label in ((rho, "Compression ρ"), (max_new, "Max new tokens"), (temperature, "Temperature"),
+                          (top_p, "Top-p")):
+        # queued: an unqueued event cannot show a toast
+        slider.release(past_end_note(label, slider.minimum, slider.maximum), slider, None, api_name=False,
+                       show_progress="hidden")
     mode.change(lambda value: (gr.update(visible=value == "compression"), gr.update(visible=value == "budget")),
                 mode, [rho, budget], api_name=False)
     return mode, rho, budget, max_new, chat, temperature, top_p, seed
@@ -1197,6 +1230,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             for widget in widgets:  # e.g. alpha changes the previous-step weight the description states
                 widget.input(_describe, [policy, model, *widgets], description, api_name=False,
                              trigger_mode="always_last")
+            for name, widget in zip(PARAM_NAMES, widgets):
+                if isinstance(widget, TypedSlider):
+                    widget.release(parameter_past_end_note(name), [policy, widget], None, api_name=False,
+                                   show_progress="hidden")
             model.change(_describe, [policy, model, *widgets], description, api_name=False)
             example.change(lambda name: EXAMPLES.get(name, ""), example, prompt, api_name=False)
             counter, count_inputs = make_prompt_counter(limits), [model, prompt, chat]
@@ -1255,8 +1292,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                     "by AvoKV-E's read-pressure and payload ranks at that step; the outlined cell holds "
                                     "the rarely read entries with large values that attention alone would evict.")
                         with gr.Row():
-                            p_step = gr.Number(value=8, precision=0, label="Step")
-                            p_sample = gr.Number(value=128, precision=0, label="Entries sampled (0 = all)")
+                            p_step = gr.Number(value=8, label="Step")
+                            p_sample = gr.Number(value=128, label="Entries sampled (0 = all)")
                             p_run = gr.Button("Run probe")
                         p_table = gr.Dataframe(label="Ranking quality (AUROC / AP vs top-decile damage)",
                                                interactive=False)
@@ -1270,7 +1307,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                     "Scorers close to attention (value-norm, entropy weighting) keep quality in the "
                                     "paper; those far from it (key norm, recency) fail on retrieval.")
                         with gr.Row():
-                            s_steps = gr.Number(value=8, precision=0, label="Steps")
+                            s_steps = gr.Number(value=8, label="Steps")
                             # a Textbox: a Number widget cannot stay empty in the browser (it shows and sends 0)
                             s_layer = gr.Textbox(value="", label="Layer (empty: the middle one)", placeholder="middle")
                             s_run = gr.Button("Run spectrum")
