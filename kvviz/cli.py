@@ -110,7 +110,7 @@ def cmd_generate(args) -> int:
             print(event.text, end="", flush=True)
     elapsed = time.perf_counter() - start
     trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampler.settings(),
-                  model_dtype(model))
+                  model_dtype(model), args.max_new_tokens)
     decode_seconds = sum(time_split(events).values())
     summary = {
         "prompt_len": len(prompt_ids),
@@ -361,7 +361,8 @@ def cmd_trace(args) -> int:
         params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
         print(f"{trace.policy}" + (f" ({params})" if params else "") + f"{run_note(trace)}: "
               f"prompt {trace.prompt_len} tokens, budget B = {trace.budget}, {len(steps)} decode steps, "
-              f"{sum(e.evicted.size for e in trace.events)} evictions")
+              f"{sum(e.evicted.size for e in trace.events)} evictions"
+              + (f", stopped (of {trace.max_new_tokens} new tokens asked for)" if trace.stopped else ""))
         seconds = time_split(trace.events)
         total = sum(seconds.values())
         if total:

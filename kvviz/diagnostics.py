@@ -186,7 +186,8 @@ def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
     }
 
 
-POSITION_QUERY = re.compile(r"^\s*#\d+(\s*-\s*#?\d+)?(\s*[,\s]\s*#\d+(\s*-\s*#?\d+)?)*\s*$")
+# "#12, #40-45"; a trailing comma (a list being typed) is allowed
+POSITION_QUERY = re.compile(r"^\s*#\d+(\s*-\s*#?\d+)?(\s*[,\s]\s*#\d+(\s*-\s*#?\d+)?)*(\s*,)?\s*$")
 
 
 def find_positions(tokens: Sequence[str], query: str) -> tuple[list[int], str]:

@@ -121,6 +121,8 @@ class Trace:
     events: list[StepEvent] = field(default_factory=list)
     sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments (temperature, top_p, seed); {}: greedy
     dtype: str = ""  # the model's dtype ("bfloat16"); "" in traces saved before it was recorded
+    max_new_tokens: int = 0  # what the run was asked for; 0 in traces saved before it was recorded
+    stopped: bool = False  # Stop ended it before end-of-sequence or max_new_tokens
 
     @property
     def prompt_len(self) -> int:
@@ -137,7 +139,8 @@ class Trace:
 
     def meta(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "budget": self.budget, "policy": self.policy,
-                "params": self.params, "model": self.model, "sampling": self.sampling, "dtype": self.dtype}
+                "params": self.params, "model": self.model, "sampling": self.sampling, "dtype": self.dtype,
+                "max_new_tokens": self.max_new_tokens, "stopped": self.stopped}
 
     def save(self, path: str | Path) -> None:
         # Imported here: the engine (and a GPU machine's benchmark, which may lack them) never saves a trace.
@@ -168,7 +171,9 @@ class Trace:
         try:
             table = pq.read_table(path)
         except (OSError, pa.ArrowException) as error:
-            raise ValueError(f"{name} is not a readable parquet file ({error})") from None
+            # arrow names the full path (a server's temporary upload folder, in the app): the name is enough
+            raise ValueError(f"{name} is not a readable parquet file ({str(error).replace(str(path), name)})") \
+                from None
         raw_meta = (table.schema.metadata or {}).get(b"kvviz")
         if raw_meta is None:
             raise ValueError(f"{name} is a parquet file but not a kvviz trace (no kvviz metadata); save one with "
@@ -202,6 +207,8 @@ class Trace:
                     ("policy", isinstance(self.policy, str), "a string"), ("model", isinstance(self.model, str), "a string"),
                     ("params", isinstance(self.params, dict), "an object"),
                     ("dtype", isinstance(self.dtype, str), "a string"),
+                    ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "a whole number"),
+                    ("stopped", isinstance(self.stopped, bool), "true or false"),
                     ("sampling", isinstance(self.sampling, dict) and (not self.sampling or (
                         set(self.sampling) == {"temperature", "top_p", "seed"} and _is_int(self.sampling["seed"])
                         and all(isinstance(self.sampling[k], (int, float)) and not isinstance(self.sampling[k], bool)

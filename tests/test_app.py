@@ -172,6 +172,11 @@ def test_stop_ends_the_run_and_shows_and_saves_it_as_the_first_steps_of_the_whol
     assert text == "".join(e.text for e in whole.events[:steps])
     assert stats.startswith("**stopped** · ") and f"**tokens** {steps} / 3000" in stats
     assert slider["visible"] and slider["maximum"] == steps - 1 and "raw utility jaccard" in diag
+    assert trace.stopped and trace.max_new_tokens == 3000
+    # Opened again, it reads as the stopped run it was, out of the 3000 tokens asked for.
+    from gradio_client import handle_file
+    opened = client.predict(handle_file(trace_file["value"]), api_name="/open_trace")
+    assert opened[1].split("\n", 1)[1].startswith(f"**stopped** · **tokens** {steps} / 3000")
     client.predict(api_name="/stop_live")  # nothing running: nothing happens, and the next run goes to its end
     again = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 6, False, *GREEDY, *widgets, "", api_name="/live")
     assert not again[1].startswith("**stopped**") and kvviz.Trace.load(again[7]["value"]).events[-1].step == 5
@@ -434,6 +439,7 @@ def test_follow_finds_text_across_token_boundaries_and_positions_by_number():
     assert view.follow("CD", 2)[0] == [5]  # case-insensitive
     assert view.follow("?", 2)[0] == [7]  # generated tokens too: "?" is position 7
     assert view.follow("#0, #4-#5", 2)[0] == [0, 4, 5]
+    assert view.follow("#0, #4,", 2)[0] == [0, 4]  # a trailing comma: a list still being typed
     positions, note = view.follow("#3, #99", 2)
     # The last is 7 ("?", fed back at step 2): the final token "." came out of the last step, never cached.
     assert positions == [3] and "past the last (#7)" in note
@@ -525,6 +531,20 @@ def test_values_typed_past_a_sliders_end_reach_our_checks_and_are_named(tiny, mo
         make_live_check(limits)(TINY, PROMPT, "inertia", "budget", 0.5, None, 8, False, *GREEDY, *values.values())
 
 
+def test_one_setting_typed_two_ways_is_named_as_one():
+    from kvviz.ui.app import compare_settings
+
+    with pytest.raises(ValueError, match="^'inertia' and 'inertia alpha=0.8' are one setting, which the registry "
+                                         "names 'inertia'; change a value or add another policy to compare$"):
+        compare_settings(["inertia", "inertia alpha=0.8"])
+    with pytest.raises(ValueError, match="^'inertia alpha=0' and 'single-step' are one setting, which the registry "
+                                         "names 'single-step'"):
+        compare_settings(["inertia alpha=0", "single-step"])
+    with pytest.raises(ValueError, match="^'tova' is given twice"):
+        compare_settings(["tova", "tova"])
+    assert list(compare_settings(["inertia", "inertia alpha=0.8", "tova"])) == ["inertia", "tova"]
+
+
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
     from kvviz.ui.app import _models, make_compare_check
 
@@ -536,8 +556,8 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
         "*Not compared: choose two to four policies to compare (one policy twice needs two settings, e.g. "
         "'inertia' and 'inertia alpha=0.5').*")
     # The same setting twice is one policy: "inertia alpha=0.8" is inertia at its default.
-    assert "choose two to four" in note(TINY, PROMPT, ["inertia", "inertia alpha=0.8"], "compression", 0.5, 0, 4,
-                                        False)
+    assert "are one setting, which the registry names 'inertia'" in note(
+        TINY, PROMPT, ["inertia", "inertia alpha=0.8"], "compression", 0.5, 0, 4, False)
     assert "max new tokens must be between 1 and 512" in note(TINY, PROMPT, ["inertia", "tova"], "compression",
                                                               0.5, 0, 9999, False)
 
@@ -882,8 +902,10 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     assert opened[1].startswith(f"**opened** {Path(trace_file).name}: `inertia` (alpha=0.8, refresh=1")
     assert opened[1].split("\n", 1)[1] == live[1].rsplit(" · ", 1)[0]  # the stats, less the wall time
     (tmp_path / "notes.parquet").write_text("not a trace")
-    with pytest.raises(Exception, match="notes.parquet is not a readable parquet file"):
+    with pytest.raises(Exception, match="notes.parquet is not a readable parquet file") as refused:
         client.predict(handle_file(str(tmp_path / "notes.parquet")), api_name="/open_trace")
+    assert "/" not in str(refused.value)  # the upload's temporary folder stays on the server
+    assert not kvviz.Trace.load(trace_file).stopped and kvviz.Trace.load(trace_file).max_new_tokens == 10
 
 
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):

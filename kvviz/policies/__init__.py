@@ -207,10 +207,11 @@ def build_setting(text: str) -> tuple[str, Policy]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not (sep and key and value):
-            raise ValueError(f"{text!r}: write each parameter as key=value after the policy's name, e.g. "
+            # not starting with a quote: the app's toast drops a leading one
+            raise ValueError(f"in {text!r}, write each parameter as key=value after the policy's name, e.g. "
                              "'inertia alpha=0.5'")
         if key in params:
-            raise ValueError(f"{text!r} sets {key} twice; keep one")
+            raise ValueError(f"the setting {text!r} sets {key} twice; keep one")
         params[key] = value
     policy = get_spec(name).build(**params)
     return setting_label(policy), policy

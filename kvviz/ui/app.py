@@ -262,8 +262,9 @@ class Progress:
 
     def trace(self, label: str) -> Trace:
         name, params = self.settings[label]
+        # called once the run is over: a policy that is over and did not finish was stopped
         return Trace(self.prompt_ids, self.budget, name, params, self.model_name, self.views[label].events,
-                     self.sampling, self.dtype)
+                     self.sampling, self.dtype, self.max_new_tokens, stopped=not self.finished(label))
 
     def finished(self, label: str) -> bool:
         events = self.views[label].events
@@ -477,8 +478,17 @@ def policy_settings(entries, fewest: int, what: str) -> dict[str, str]:
         raise ValueError(f"give the policies as a list of names or settings such as 'inertia alpha=0.5', got "
                          f"{entries!r:.80}")
     settings: dict[str, str] = {}
+    repeats = []  # (entry, the entry it repeats, their label)
     for entry in entries:
-        settings.setdefault(build_setting(entry)[0], entry)
+        label = build_setting(entry)[0]
+        if label in settings:
+            repeats.append((entry, settings[label], label))
+        settings.setdefault(label, entry)
+    if len(settings) < fewest and repeats:
+        entry, first, label = repeats[0]
+        same = (f"'{entry}' is given twice" if entry.strip() == first.strip() else
+                f"'{first}' and '{entry}' are one setting, which the registry names '{label}'")
+        raise ValueError(f"{same}; change a value or add another policy to {what}")
     if not fewest <= len(settings) <= 4:
         raise ValueError(f"choose {'two' if fewest == 2 else 'one'} to four policies to {what} (one policy twice "
                          "needs two settings, e.g. 'inertia' and 'inertia alpha=0.5')")
@@ -657,14 +667,16 @@ def make_open_handler(limits: Limits):
                         trace.policy, exc_info=True)
             tokens, pinned = None, (0, 0)
         try:  # Trace.load checked what the views rely on; anything it missed is still one line, not "Error"
-            view = RunView(trace.prompt_len, len(trace.events), trace.budget,
+            # max_new_tokens 0: a trace saved before it was recorded, read as ending where it asked to
+            view = RunView(trace.prompt_len, max(trace.max_new_tokens, len(trace.events)), trace.budget,
                            tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned)
             for event in trace.events:
                 view.add(event, event.text)
             params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
             origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
                       + run_note(trace)
-                      + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n")
+                      + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n"
+                      + ("**stopped** · " if trace.stopped else ""))
             text = "".join(event.text for event in trace.events)
             return finished_outputs(view, trace, text, origin + stats_markdown(view, None), None)
         except Exception as error:
@@ -1255,7 +1267,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                            label="Comparisons from the papers")
                     # Typed entries are settings: one policy at two parameter values, side by side.
                     c_policies = gr.Dropdown([c for c in policy_choices], value=COMPARISONS[c_preset.value],
-                                             multiselect=True, allow_custom_value=True,
+                                             multiselect=True, allow_custom_value=True, max_choices=4,
                                              label="Policies (2 to 4): pick, or type a setting such as "
                                                    "'inertia alpha=0.5' and press Enter")
                     c_mode, c_compression, c_budget, c_max_new, c_chat, c_temperature, c_top_p, c_seed = \
