@@ -604,9 +604,13 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
                        "`S` first; the cut fell between `S` 0.1 (highest evicted) and 0.5 (lowest kept); 1 sinks "
                        "kept by rule; 2 in the protected tail, not judged.")
     assert view.terms_frame(0) == (None, "No decision by step 0 yet; the next at step 1.")
+    assert view.follow("", 2) == ([3], "at step 2: nothing evicted; the next in line for eviction")  # lowest utility
     outputs = scrub(view, 2)
-    assert len(outputs) == 6 and "**Step 1**" in outputs[4] and outputs[5]["visible"]
-    table = outputs[5]["value"]
+    assert len(outputs) == 7 and "**Step 1**" in outputs[5] and outputs[6]["visible"]
+    # the per-step plot marks the scrubbed step on each of its three rows; the streaming figure stays unmarked
+    assert [shape.x0 for shape in outputs[2].layout.shapes if shape.line.color == "#d62728"] == [2, 2, 2]
+    assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == "#d62728"]
+    table = outputs[6]["value"]
     assert table["position"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
     detail = view.step_detail_figure(1)
     assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[4]  # 4: not judged
@@ -962,7 +966,7 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
     assert [row[0] for row in table["data"]] == ["inertia", "single-step"]  # alpha 0 is single-step's own name
     assert table["data"][0][1:] != table["data"][1][1:]
     for bad, message in [(["inertia", 3], "a list of names or settings"), (5, "a list of names or settings"),
-                         (["inertia", "single-step alpha=0.8"], "choose two to four")]:  # alpha 0.8 is inertia
+                         (["inertia", "single-step alpha=0.8"], "one setting, which the registry names .inertia.")]:  # alpha 0.8 is inertia
         with pytest.raises(Exception, match=message):
             client.predict(TINY, PROMPT, bad, "budget", 0.5, 20, 12, False, *GREEDY, "", api_name="/compare")
 

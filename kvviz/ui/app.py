@@ -690,10 +690,10 @@ def scrub(view: RunView | None, step):
     history is not among them: it follows in a second event, which reads the Follow field as it is then (a
     field typed while this ran would otherwise be overwritten by a history of what it held before)."""
     if view is None or not view.events:
-        return (gr.skip(),) * 6
+        return (gr.skip(),) * 7
     step = min(max(int(step or 0), 0), view.steps - 1)  # a value typed past an end, as the browser then sets it
-    return (view.retention_figure(step), view.rank_figure(step), view.step_detail_figure(step),
-            view.fate_html(step, prompt_only=False), *decision_views(view, step))
+    return (view.retention_figure(step), view.rank_figure(step), view.timeline_figure(step),
+            view.step_detail_figure(step), view.fate_html(step, prompt_only=False), *decision_views(view, step))
 
 
 def history_view(view: RunView | None, follow: str, step) -> go.Figure | None:
@@ -1229,7 +1229,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                            api_name="open_trace", api_visibility="undocumented")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             after = [history, terms_note, terms]
-            step_slider.input(scrub, [view_state, step_slider], [retention, ranks, detail, fate, terms_note, terms],
+            step_slider.input(scrub, [view_state, step_slider], [retention, ranks, timeline, detail, fate, terms_note,
+                                                                  terms],
                               api_name=False, trigger_mode="always_last").then(
                 history_view, [view_state, follow, step_slider], history, api_name=False)
             follow.change(history_view, [view_state, follow, step_slider], history, api_name=False,

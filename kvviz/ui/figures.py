@@ -168,11 +168,13 @@ class RunView:
             self._live["rank"] = fig
         return fig
 
-    def timeline_figure(self) -> go.Figure:
+    def timeline_figure(self, marker_step: int | None = None) -> go.Figure:
+        """Per step: cache entries against B, evictions, and the time split; ``marker_step`` marks a scrubbed
+        step (a figure of its own: the streaming one is reused and must stay unmarked)."""
         steps = [e.step for e in self.events]
         series = [[e.cache_size for e in self.events], [e.evicted.size for e in self.events],
                   *([1e3 * getattr(e, f) for e in self.events[1:]] for f in ("t_forward", "t_score", "t_evict"))]
-        if (fig := self._live.get("timeline")) is not None:
+        if marker_step is None and (fig := self._live.get("timeline")) is not None:
             with fig.batch_update():
                 for index, values in enumerate(series):
                     fig.data[index].update(x=steps if index < 2 else steps[1:], y=values)
@@ -189,7 +191,10 @@ class RunView:
         fig.update_xaxes(title_text="decode step (0 = prefill)", row=3, col=1)
         fig.update_layout(height=440, margin=dict(l=50, r=20, t=30, b=40), showlegend=True,
                           legend=dict(orientation="h", y=-0.15, traceorder="normal"))
-        self._live["timeline"] = fig
+        if marker_step is None:
+            self._live["timeline"] = fig
+        else:
+            fig.add_vline(x=marker_step, line_color="#d62728", line_width=1, row="all", col=1)
         return fig
 
     def step_detail_figure(self, step: int) -> go.Figure:
@@ -295,10 +300,10 @@ class RunView:
                 finite = np.isfinite(event.utility)
                 order = np.lexsort((event.kept[finite], event.utility[finite]))  # lowest first, older first
                 chosen += event.kept[finite][order][: 4 - len(chosen)].tolist()
-            what = f"at step {event.step}: " + (f"evicted {len(event.evicted)} ({basis} first), "
-                                                if event.evicted.size else "")
-            return chosen, (what + "then the next in line for eviction" if chosen
-                            else what + "nothing to follow (no eviction, no utility); type a token or #position")
+            what = f"at step {event.step}: " + (f"evicted {len(event.evicted)} ({basis} first), then "
+                                                if event.evicted.size else "nothing evicted; ")
+            return chosen, (what + "the next in line for eviction" if chosen
+                            else what + "nothing to follow (no utility); type a token or #position")
         try:
             positions, note = find_positions([self.token(p) for p in range(known)], query)
         except ValueError as error:
