@@ -14,7 +14,9 @@ prompt never count as independent samples (a greedy sweep's rows are unchanged).
 Two derived columns keep comparisons honest: ``setting`` (the parameters a row changes from its policy's
 registry defaults, ``'{}'`` at the defaults) keeps α and refresh sweeps out of the per-policy curves, and
 ``suite`` (the benchmark a task belongs to: the RULER-style generators -> ``RULER``) pairs measured tasks
-with a paper's aggregate.
+with a paper's aggregate.  A row's ``policy`` is the registry name that states what it ran with the fewest
+changes, as the Compare tab labels a setting (:func:`kvviz.policies.setting_label`): ``inertia`` run with
+alpha = 0 is ``single-step`` at its defaults, one policy however a sweep spelled it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def policy_defaults() -> dict[str, dict[str, Any]]:
     return default_params()
 
 
+def policy_kinds() -> dict[str, str]:
+    """Each registered name's class.  Names of one class are one policy at different parameters (InertiaKV
+    with alpha = 0 is ``single-step``); a subclass changes the rule, not a parameter, and is a kind of its own."""
+    from .policies import REGISTRY
+
+    return {name: f"{spec.cls.__module__}.{spec.cls.__qualname__}" for name, spec in REGISTRY.items()}
+
+
 def _literal(value) -> str:
     """A Python default as SQL: a quoted string, or JSON's true / false / number (which SQL reads alike)."""
     return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else json.dumps(value)
@@ -94,9 +104,11 @@ def _literal(value) -> str:
 
 def setting_names(policies, settings) -> list[str]:
     """Each row's policy, named by the parameters its setting changes (``"inertia alpha=0.9"``; the defaults,
-    ``{}``, keep the bare name)."""
+    ``{}``, keep the bare name), each value written as the Compare tab writes it (``alpha=0``, ``true``)."""
+    from .policies import _shown
+
     return [policy if setting == "{}" else f"{policy} " + " ".join(
-        f"{name}={value}" for name, value in json.loads(setting).items())
+        f"{name}={_shown(value)}" for name, value in json.loads(setting).items())
         for policy, setting in zip(policies, settings)]
 
 
@@ -108,13 +120,18 @@ def named_by_setting(frame: pd.DataFrame) -> pd.DataFrame:
 class Store:
     """Read-only access to the measured (and paper-reported) rows."""
 
-    def __init__(self, root: str | Path = ROOT, defaults: dict[str, dict[str, Any]] | None = None):
+    def __init__(self, root: str | Path = ROOT, defaults: dict[str, dict[str, Any]] | None = None,
+                 kinds: dict[str, str] | None = None):
         self.root = Path(root)
         self.defaults = policy_defaults() if defaults is None else defaults
+        # name -> class: which names can state one another's settings (a name without one is its own kind)
+        self.kinds = policy_kinds() if kinds is None else kinds
+        self._named: dict[tuple, tuple[str | None, str]] = {}
         self.con = duckdb.connect(":memory:")
         self.con.execute("SET enable_progress_bar = false")  # a slow load on a busy machine drew one on stdout
         # null_handling="special": rows without params (or a policy) still get a setting, '{}'
         self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
+        self.con.create_function("named", self._name, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
         self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
         self.problems: list[str] = []
         self.con.execute("CREATE TABLE shard_lines (shard VARCHAR, line_no INTEGER, text VARCHAR)")
@@ -152,19 +169,21 @@ class Store:
         select += ", " + " AND ".join(f'value."{name}" IS NULL AND settings."{name}" IS NULL'
                                       for name in GENERATION) + " AS unknown_settings, split_part(shard, '/', 1) AS folder"
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
-        # ``setting`` = the row's parameters that differ from its policy's defaults ('{}' at the default);
+        # ``policy`` = the registry name that states the row's parameters with the fewest changes, and
+        # ``setting`` = those changes ('{}' at its defaults), both from the policy as run (the inner SELECT);
         # ``suite`` = the benchmark its task belongs to.
-        # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia) counts once --
-        # the full cache whatever ρ or budget each sweep filed it under, since it has neither; a cell generated
-        # with other settings (max_new_tokens, chat template) is another experiment and stays.
+        # A measured cell run by two sweeps (sweep-2k-inertia's alpha = 0.8 is sweep-2k's inertia, its alpha = 0
+        # sweep-2k's single-step) counts once -- the full cache whatever ρ or budget each sweep filed it under,
+        # since it has neither; a cell generated with other settings (max_new_tokens, chat template) is another
+        # experiment and stays.
         # The experiment a measured row belongs to; a cell is that plus its draw.
         experiment = ["model", "task", "sample", "seed", "policy", "setting", *self._CUT_BY.values(), "prompt_len",
                       *GENERATION]
         self.con.execute(
-            f"CREATE TABLE generations AS SELECT * FROM ("
-            f"SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
+            f"CREATE TABLE generations AS SELECT * FROM (SELECT * REPLACE (named(policy, CAST(params AS VARCHAR)) "
+            "AS policy) FROM (SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
             f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
-            "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')) "
+            "ON settings.folder = split_part(shard, '/', 1) WHERE problem = ''))) "
             "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY "
             f"{', '.join(experiment)}, coalesce(draw, 0) ORDER BY sweep) = 1")
         # One row per measured sample and cell: the mean over its draws (a greedy sweep has one draw, so its
@@ -223,13 +242,41 @@ class Store:
         return f"CASE WHEN {wrong} THEN '{name} is ' || left(CAST({value} AS VARCHAR), 40) || ', not {what}' END"
 
     def _setting(self, policy: str | None, params: str | None) -> str:
-        """Canonical JSON of the parameters that are neither labels nor equal to the policy's default."""
-        values = json.loads(params) if params else {}
-        defaults = self.defaults.get(policy, {})
-        # A parameter stored as null is unset.
-        kept = {k: v for k, v in (values or {}).items()
-                if v is not None and k not in LABEL_PARAMS and not (k in defaults and defaults[k] == v)}
-        return json.dumps(kept, sort_keys=True)
+        """Canonical JSON of the parameters that are neither labels nor equal to the defaults of the name
+        :meth:`_name` gives the row, in the registry's order of parameters (then any it does not know, sorted)."""
+        return self._canonical(policy, params)[1]
+
+    def _name(self, policy: str | None, params: str | None) -> str | None:
+        """The registry name that states ``policy`` run with ``params`` with the fewest changes (the first in
+        the registry on a tie), as :func:`kvviz.policies.setting_label` labels it: ``inertia`` with alpha = 0
+        is ``single-step``, ``inertia-lazy`` with refresh = 1 is ``inertia``."""
+        return self._canonical(policy, params)[0]
+
+    def _canonical(self, policy: str | None, params: str | None) -> tuple[str | None, str]:
+        key = (policy, params)
+        if key not in self._named:
+            values = json.loads(params) if params else {}
+            # A parameter stored as null is unset; a label (kv_budget) changes nothing.
+            values = {k: v for k, v in (values or {}).items() if v is not None and k not in LABEL_PARAMS}
+            defaults = self.defaults.get(policy, {})
+            kind = self.kinds.get(policy)
+            if kind is not None and set(values) <= set(defaults):  # every parameter is one of the policy's own
+                ran = {**defaults, **values}
+                names = [name for name, own in self.defaults.items()
+                         if self.kinds.get(name) == kind and own.keys() == defaults.keys()]
+
+                def changes(name: str) -> dict[str, Any]:
+                    return {k: v for k, v in ran.items() if v != self.defaults[name][k]}
+
+                policy = min(names, key=lambda name: len(changes(name)))  # min keeps the registry's first
+                kept = changes(policy)
+            else:  # not a registered policy, or parameters it does not take (a paper's "ablation"): as stored
+                kept = {k: v for k, v in values.items() if not (k in defaults and defaults[k] == v)}
+            order = list(self.defaults.get(policy, {}))
+            self._named[key] = policy, json.dumps(dict(sorted(
+                kept.items(), key=lambda item: (item[0] not in order, order.index(item[0]) if item[0] in order
+                                                else 0, item[0]))))
+        return self._named[key]
 
     def _read_shards(self) -> list[Path]:
         """Every line of every readable shard into ``shard_lines``, the shards read in order."""
@@ -315,20 +362,31 @@ class Store:
             """, [settings, *params])
         return named_by_setting(frame)
 
+    def _family(self, parameter: str) -> dict[str, Any]:
+        """Every registered name whose defaults differ from ``inertia``'s in ``parameter`` alone, with its
+        default value of it: InertiaKV's points along that parameter (α: inertia 0.8, single-step 0)."""
+        base = {k: v for k, v in self.defaults.get("inertia", {}).items() if k != parameter}
+        return {name: values[parameter] for name, values in self.defaults.items()
+                if parameter in values and {k: v for k, v in values.items() if k != parameter} == base}
+
     def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
-        """InertiaKV's mean score per EMA coefficient α, from rows that change nothing but α (rows at the
-        defaults count at the registry's default α), per compression or absolute budget."""
+        """InertiaKV's mean score per EMA coefficient α, from rows that change nothing but α, per compression
+        or absolute budget.  The family is every registered name whose defaults differ from ``inertia``'s in α
+        alone (inertia α = 0.8, single-step α = 0, where the store files InertiaKV run at α = 0), at its own
+        default α."""
         where, params = self._filters(task, model, source, None)
-        default_alpha = self.defaults.get("inertia", {}).get("alpha")
+        family = self._family("alpha")
         return self.frame(
             f"""
             SELECT source, model, task, compression, absolute_budget, alpha, avg(score) AS score,
                    count(*) AS samples FROM (
-                SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.alpha') AS DOUBLE), ?) AS alpha
-                FROM results WHERE policy = 'inertia' AND list_has_all(['alpha'], json_keys(setting::JSON))
-                  AND {where})
+                SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.alpha') AS DOUBLE),
+                                   default_alpha) AS alpha
+                FROM results JOIN (SELECT unnest(?::VARCHAR[]) AS policy, unnest(?::DOUBLE[]) AS default_alpha)
+                     USING (policy)
+                WHERE list_has_all(['alpha'], json_keys(setting::JSON)) AND {where})
             WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, model, task, compression, absolute_budget, alpha
-            """, [default_alpha, *params])
+            """, [list(family), list(family.values()), *params])
 
     def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
         """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family,
@@ -336,9 +394,7 @@ class Store:
         ``inertia``'s in r alone (inertia r = 1, inertia-lazy r = 4, score-free r = 0), at its own default r;
         per compression or absolute budget."""
         where, params = self._filters(task, model, source, None)
-        base = {k: v for k, v in self.defaults.get("inertia", {}).items() if k != "refresh"}
-        family = {name: values["refresh"] for name, values in self.defaults.items()
-                  if "refresh" in values and {k: v for k, v in values.items() if k != "refresh"} == base}
+        family = self._family("refresh")
         return self.frame(
             f"""
             SELECT source, model, task, compression, absolute_budget, refresh, avg(score) AS score,

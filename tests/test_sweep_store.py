@@ -409,19 +409,23 @@ def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     # inertia at 0.9: mean of 0.5 and 1.0 over 2 samples; the full cache is the reference line
     assert "t · m · measured · full cache 1.00 (1)" in out
     assert any(line.split()[:2] == ["inertia", "0.75"] for line in out.splitlines())
-    assert "inertia-lazy" not in out.split("not in these tables")[0]  # its row sets refresh = 8: a refresh point
+    # inertia-lazy's row sets refresh = 8, which is InertiaKV at r = 8 (as the Compare tab names it): a refresh point
+    assert "refresh=8" not in out.split("not in these tables")[0] and "inertia-lazy" not in out
     assert 'not in these tables: 2 rows with non-default parameters (policy, setting, rows): inertia ' \
-           'alpha=0.3 (1), inertia-lazy refresh=8 (1); --settings lists each setting' in out  # ... said to be left out
+           'alpha=0.3 (1), inertia refresh=8 (1); --settings lists each setting' in out  # ... said to be left out
     assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured", "--settings"]) == 0
     out = capsys.readouterr().out
     assert "not in these tables" not in out
     assert [line.split()[:2] for line in out.splitlines() if line.startswith("inertia")] == [
-        ["inertia", "0.75"], ["inertia", "alpha=0.3"], ["inertia-lazy", "refresh=8"]]
+        ["inertia", "0.75"], ["inertia", "alpha=0.3"], ["inertia", "refresh=8"]]
     # A policy run only at other settings is not "no rows": what there is, and how to see it, is said.
-    assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured", "--policies",
-                 "inertia-lazy"]) == 2
+    only = tmp_path / "only-other"
+    write_rows(only / "sweep", [{"source": "measured", "model": "m", "task": "t", "policy": "avokv",
+                                 "params": {"interval": 16}, "compression": 0.9, "metric": "string_match",
+                                 "score": 0.5}])
+    assert main(["results", "--root", str(only), "--task", "t", "--source", "measured", "--policies", "avokv"]) == 2
     assert capsys.readouterr().err.endswith("kvviz: error: these filters match only rows with non-default "
-                                            "parameters (inertia-lazy refresh=8 (1)): add --settings to list them\n")
+                                            "parameters (avokv interval=16 (1)): add --settings to list them\n")
     assert main(["results", "--root", str(tmp_path), "--paper", "t"]) == 0
     out = capsys.readouterr().out
     assert "0.75" in out and "0.5" in out  # measured 0.75 / 1.0, paper 42 / 84
@@ -442,6 +446,40 @@ def test_a_cell_run_by_two_sweeps_counts_once(tmp_path):
     assert quality[["policy", "score", "samples"]].values.tolist() == [["inertia", 0.5, 2]]
     # sample 0 once (two spellings of one experiment) plus sample 1, both at the default alpha
     assert store.alpha_sensitivity()[["alpha", "samples"]].values.tolist() == [[0.3, 1], [0.8, 2]]
+
+
+def test_a_setting_is_named_by_the_registry_name_that_states_it_and_a_cell_counts_once(tmp_path):
+    """InertiaKV run at alpha = 0 is single-step at its defaults (the Compare tab's label for it), inertia-lazy
+    at refresh = 1 is inertia: one policy, one line, and a cell run under both spellings counts once."""
+    row = {"source": "measured", "model": "m", "task": "t", "seed": 0, "prompt_len": 100, "compression": 0.9,
+           "metric": "string_match"}
+    write_rows(tmp_path / "sweep-a", [{**row, "sweep": "sweep-a", "policy": "single-step", "params": {}, "sample": 0,
+                                       "score": 1.0},
+                                      {**row, "sweep": "sweep-a", "policy": "single-step", "params": {}, "sample": 1,
+                                       "score": 0.0},
+                                      {**row, "sweep": "sweep-a", "policy": "inertia", "params": {}, "sample": 0,
+                                       "score": 0.5}])
+    write_rows(tmp_path / "sweep-b", [
+        {**row, "sweep": "sweep-b", "policy": "inertia", "params": {"alpha": 0.0}, "sample": 0, "score": 1.0},  # a's
+        {**row, "sweep": "sweep-b", "policy": "inertia", "params": {"alpha": 0}, "sample": 2, "score": 1.0},  # new
+        {**row, "sweep": "sweep-b", "policy": "inertia-lazy", "params": {"refresh": 1}, "sample": 0, "score": 0.5},
+        {**row, "sweep": "sweep-b", "policy": "inertia-lazy", "params": {"refresh": 1}, "sample": 1, "score": 0.0},
+        {**row, "sweep": "sweep-b", "policy": "single-step", "params": {"refresh": 4}, "sample": 0, "score": 0.25}])
+    store = Store(tmp_path)
+    assert store.options("policy") == ["inertia", "inertia-lazy", "single-step"]
+    quality = store.quality_vs_compression(settings=True)
+    # single-step: samples 0, 1 and 2 (0 run by both sweeps, once); inertia: 0 (both sweeps) and 1; alpha = 0
+    # at r = 4 is inertia-lazy's setting (a tie with single-step refresh=4: the registry's first name)
+    assert quality[["policy", "score", "samples"]].values.tolist() == [
+        ["inertia", 0.25, 2], ["inertia-lazy alpha=0", 0.25, 1], ["single-step", pytest.approx(2 / 3), 3]]
+    assert store.other_settings()[["policy", "setting", "rows"]].values.tolist() == [
+        ["inertia-lazy", '{"alpha": 0.0}', 1]]
+    assert store.alpha_sensitivity()[["alpha", "score", "samples"]].values.tolist() == [
+        [0.0, pytest.approx(2 / 3), 3], [0.8, 0.25, 2]]
+    assert store.refresh_curve()[["refresh", "score", "samples"]].values.tolist() == [[1, 0.25, 2]]
+    pairs = store.paired_scores("inertia")
+    assert pairs[["policy", "sample", "score", "reference_score"]].values.tolist() == [
+        ["single-step", 0, 1.0, 0.5], ["single-step", 1, 0.0, 0.0]]
 
 
 def test_cells_generated_with_other_settings_are_other_experiments_and_the_mix_is_reported(tmp_path):
@@ -1099,9 +1137,9 @@ def test_the_results_tab_shows_other_settings_as_their_own_policies_when_asked(t
     default = query(store, "(all)", "t", [], "measured")
     assert "inertia alpha=0.3" not in names(default[0]) and "inertia" in names(default[0])
     every = query(store, "(all)", "t", [], "measured", settings=True)
-    assert {"inertia", "inertia alpha=0.3", "inertia-lazy refresh=8"} <= set(names(every[0]))
+    assert {"inertia", "inertia alpha=0.3", "inertia refresh=8"} <= set(names(every[0]))
     assert "every setting run, each its own line" in every[0].layout.title.text
     table = every[1].value if hasattr(every[1], "value") else every[1]
-    assert set(table.policy) >= {"inertia alpha=0.3", "inertia-lazy refresh=8"}
+    assert set(table.policy) >= {"inertia alpha=0.3", "inertia refresh=8"}
     colours = {trace.name: trace.line.color for trace in every[0].data if trace.mode and "lines" in trace.mode}
     assert colours.get("inertia alpha=0.3") and colours["inertia alpha=0.3"] != colours.get("inertia")
