@@ -438,7 +438,7 @@ def diagnostics_markdown(trace: Trace) -> str:
             "compare, or no two consecutive steps have one.*")
 
 
-# Why two policies' utility churn can match while their rankings do not (README, "Stability diagnostics").
+# Why two policies' utility churn can match while their rankings do not (README, "How it works").
 DIAGNOSTICS_NOTE = ("*Where the cache holds B, the top-B by utility is the keep set itself, so utility churn is "
                     "the keep turnover, 2/(B+1) a step when a new entry displaces an old one, for any policy. "
                     "Ranking inertia shows in the rank stabilities: the Spearman correlation of consecutive steps' "
