@@ -319,7 +319,8 @@ def hits_store(tmp_path: Path) -> Store:
     write_rows(tmp_path / "sweep-b", [{**row, "sweep": "sweep-b", "policy": "tova", "sample": 0, **hit}])
     write_rows(tmp_path / "paper", [{"source": "paper", "sweep": "paper", "paper": "AvoKV-E", "table": "Table 2",
                                      "model": "m", "task": "t", "policy": "rkv", "compression": None,
-                                     "params": {"budget": 256}, "metric": "max_length_hits", "score": 105.0}])
+                                     "absolute_budget": 256, "params": {}, "metric": "max_length_hits",
+                                     "score": 105.0}])
     return Store(tmp_path)
 
 

@@ -798,7 +798,9 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                 gr.Markdown("Paper rows are each benchmark's printed aggregate; measured rows are the tasks that "
                             "stand in for it here (e.g. the RULER-style generators): their mean score divided by "
                             "the full cache's mean score on the same tasks. Models differ: compare shapes, not levels. "
-                            "The policy filter applies; model, task and source do not.")
+                            "The policy filter applies; model, task and source do not. A paper row's samples "
+                            "are the printed cells it averages (one number printed in several tables counts "
+                            "each time).")
                 suite = gr.Dropdown(suites or ["RULER"], value=(suites or ["RULER"])[0], label="Benchmark")
             if title == "Paired differences":
                 gr.Markdown("Each policy's score minus the reference's on the same samples (same prompt, "
