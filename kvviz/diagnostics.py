@@ -7,8 +7,8 @@
 * keep-set turnover: ``1 - Jaccard`` of consecutive keep sets.  With k = B and the cache held at B, the
   utility top-k *is* the keep set, so utility churn equals this turnover (``2 / (B + 1)`` a step when the new
   entry displaces an old one) for every policy that evicts by its utility, InertiaKV or not;
-* rank stability: Spearman correlation of consecutive steps' raw scores (or utilities) over the entries
-  scored at both steps, the step-to-step ranking inertia that churn at k = B cannot show;
+* rank stability: Spearman correlation of consecutive recomputations' raw scores (or utilities) over the
+  entries scored at both, the ranking inertia that churn at k = B cannot show;
 * Spearman correlation and top-k Jaccard between two scorers on the same step;
 * mean pairwise Jaccard of the keep sets of several policies run on the same prompt;
 * token history: one token's raw score, utility and their ranks at every step, and how often its raw rank
@@ -139,18 +139,33 @@ def _common_spearman(positions_a, values_a, positions_b, values_b) -> float:
 
 
 def raw_rank_stability(trace: Trace) -> list[tuple[int, float]]:
-    """(step, Spearman of this step's raw scores and the previous step's over the entries present at both),
-    for consecutive scored steps."""
+    """(step, Spearman of this step's raw scores and the last scored step's over the entries present at both),
+    for every scored step after the first: step to step for a policy that scores every step, refresh to
+    refresh for Lazy refresh."""
     steps = [e for e in trace.decode_steps if e.raw is not None]
-    return [(b.step, _common_spearman(a.present, a.raw, b.present, b.raw))
-            for a, b in zip(steps, steps[1:]) if b.step == a.step + 1]
+    return [(b.step, _common_spearman(a.present, a.raw, b.present, b.raw)) for a, b in zip(steps, steps[1:])]
 
 
 def utility_rank_stability(trace: Trace) -> list[tuple[int, float]]:
-    """(step, Spearman of this step's utilities and the previous step's over the entries kept at both)."""
-    steps = [e for e in trace.decode_steps if e.utility is not None]
-    return [(b.step, _common_spearman(a.kept, a.utility, b.kept, b.utility))
-            for a, b in zip(steps, steps[1:]) if b.step == a.step + 1]
+    """(step, Spearman of this step's utilities and those they replaced, over the entries kept at both), for
+    each step whose utilities changed: step to step for a policy that rescores every step, refresh to
+    refresh (Lazy) or checkpoint to checkpoint (AvoKV-E, R-KV) otherwise.  A step that leaves every kept
+    entry's utility as it was is no new ranking, so it is not paired: counted, it would read as a perfectly
+    stable one (Score-Free, which never rescores, has no pair at all).
+
+    Within one policy this is how much each recomputation reorders what it keeps.  Across policies, mind
+    that each is measured on its own keep set, without the entry it evicts."""
+    out, previous = [], None
+    for event in trace.decode_steps:
+        if event.utility is None:
+            continue
+        if previous is not None:
+            _, in_a, in_b = np.intersect1d(previous.kept, event.kept, assume_unique=True, return_indices=True)
+            if np.array_equal(previous.utility[in_a], event.utility[in_b], equal_nan=True):
+                continue  # unchanged: the ranking it carries is the previous one (compare the next against that)
+            out.append((event.step, _common_spearman(previous.kept, previous.utility, event.kept, event.utility)))
+        previous = event
+    return out
 
 
 def mean_pairwise_jaccard(traces: list[Trace]) -> float:

@@ -22,6 +22,8 @@ from .cache import SlotCache
 from .policies import Policy, make_policy
 from .trace import StepEvent, Trace, model_dtype
 
+MAX_NEW_TOKENS = 64  # stream() and run() when the caller gives none
+
 
 def resolve_budget(prompt_len: int, *, compression: float | None = None, budget: int | None = None) -> int:
     """``B = floor((1 - rho) * L0)`` from a compression ratio ``rho``, or an absolute ``budget``."""
@@ -466,7 +468,7 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
 
 
 def stream(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inertia", *, chat: bool = True,
-           compression: float | None = None, budget: int | None = None, max_new_tokens: int = 64,
+           compression: float | None = None, budget: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, **params) -> Iterator[StepEvent]:
     """Iterate over the step events of one generation (prompt as text or token ids)."""
     prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=chat)
@@ -528,7 +530,7 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     sampling = Sampler(*(run_kwargs.get(k, default) for k, default in
                          (("temperature", 0.0), ("top_p", 1.0), ("seed", 0)))).settings()
     trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events,
-                  sampling=sampling, dtype=model_dtype(model), max_new_tokens=run_kwargs.get("max_new_tokens", 64))
+                  sampling=sampling, dtype=model_dtype(model), max_new_tokens=run_kwargs.get("max_new_tokens", MAX_NEW_TOKENS))
     text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
     return Result(text, trace)
 

@@ -60,11 +60,12 @@ def test_keep_turnover_and_rank_stability_on_a_hand_trace():
     # [.1, .2, .3, .4], exactly reversed -> Spearman -1.  Step 3 scored nothing.
     assert dx.raw_rank_stability(trace) == [(2, pytest.approx(-1.0))]
     # Utilities over {0, 1, 2}, kept at both: ranks [3, 2, 1] then [1, 3, 2]; d = [2, -1, -1], sum d^2 = 6,
-    # rho = 1 - 6 * 6 / (3 * 8) = -0.5.  Step 3: {0, 1, 2, 5} unchanged -> 1; the +inf entry is left out.
-    assert dx.utility_rank_stability(trace) == [(2, pytest.approx(-0.5)), (3, pytest.approx(1.0))]
+    # rho = 1 - 6 * 6 / (3 * 8) = -0.5.  Step 3 leaves {0, 1, 2, 5} as they were (the new +inf entry aside):
+    # no new ranking, so no pair (it would read as a perfectly stable one).
+    assert dx.utility_rank_stability(trace) == [(2, pytest.approx(-0.5))]
     summary = dx.summary(trace)
     assert summary["keep_turnover"] == pytest.approx(0.3)
-    assert summary["utility_rank_stability"] == pytest.approx(0.25)
+    assert summary["utility_rank_stability"] == pytest.approx(-0.5)
     # Fewer than three common positions: no correlation, and the mean skips it.
     assert np.isnan(dx.utility_rank_stability(hand_trace())[0][1])
     assert np.isnan(dx.summary(hand_trace())["utility_rank_stability"])
@@ -155,16 +156,24 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
     assert dx.keep_turnover(trace) == measured
     lazy = kvviz.run(model, tokenizer, tiny_prompt, "inertia-lazy", budget=20, max_new_tokens=12).trace
     assert len(dx.raw_churn(lazy)) == 0  # no two consecutive scored steps with r = 4
-    # Between refreshes Lazy's utilities do not move, so their ranking is the previous step's exactly; a
-    # refresh (a scored step) reorders them.
-    stability = dict(dx.utility_rank_stability(lazy))
-    scored = {e.step for e in lazy.decode_steps if e.scored}
-    assert {step: value for step, value in stability.items() if step not in scored} == pytest.approx(
-        {step: 1.0 for step in stability if step not in scored})
-    assert any(stability[step] < 1.0 for step in stability if step in scored)
-    # Score-Free ranks by its first scores for the whole run.
+    # Between refreshes Lazy's utilities do not move: its rankings are paired refresh to refresh, the scored
+    # steps after the first (1, 5, 9 with r = 4), for utilities and raw scores alike.
+    scored = [e.step for e in lazy.decode_steps if e.scored]
+    assert scored == [1, 5, 9]
+    assert [step for step, _ in dx.utility_rank_stability(lazy)] == [5, 9]
+    assert [step for step, _ in dx.raw_rank_stability(lazy)] == [5, 9]
+    assert all(value < 1.0 for _, value in dx.utility_rank_stability(lazy))
+    # Score-Free ranks by its first scores for the whole run: never a new ranking to pair.
     frozen = kvviz.run(model, tokenizer, tiny_prompt, "score-free", budget=20, max_new_tokens=12).trace
-    assert [value for _, value in dx.utility_rank_stability(frozen)] == pytest.approx([1.0] * 10)
+    assert dx.utility_rank_stability(frozen) == [] and np.isnan(dx.summary(frozen)["utility_rank_stability"])
+    # A policy that rescores every step is paired at every step after the first.
+    assert [step for step, _ in dx.utility_rank_stability(trace)] == [e.step for e in steps[1:]]
+    # AvoKV-E and R-KV rescore at their checkpoints only: paired checkpoint to checkpoint.
+    for name in ("avokv", "rkv"):
+        checkpointed = kvviz.run(model, tokenizer, tiny_prompt, name, budget=60, max_new_tokens=30, interval=8).trace
+        decisions = [e.step for e in checkpointed.decode_steps if e.components]
+        assert decisions == [1, 8, 16, 24]
+        assert [step for step, _ in dx.utility_rank_stability(checkpointed)] == decisions[1:]
 
 
 def test_token_history_of_a_real_run_agrees_with_its_events(tiny, tiny_prompt):

@@ -362,6 +362,27 @@ def test_trace_round_trips_through_parquet(tiny, tiny_prompt, tmp_path):
     for a, b in zip(loaded.events, trace.events):
         assert a.kept.tolist() == b.kept.tolist() and a.evicted.tolist() == b.evicted.tolist()
         assert np.allclose(a.utility, b.utility) and a.text == b.text and a.step == b.step
+    assert loaded.max_new_tokens == 8 and loaded.stopped is False
+
+
+def test_a_trace_saved_before_max_new_tokens_and_stopped_were_recorded_still_loads(tiny, tiny_prompt, tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    model, tokenizer = tiny
+    kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=4).trace.save(
+        tmp_path / "t.parquet")
+    table = pq.read_table(tmp_path / "t.parquet")
+    meta = json.loads(table.schema.metadata[b"kvviz"])
+    del meta["max_new_tokens"], meta["stopped"]
+    pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps(meta)}), tmp_path / "old.parquet")
+    old = kvviz.Trace.load(tmp_path / "old.parquet")
+    assert (old.max_new_tokens, old.stopped, len(old.events)) == (0, False, 4)
+    meta["stopped"] = "yes"
+    pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps(meta)}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="its stopped is 'yes', not true or false"):
+        kvviz.Trace.load(tmp_path / "bad.parquet")
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))

@@ -419,7 +419,8 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
     # Some policies evict only at checkpoints (AvoKV-E, R-KV) or at prefill (SnapKV): say why the cache is over B.
     over = ""
     if last.cache_size > view.budget:
-        over = (" (over B: eviction starts at the first decode step)" if last.step == 0
+        over = (" (over B: no decode step ran, and eviction starts at the first, or at a checkpoint)"
+                if last.step == 0
                 else " (over B: this policy does not evict at every step)")
     # Allocated, not live: a checkpointed policy holds room for every entry it may take before its next eviction.
     return (f"**tokens** {last.step + 1} / {tokens} · **prompt** {view.prompt_len} tokens · **budget** "
@@ -441,8 +442,10 @@ def diagnostics_markdown(trace: Trace) -> str:
 # Why two policies' utility churn can match while their rankings do not (README, "How it works").
 DIAGNOSTICS_NOTE = ("*Where the cache holds B, the top-B by utility is the keep set itself, so utility churn is "
                     "the keep turnover, 2/(B+1) a step when a new entry displaces an old one, for any policy. "
-                    "Ranking inertia shows in the rank stabilities: the Spearman correlation of consecutive steps' "
-                    "raw scores, and of their utilities, over the entries both steps scored.*")
+                    "The rank stabilities measure how much each recomputation reorders the ranking: the Spearman "
+                    "correlation of consecutive recomputations' raw scores, and of their utilities, over the "
+                    "entries both scored (each policy on its own keep set; a step that changes no utility, as "
+                    "between Lazy refreshes or AvoKV-E checkpoints, is no recomputation).*")
 
 
 # ----------------------------------------------------------------------------------------- handlers
@@ -685,13 +688,23 @@ def make_open_handler(limits: Limits):
     return open_trace
 
 
+def scrubbed_step(view: RunView, step) -> int:
+    """The scrubber's value as a step of this run: a value typed past an end reaches here as typed (the
+    browser sets the box to the end only when it loses focus), and is read as that end."""
+    try:
+        number = int(float(step or 0))
+    except (TypeError, ValueError, OverflowError):
+        number = view.steps - 1
+    return min(max(number, 0), view.steps - 1)
+
+
 def scrub(view: RunView | None, step):
     """The views of one step: heatmaps, step detail, prompt fates and the last decision's terms.  The token
     history is not among them: it follows in a second event, which reads the Follow field as it is then (a
     field typed while this ran would otherwise be overwritten by a history of what it held before)."""
     if view is None or not view.events:
         return (gr.skip(),) * 7
-    step = min(max(int(step or 0), 0), view.steps - 1)  # a value typed past an end, as the browser then sets it
+    step = scrubbed_step(view, step)
     return (view.retention_figure(step), view.rank_figure(step), view.timeline_figure(step),
             view.step_detail_figure(step), view.fate_html(step, prompt_only=False), *decision_views(view, step))
 
@@ -700,7 +713,7 @@ def history_view(view: RunView | None, follow: str, step) -> go.Figure | None:
     """The followed tokens' ranks over the run (the entries at the eviction boundary when none is typed)."""
     if view is None or not view.events:
         return None
-    step = min(int(step or 0), view.steps - 1)
+    step = scrubbed_step(view, step)
     return view.history_figure(*view.follow(follow, step), marker_step=step)
 
 
@@ -713,7 +726,7 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
 
 def decision_views(view: RunView, step) -> tuple:
     """The caption and the table of the last eviction decision's terms (AvoKV-E, R-KV) at ``step``."""
-    frame, caption = view.terms_frame(min(int(step or 0), view.steps - 1))
+    frame, caption = view.terms_frame(scrubbed_step(view, step))
     if frame is not None:  # four significant digits: attention probabilities are often below 1e-4
         numbers = frame.select_dtypes("number").columns.drop("position")
         # A sink's +inf would reach the browser as an empty cell (JSON has no infinity): say it.
@@ -1197,7 +1210,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     stats = gr.Markdown()
                     retention = gr.Plot(label="Retention")
                     ranks = gr.Plot(label="Utility rank")
-                    step_slider = gr.Slider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
+                    step_slider = TypedSlider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
                     detail = gr.Plot(label="Step detail")
                     with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV)", open=False):
                         terms_note = gr.Markdown()
@@ -1294,9 +1307,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                                  "k = B): top-B churn of raw scores and of utility (the keep "
                                                  "turnover wherever the cache holds B, for any policy), their "
                                                  "Jaccard, raw top-B evicted, and the rank stabilities: Spearman "
-                                                 "of consecutive steps' raw scores, and of their utilities, over "
-                                                 "the entries both scored (the ranking inertia); n/a where a "
-                                                 "policy records no such score",
+                                                 "of consecutive recomputations' raw scores, and of their "
+                                                 "utilities, over the entries both scored (the ranking inertia); "
+                                                 "n/a where a policy records no such score or never rescores",
                                                  visible=False, interactive=False)
                     with gr.Accordion("Oracle damage probe", open=False):
                         gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
