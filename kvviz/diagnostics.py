@@ -185,7 +185,7 @@ def keep_set_jaccard_over_time(a: Trace, b: Trace) -> list[tuple[int, float]]:
 
 def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
     """Means of each diagnostic over the run (NaN where the policy records no raw scores or utility, or where
-    no two consecutive steps have them)."""
+    nothing pairs: no two consecutive scored steps for a churn, no two recomputations for a rank stability)."""
     def mean(pairs):
         values = [v for _, v in pairs if not np.isnan(v)]  # a rank stability is NaN on a constant step
         return float(np.mean(values)) if values else float("nan")
