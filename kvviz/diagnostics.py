@@ -123,10 +123,12 @@ def raw_top_evicted_rate(trace: Trace, k: int | None = None) -> list[tuple[int, 
 
 
 def keep_turnover(trace: Trace) -> list[tuple[int, float]]:
-    """(step, churn of the keep set against the previous step's), for consecutive decode steps."""
+    """(step, churn of the keep set against the previous step's), for consecutive decode steps that evicted:
+    a step that only adds its new entry replaces nothing (the full cache, a checkpointed policy between
+    checkpoints, a prefill-time one), and counted it would read as turnover."""
     steps = trace.decode_steps
     return [(b.step, churn(set(a.kept.tolist()), set(b.kept.tolist())))
-            for a, b in zip(steps, steps[1:]) if b.step == a.step + 1]
+            for a, b in zip(steps, steps[1:]) if b.step == a.step + 1 and b.evicted.size]
 
 
 def _common_spearman(positions_a, values_a, positions_b, values_b) -> float:

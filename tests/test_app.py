@@ -687,6 +687,9 @@ def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
 def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
     with pytest.raises(Exception, match="probing step 5000 decodes 5008 tokens"):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")
+    # An empty sample field is refused like an empty step: probing every entry is asked for with 0.
+    with pytest.raises(Exception, match=r"entries sampled \(0 = all\) is empty; type a whole number"):
+        client.predict(TINY, PROMPT, ["inertia"], False, 2, None, api_name="/probe")
 
 
 def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client):
@@ -711,6 +714,8 @@ def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client)
     np.testing.assert_allclose(z, np.stack(list(expected.layer_profile().values())))
     _, note, _, _ = client.predict(TINY, PROMPT, False, 3, " 2 ", api_name="/spectrum")
     assert "layer 2 of 3" in note
+    _, note, _, _ = client.predict(TINY, PROMPT, False, 1, "", api_name="/spectrum")
+    assert note.endswith("top-B churn between steps n/a (one step has none to compare with).")
     with pytest.raises(Exception, match="layer must be between 0 and 2"):
         client.predict(TINY, PROMPT, False, 3, "5", api_name="/spectrum")
     with pytest.raises(Exception, match="the layer must be a whole number, got 'two'"):
@@ -870,6 +875,7 @@ def test_a_one_token_run_says_why_its_cache_is_over_budget_and_offers_no_scrubbe
     *_, last = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, *GREEDY,
                                          *defaults, "", None)
     assert "over B" not in last[1] and last[6]["visible"] is True and last[6]["maximum"] == 3
+    assert "**decode** – (no decode step)" in stats
     bytes_ = last[9].events[-1].cache_bytes
     assert f"entries, {bytes_ / 2**20:.2f} MiB allocated" in last[1]
 
@@ -1049,8 +1055,13 @@ def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny)
     assert [t["value"] for t in result[:2]] == ["".join(e.text for e in run.trace.events) for run in runs]
     sizes = [e.cache_size for e in runs[0].trace.events]
     assert sizes[5] == budget and sizes[-1] == budget and not any(len(e.evicted) for e in runs[0].trace.events[:5])
-    with pytest.raises(Exception, match="nothing would be evicted"):
+    with pytest.raises(Exception, match=f"nothing would be evicted; choose a budget below {prompt_len + 19} or more "
+                                        "new tokens$"):
         client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, prompt_len + 19, 20, False, *GREEDY, "",
+                       api_name="/compare")
+    # a budget that no number of new tokens here would fill: more tokens is not offered as a way out
+    with pytest.raises(Exception, match=f"choose a budget below {prompt_len + 19}$"):
+        client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 10**6, 20, False, *GREEDY, "",
                        api_name="/compare")
     # The same through the API, whose optional last argument is the budget in tokens.
     job = client.submit(PROMPT, "inertia", 0.5, 20, False, TINY, "{}", budget, api_name="/generate")

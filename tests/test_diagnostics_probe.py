@@ -54,8 +54,9 @@ def test_keep_turnover_and_rank_stability_on_a_hand_trace():
               event(2, [0, 1, 2, 5], [3], raw=[.1, .2, .3, .4, .5], utility=[.6, .8, .7, .9]),
               event(3, [0, 1, 2, 5, 6], [], utility=[.6, .8, .7, .9, np.inf])]
     trace = Trace([7, 8, 9, 10], 4, "test", events=events)
-    # Keep sets {0,1,2,3} -> {0,1,2,5}: 3 shared of 5 -> churn 2/5; then {0,1,2,5} -> {0,1,2,5,6}: 4 of 5.
-    assert dx.keep_turnover(trace) == [(2, pytest.approx(2 / 5)), (3, pytest.approx(1 / 5))]
+    # Keep sets {0,1,2,3} -> {0,1,2,5}: 3 shared of 5 -> churn 2/5; step 3 evicts nothing, it only adds 6:
+    # no turnover to count (growth is not replacement).
+    assert dx.keep_turnover(trace) == [(2, pytest.approx(2 / 5))]
     # Raw over the positions present at both steps 1 and 2, {0, 1, 2, 3}: [.5, .4, .3, .2] then
     # [.1, .2, .3, .4], exactly reversed -> Spearman -1.  Step 3 scored nothing.
     assert dx.raw_rank_stability(trace) == [(2, pytest.approx(-1.0))]
@@ -64,7 +65,7 @@ def test_keep_turnover_and_rank_stability_on_a_hand_trace():
     # no new ranking, so no pair (it would read as a perfectly stable one).
     assert dx.utility_rank_stability(trace) == [(2, pytest.approx(-0.5))]
     summary = dx.summary(trace)
-    assert summary["keep_turnover"] == pytest.approx(0.3)
+    assert summary["keep_turnover"] == pytest.approx(0.4)
     assert summary["utility_rank_stability"] == pytest.approx(-0.5)
     # Fewer than three common positions: no correlation, and the mean skips it.
     assert np.isnan(dx.utility_rank_stability(hand_trace())[0][1])
@@ -154,6 +155,8 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
     assert [v for _, v in measured] == pytest.approx([v for _, v in expected])
     assert {round(v, 6) for _, v in expected} <= {0.0, round(2 / 21, 6)} and any(v for _, v in expected)
     assert dx.keep_turnover(trace) == measured
+    full = kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=6).trace
+    assert dx.keep_turnover(full) == [] and np.isnan(dx.summary(full)["keep_turnover"])  # it only grows
     lazy = kvviz.run(model, tokenizer, tiny_prompt, "inertia-lazy", budget=20, max_new_tokens=12).trace
     assert len(dx.raw_churn(lazy)) == 0  # no two consecutive scored steps with r = 4
     # Between refreshes Lazy's utilities do not move: its rankings are paired refresh to refresh, the scored

@@ -219,8 +219,10 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
         # generated tokens fill it.  Only a budget that the whole run never reaches is refused.
         fed = len(prompt_ids) + max_new - 1  # the last token is generated, never fed back
         if value >= fed:
+            longest = len(prompt_ids) + limits.max_new_tokens - 1  # the most this app feeds back
+            more = " or more new tokens" if value < longest else ""
             raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} tokens "
-                             f"fed back, so nothing would be evicted; choose a budget below {fed} or more new tokens")
+                             f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
         resolved = value
     else:
         resolved = engine.resolve_budget(len(prompt_ids), compression=fraction("compression", compression))
@@ -422,11 +424,11 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
         over = (" (over B: no decode step ran, and eviction starts at the first, or at a checkpoint)"
                 if last.step == 0
                 else " (over B: this policy does not evict at every step)")
+    speed = f"{rate:.1f} tok/s" if steps else "– (no decode step)"
     # Allocated, not live: a checkpointed policy holds room for every entry it may take before its next eviction.
     return (f"**tokens** {last.step + 1} / {tokens} · **prompt** {view.prompt_len} tokens · **budget** "
             f"{view.budget} · **cache** {last.cache_size} entries{over}, {last.cache_bytes / 2**20:.2f} MiB "
-            f"allocated · "
-            f"**evicted this step** {last.evicted.size} · **decode** {rate:.1f} tok/s"
+            f"allocated · **evicted this step** {last.evicted.size} · **decode** {speed}"
             f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)}"
             + (f" · {elapsed:.1f} s" if elapsed is not None else ""))
 
@@ -961,7 +963,8 @@ def make_spectrum_handler(limits: Limits):
                 f"end), top-B at 10%; layer {result.layer} of {result.num_layers}. Attention's own agreement between "
                 f"layers: top-B Jaccard {cross['cross_layer_jaccard']:.3f} (sd over layer pairs "
                 f"{cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn between steps "
-                f"{cross['layer_churn']:.3f}.")
+                + ("n/a (one step has none to compare with)." if np.isnan(cross["layer_churn"])
+                   else f"{cross['layer_churn']:.3f}."))
         return rows, note, spectrum_figure(result), spectrum_layers_figure(result)
 
     return run_spectrum
@@ -976,7 +979,7 @@ def make_probe_handler(limits: Limits):
             names = list(settings)
             model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
             step = whole_number("the probe step", step, 1)
-            sample = whole_number("entries sampled", sample or 0, 0)
+            sample = whole_number("entries sampled (0 = all)", sample, 0)  # empty is refused: 0 means all
             check_fits(model, prompt_ids, step, 8)
             result = probe(model, tokenizer, prompt_ids, step, policies=build_policies(settings),
                            sample=sample or None, future=8)

@@ -477,7 +477,7 @@ def blindspot_figure(spot) -> go.Figure:
     # N(p) <= 0.2, N(b) >= 0.8: the first column, top row
     fig.add_shape(type="rect", x0=-0.5, x1=0.5, y0=bins - 1.5, y1=bins - 0.5, line=dict(color="#1f3b73", width=3))
     fig.update_layout(
-        title=dict(text="Blindspot " + spot.summary().replace("<=", "≤").replace(">=", "≥"), font=dict(size=12)),
+        title=dict(text="Blindspot: " + spot.summary().replace("<=", "≤").replace(">=", "≥"), font=dict(size=12)),
         xaxis_title="read-pressure rank N(p) (AvoKV-E)", yaxis_title="payload rank N(b)", height=380,
         margin=dict(l=60, r=20, t=50, b=50))
     return fig

@@ -422,7 +422,7 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
     return fig
 
 
-def _hits_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
+def _hits_figure(frame: pd.DataFrame, colours: Colours, settings: bool = False) -> go.Figure:
     """The quality figure's panels and lines for the share of generations that reached max_new_tokens instead
     of ending, from the groups where some row records it (rows written before the field do not)."""
     recorded = frame[frame.recorded > 0]
@@ -432,7 +432,8 @@ def _hits_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
                       f"none of the {int(frame.rows.sum())} measured rows for these filters records max-length hits "
                       "(hit_max_tokens): they were written before sweeps recorded it; a new sweep records it")
     fig = _line_figure(recorded, "compression", "hit_rate", f"Max-length hits vs {_versus(recorded)} (share of "
-                       "generations that reached max_new_tokens instead of ending; each policy at its defaults)",
+                       "generations that reached max_new_tokens instead of ending; "
+                       + ("every setting run, each its own line)" if settings else "each policy at its defaults)"),
                        "compression ρ", "max-length hit rate", colours)
     fig.update_yaxes(range=[-0.05, 1.05])  # a share: 1 of 20 should not fill the panel
     return fig
@@ -739,7 +740,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
                       + "; bars: ± 1 standard error"
                       f"{_draws_note(quality)})", "compression ρ", "mean score", colours), quality,
          "quality_vs_compression"),
-        (_hits_figure(hits, colours), hits, "max_length_hits"),
+        (_hits_figure(hits, colours, settings), hits, "max_length_hits"),
         (_paired_figure(differences, reference, colours), differences, f"paired_vs_{reference}"),
         (_comparison_figure(comparison, suite, colours), comparison, f"measured_vs_paper_{suite}"),
         (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV)", "α", "mean score"), alpha,
