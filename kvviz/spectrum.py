@@ -117,6 +117,15 @@ class _Capture:
         pass
 
 
+def check_layer(model, layer: int | None) -> int:
+    """The layer of the per-layer comparison (None: the middle one); ValueError outside the model."""
+    num_layers = model.config.num_hidden_layers
+    layer = num_layers // 2 if layer is None else layer
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be between 0 and {num_layers - 1} for this model, got {layer}")
+    return layer
+
+
 @torch.inference_mode()
 def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None = None,
              compression: float = 0.9, alpha: float = 0.8) -> Spectrum:
@@ -136,10 +145,8 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
     alpha : float
         The EMA coefficient of the InertiaKV utilities.
     """
+    layer = check_layer(model, layer)
     num_layers = model.config.num_hidden_layers
-    layer = num_layers // 2 if layer is None else layer
-    if not 0 <= layer < num_layers:
-        raise ValueError(f"layer must be between 0 and {num_layers - 1} for this model, got {layer}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if not 0.0 <= compression < 1.0:

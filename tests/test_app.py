@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import gradio as gr
 import pytest
 
 import kvviz
@@ -690,6 +691,29 @@ def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
     # An empty sample field is refused like an empty step: probing every entry is asked for with 0.
     with pytest.raises(Exception, match=r"entries sampled \(0 = all\) is empty; type a whole number"):
         client.predict(TINY, PROMPT, ["inertia"], False, 2, None, api_name="/probe")
+
+
+def test_the_probe_and_spectrum_are_checked_before_they_run(tiny):
+    """Refused by a check with no outputs, so that the last probe or spectrum on screen is not marked "Error";
+    valid inputs pass the check silently."""
+    from kvviz.ui.app import _models, make_probe_check, make_spectrum_check
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    probe_check, spectrum_check = make_probe_check(limits), make_spectrum_check(limits)
+    assert probe_check(TINY, PROMPT, ["inertia"], False, 2, 16) is None
+    assert spectrum_check(TINY, PROMPT, False, 3, "") is None and spectrum_check(TINY, PROMPT, False, 3, "2") is None
+    for args, message in [((TINY, PROMPT, ["inertia"], False, None, 16), "the probe step is empty"),
+                          ((TINY, PROMPT, ["inertia"], False, 2, None), r"entries sampled \(0 = all\) is empty"),
+                          ((TINY, PROMPT, ["inertia"], False, 5000, 16), "probing step 5000 decodes 5008 tokens"),
+                          ((TINY, PROMPT, [], False, 2, 16), "choose one to four policies to rank")]:
+        with pytest.raises(gr.Error, match=message):
+            probe_check(*args)
+    for args, message in [((TINY, PROMPT, False, 3, "5"), "layer must be between 0 and 2 for this model, got 5"),
+                          ((TINY, PROMPT, False, 0, ""), "the steps compared must be between 1 and 64, got 0"),
+                          ((TINY, PROMPT, False, 3, "two"), "the layer must be a whole number, got 'two'")]:
+        with pytest.raises(gr.Error, match=message):
+            spectrum_check(*args)
 
 
 def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client):

@@ -941,6 +941,41 @@ def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
     return model, tokenizer, prompt_ids
 
 
+def make_spectrum_check(limits: Limits):
+    """The spectrum's inputs checked before it runs, with no outputs: a refusal is the toast alone, and the last
+    spectrum stays on screen unmarked (raised by the run itself, it would mark every output "Error")."""
+    from ..spectrum import check_layer
+
+    def check_spectrum(model_name, prompt, chat, steps, layer):
+        try:
+            whole_number("the steps compared", steps, 1, 64)
+            layer = None if layer is None or not str(layer).strip() else whole_number("the layer", str(layer).strip(), 0)
+            model, _, _ = model_and_prompt(limits, model_name, prompt, chat)
+            check_layer(model, layer)
+        except ValueError as error:
+            raise refused(str(error)) from None
+        except Exception as error:
+            raise unexpected("checking the spectrum's inputs", error) from None
+    return check_spectrum
+
+
+def make_probe_check(limits: Limits):
+    """The probe's inputs checked before it runs, as :func:`make_spectrum_check` does for the spectrum."""
+    from ..probe import check_fits
+
+    def check_probe(model_name, prompt, names, chat, step, sample):
+        try:
+            policy_settings(names, 1, "rank")
+            model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+            check_fits(model, prompt_ids, whole_number("the probe step", step, 1), 8)
+            whole_number("entries sampled (0 = all)", sample, 0)
+        except ValueError as error:
+            raise refused(str(error)) from None
+        except Exception as error:
+            raise unexpected("checking the probe's inputs", error) from None
+    return check_probe
+
+
 def make_spectrum_handler(limits: Limits):
     def run_spectrum(model_name, prompt, chat, steps, layer):
         from ..spectrum import spectrum
@@ -1361,13 +1396,16 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             compare.then(compare_diagnostics, c_state, c_diagnostics, api_name=False)
             c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
                             trigger_mode="always_last")
-            p_run.click(make_probe_handler(limits), [c_model, c_prompt, c_policies, c_chat, p_step, p_sample],
-                        [p_table, p_note, p_blindspot], concurrency_limit=limits.runs_per_model,
-                        concurrency_id="model", api_name="probe")
+            # Each is checked first (no outputs), so that a refusal leaves the last result unmarked.
+            probe_inputs = [c_model, c_prompt, c_policies, c_chat, p_step, p_sample]
+            p_run.click(make_probe_check(limits), probe_inputs, None, api_name=False).success(
+                make_probe_handler(limits), probe_inputs, [p_table, p_note, p_blindspot],
+                concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="probe")
 
-            s_run.click(make_spectrum_handler(limits), [c_model, c_prompt, c_chat, s_steps, s_layer],
-                        [s_table, s_note, s_figure, s_layers], concurrency_limit=limits.runs_per_model,
-                        concurrency_id="model", api_name="spectrum")
+            spectrum_inputs = [c_model, c_prompt, c_chat, s_steps, s_layer]
+            s_run.click(make_spectrum_check(limits), spectrum_inputs, None, api_name=False).success(
+                make_spectrum_handler(limits), spectrum_inputs, [s_table, s_note, s_figure, s_layers],
+                concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="spectrum")
 
         with gr.Tab("Results"):
             build_results_tab(app, store)
