@@ -131,11 +131,15 @@ def keep_turnover(trace: Trace) -> list[tuple[int, float]]:
             for a, b in zip(steps, steps[1:]) if b.step == a.step + 1 and b.evicted.size]
 
 
-def _common_spearman(positions_a, values_a, positions_b, values_b) -> float:
-    """Spearman of two steps' scores over the positions both scored finitely (AvoKV-E's +inf: not judged);
-    NaN with fewer than three such positions or a constant side."""
+def _common_values(positions_a, values_a, positions_b, values_b) -> tuple[np.ndarray, np.ndarray]:
+    """Two steps' scores of the positions present at both, aligned."""
     _, in_a, in_b = np.intersect1d(positions_a, positions_b, assume_unique=True, return_indices=True)
-    a, b = np.asarray(values_a, np.float64)[in_a], np.asarray(values_b, np.float64)[in_b]
+    return np.asarray(values_a, np.float64)[in_a], np.asarray(values_b, np.float64)[in_b]
+
+
+def _finite_spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman over the entries both scored finitely (AvoKV-E's +inf: not judged); NaN with fewer than
+    three such entries or a constant side."""
     finite = np.isfinite(a) & np.isfinite(b)
     return spearman(a[finite], b[finite]) if finite.sum() >= 3 else float("nan")
 
@@ -145,7 +149,8 @@ def raw_rank_stability(trace: Trace) -> list[tuple[int, float]]:
     for every scored step after the first: step to step for a policy that scores every step, refresh to
     refresh for Lazy refresh."""
     steps = [e for e in trace.decode_steps if e.raw is not None]
-    return [(b.step, _common_spearman(a.present, a.raw, b.present, b.raw)) for a, b in zip(steps, steps[1:])]
+    return [(b.step, _finite_spearman(*_common_values(a.present, a.raw, b.present, b.raw)))
+            for a, b in zip(steps, steps[1:])]
 
 
 def utility_rank_stability(trace: Trace) -> list[tuple[int, float]]:
@@ -162,10 +167,10 @@ def utility_rank_stability(trace: Trace) -> list[tuple[int, float]]:
         if event.utility is None:
             continue
         if previous is not None:
-            _, in_a, in_b = np.intersect1d(previous.kept, event.kept, assume_unique=True, return_indices=True)
-            if np.array_equal(previous.utility[in_a], event.utility[in_b], equal_nan=True):
+            before, after = _common_values(previous.kept, previous.utility, event.kept, event.utility)
+            if np.array_equal(before, after, equal_nan=True):
                 continue  # unchanged: the ranking it carries is the previous one (compare the next against that)
-            out.append((event.step, _common_spearman(previous.kept, previous.utility, event.kept, event.utility)))
+            out.append((event.step, _finite_spearman(before, after)))
         previous = event
     return out
 

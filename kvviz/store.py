@@ -261,15 +261,12 @@ class Store:
             defaults = self.defaults.get(policy, {})
             kind = self.kinds.get(policy)
             if kind is not None and set(values) <= set(defaults):  # every parameter is one of the policy's own
+                from .policies import fewest_changes
+
                 ran = {**defaults, **values}
-                names = [name for name, own in self.defaults.items()
-                         if self.kinds.get(name) == kind and own.keys() == defaults.keys()]
-
-                def changes(name: str) -> dict[str, Any]:
-                    return {k: v for k, v in ran.items() if v != self.defaults[name][k]}
-
-                policy = min(names, key=lambda name: len(changes(name)))  # min keeps the registry's first
-                kept = changes(policy)
+                policy = fewest_changes(ran, {name: own for name, own in self.defaults.items()
+                                              if self.kinds.get(name) == kind and own.keys() == defaults.keys()})
+                kept = {k: v for k, v in ran.items() if v != self.defaults[policy][k]}
             else:  # not a registered policy, or parameters it does not take (a paper's "ablation"): as stored
                 kept = {k: v for k, v in values.items() if not (k in defaults and defaults[k] == v)}
             order = list(self.defaults.get(policy, {}))

@@ -217,20 +217,23 @@ def build_setting(text: str) -> tuple[str, Policy]:
     return setting_label(policy), policy
 
 
+def fewest_changes(values: dict[str, Any], candidates: dict[str, dict[str, Any]]) -> str:
+    """Of ``candidates`` (name -> its defaults, in registry order, each with every key of ``values``), the
+    name whose defaults differ from ``values`` in the fewest parameters; the first on a tie, so that the name
+    never depends on how a setting was typed.  Shared by :func:`setting_label` and the results store."""
+    return min(candidates, key=lambda name: sum(value != candidates[name][key] for key, value in values.items()))
+
+
 def setting_label(policy: Policy) -> str:
-    """The registry name that states ``policy`` with the fewest parameter changes (the first in the registry
-    on a tie, so that the label never depends on how the policy was typed), then those changes as
-    ``key=value`` in the registry's order: e.g. ``"inertia alpha=0.5"``, ``"single-step"``."""
+    """The registry name that states ``policy`` with the fewest parameter changes (:func:`fewest_changes`),
+    then those changes as ``key=value`` in the registry's order: e.g. ``"inertia alpha=0.5"``, ``"single-step"``."""
     params = policy.params()
-
-    def changes(spec: PolicySpec) -> list[str]:
-        defaults = {p["name"]: p["default"] for p in spec.parameters()}
-        return [f"{key}={_shown(value)}" for key, value in params.items() if value != defaults[key]]
-
     # Only names of this exact class: a subclass (inertia-decoupled) changes the rule, not a parameter.
-    specs = [spec for spec in REGISTRY.values() if spec.cls is type(policy)]
-    best = min(specs, key=lambda spec: len(changes(spec)))  # min keeps the first of equals: registry order
-    return " ".join([best.name, *changes(best)])
+    candidates = {spec.name: {p["name"]: p["default"] for p in spec.parameters()}
+                  for spec in REGISTRY.values() if spec.cls is type(policy)}
+    best = fewest_changes(params, candidates)
+    return " ".join([best, *(f"{key}={_shown(value)}" for key, value in params.items()
+                             if value != candidates[best][key])])
 
 
 def _shown(value: Any) -> str:
