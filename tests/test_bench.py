@@ -321,6 +321,13 @@ def no_model(monkeypatch):
      "policies[0] (inertia-lazy): params refresh = 2.0 must be a whole number"),
     ("policies", '["tovaa"]', "policies[0]: unknown policy 'tovaa'; choose one of full, inertia"),
     ("policies", '["tova", "tova"]', "policies[1]: repeats the setting of policies[0] (tova)"),
+    # Two spellings of one setting would run it twice and store one row: the store names both single-step.
+    ("policies", '["single-step", { name = "inertia", params = { alpha = [0.5, 0.0] } }]',
+     "policies[1] (inertia): repeats the setting of policies[0] spelt another way: inertia alpha = 0.0 and "
+     "single-step are both single-step"),
+    ("policies", '["inertia", { name = "inertia", params = { alpha = 0.8 } }]',
+     "policies[1] (inertia): repeats the setting of policies[0] spelt another way: inertia alpha = 0.8 and "
+     "inertia are both inertia"),
     ("max_new_token", "3", "key 'max_new_token': not a sweep setting"),
     ("dtype", '"fp16"', "key 'dtype': must be one of float32, bfloat16, float16, got 'fp16'"),
     ("policies", '[{ name = "snapkv", compression = 0.5 }]',

@@ -104,7 +104,7 @@ def _is_number(value) -> bool:
 def validate(config: dict, source: str = "the sweep config") -> None:
     """Check every key of a sweep config; a problem is a ValueError naming ``source``, the table, the key and
     what to change, so that a bad config fails before a model loads rather than as a traceback mid-sweep."""
-    from ..policies import REGISTRY
+    from ..policies import REGISTRY, setting_label
 
     def refuse(where: str, message: str) -> ValueError:
         return ValueError(f"sweep config {source}: {where}: {message}")
@@ -186,7 +186,7 @@ def validate(config: dict, source: str = "the sweep config") -> None:
     if not isinstance(policies, list) or not policies:
         raise refuse("key 'policies'", 'must be a list of names or tables, e.g. policies = ["full", '
                                        '{ name = "inertia", params = { alpha = [0.5, 0.8] } }]')
-    seen: dict[tuple, int] = {}
+    seen: dict[str, tuple[int, tuple]] = {}  # setting label -> (its policies index, its typed setting)
     for index, entry in enumerate(policies):
         where = f"policies[{index}]"
         if isinstance(entry, dict):
@@ -215,14 +215,21 @@ def validate(config: dict, source: str = "the sweep config") -> None:
             raise refuse(where, f"unknown policy {name!r}; choose one of {', '.join(REGISTRY)} (see kvviz policies)")
         defaults = {p["name"]: p["default"] for p in REGISTRY[name].parameters()}
         for setting in policy_settings({"policies": [entry]}):
-            _check_policy(setting, defaults, where, refuse)
-            if setting in seen:
-                raise refuse(where, f"repeats the setting of policies[{seen[setting]}] ({_describe(setting)}); "
+            # Keyed by what the store calls the setting, so that two spellings of one (inertia alpha = 0 and
+            # single-step) do not run it twice.
+            label = setting_label(_check_policy(setting, defaults, where, refuse))
+            if label in seen:
+                index_before, setting_before = seen[label]
+                if setting_before == setting:
+                    raise refuse(where, f"repeats the setting of policies[{index_before}] ({_describe(setting)}); "
+                                        "list each setting once")
+                raise refuse(where, f"repeats the setting of policies[{index_before}] spelt another way: "
+                                    f"{_describe(setting)} and {_describe(setting_before)} are both {label}; "
                                     "list each setting once")
-            seen[setting] = index
+            seen[label] = index, setting
 
     grids = setting_grids(config)
-    if any(name != "full" for name, _ in seen):  # a compression that leaves no cache even at the full length
+    if any(name != "full" for _, (name, _) in seen.values()):  # a compression that leaves no cache even at the full length
         for index, task in enumerate(tasks):
             for length in _lengths(task):
                 for rho in sorted({rho for (name, _), (rhos, _) in grids.items() if name != "full" for rho in rhos}):
@@ -300,8 +307,8 @@ def _describe(setting: tuple) -> str:
     return name + (" " + ", ".join(f"{k} = {v!r}" for k, v in params) if params else "")
 
 
-def _check_policy(setting: tuple, defaults: dict, where: str, refuse) -> None:
-    """Build the policy once with these params, so a bad value fails here and not mid-sweep."""
+def _check_policy(setting: tuple, defaults: dict, where: str, refuse):
+    """Build the policy once with these params, so a bad value fails here and not mid-sweep; returns it."""
     from ..policies import make_policy
 
     name, params = setting
@@ -314,7 +321,7 @@ def _check_policy(setting: tuple, defaults: dict, where: str, refuse) -> None:
         if key in defaults and isinstance(defaults[key], bool) and not isinstance(value, bool):
             raise refuse(where, f"params {key} = {value!r} must be true or false")
     try:
-        make_policy(name, **dict(params))
+        return make_policy(name, **dict(params))
     except (ValueError, TypeError) as error:
         raise refuse(where, f"params {dict(params)} are refused ({error}); change them") from None
 
