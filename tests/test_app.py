@@ -611,7 +611,10 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert title(scrub(view, 99)) == title(scrub(view, 2)) and title(scrub(view, -3)) == title(scrub(view, 0))
     assert title(scrub(view, 2)) != title(scrub(view, 0)) and title(scrub(view, "nan")) == title(scrub(view, 2))
     outputs = scrub(view, 2)
-    assert len(outputs) == 7 and "**Step 1**" in outputs[5] and outputs[6]["visible"]
+    assert len(outputs) == 8 and "**Step 1**" in outputs[5] and outputs[6]["visible"]
+    # the scrubber is left as it is at a step, and set to the step shown where it was typed as something else
+    assert outputs[7] == gr.skip() and scrub(view, 1.0)[7] == gr.skip()
+    assert [scrub(view, typed)[7]["value"] for typed in (1.5, 99, -3, None)] == [1, 2, 0, 0]
     # the per-step plot marks the scrubbed step on each of its three rows; the streaming figure stays unmarked
     assert [shape.x0 for shape in outputs[2].layout.shapes if shape.line.color == "#d62728"] == [2, 2, 2]
     assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == "#d62728"]

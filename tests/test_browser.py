@@ -121,6 +121,13 @@ def test_run_watch_scrub(page):
     page.get_by_label("Follow tokens").fill("passkey")
     page.wait_for_function(history % "Token history: 'passkey'", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "live-scrubbed.png"), full_page=True)
+    # A step typed as a fraction shows its whole step, and the box then says which.
+    step_box = page.get_by_label("Scrub to step", exact=False).locator("xpath=..").locator("input[type=number]")
+    step_box.first.fill("7.5")
+    step_box.first.press("Enter")
+    page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.layout && "
+                           "p.layout.title && String(p.layout.title.text || '').startsWith('Step 7'))", timeout=30_000)
+    page.wait_for_function("box => box.value === '7'", arg=step_box.first.element_handle(), timeout=30_000)
 
 
 def test_stop_cancels_a_long_run_and_leaves_what_ran_to_scrub(page):

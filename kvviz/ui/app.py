@@ -701,14 +701,21 @@ def scrubbed_step(view: RunView, step) -> int:
 
 
 def scrub(view: RunView | None, step):
-    """The views of one step: heatmaps, step detail, prompt fates and the last decision's terms.  The token
-    history is not among them: it follows in a second event, which reads the Follow field as it is then (a
-    field typed while this ran would otherwise be overwritten by a history of what it held before)."""
+    """The views of one step: heatmaps, step detail, prompt fates and the last decision's terms, and the
+    scrubber set to that step where it was typed as another value (3.5, or past an end), so that the box says
+    which step is shown.  The token history is not among them: it follows in a second event, which reads the
+    Follow field as it is then (a field typed while this ran would otherwise be overwritten by a history of
+    what it held before)."""
     if view is None or not view.events:
-        return (gr.skip(),) * 7
-    step = scrubbed_step(view, step)
+        return (gr.skip(),) * 8
+    typed, step = step, scrubbed_step(view, step)
+    try:
+        as_shown = float(typed) == step
+    except (TypeError, ValueError):
+        as_shown = False
     return (view.retention_figure(step), view.rank_figure(step), view.timeline_figure(step),
-            view.step_detail_figure(step), view.fate_html(step, prompt_only=False), *decision_views(view, step))
+            view.step_detail_figure(step), view.fate_html(step, prompt_only=False), *decision_views(view, step),
+            gr.skip() if as_shown else gr.update(value=step))
 
 
 def history_view(view: RunView | None, follow: str, step) -> go.Figure | None:
@@ -1281,7 +1288,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             after = [history, terms_note, terms]
             step_slider.input(scrub, [view_state, step_slider], [retention, ranks, timeline, detail, fate, terms_note,
-                                                                  terms],
+                                                                  terms, step_slider],
                               api_name=False, trigger_mode="always_last").then(
                 history_view, [view_state, follow, step_slider], history, api_name=False)
             follow.change(history_view, [view_state, follow, step_slider], history, api_name=False,
