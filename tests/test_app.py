@@ -563,6 +563,20 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
                                                               0.5, 0, 9999, False)
 
 
+def test_an_edit_after_a_refused_comparison_restates_or_clears_the_reason():
+    """The note of a refused click follows the inputs as they are edited: the reason they have now, nothing
+    once they pass; what a comparison itself wrote there (no refusal) stays."""
+    from kvviz.ui.app import make_compare_check
+
+    refreshed = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refreshed_note
+    refused = "*Not compared: choose two to four policies to compare (...).*"
+    assert "max new tokens must be between 1 and 512" in refreshed(
+        TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 9999, False, refused)
+    assert refreshed(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False, refused) == ""
+    for result in ("**Divergence** ...", "", None):  # a comparison's own note, or none: left as it is
+        assert refreshed(TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False, result) == gr.skip()
+
+
 def test_the_history_figure_draws_each_followed_token_from_its_events():
     view = follow_view()
     figure = view.history_figure([5, 1], "test", marker_step=1)

@@ -347,6 +347,11 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     # the reason stays in the page where the comparison would have been.
     assert page.get_by_text("Error", exact=True).count() == 1
     assert page.get_by_text("Not compared: the prompt has").is_visible()
+    # Fixing the input clears the reason (typed: the browser sends no input event for Playwright's fill).
+    page.get_by_label("Prompt").nth(1).fill(PROMPT[:-1])
+    page.get_by_label("Prompt").nth(1).press("End")
+    page.get_by_label("Prompt").nth(1).type(PROMPT[-1])
+    page.get_by_text("Not compared: the prompt has").wait_for(state="hidden", timeout=30_000)
 
 
 def test_a_refused_run_leaves_the_views_and_shows_the_count(page):

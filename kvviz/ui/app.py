@@ -509,6 +509,9 @@ def build_policies(settings: dict[str, str]) -> dict[str, Policy]:
     return {label: build_setting(entry)[1] for label, entry in settings.items()}
 
 
+NOT_COMPARED = "*Not compared: "  # how the refusal note begins, where the comparison would have been
+
+
 def make_compare_check(limits: Limits):
     def problem(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
                 temperature=0.0, top_p=1.0, seed=0, load: bool = True) -> str | None:
@@ -543,9 +546,21 @@ def make_compare_check(limits: Limits):
             reason = problem(*inputs, load=False)
         except Exception:  # noqa: BLE001 -- the check reported it
             reason = None
-        return f"*Not compared: {reason}.*" if reason else gr.skip()
+        return f"{NOT_COMPARED}{reason}.*" if reason else gr.skip()
 
-    check_compare.refusal_note = refusal_note
+    def refreshed_note(*inputs_and_note):
+        """An edit while the page says why the last click was refused: the reason as the inputs are now, or
+        nothing once they pass (a comparison's own results, in the same place, stay as they are)."""
+        *inputs, note = inputs_and_note
+        if not (isinstance(note, str) and note.startswith(NOT_COMPARED)):
+            return gr.skip()
+        try:
+            reason = problem(*inputs, load=False)
+        except Exception:  # noqa: BLE001 -- the next click's check reports it
+            return gr.skip()
+        return f"{NOT_COMPARED}{reason}.*" if reason else ""
+
+    check_compare.refusal_note, check_compare.refreshed_note = refusal_note, refreshed_note
     return check_compare
 
 
@@ -1396,6 +1411,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state], "compare",
                 progress_on=c_divergence)
             c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
+            for component in c_inputs:
+                component.input(compare_check.refreshed_note, [*c_inputs, c_divergence], c_divergence,
+                                api_name=False, trigger_mode="always_last", show_progress="hidden", queue=False)
             c_checked.success(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False,
                               queue=False)
             c_checked.success(lambda: compare_diagnostics(None), None, c_diagnostics, api_name=False, queue=False)
