@@ -311,6 +311,8 @@ def no_model(monkeypatch):
     ("tasks", '[{ name = "single_needl", length = 100, samples = 1 }]', "tasks[0] (single_needl): unknown task"),
     ("tasks", '[{ name = "single_needle", length = 1, samples = 1 }]',
      "tasks[0] (single_needle): compression 0.5 leaves no cache for a 1-token prompt"),
+    ("tasks", '[{ name = "single_needle", length = 100, samples = 1, chat = false }]',
+     "tasks[0] (single_needle): chat is the sweep's setting, not a task's: set chat = false at the top"),
     ("policies", '[{ params = { alpha = 0.5 } }]', "policies[0]: has no name"),
     ("policies", '[{ name = "inertia", params = 3 }]', "policies[0] (inertia): params must be a table"),
     ("policies", '[{ name = "inertia", params = { alpha = ["x"] } }]',

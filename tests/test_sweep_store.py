@@ -264,6 +264,27 @@ HITS_CONFIG = {"name": "hits", "model": "tiny-random-llama", "max_new_tokens": 5
                "tasks": [{"name": "single_needle", "length": 160, "samples": 2}], "policies": ["full", "tova"]}
 
 
+def test_a_sweep_without_the_chat_template_fits_each_prompt_to_its_length_without_it(tmp_path, tiny):
+    """chat = false: a generated prompt is fitted to its length as the sweep encodes it, without the template
+    (fitted with it, then encoded without, each prompt came out a template's tokens short)."""
+    from kvviz import engine
+
+    model, tokenizer = tiny
+    config = {**HITS_CONFIG, "chat": False, "policies": ["tova"],
+              "tasks": [{"name": "single_needle", "length": 300, "samples": 1},
+                        {"name": "needle_grid", "lengths": [300], "depths": [0.5]}]}
+    assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 2
+    plain = lambda sample: len(engine.encode_prompt(tokenizer, sample.prompt, chat=False))
+    expected = []
+    for task in config["tasks"]:
+        fitted, fitted_with_template = (sweep.make_sample(task, tokenizer, 0, 0, chat=chat) for chat in (False, True))
+        assert plain(fitted_with_template) <= plain(fitted) <= 300  # no template added: more filler fits
+        if task["name"] == "single_needle":  # short filler sentences: strictly more of them
+            assert plain(fitted_with_template) < plain(fitted)
+        expected.append(plain(fitted))
+    assert [(row["chat"], row["prompt_len"]) for row in rows(tmp_path)] == [(False, n) for n in expected]
+
+
 def test_rows_record_max_length_hits_when_end_of_sequence_cannot_occur(tmp_path, tiny):
     model, tokenizer = tiny
     # The tiny model's EOS (id 2) has an all-zero output row, so its logit is 0 while greedy picks a positive

@@ -398,9 +398,13 @@ def _validate_task(task: dict, where: str, refuse) -> None:
     count("samples")
     # The generator's own keyword arguments (after tokenizer, length and seed) are the task's options.
     options = dict(list(inspect.signature(TASKS[name]).parameters.items())[3:])
+    options.pop("chat")  # the sweep's own: the prompt is fitted to its length as the sweep encodes it
     for key, value in task.items():
         if key in ("name", "label", "length", "samples"):
             continue
+        if key == "chat":
+            raise refuse(where, "chat is the sweep's setting, not a task's: set chat = false at the top of the "
+                                "config (it fits every prompt to its length and encodes it the same way)")
         if key not in options:
             raise refuse(where, f"unknown key {key!r}; {name} takes name, label, length, samples"
                                 + "".join(f", {option}" for option in options))
@@ -546,12 +550,15 @@ def truncate_middle(tokenizer, text: str, tokens: int) -> str:
                                                                                      skip_special_tokens=True)
 
 
-def make_sample(task: dict, tokenizer, index: int, seed: int):
+def make_sample(task: dict, tokenizer, index: int, seed: int, chat: bool = True):
+    """Sample ``index`` of ``task``; a generated prompt is fitted to its length as the sweep encodes it
+    (with the chat template or, ``chat`` False, without)."""
     from ..tasks import TASKS, needle_grid
 
     if task["name"] == "needle_grid":  # sample i is the i-th (length, depth) of the grid, same haystack seed
         length, depth = list(itertools.product(task["lengths"], task["depths"]))[index]
-        return needle_grid(tokenizer, [length], [depth], seed=seed, haystack=task.get("haystack", "prose"))[0]
+        return needle_grid(tokenizer, [length], [depth], seed=seed, haystack=task.get("haystack", "prose"),
+                           chat=chat)[0]
     if task["name"] in BENCHMARKS:
         sample = benchmark_samples(task)[index]
         if task.get("truncate"):
@@ -560,7 +567,8 @@ def make_sample(task: dict, tokenizer, index: int, seed: int):
     if task["name"] not in TASKS:
         raise ValueError(f"unknown task {task['name']!r}; choose one of {', '.join([*TASKS, 'needle_grid', *BENCHMARKS])}")
     options = {k: v for k, v in task.items() if k not in ("name", "label", "length", "samples")}
-    return TASKS[task["name"]](tokenizer, task.get("length"), _sample_seed(seed, task_label(task), index), **options)
+    return TASKS[task["name"]](tokenizer, task.get("length"), _sample_seed(seed, task_label(task), index), **options,
+                               chat=chat)
 
 
 def cells(config: dict) -> list[Cell]:
@@ -721,7 +729,7 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
     refused: dict[tuple, list] = {}
     for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
         try:  # e.g. a reasoning prompt over its task's length
-            sample = make_sample(tasks[label], tokenizer, sample_index, seed)
+            sample = make_sample(tasks[label], tokenizer, sample_index, seed, config.get("chat", True))
         except ValueError as error:
             raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error}") from None
         prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
@@ -762,7 +770,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     # check_cells() judged this sample's prompt and every cell's budget; the prompt is built again rather
     # than kept from there, so that a long sweep does not hold every prompt in memory at once.
     written = 0
-    sample = make_sample(task, tokenizer, sample_index, seed)
+    sample = make_sample(task, tokenizer, sample_index, seed, config.get("chat", True))
     prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
     policies = [make_policy(cell.policy, **dict(cell.params)) for cell in group]
     budgets = [None if cell.policy == "full" else
