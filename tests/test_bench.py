@@ -313,6 +313,7 @@ def no_model(monkeypatch):
      "tasks[0] (single_needle): compression 0.5 leaves no cache for a 1-token prompt"),
     ("tasks", '[{ name = "single_needle", length = 100, samples = 1, chat = false }]',
      "tasks[0] (single_needle): chat is the sweep's setting, not a task's: set chat = false at the top"),
+    ("name", '"../../etc"', "key 'name': '../../etc' must be a plain folder name"),
     ("policies", '[{ params = { alpha = 0.5 } }]', "policies[0]: has no name"),
     ("policies", '[{ name = "inertia", params = 3 }]', "policies[0] (inertia): params must be a table"),
     ("policies", '[{ name = "inertia", params = { alpha = ["x"] } }]',

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -121,6 +122,11 @@ def validate(config: dict, source: str = "the sweep config") -> None:
     for key in ("name", "model", "device"):
         if key in config and (not isinstance(config[key], str) or not config[key].strip()):
             raise refuse(f"key {key!r}", f'must be a non-empty string, e.g. {key} = "..."')
+    # The name is also the sweep's folder under results_db/ (without --out): one plain folder name.
+    if isinstance(config["name"], str) and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", config["name"]):
+        raise refuse("key 'name'", f"{config['name']!r} must be a plain folder name (letters, digits, '.', '_', "
+                                   "'-'; no '/' and not starting with '.'), as it names the sweep's folder, e.g. "
+                                   'name = "sweep-2k"')
     if "dtype" in config and config["dtype"] not in DTYPES:
         raise refuse("key 'dtype'", f"must be one of {', '.join(DTYPES)}, got {config['dtype']!r} (leave it out "
                      "for float32 on the CPU and bfloat16 on a GPU)")
