@@ -114,7 +114,7 @@ def cmd_generate(args) -> int:
     decode_seconds = sum(time_split(events).values())
     summary = {
         "prompt_len": len(prompt_ids),
-        "budget": budget,
+        "budget": budget if args.policy != "full" else None,  # the full cache holds no budget (as the text says)
         "final_cache_size": events[-1].cache_size,
         "new_tokens": len(trace.token_ids),
         "tok_per_s": len(trace.token_ids) / elapsed,

@@ -54,6 +54,8 @@ def test_no_chat_tokenises_the_prompt_as_is():
     chat = json.loads(kvviz_cli("generate", *TINY, "--prompt", TEXT, "--policy", "full", "--max-new-tokens", "2",
                                 "--json").stdout)
     assert chat["prompt_len"] > json.loads(proc.stdout)["prompt_len"]  # the template adds role markers
+    # the full cache holds no budget: none reported beside a final cache past the default compression's
+    assert chat["budget"] is None and chat["final_cache_size"] == chat["prompt_len"] + 1
 
 
 def test_plain_output_streams_text_and_summary(tiny):
