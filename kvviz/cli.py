@@ -748,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     probe.add_argument("--json", action="store_true")
     probe.add_argument("--blindspot", action="store_true", help="also AvoKV-E's blindspot test (Fig. 1a): "
-                       "high-damage share by read-pressure and payload rank (adds avokv to --policies)")
+                       "high-damage share by read-pressure and payload rank, from AvoKV-E's ranks at --step (computed "
+                       "apart when avokv is not among --policies; the ranking table lists --policies only)")
     probe.set_defaults(func=cmd_probe)
 
     sc = sub.add_parser("scorers", help="each scorer's ranking against attention, per layer and through "

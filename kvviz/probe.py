@@ -282,8 +282,8 @@ class Blindspot:
     def summary(self) -> str:
         """One line: the blindspot's high-damage count, its interval, the rest's rate and the test."""
         if not self.entries_in:
-            return (f"no entry in the blindspot (N(p) <= 0.2, N(b) >= 0.8) among {self.entries_out}: probe all "
-                    "entries (sample 0, or leave out --sample) or a longer prompt")
+            return (f"no entry in the blindspot (N(p) <= 0.2, N(b) >= 0.8) among {self.entries_out}: probe every entry (no "
+                    "sampling) or a longer prompt")
         low, high = self.wilson
         enrichment = "∞" if self.enrichment == float("inf") else f"{self.enrichment:.2f}×"
         return (f"N(p) <= 0.2, N(b) >= 0.8: {self.high_damage_in}/{self.entries_in} high-damage ({self.rate_in:.0%}, "
