@@ -59,7 +59,7 @@ def _validate_generate(args) -> None:
                              f"{str(Path(args.trace).with_suffix('.parquet'))!r}")
 
 
-def _check_writable(path: str, option: str) -> None:
+def _check_writable(path: str, option: str, example: str = "trace.parquet") -> None:
     """Refuse an output file that cannot be written, before minutes of loading and decoding are spent.
 
     Checks what can be known up front (a folder that exists and may be written into; the path itself not
@@ -68,7 +68,7 @@ def _check_writable(path: str, option: str) -> None:
     target = Path(path)
     folder = target.parent
     if target.is_dir():
-        raise ValueError(f"{option} {path!r} is a folder; give a file path such as {str(target / 'trace.parquet')!r}")
+        raise ValueError(f"{option} {path!r} is a folder; give a file path such as {str(target / example)!r}")
     if not folder.exists():
         raise ValueError(f"{option} {path!r}: the folder {str(folder)!r} does not exist; create it or choose "
                          "another path")
@@ -483,8 +483,15 @@ def cmd_bench(args) -> int:
             print(f"{config['name']}: {finished} of {total} cells done")
             return 0
         sweep.check_shard(args.shard if args.backend == "local" else 0, args.shards)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {str(out)!r} is a file; a sweep writes a folder (its rows and config), so "
+                             "give a folder path")
         sweep.check_store(config, out)  # before config.toml is overwritten with this config
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"the sweep's folder {str(out)!r} cannot be made ({error.strerror or error}); "
+                             "choose another --out") from None
         (out / "config.toml").write_bytes(Path(args.config).read_bytes())
         if args.backend == "ray":
             written = sweep.run_ray(config, out, args.shards, args.ray_address)
@@ -492,6 +499,8 @@ def cmd_bench(args) -> int:
             written = sweep.run(config, out, shard=(args.shard, args.shards))
         print(f"{written} new rows in {out}")
         return 0
+    if args.out:  # refused before the model loads, not by a traceback after the measurements
+        _check_writable(args.out, "--out", "results.jsonl")
     return {"speed": speed.main, "probe": probe_cost.main}[args.bench](args)
 
 

@@ -61,6 +61,36 @@ def test_speed_bench_times_chosen_policies_prefill_time_ones_from_the_shared_pre
     assert main(["bench", "speed", "--config", "tiny", "--policies", "inertia,magic"]) == 2
 
 
+def test_bench_outputs_and_a_prompt_past_the_context_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """An --out that cannot be written is refused before a model is built (not a traceback after the
+    measurements); a prompt past the model's context (the tiny config's 8192) before anything is timed."""
+    from kvviz.bench import speed
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(speed, "build_from_config", built)
+    monkeypatch.setattr("kvviz.models.load_model", built)
+    (tmp_path / "rows.jsonl").mkdir()
+    for command in (["speed", "--config", "tiny"], ["probe"]):
+        for out, message in ((tmp_path / "rows.jsonl", "is a folder; give a file path such as"),
+                             (tmp_path / "missing" / "x.jsonl", "does not exist; create it")):
+            assert main(["bench", *command, "--out", str(out)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"kvviz: error: --out {str(out)!r}") and message in err and err.count("\n") == 1
+    monkeypatch.undo()
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "9000", "--new-tokens", "4", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context of 8192 tokens" in err and "lower --contexts or --new-tokens" in err
+
+
+def test_a_sweep_out_that_is_a_file_is_refused(tmp_path, capsys, no_model):
+    config = write_config(tmp_path / "c.toml")
+    (tmp_path / "rows").write_text("")
+    assert main(["bench", "run", str(config), "--out", str(tmp_path / "rows")]) == 2
+    assert "is a file; a sweep writes a folder" in capsys.readouterr().err
+
+
 def test_speed_bench_reports_what_the_static_path_kept_not_its_budget(tmp_path, monkeypatch):
     from kvviz import fast
 

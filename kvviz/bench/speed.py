@@ -443,6 +443,7 @@ def policy_names(text: str) -> list[str]:
 def main(args) -> int:
     import transformers
 
+    from .. import engine
     from ..models import load_model
     from ..trace import model_dtype
 
@@ -470,6 +471,12 @@ def main(args) -> int:
         prompts = [haystack_prompt(tokenizer, args.prompt_tokens)]
         meta["model"] = args.model
     meta["dtype"] = model_dtype(model)
+    for prompt in prompts:  # a prompt past the model's context would fail (or crawl) mid-measurement
+        try:
+            engine.check_prompt(model, prompt, args.new_tokens)
+        except ValueError as error:
+            raise ValueError(f"{error} (here: lower {'--contexts' if args.config else '--prompt-tokens'} or "
+                             "--new-tokens)") from None
     out = open(args.out, "w") if args.out else None
 
     def emit(record: dict) -> None:  # line by line: a run cut short by a time limit keeps what it measured
