@@ -235,7 +235,8 @@ def validate(config: dict, source: str = "the sweep config") -> None:
             seen[label] = index, setting
 
     grids = setting_grids(config)
-    if any(name != "full" for _, (name, _) in seen.values()):  # a compression that leaves no cache even at the full length
+    # a compression that leaves no cache even at the full length
+    if any(name != "full" for _, (name, _) in seen.values()):
         for index, task in enumerate(tasks):
             for length in _lengths(task):
                 for rho in sorted({rho for (name, _), (rhos, _) in grids.items() if name != "full" for rho in rhos}):
