@@ -9,6 +9,7 @@ got; the server keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -159,6 +160,17 @@ def unexpected(what: str, error: Exception) -> gr.Error:
     """A failure no validation foresaw: logged with its traceback on the server, one line for the user."""
     log.exception("%s failed", what)
     return refused(f"{what} failed: {type(error).__name__}: {error}")
+
+
+@contextlib.contextmanager
+def refusing(what: str):
+    """A check's body: a ValueError is the user's to fix (:func:`refused`), anything else :func:`unexpected`."""
+    try:
+        yield
+    except ValueError as error:
+        raise refused(str(error)) from None
+    except Exception as error:
+        raise unexpected(what, error) from None
 
 
 @dataclass
@@ -969,15 +981,11 @@ def make_spectrum_check(limits: Limits):
     from ..spectrum import check_layer
 
     def check_spectrum(model_name, prompt, chat, steps, layer):
-        try:
+        with refusing("checking the spectrum's inputs"):
             whole_number("the steps compared", steps, 1, 64)
             layer = None if layer is None or not str(layer).strip() else whole_number("the layer", str(layer).strip(), 0)
             model, _, _ = model_and_prompt(limits, model_name, prompt, chat)
             check_layer(model, layer)
-        except ValueError as error:
-            raise refused(str(error)) from None
-        except Exception as error:
-            raise unexpected("checking the spectrum's inputs", error) from None
     return check_spectrum
 
 
@@ -986,15 +994,11 @@ def make_probe_check(limits: Limits):
     from ..probe import check_fits
 
     def check_probe(model_name, prompt, names, chat, step, sample):
-        try:
+        with refusing("checking the probe's inputs"):
             policy_settings(names, 1, "rank")
             model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
             check_fits(model, prompt_ids, whole_number("the probe step", step, 1), 8)
             whole_number("entries sampled (0 = all)", sample, 0)
-        except ValueError as error:
-            raise refused(str(error)) from None
-        except Exception as error:
-            raise unexpected("checking the probe's inputs", error) from None
     return check_probe
 
 
