@@ -105,6 +105,31 @@ def test_parameter_widgets_take_the_selected_policys_meaning():
     assert policy_from_inputs("inertia", {"refresh": 4.0, "sinks": 3}).refresh == 4  # other policies' widgets ignored
 
 
+def test_parameters_a_setting_leaves_unused_are_hidden_at_their_defaults():
+    """Cumulative's alpha is not offered; choosing aggregation=sum for InertiaKV hides alpha and sets it back
+    to 0.8 (so that the run is not refused for a value it would ignore), and choosing ema shows it again."""
+    from kvviz.ui.app import PARAM_NAMES, _show_parameters, _show_parameters_in_use, policy_from_inputs
+
+    shown = dict(zip(PARAM_NAMES, _show_parameters("cumulative")[1:]))
+    assert not shown["alpha"]["visible"] and shown["alpha"]["value"] == 0.8 and shown["refresh"]["visible"]
+    assert dict(zip(PARAM_NAMES, _show_parameters("inertia")[1:]))["alpha"]["visible"]
+    widgets = {name: None for name in PARAM_NAMES} | {"alpha": 0.3, "aggregation": "sum", "refresh": 2, "window": 5}
+    after = dict(zip(PARAM_NAMES, _show_parameters_in_use("inertia", *widgets.values())))
+    assert after["alpha"] == {"__type__": "update", "visible": False, "value": 0.8}
+    assert after["refresh"] == {"__type__": "update", "visible": True}
+    assert after["window"] == {"__type__": "update"}  # not inertia's: left alone
+    assert policy_from_inputs("inertia", widgets | {"alpha": after["alpha"]["value"]}).aggregation == "sum"
+    again = dict(zip(PARAM_NAMES, _show_parameters_in_use("inertia", *(widgets | {"aggregation": "ema"}).values())))
+    assert again["alpha"] == {"__type__": "update", "visible": True}
+    # single-step's preset alpha (0) is unused under a sum: the widget goes to the 0.8 the registry records
+    summed = dict(zip(PARAM_NAMES, _show_parameters_in_use("single-step", *(widgets | {"alpha": 0.0}).values())))
+    assert summed["alpha"]["value"] == 0.8
+    assert policy_from_inputs("single-step", widgets | {"alpha": 0.8}).alpha == 0.8
+    decoupled = dict(zip(PARAM_NAMES, _show_parameters_in_use(
+        "inertia-decoupled", *(widgets | {"aggregation": "ema", "layer_weighting": "last"}).values())))
+    assert decoupled["last_k"]["visible"] and not decoupled["layers"]["visible"]
+
+
 def live_caches() -> int:
     """Evicting caches alive in this process (a run that let go of its own leaves none)."""
     import gc

@@ -407,3 +407,52 @@ def test_a_setting_is_a_name_and_parameters_labelled_by_what_it_changes():
                           ("inertia alpha=1.5", "between 0.0 and 1.0"), ("tova window=3", "has no parameter")]:
         with pytest.raises(ValueError, match=message):
             build_setting(text)
+
+
+@pytest.mark.parametrize("name, setting, unused, other", [
+    ("cumulative", {}, "alpha", 0.3),  # a sum never decays
+    ("inertia-decoupled", {}, "last_k", 2),  # the mean of every layer
+    ("inertia-decoupled", {"layer_weighting": "last", "last_k": 2}, "layers", "0"),  # the last k, whatever layers says
+    ("expected-attention", {"vnorm": False, "decode": True}, "epsilon", 0.5),  # added only before the value norm
+])
+def test_a_parameter_a_setting_leaves_unused_changes_nothing_and_is_refused(tiny, tiny_prompt, name, setting, unused,
+                                                                           other):
+    """What ``unused()`` claims holds on a real run: the same keep sets and tokens with the parameter changed
+    (built past the registry).  The registry refuses the change, since it would only rename the run."""
+    import kvviz
+    from kvviz.policies import build_setting
+
+    model, tokenizer = tiny
+    policy = make_policy(name, **setting)
+    assert unused in policy.unused()
+    changed = type(policy)(**{**policy.params(), unused: other})
+    runs = [kvviz.run(model, tokenizer, tiny_prompt, p, compression=0.7, max_new_tokens=12).trace.events
+            for p in (policy, changed)]
+    assert [(e.kept.tolist(), e.new_token_id) for e in runs[0]] == [(e.kept.tolist(), e.new_token_id) for e in runs[1]]
+    assert sum(e.evicted.size for e in runs[0]) > 0
+    with pytest.raises(ValueError, match=f"{unused} does nothing when"):
+        make_policy(name, **setting, **{unused: other})
+    default = getattr(type(policy)(), unused)  # the field's default passes, and is what the policy records
+    assert make_policy(name, **setting, **{unused: default}).params() == policy.params()
+    assert getattr(policy, unused) == default
+    typed = " ".join([name, *(f"{key}={str(value).lower()}" for key, value in setting.items()), f"{unused}={other}"])
+    with pytest.raises(ValueError, match="leave it out"):
+        build_setting(typed)
+
+
+def test_a_preset_value_left_unused_goes_back_to_the_default_so_one_run_has_one_name():
+    from kvviz.policies import build_setting
+
+    label, policy = build_setting("single-step aggregation=sum")  # alpha 0 from single-step's preset: unused
+    assert label == "cumulative" and policy.alpha == 0.8
+    assert build_setting("single-step aggregation=sum alpha=0.8")[0] == "cumulative"
+    with pytest.raises(ValueError, match=r"leave it out \(or at 0.8\)"):
+        build_setting("single-step aggregation=sum alpha=0")
+
+
+def test_every_setting_s_unused_parameters_are_its_own():
+    for spec in REGISTRY.values():
+        names = {p["name"] for p in spec.parameters()}
+        assert set(spec.build().unused()) <= names, spec.name
+    assert make_policy("inertia").unused() == {} and make_policy("inertia-decoupled", layer_weighting="last",
+                                                                 last_k=4).unused().keys() == {"layers"}

@@ -65,7 +65,18 @@ class PolicySpec:
                 f"it takes: {', '.join(sorted(known)) or 'none'}"
             )
         checked = {name: coerce(self.name, known[name], value) for name, value in params.items()}
-        return self.cls(**{**self.preset, **checked})
+        policy = self.cls(**{**self.preset, **checked})
+        unused = policy.unused()
+        if not unused:
+            return policy
+        defaults = {f.name: f.default for f in fields(self.cls) if f.init}
+        for name, why in unused.items():
+            if name in checked and checked[name] != defaults[name]:
+                raise ValueError(f"policy {self.name!r}: {name} does nothing when {why}; leave it out (or at "
+                                 f"{_shown(defaults[name])})")
+        # One spelling per run: a preset's value for a parameter the setting leaves unused goes back to the
+        # default too (single-step with aggregation=sum is cumulative, alpha 0.8, not alpha 0).
+        return self.cls(**{**self.preset, **checked, **{name: defaults[name] for name in unused}})
 
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}

@@ -107,6 +107,13 @@ class Policy:
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
+    def unused(self) -> dict[str, str]:
+        """Parameters that this setting's rule never reads, each with the setting that makes it so (e.g.
+        ``{"alpha": "aggregation is 'sum'"}``): the registry refuses any value but the field's default for one
+        and sets it to that default, since another value would change the setting's name and not its run, and
+        the UI hides its widget."""
+        return {}
+
 
 def lowest(utility: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
     """Slots of the ``count`` lowest-utility entries; ties go to the older (smaller) position first.

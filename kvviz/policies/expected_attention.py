@@ -138,6 +138,9 @@ class ExpectedAttention(Policy):
             raise ValueError(f"future must be >= 1, sinks >= 0 and epsilon >= 0, got future={self.future}, "
                              f"sinks={self.sinks}, epsilon={self.epsilon}")
 
+    def unused(self) -> dict[str, str]:
+        return {} if self.vnorm else {"epsilon": "vnorm is false (it is added only before the value norm)"}
+
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget <= self.sinks:
             raise ValueError(f"budget {budget} must exceed the {self.sinks} sink tokens Expected Attention "

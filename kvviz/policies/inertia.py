@@ -149,6 +149,9 @@ class InertiaKV(Policy):
     def cache_bound(self, budget: int, step: int) -> int:
         return budget
 
+    def unused(self) -> dict[str, str]:
+        return {"alpha": "aggregation is 'sum' (m + s never decays)"} if self.aggregation == "sum" else {}
+
     def previous_step_weight(self, num_layers: int) -> float:
         if self.aggregation == "sum":
             return 1.0

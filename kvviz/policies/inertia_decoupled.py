@@ -39,6 +39,11 @@ class DecoupledInertiaKV(InertiaKV):
         if self.last_k < 1:
             raise ValueError(f"last_k must be >= 1, got {self.last_k}")
 
+    def unused(self) -> dict[str, str]:
+        if self.layer_weighting == "last":  # the last k layers score, whatever `layers` names
+            return {"layers": "layer_weighting is 'last' (last_k picks the layers)"}
+        return {"last_k": "layer_weighting is 'mean' (every eligible layer counts)"}
+
     def wants_layer(self, layer: int) -> bool:
         if self.layer_weighting == "last" and self.num_layers:
             return layer >= self.num_layers - self.last_k

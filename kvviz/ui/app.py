@@ -1162,8 +1162,29 @@ def make_prompt_counter(limits: Limits):
 def _show_parameters(policy_name: str, model_name: str | None = None):
     spec = REGISTRY.get(policy_name)
     own = {p["name"]: p for p in spec.parameters()} if spec else {}
-    return [_describe(policy_name, model_name)] + [_parameter_update(own[name]) if name in own
-                                                   else gr.update(visible=False) for name in PARAM_NAMES]
+    unused = spec.build().unused() if spec else {}
+    return [_describe(policy_name, model_name)] + [
+        _parameter_update(own[name], visible=name not in unused) if name in own else gr.update(visible=False)
+        for name in PARAM_NAMES]
+
+
+def _show_parameters_in_use(policy_name: str, *param_values):
+    """Hide the parameters that the chosen settings make unused (cumulative's alpha, a decoupled EMA's last_k
+    under the mean of all layers), back at their defaults so that the registry accepts them, and show again
+    those that are used.  Which are unused depends only on choices and switches, so only those are read."""
+    spec = REGISTRY.get(policy_name)
+    if spec is None:
+        return [gr.skip()] * len(PARAM_NAMES)
+    own = {p["name"]: p for p in spec.parameters()}
+    values = dict(zip(PARAM_NAMES, param_values))
+    try:
+        chosen = spec.build(**{name: values[name] for name, p in own.items()
+                               if (p.get("choices") or isinstance(p["default"], bool)) and values.get(name) is not None})
+    except ValueError:
+        return [gr.skip()] * len(PARAM_NAMES)
+    unused = chosen.unused()  # each set to the value the registry accepts for it (the field's default)
+    return [gr.skip() if name not in own else gr.update(visible=False, value=getattr(chosen, name))
+            if name in unused else gr.update(visible=True) for name in PARAM_NAMES]
 
 
 def _describe(policy_name: str, model_name: str | None = None, *param_values) -> str:
@@ -1185,9 +1206,9 @@ def _describe(policy_name: str, model_name: str | None = None, *param_values) ->
     return description
 
 
-def _parameter_update(p: dict):
-    """Show a shared widget with this policy's default, help text and range."""
-    update = {"visible": True, "value": p["default"], "label": f"{p['name']}: {p.get('help', '')}"}
+def _parameter_update(p: dict, visible: bool = True):
+    """Show a shared widget with this policy's default, help text and range (or set it so, hidden)."""
+    update = {"visible": visible, "value": p["default"], "label": f"{p['name']}: {p.get('help', '')}"}
     if p.get("choices"):
         update["choices"] = list(p["choices"])
     elif p.get("low") is not None and not isinstance(p["default"], bool):
@@ -1318,8 +1339,13 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 shown.then(step_views, [view_state, follow, step_slider], after, api_name=False)
             policy.change(_show_parameters, [policy, model], [description, *widgets], api_name=False)
             for widget in widgets:  # e.g. alpha changes the previous-step weight the description states
-                widget.input(_describe, [policy, model, *widgets], description, api_name=False,
-                             trigger_mode="always_last")
+                describe = {"fn": _describe, "inputs": [policy, model, *widgets], "outputs": description,
+                            "api_name": False}
+                if isinstance(widget, (gr.Dropdown, gr.Checkbox)):  # e.g. aggregation=sum leaves alpha unused
+                    widget.input(_show_parameters_in_use, [policy, *widgets], widgets, api_name=False,
+                                 trigger_mode="always_last").then(**describe)
+                else:
+                    widget.input(**describe, trigger_mode="always_last")
             for name, widget in zip(PARAM_NAMES, widgets):
                 if isinstance(widget, TypedSlider):
                     widget.release(parameter_past_end_note(name), [policy, widget], None, api_name=False,
