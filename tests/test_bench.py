@@ -307,6 +307,41 @@ def test_probe_bench_compares_batched_with_one_at_a_time(tmp_path):
         np.abs(np.array(batched["damage"]) - expected).max(), abs=1e-6)
 
 
+def test_probe_bench_refuses_counts_below_one_before_the_model_loads(capsys, monkeypatch):
+    def built(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("kvviz.models.load_model", built)
+    for option in ("--step", "--future", "--batch", "--sample", "--prompt-tokens"):
+        for value in ("0", "-3"):
+            assert main(["bench", "probe", option, value]) == 2
+            err = capsys.readouterr().err
+            assert err == f"kvviz: error: {option} must be >= 1, got {value}\n"
+    # several at once: the first is named, still in one line and not a traceback
+    assert main(["bench", "probe", "--step", "-3", "--future", "0", "--batch", "0"]) == 2
+    assert capsys.readouterr().err == "kvviz: error: --step must be >= 1, got -3\n"
+
+
+def test_probe_bench_refuses_a_sample_past_the_prefix_or_a_probe_past_the_context_before_decoding(capsys,
+                                                                                                  monkeypatch):
+    def decoded(*args, **kwargs):
+        raise AssertionError("the probe decoded")
+
+    monkeypatch.setattr("kvviz.engine.decode", decoded)
+    # 10 prompt tokens + 1 generated before step 2: 11 entries to draw candidates from
+    assert main(["bench", "probe", "--model", "tiny-random-llama", "--prompt-tokens", "10", "--step", "2",
+                 "--sample", "12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvviz: error: --sample 12 is more than the 11 entries cached at --step 2 (10 prompt "
+                          "tokens + 1 generated); choose --sample 11 or less") and err.count("\n") == 1
+    # The tiny model's context is 4096: step 8 and 8 future tokens after 4090 prompt tokens pass it.
+    assert main(["bench", "probe", "--model", "tiny-random-llama", "--prompt-tokens", "4090"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvviz: error: probing --step 8 decodes 16 tokens after this 4090-token prompt, beyond the "
+                   "model's context of 4096; lower --future to 5 or less (with --step 1), or use a shorter prompt "
+                   "(the prompt's length is --prompt-tokens)\n")
+
+
 # ------------------------------------------------------------------------------------------- bench run (sweep)
 
 BASE = {"name": '"t"', "model": '"tiny-random-llama"', "max_new_tokens": "3", "compression": "[0.5]",

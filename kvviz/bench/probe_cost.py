@@ -28,22 +28,39 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 
+def check_arguments(args) -> None:
+    """What ``bench probe`` refuses before the model loads: ValueError saying what to change."""
+    for option, value in (("--prompt-tokens", args.prompt_tokens), ("--step", args.step),
+                          ("--future", args.future), ("--batch", args.batch), ("--sample", args.sample)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+
+
 def main(args) -> int:
     import numpy as np
 
     from ..engine import decode
     from ..models import load_model
     from ..policies.full import FullCache
-    from ..probe import damage
+    from ..probe import check_fits, damage
     from ..trace import model_dtype
     from .speed import haystack_prompt
 
+    check_arguments(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = haystack_prompt(tokenizer, args.prompt_tokens)
+    try:  # before decoding: past the context the probe would fail (or crawl) mid-measurement
+        check_fits(model, prompt_ids, args.step, args.future, step_name="--step", future_name="--future")
+    except ValueError as error:
+        raise ValueError(f"{error} (the prompt's length is --prompt-tokens)") from None
+    prefix_len = len(prompt_ids) + args.step - 1  # the cache at --step: the prompt and the tokens before it
+    if args.sample > prefix_len:  # the candidates are drawn without replacement from these entries
+        raise ValueError(f"--sample {args.sample} is more than the {prefix_len} entries cached at --step {args.step} "
+                         f"({len(prompt_ids)} prompt tokens + {args.step - 1} generated); choose --sample "
+                         f"{prefix_len} or less, or raise --prompt-tokens or --step")
     full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=args.step + args.future,
                        ignore_eos=True))
     sequence = prompt_ids + [e.new_token_id for e in full]
-    prefix_len = len(prompt_ids) + args.step - 1
     candidates = np.sort(np.random.default_rng(0).choice(prefix_len, args.sample, replace=False)).tolist()
     rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
                       "dtype": model_dtype(model), "machine": platform.node(),
