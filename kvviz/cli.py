@@ -353,6 +353,13 @@ def cmd_trace(args) -> int:
     from . import diagnostics
     from .trace import Trace, run_note, time_split
 
+    # Options another view would silently drop: refused before the file is read.
+    if args.read_lag and (args.follow or args.csv):
+        given = " and ".join(flag for flag, on in (("--follow", args.follow), ("--csv", args.csv)) if on)
+        raise ValueError(f"--read-lag prints its own table over every generated entry, which {given} would not "
+                         f"change: drop {given}, or run it without --read-lag")
+    if args.csv and not args.follow:
+        raise ValueError("--csv prints the followed tokens' steps; add --follow TEXT_OR_POSITIONS")
     trace = Trace.load(args.file)
     steps = trace.decode_steps
     if args.read_lag:

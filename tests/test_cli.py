@@ -435,6 +435,29 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
     assert "no token text contains 'zzz'" in capsys.readouterr().err
 
 
+def test_trace_options_another_view_would_drop_are_refused(tiny, tmp_path, capsys):
+    """--csv without --follow printed the summary; --read-lag printed its table whatever --follow or --csv said."""
+    from kvviz.cli import main
+
+    model, tokenizer = tiny
+    # a run whose read lags print (attention scored every step, nothing evicted), so that only the options refuse
+    trace = kvviz.run(model, tokenizer, "The grass is green. " * 4, "inertia", chat=False, budget=200,
+                      max_new_tokens=48).trace
+    trace.save(tmp_path / "run.parquet")
+    assert main(["trace", str(tmp_path / "run.parquet"), "--read-lag"]) == 0
+    capsys.readouterr()
+    for args, message in (
+            (["--csv"], "--csv prints the followed tokens' steps; add --follow TEXT_OR_POSITIONS"),
+            (["--read-lag", "--follow", "#0"], "--read-lag prints its own table over every generated entry, which "
+                                               "--follow would not change: drop --follow, or run it without --read-lag"),
+            (["--read-lag", "--csv"], "which --csv would not change: drop --csv"),
+            (["--read-lag", "--follow", "#0", "--csv"], "which --follow and --csv would not change: drop --follow "
+                                                        "and --csv")):
+        assert main(["trace", str(tmp_path / "run.parquet"), *args]) == 2, args
+        captured = capsys.readouterr()
+        assert not captured.out and captured.err.count("\n") == 1 and message in captured.err, args
+
+
 def test_generate_json_carries_each_checkpoints_terms(capsys):
     """AvoKV-E with a checkpoint every 4 tokens: exactly the steps that evicted carry `components`, one value
     per entry present, null for the protected tail (the newest 32 then) and for the sinks' S, and the kept
