@@ -96,7 +96,7 @@ def cmd_generate(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     engine.check_prompt(model, prompt_ids, args.max_new_tokens)
-    budget = engine.resolve_budget(len(prompt_ids), compression=compression, budget=args.budget)
+    budget = _generate_budget(args, len(prompt_ids), compression)
     if args.static:
         return _generate_static(args, model, tokenizer, prompt_ids, policy, budget)
 
@@ -144,6 +144,25 @@ def cmd_generate(args) -> int:
             raise ValueError(f"the run finished but --trace {args.trace!r} could not be written "
                              f"({error.strerror or error}): choose a writable path") from None
     return 0
+
+
+def _generate_budget(args, prompt_len: int, compression: float | None) -> int:
+    """The budget ``generate`` runs at.  A compression that leaves no cache is refused naming the option and
+    whether its value is the default, which nobody typed (engine.resolve_budget's message names neither)."""
+    from . import engine
+
+    try:
+        return engine.resolve_budget(prompt_len, compression=compression, budget=args.budget)
+    except ValueError:
+        if compression is None:
+            raise
+    # the largest compression (to 2 places) that still leaves one entry: floor((1 - rho) * L) >= 1
+    most = math.floor(100 * (1.0 - 1.0 / prompt_len) + 1e-9) / 100
+    given = f"--compression {compression:g}" if args.compression is not None else \
+        f"the default --compression {compression:g} (used when neither --compression nor --budget is given)"
+    lower = f"--compression {most:g} or lower" if most > 0 else "--compression 0"
+    raise ValueError(f"{given} leaves no cache for a {prompt_len}-token prompt; give {lower}, a --budget in tokens, "
+                     "or a longer prompt")
 
 
 def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:

@@ -116,6 +116,24 @@ def test_bad_arguments_fail_with_one_clear_line(args, message, capsys):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
 
 
+def test_a_compression_that_leaves_no_cache_names_the_option_and_the_default(capsys):
+    """A short prompt at the default compression 0.9, which nobody typed: the message says which option it is
+    and that 0.9 is its default, with the largest value that runs on this prompt."""
+    from kvviz.cli import main
+
+    prompt = ["--prompt", "What is the passkey?", "--no-chat"]  # 6 tokens: floor(0.1 * 6) = 0 entries
+    assert main(["generate", *TINY, *prompt]) == 2
+    assert capsys.readouterr().err == (
+        "kvviz: error: the default --compression 0.9 (used when neither --compression nor --budget is given) leaves "
+        "no cache for a 6-token prompt; give --compression 0.83 or lower, a --budget in tokens, or a longer prompt\n")
+    assert main(["generate", *TINY, *prompt, "--compression", "0.85"]) == 2
+    assert capsys.readouterr().err.startswith("kvviz: error: --compression 0.85 leaves no cache for a 6-token "
+                                              "prompt; give --compression 0.83 or lower")
+    assert main(["generate", *TINY, *prompt, "--compression", "0.83", "--max-new-tokens", "1"]) == 0  # 1 entry
+    assert main(["generate", *TINY, "--prompt", "H", "--no-chat", "--compression", "0.5"]) == 2
+    assert "leaves no cache for a 1-token prompt; give --compression 0, a --budget" in capsys.readouterr().err
+
+
 def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path, capsys):
     from kvviz.cli import main
 
