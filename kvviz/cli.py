@@ -583,8 +583,11 @@ def cmd_results(args) -> int:
         table = _by_cut(cells, "cell")
         if source == "measured":
             table["tok/s"] = [f"{speed.get((model, task, p), float('nan')):.2f}" for p in table.index]
-        print(f"\n{task} · {model} · {source}" + (f" · full cache {full.score.iloc[0]:.2f} ({full.samples.iloc[0]})"
-                                                  if len(full) else "")
+        # The count in brackets is samples for a sweep, but how many printed figures a paper cell averages (one
+        # number can be printed in several tables): said once per table, not guessed.
+        counted = "mean score (samples)" if source == "measured" else "mean printed score (figures)"
+        print(f"\n{task} · {model} · {source} · {counted}"
+              + (f" · full cache {full.score.iloc[0]:.2f} ({full.samples.iloc[0]})" if len(full) else "")
               + (f" · each sample the mean of up to {draws} sampled draws" if draws > 1 else ""))
         with pd.option_context("display.width", 200):
             print(table.to_string())

@@ -251,17 +251,17 @@ def test_ray_backend_writes_one_shard_per_task_and_the_store_unions_them(tmp_pat
 
 def test_needle_grid_sweep_feeds_the_grid_query(tmp_path, tiny):
     config = {"name": "grid", "model": "tiny-random-llama", "max_new_tokens": 4, "compression": [0.5],
-              "tasks": [{"name": "needle_grid", "lengths": [150, 250], "depths": [0.0, 1.0], "haystack": "noise"}],
+              "tasks": [{"name": "needle_grid", "lengths": [200, 250], "depths": [0.0, 1.0], "haystack": "noise"}],
               "policies": ["tova"]}
     model, tokenizer = tiny
     assert sweep.run(config, tmp_path / "grid", model=model, tokenizer=tokenizer, progress=False) == 4
     grid = Store(tmp_path).needle_grid()
-    assert sorted(zip(grid.length, grid.depth)) == [(150, 0.0), (150, 1.0), (250, 0.0), (250, 1.0)]
+    assert sorted(zip(grid.length, grid.depth)) == [(200, 0.0), (200, 1.0), (250, 0.0), (250, 1.0)]
     assert set(grid.policy) == {"tova"} and all(0 <= s <= 1 for s in grid.score)
 
 
 HITS_CONFIG = {"name": "hits", "model": "tiny-random-llama", "max_new_tokens": 5, "compression": [0.5],
-               "tasks": [{"name": "single_needle", "length": 160, "samples": 2}], "policies": ["full", "tova"]}
+               "tasks": [{"name": "single_needle", "length": 220, "samples": 2}], "policies": ["full", "tova"]}
 
 
 def test_a_sweep_without_the_chat_template_fits_each_prompt_to_its_length_without_it(tmp_path, tiny):
@@ -422,6 +422,22 @@ def test_results_command_prints_max_length_hits_only_where_rows_record_them(tmp_
     assert main(["results", "--root", str(tmp_path / "older")]) == 0
     assert "max-length" not in capsys.readouterr().out
 
+def test_results_command_says_what_each_tables_count_in_brackets_counts(tmp_path, capsys):
+    """A measured cell's "(n)" counts samples; a paper cell's, the printed figures it averages (the same number
+    printed in two tables is two figures, not two samples)."""
+    from kvviz.cli import main
+
+    handmade_store(tmp_path)
+    row = {"source": "paper", "sweep": "paper", "paper": "InertiaKV", "model": "m", "task": "t", "policy": "tova",
+           "compression": 0.5, "params": {}, "metric": "score", "score": 30.0}
+    write_rows(tmp_path / "paper2", [{**row, "table": "Table 1"}, {**row, "table": "Table 7"}])
+    assert main(["results", "--root", str(tmp_path), "--task", "t"]) == 0
+    measured, paper = capsys.readouterr().out.split("\nt · m · paper")
+    assert "t · m · measured · mean score (samples) · full cache 1.00 (1)" in measured
+    assert paper.startswith(" · mean printed score (figures) · full cache 84.00 (1)\n")
+    assert any(line.split()[:3] == ["tova", "30.00", "(2)"] for line in paper.splitlines())
+
+
 def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     from kvviz.cli import main
 
@@ -429,7 +445,8 @@ def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured"]) == 0
     out = capsys.readouterr().out
     # inertia at 0.9: mean of 0.5 and 1.0 over 2 samples; the full cache is the reference line
-    assert "t · m · measured · full cache 1.00 (1)" in out
+    assert "t · m · measured · mean score (samples) · full cache 1.00 (1)" in out
+    assert any(line.split()[:3] == ["inertia", "0.75", "(2)"] for line in out.splitlines())
     assert any(line.split()[:2] == ["inertia", "0.75"] for line in out.splitlines())
     # inertia-lazy's row sets refresh = 8, which is InertiaKV at r = 8 (as the Compare tab names it): a refresh point
     assert "refresh=8" not in out.split("not in these tables")[0] and "inertia-lazy" not in out
@@ -936,7 +953,7 @@ def test_results_command_labels_budget_columns(tmp_path, capsys):
 # that cell's logits are the full cache's.
 SAMPLED = {"name": "sampled", "model": "tiny-random-llama", "max_new_tokens": 5, "seed": 3, "temperature": 0.8,
            "top_p": 0.9, "draws": 3, "compression": [0.5], "budget": [4096],
-           "tasks": [{"name": "single_needle", "length": 160, "samples": 2}], "policies": ["full", "inertia"]}
+           "tasks": [{"name": "single_needle", "length": 220, "samples": 2}], "policies": ["full", "inertia"]}
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -1020,7 +1037,7 @@ def test_results_command_says_when_a_sample_is_the_mean_of_sampled_draws(tmp_pat
                                       for sample in (0, 1) for draw in range(4)])
     assert main(["results", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "t · m · measured · each sample the mean of up to 4 sampled draws" in out
+    assert "t · m · measured · mean score (samples) · each sample the mean of up to 4 sampled draws" in out
     assert any(line.split()[:3] == ["tova", "0.50", "(2)"] for line in out.splitlines())
     # the Results tab's quality figure says the same in its title, and plots the per-sample mean
     from kvviz.ui.results import query
