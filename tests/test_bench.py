@@ -345,7 +345,7 @@ def test_probe_bench_refuses_a_sample_past_the_prefix_or_a_probe_past_the_contex
 # ------------------------------------------------------------------------------------------- bench run (sweep)
 
 BASE = {"name": '"t"', "model": '"tiny-random-llama"', "max_new_tokens": "3", "compression": "[0.5]",
-        "tasks": '[{ name = "single_needle", length = 100, samples = 1 }]', "policies": '["tova"]'}
+        "tasks": '[{ name = "single_needle", length = 220, samples = 1 }]', "policies": '["tova"]'}
 
 
 def write_config(path: Path, **keys: str) -> Path:
@@ -368,15 +368,15 @@ def no_model(monkeypatch):
     ("tasks", '"x"', "key 'tasks': must be a list of tables"),
     ("tasks", '[{ name = "single_needle", length = 100 }]', "tasks[0] (single_needle): has no 'samples'; add samples"),
     ("tasks", '[{ name = "single_needle", samples = 1 }]', "tasks[0] (single_needle): has no 'length'; add length"),
-    ("tasks", '[{ name = "single_needle", length = 100, samples = 1, colour = "red" }]',
+    ("tasks", '[{ name = "single_needle", length = 220, samples = 1, colour = "red" }]',
      "tasks[0] (single_needle): unknown key 'colour'; single_needle takes name, label, length, samples, haystack"),
-    ("tasks", '[{ name = "single_needle", length = 100, samples = 1, haystack = "hay" }]',
+    ("tasks", '[{ name = "single_needle", length = 220, samples = 1, haystack = "hay" }]',
      "tasks[0] (single_needle): haystack must be one of noise, prose"),
     ("tasks", '[{ name = "needle_grid", depths = [0.5] }]', "tasks[0] (needle_grid): lengths must be a non-empty list"),
-    ("tasks", '[{ name = "single_needl", length = 100, samples = 1 }]', "tasks[0] (single_needl): unknown task"),
+    ("tasks", '[{ name = "single_needl", length = 220, samples = 1 }]', "tasks[0] (single_needl): unknown task"),
     ("tasks", '[{ name = "single_needle", length = 1, samples = 1 }]',
      "tasks[0] (single_needle): compression 0.5 leaves no cache for a 1-token prompt"),
-    ("tasks", '[{ name = "single_needle", length = 100, samples = 1, chat = false }]',
+    ("tasks", '[{ name = "single_needle", length = 220, samples = 1, chat = false }]',
      "tasks[0] (single_needle): chat is the sweep's setting, not a task's: set chat = false at the top"),
     ("name", '"../../etc"', "key 'name': '../../etc' must be a plain folder name"),
     ("policies", '[{ params = { alpha = 0.5 } }]', "policies[0]: has no name"),
@@ -403,9 +403,9 @@ def no_model(monkeypatch):
     ("policies", '[{ name = "snapkv", colour = "red" }]',
      "policies[0] (snapkv): unknown key 'colour'; a policy table has name, params and compression"),
     # 100 tokens at ρ = 0.5: budget 50, not above a SnapKV window of 64
-    ("policies", '[{ name = "snapkv", params = { window = 64 } }]',
-     "1 policy × task × compression cell(s) cannot run: snapkv window = 64 at compression 0.5 on single_needle "
-     "(100 tokens, budget 50): budget 50 must exceed SnapKV's observation window of 64 tokens. In the config: "
+    ("policies", '[{ name = "snapkv", params = { window = 128 } }]',
+     "1 policy × task × compression cell(s) cannot run: snapkv window = 128 at compression 0.5 on single_needle "
+     "(220 tokens, budget 110): budget 110 must exceed SnapKV's observation window of 128 tokens. In the config: "
      "change such a policy's params, or, where its budget is too small, give it its own compressions"),
 ])
 def test_a_malformed_sweep_config_is_refused_in_one_line_before_a_model_loads(tmp_path, capsys, no_model, key,
@@ -429,17 +429,17 @@ def test_a_policy_runs_at_its_own_compressions_where_the_sweeps_would_refuse_it(
     """A policy table's own compression list replaces the sweep's for that policy only; every cell it leaves
     out is listed, before a model loads, when it is missing."""
     model, tokenizer = tiny
-    config = {"name": "t", "max_new_tokens": 3, "compression": [0.5, 0.75],
-              "tasks": [{"name": "single_needle", "length": 100, "samples": 1}],
+    config = {"name": "t", "max_new_tokens": 3, "compression": [0.5, 0.9],
+              "tasks": [{"name": "single_needle", "length": 220, "samples": 1}],
               "policies": ["full", "tova", {"name": "avokv", "params": {"interval": 4}}]}
-    # budget 50 holds AvoKV-E's 32-entry tail and 4 sinks; budget 25 does not
+    # budget 110 holds AvoKV-E's 32-entry tail and 4 sinks; budget 22 does not
     with pytest.raises(ValueError, match=r"1 policy × task × compression cell\(s\) cannot run: avokv interval = 4 "
-                                         r"at compression 0.75 on single_needle \(100 tokens, budget 25\): budget 25 "
+                                         r"at compression 0.9 on single_needle \(220 tokens, budget 22\): budget 22 "
                                          r"must exceed the 36 entries AvoKV-E"):
         sweep.validate(config)
     config["policies"][2]["compression"] = [0.1, 0.5]
     assert [(c.policy, c.compression) for c in sweep.cells(config)] == [
-        ("full", 0.5), ("tova", 0.5), ("tova", 0.75), ("avokv", 0.1), ("avokv", 0.5)]
+        ("full", 0.5), ("tova", 0.5), ("tova", 0.9), ("avokv", 0.1), ("avokv", 0.5)]
     assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 5
     stored = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [(r["policy"], r["compression"]) for r in stored][-2:] == [("avokv", 0.1), ("avokv", 0.5)]
@@ -507,7 +507,7 @@ def test_a_length_beyond_the_models_context_is_refused_before_decoding(tmp_path,
     # Known only from the loaded model: refused before the first cell, rows already stored kept as they were.
     out = tmp_path / "out"
     good = {"name": "t", "max_new_tokens": 6, "compression": [0.5], "policies": ["tova"],
-            "tasks": [{"name": "single_needle", "length": 100, "samples": 1}]}
+            "tasks": [{"name": "single_needle", "length": 220, "samples": 1}]}
     assert sweep.run(good, out, model=model, tokenizer=tokenizer, progress=False) == 1
     stored = (out / "rows.jsonl").read_bytes()
     for length in (4300, 100000):
@@ -533,7 +533,7 @@ def test_resuming_with_a_different_config_is_refused_and_the_store_is_untouched(
     capsys.readouterr()
     stored = {p.name: p.read_bytes() for p in out.iterdir()}
     assert sorted(stored) == ["config.toml", "rows.jsonl"] and stored["config.toml"] == first.read_bytes()
-    other = write_config(tmp_path / "other.toml", tasks='[{ name = "single_needle", length = 100, samples = 2 }]')
+    other = write_config(tmp_path / "other.toml", tasks='[{ name = "single_needle", length = 220, samples = 2 }]')
     for status in ([], ["--status"]):  # --status too: another config's counts would mean nothing
         assert main(["bench", "run", str(other), "--out", str(out), *status]) == 2
         assert capsys.readouterr().err == (f"kvviz: error: {out} holds rows of a different config "

@@ -66,6 +66,29 @@ def test_generators_hit_the_length_embed_the_answers_and_are_seeded(name, tiny):
     assert string_match("no digits here", answers) == 0.0
 
 
+@pytest.mark.parametrize("name", sorted(set(TASKS) - set(SHORT_PROMPT_TASKS)) + ["needle_grid"])
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_length_below_the_prompt_without_filler_is_refused_with_the_least_that_fits(name, chat, tiny):
+    """The least length the refusal names is the boundary: that length gives a prompt within it (the task's
+    text and no filler), one token less is refused; nothing longer than asked for is ever returned."""
+    import re
+
+    _, tokenizer = tiny
+
+    def generate(length):
+        if name == "needle_grid":
+            return needle_grid(tokenizer, [length], [0.5], seed=3, chat=chat)[0]
+        return TASKS[name](tokenizer, length, seed=3, chat=chat)
+
+    with pytest.raises(ValueError, match="takes with no filler at all") as refusal:
+        generate(20)
+    least = int(re.search(r"set the length to (\d+) or more", str(refusal.value)).group(1))
+    assert ("with the chat template" if chat else "without the chat template") in str(refusal.value)
+    assert len(encode_prompt(tokenizer, generate(least).prompt, chat=chat)) == least
+    with pytest.raises(ValueError, match=f"set the length to {least} or more"):
+        generate(least - 1)
+
+
 def test_multi_key_has_distractors_and_prose_haystack_varies(tiny):
     _, tokenizer = tiny
     sample = TASKS["multi_key_needle"](tokenizer, 800, seed=1, haystack="prose")

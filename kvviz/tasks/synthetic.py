@@ -61,9 +61,17 @@ def _number(rng: random.Random) -> str:
 
 
 def fit(tokenizer, target_tokens: int, build: Callable[[list[str]], str], filler, chat: bool = True) -> str:
-    """The longest ``build(filler[:n])`` whose token count stays within ``target_tokens``."""
+    """The longest ``build(filler[:n])`` whose token count stays within ``target_tokens``.
+
+    Refuses (ValueError) a target below ``build([])``, the prompt with no filler at all, rather than return
+    a prompt longer than asked for.
+    """
     from ..engine import encode_prompt
 
+    bare = len(encode_prompt(tokenizer, build([]), chat=chat))
+    if bare > target_tokens:
+        raise ValueError(f"a length of {target_tokens} tokens is below the {bare} this prompt takes with no filler "
+                         f"at all ({'with' if chat else 'without'} the chat template); set the length to {bare} or more")
     sentences: list[str] = []
     low, high = 0, 8
     while True:  # grow until too long, then bisect
@@ -271,8 +279,8 @@ def arithmetic_reasoning(tokenizer, target_tokens: int | None, seed: int, steps:
 
         length = len(encode_prompt(tokenizer, prompt, chat=chat))
         if length > target_tokens:
-            raise ValueError(f"an arithmetic_reasoning prompt of {steps} steps takes {length} tokens, over the "
-                             f"length {target_tokens}; raise the length (or leave it out) or lower steps")
+            raise ValueError(f"an arithmetic_reasoning prompt of {steps} step{'s' * (steps != 1)} takes {length} "
+                             f"tokens, over the length {target_tokens}; raise the length (or leave it out) or lower steps")
     return Sample("arithmetic_reasoning", prompt, [str(count)], "math",
                   {"person": person, "item": item, "groups": groups, "operations": operations, "steps": steps})
 
