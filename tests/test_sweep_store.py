@@ -32,6 +32,47 @@ def test_cells_expand_the_grid():
     assert {c.params for c in cells if c.policy == "inertia"} == {(("alpha", 0.0),), (("alpha", 0.8),)}
 
 
+def test_git_commit_is_marked_dirty_by_changed_code_only(tmp_path, monkeypatch):
+    """In a repository of its own: a changed tracked file of the code (staged or not) marks the commit;
+    results_db/ (a running sweep writes there), untracked files and a file only touched do not."""
+    for name in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):  # the temporary repository, whatever runs the tests
+        monkeypatch.delenv(name, raising=False)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    assert sweep.git_commit(tmp_path) == ""  # not a checkout
+    files = {"kvviz/engine.py": "x = 1\n", "pyproject.toml": "[project]\n", "results_db/s/rows.jsonl": "{}\n",
+             "README.md": "kvviz\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    head = git("rev-parse", "--short", "HEAD")
+    assert sweep.git_commit(tmp_path) == head
+    (tmp_path / "results_db/s/rows.jsonl").write_text("{}\n{}\n")
+    (tmp_path / "README.md").write_text("changed\n")
+    (tmp_path / "kvviz/new.py").write_text("y = 2\n")
+    os.utime(tmp_path / "kvviz/engine.py", (1, 1))  # touched, same content
+    index = (tmp_path / ".git" / "index").stat().st_mtime_ns
+    assert sweep.git_commit(tmp_path) == head
+    assert (tmp_path / ".git" / "index").stat().st_mtime_ns == index  # no index refresh written mid-commit
+    for name in ("kvviz/engine.py", "pyproject.toml"):
+        (tmp_path / name).write_text("changed\n")
+        assert sweep.git_commit(tmp_path) == f"{head}-dirty"
+        git("add", name)  # staged is still not HEAD
+        assert sweep.git_commit(tmp_path) == f"{head}-dirty"
+        git("checkout", "HEAD", "--", name)
+        assert sweep.git_commit(tmp_path) == head
+    # the rows' provenance is this, for the checkout the package runs from (not asked here: the real checkout
+    # is left alone)
+    monkeypatch.setattr(sweep, "git_commit", lambda: f"{head}-dirty")
+    assert sweep.provenance("m", "cpu", 0)["git_commit"] == f"{head}-dirty"
+
+
 def test_rerun_skips_finished_cells_and_a_torn_line_is_dropped(tmp_path, tiny):
     config = sweep.load_config(CONFIG)
     model, tokenizer = tiny

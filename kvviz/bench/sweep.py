@@ -12,7 +12,8 @@ All policies of one sample share one prefill (:func:`kvviz.engine.prefill`); it 
 queries that the policies reading the prompt's queries (SnapKV, AvoKV-E's first window) use.  Decoding is greedy unless ``temperature`` > 0
 (with ``top_p``): then each sample is generated ``draws`` times (AvoKV-E's protocol: T = 0.6, top-p 0.95,
 several samples per problem), one row per draw, every policy's draw d seeded alike.  Rows carry
-provenance: model, kvviz version and git commit, torch and transformers versions, device, seed and date.
+provenance: model, kvviz version and git commit (``-dirty`` where the code differs from it), torch and
+transformers versions, device, seed and date.
 """
 
 from __future__ import annotations
@@ -662,17 +663,36 @@ def status(config: dict, out_dir: str | Path, by_cut: bool = False) -> dict:
     return {key: (finished, total) for key, (finished, total) in counts.items()}
 
 
+# The folder holding the package and its pyproject.toml: what a row's git_commit describes.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def git_commit(root: Path = PROJECT_ROOT, code: tuple[str, ...] = ("kvviz", "pyproject.toml")) -> str:
+    """HEAD's short hash, with ``-dirty`` when a tracked file of ``code`` differs from it (staged or not), so
+    that a row is not filed under a commit whose code did not make it; "" outside a git checkout.
+
+    Only the code counts: results_db/, which a running sweep is writing itself, and untracked files do not.
+    """
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=root, timeout=5).stdout.strip()
+        if not commit:
+            return ""
+        # As `git describe --dirty` judges (contents, so a file only touched is unchanged), but without
+        # optional locks: a sweep starting must not hold the index's lock while someone commits.
+        changed = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no",
+                                  "--", *code], capture_output=True, text=True, cwd=root, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return commit + ("-dirty" if changed else "")
+
+
 def provenance(model_name: str, device: str, seed: int, dtype: str = "") -> dict:
     import transformers
 
     from .. import __version__
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"model": model_name, "kvviz_version": __version__, "git_commit": commit, "torch": torch.__version__,
+    return {"model": model_name, "kvviz_version": __version__, "git_commit": git_commit(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": device, "dtype": dtype, "seed": seed,
             "machine": platform.node(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
