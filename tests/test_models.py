@@ -146,3 +146,56 @@ def test_an_unknown_dtype_or_a_missing_folder_is_named():
         kvviz.load_model("tiny-random-llama", dtype="fp8")
     with pytest.raises(ValueError, match="no folder './no/such/model'"):
         kvviz.load_model("./no/such/model")
+
+
+def test_a_hub_id_with_the_hub_unreachable_fails_at_once_or_loads_from_the_cache(tmp_path, monkeypatch):
+    """huggingface_hub retries a connection that fails five times (half a minute) for every file: one request
+    without retries asks first.  No answer: a model not in the hub's cache is refused at once, saying what to
+    do, and one in it loads from it alone; an answer (even "no such model") is left to transformers."""
+    import huggingface_hub
+    import transformers
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online as far as kvviz can tell, but no network
+
+    def no_network(url, **kwargs):
+        assert url.endswith("/someone/model/resolve/main/config.json")
+        raise ConnectionError("[Errno -2] Name or service not known")  # what httpx's ConnectError says
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", no_network)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: None)
+    asked = []
+    originals = {auto: getattr(transformers, auto).from_pretrained
+                 for auto in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM")}
+    model, tokenizer = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    for auto, original in originals.items():  # the hub's cache, as the saved tiny model
+        def load(source, *args, _original=original, _auto=auto, **kwargs):
+            if source != tmp_path:  # not transformers' own calls with the folder below
+                asked.append((_auto, source, kwargs.get("local_files_only", False)))
+            return _original(tmp_path, *args, **{k: v for k, v in kwargs.items() if k != "local_files_only"})
+        monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", load)
+
+    for load_it in (kvviz.load_model, kvviz.models.load_tokenizer):
+        with pytest.raises(ModelNotFound, match=r"^cannot reach the Hugging Face hub for 'someone/model' "
+                                                r"\(ConnectionError: \[Errno -2\] Name or service not known\) and it "
+                                                r"is not in the local cache: pass a local folder"):
+            load_it("someone/model")
+    assert asked == []  # transformers, and its retries, were never reached
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: "/cache/config.json")
+    assert kvviz.load_model("someone/model")[0].config.model_type == "llama"
+    assert asked == [("AutoConfig", "someone/model", True), ("AutoTokenizer", "someone/model", True),
+                     ("AutoModelForCausalLM", "someone/model", True)]
+
+    class NoSuchModel(RepositoryNotFoundError):  # without the HTTP response the real one is built from
+        def __init__(self):
+            Exception.__init__(self, "401 Client Error: Repository Not Found")
+
+    def no_such_model(url, **kwargs):
+        raise NoSuchModel()
+
+    asked.clear()
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", no_such_model)
+    kvviz.models.load_tokenizer("someone/model")  # the hub answered: transformers asks it, as before
+    assert asked == [("AutoTokenizer", "someone/model", False)]
