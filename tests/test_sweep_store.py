@@ -919,6 +919,27 @@ def test_a_budget_sweep_writes_budget_cells_and_resumes(tmp_path, tiny):
     assert quality.compression.isna().all()
 
 
+def test_a_budget_past_every_cache_of_the_sweep_runs_with_a_warning(tmp_path, tiny, capsys):
+    """A budget no cache reaches runs as the full cache: a fair reference point, so it runs, but said once."""
+    model, tokenizer = tiny
+    config = {"name": "big", "model": "tiny-random-llama", "max_new_tokens": 4, "budget": [8, 5000],
+              "tasks": [{"name": "arithmetic_reasoning", "samples": 2}], "policies": ["tova"]}
+    assert sweep.run(config, tmp_path / "a", model=model, tokenizer=tokenizer, progress=False) == 4
+    stored = rows(tmp_path / "a")
+    longest = max(row["prompt_len"] for row in stored)
+    assert capsys.readouterr().err == (
+        f"warning: sweep config 'big': budget 5000 is more than any cache here holds (at most {longest + 3} entries: "
+        f"the longest prompt, {longest} tokens, + max_new_tokens 4 - 1), so its cells run as the full cache\n")
+    assert all(row["max_cache"] == row["prompt_len"] + row["new_tokens"] - 1
+               for row in stored if row["absolute_budget"] == 5000)
+    # the largest cache itself is a budget that is reached, not past
+    config = {**config, "budget": [longest + 3, longest + 4]}
+    assert sweep.run(config, tmp_path / "b", model=model, tokenizer=tokenizer, progress=False) == 4
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: sweep config 'big': budget {longest + 4} is more than any cache here holds (at "
+                          f"most {longest + 3} entries") and err.count("\n") == 1
+
+
 def budget_store(tmp_path: Path) -> Store:
     """One compression task and one budget task; two budgets of one sample must stay two cells."""
     row = {"source": "measured", "sweep": "s", "model": "m", "seed": 0, "params": {}, "metric": "math",

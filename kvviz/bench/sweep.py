@@ -732,7 +732,8 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     meta = provenance(model_name, device, seed, model_dtype(model))
     tasks = {task_label(t): t for t in config["tasks"]}
     max_new = int(config.get("max_new_tokens", 32))
-    check_cells(config, source, tasks, todo, model, tokenizer, seed, max_new)
+    for note in check_cells(config, source, tasks, todo, model, tokenizer, seed, max_new):
+        print(f"warning: {note}", file=sys.stderr)  # before the progress bar, on a line of its own
     written = 0
     bar = tqdm(total=len(todo), desc=config["name"], unit="cell", disable=not progress, file=sys.stderr)
     try:
@@ -745,21 +746,26 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
 
 
 def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model, tokenizer, seed: int,
-                max_new: int) -> None:
+                max_new: int) -> list[str]:
     """Before anything decodes: every sample's real prompt fits the model, and every cell's policy accepts
     its real budget on this model (validate() judged nominal lengths without a model; a chat template, a
     tokenizer or a benchmark record makes them differ).  All refusals are listed, one line per policy
-    setting, task and compression or budget, with how many samples it hits."""
+    setting, task and compression or budget, with how many samples it hits.
+
+    Returns notes that refuse nothing: each absolute budget that no cell of ``todo`` ever fills, so that its
+    cells run as the full cache (a fair reference point, but not a cut of the cache)."""
     from .. import engine
     from ..policies import make_policy
 
     refused: dict[tuple, list] = {}
+    longest = 0  # the longest prompt of these cells' samples
     for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
         try:  # e.g. a reasoning prompt over its task's length
             sample = make_sample(tasks[label], tokenizer, sample_index, seed, config.get("chat", True))
         except ValueError as error:
             raise ValueError(f"sweep config {source}: {label} sample {sample_index}: {error}") from None
         prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=config.get("chat", True))
+        longest = max(longest, len(prompt_ids))
         try:  # a row past the model's context would be stored as if it were valid
             engine.check_prompt(model, prompt_ids, max_new)
         except ValueError as error:
@@ -784,6 +790,11 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
                      f"sample(s), first {errors[0]})")
                     for (policy, params, label, rho, tokens), errors in refused.items()]
         raise _refused_cells(source, " on this model", problems, "longer prompts")
+    # The cache holds the prompt and every new token but the last (which is never fed back): at most this.
+    largest = longest + max_new - 1
+    return [f"sweep config {source}: budget {tokens} is more than any cache here holds (at most {largest} entries: "
+            f"the longest prompt, {longest} tokens, + max_new_tokens {max_new} - 1), so its cells run as the full "
+            "cache" for tokens in sorted({cell.budget for cell in todo if cell.budget is not None}) if tokens > largest]
 
 
 def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: list[Cell], model, tokenizer,
