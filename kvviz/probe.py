@@ -143,6 +143,26 @@ def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: 
     check_prompt(model, prompt_ids, step + future)
 
 
+def damage_inputs(model, tokenizer, prompt_ids: list[int], step: int, *, future: int = 8, sample: int | None = None,
+                  seed: int = 0) -> tuple[list[int], int, np.ndarray]:
+    """What :func:`damage` is given for the probe at decode step ``step``: the sequence (prompt plus its
+    full-cache continuation), the cache length it replays after, and the candidate positions.
+
+    Step ``step`` feeds position ``P = prompt_len + step - 1``; the cache the decision is made on holds
+    ``0 .. P`` (``P + 1`` entries), the candidates are drawn from ``0 .. P - 1`` (``sample`` of them, seeded, or
+    all with ``sample=None``) and the replay starts at ``P + 1``.  ``kvviz probe``, the app and ``kvviz bench
+    probe`` all go through here, so that the benchmark times the very computation the probe runs.
+    """
+    # Tokens up to P + future: prompt_len + step + future in all.
+    full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=step + future, ignore_eos=True))
+    sequence = list(prompt_ids) + [e.new_token_id for e in full]
+    prefix_len = len(prompt_ids) + step - 1  # P: the position step `step` feeds
+    candidates = np.arange(prefix_len)
+    if sample is not None and sample < prefix_len:
+        candidates = np.sort(np.random.default_rng(seed).choice(prefix_len, size=sample, replace=False))
+    return sequence, prefix_len + 1, candidates
+
+
 def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[str, Policy] | None = None,
           sample: int | None = None, seed: int = 0, future: int = 8, batch: int = 16) -> ProbeResult:
     """Run the damage probe at decode step ``step`` (>= 1) and collect each policy's utility there."""
@@ -152,16 +172,10 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
         raise ValueError(f"sample must be >= 1 entries (None probes them all), got {sample}")
     for policy in (policies or {}).values():  # refused now, not after the probe's own decoding
         check_policy(model, tokenizer, prompt_ids, policy)
-    # Tokens up to P + future: prompt_len + step + future in all.
-    full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=step + future, ignore_eos=True))
-    generated = [e.new_token_id for e in full]
-    sequence = list(prompt_ids) + generated
-    prefix_len = len(prompt_ids) + step - 1  # P: the position step `step` feeds
-    candidates = np.arange(prefix_len)
-    if sample is not None and sample < prefix_len:
-        candidates = np.sort(np.random.default_rng(seed).choice(prefix_len, size=sample, replace=False))
+    sequence, cache_len, candidates = damage_inputs(model, tokenizer, prompt_ids, step, future=future, sample=sample,
+                                                    seed=seed)
     start = time.perf_counter()
-    harm = damage(model, sequence, prefix_len + 1, candidates.tolist(), future=future, batch=batch)
+    harm = damage(model, sequence, cache_len, candidates.tolist(), future=future, batch=batch)
     seconds = time.perf_counter() - start
     result = ProbeResult(step, candidates, harm, seconds)
     for name, policy in (policies or {}).items():

@@ -297,14 +297,20 @@ def test_probe_bench_compares_batched_with_one_at_a_time(tmp_path):
     with torch.inference_mode():
         continuation = model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                       pad_token_id=0)[0].tolist()
-    assert meta["meta"]["prefix_len"] == 120 + 3 - 1  # the cache at step 3: the prompt and tokens 1 and 2
+    # Step 3 feeds position 122 (tokens 1 and 2 are cached before it): the decision is made on the cache
+    # 0 .. 122, the candidates come from 0 .. 121, and the replay starts at 123.
+    assert meta["meta"]["cache_len"] == 120 + 3
     candidates = meta["meta"]["candidate_positions"]
     assert len(candidates) == 6 == len(set(candidates)) and all(0 <= c < 122 for c in candidates)
-    expected = probe.damage(model, continuation, 122, candidates, future=3, batch=1)
+    expected = probe.damage(model, continuation, 123, candidates, future=3, batch=1)
     assert np.allclose(one["damage"], expected, rtol=1e-5, atol=1e-7)
     assert np.allclose(batched["damage"], expected, rtol=1e-4, atol=1e-6)
     assert batched["max_abs_diff_vs_one_at_a_time"] == pytest.approx(
         np.abs(np.array(batched["damage"]) - expected).max(), abs=1e-6)
+    # And what `kvviz probe --step 3 --sample 6` reports: the same candidates and the same damage.
+    reported = probe.probe(model, tokenizer, prompt_ids, 3, sample=6, future=3, batch=1)
+    assert reported.candidates.tolist() == candidates
+    assert np.allclose(one["damage"], reported.damage, rtol=1e-5, atol=1e-7)
 
 
 def test_probe_bench_refuses_counts_below_one_before_the_model_loads(capsys, monkeypatch):

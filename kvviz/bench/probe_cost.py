@@ -39,10 +39,8 @@ def check_arguments(args) -> None:
 def main(args) -> int:
     import numpy as np
 
-    from ..engine import decode
     from ..models import load_model
-    from ..policies.full import FullCache
-    from ..probe import check_fits, damage
+    from ..probe import check_fits, damage, damage_inputs
     from ..trace import model_dtype
     from .speed import haystack_prompt
 
@@ -53,24 +51,25 @@ def main(args) -> int:
         check_fits(model, prompt_ids, args.step, args.future, step_name="--step", future_name="--future")
     except ValueError as error:
         raise ValueError(f"{error} (the prompt's length is --prompt-tokens)") from None
-    prefix_len = len(prompt_ids) + args.step - 1  # the cache at --step: the prompt and the tokens before it
+    prefix_len = len(prompt_ids) + args.step - 1  # the cache before --step: the prompt and the tokens before it
     if args.sample > prefix_len:  # the candidates are drawn without replacement from these entries
         raise ValueError(f"--sample {args.sample} is more than the {prefix_len} entries cached at --step {args.step} "
                          f"({len(prompt_ids)} prompt tokens + {args.step - 1} generated); choose --sample "
                          f"{prefix_len} or less, or raise --prompt-tokens or --step")
-    full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=args.step + args.future,
-                       ignore_eos=True))
-    sequence = prompt_ids + [e.new_token_id for e in full]
-    candidates = np.sort(np.random.default_rng(0).choice(prefix_len, args.sample, replace=False)).tolist()
+    # The probe's own inputs (kvviz probe's default seed 0), not a copy of them, so that what is timed is what
+    # `kvviz probe --step` computes: the replay starts after the token --step feeds has entered the cache.
+    sequence, cache_len, candidates = damage_inputs(model, tokenizer, prompt_ids, args.step, future=args.future,
+                                                    sample=args.sample, seed=0)
+    candidates = candidates.tolist()
     rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": args.model,
                       "dtype": model_dtype(model), "machine": platform.node(),
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "prompt_len": len(prompt_ids), "step": args.step, "future": args.future,
-                      "prefix_len": prefix_len, "candidate_positions": candidates}}]
+                      "cache_len": cache_len, "candidate_positions": candidates}}]
     results = {}
     for label, batch in (("one at a time", 1), (f"batched ({args.batch})", args.batch)):
         start = time.perf_counter()
-        results[label] = damage(model, sequence, prefix_len, candidates, future=args.future, batch=batch)
+        results[label] = damage(model, sequence, cache_len, candidates, future=args.future, batch=batch)
         seconds = time.perf_counter() - start
         # The damage itself goes out too, so that what was timed can be checked against the probe.
         rows.append({"what": label, "candidates": len(candidates), "seconds": round(seconds, 3),
