@@ -82,7 +82,7 @@ def cmd_generate(args) -> int:
     from . import engine
     from .models import load_model
     from .policies import make_policy
-    from .trace import Trace, model_dtype, time_split
+    from .trace import Trace, checkpoint_note, model_dtype, time_split
 
     _validate_generate(args)
     prompt = _read_prompt(args)
@@ -112,6 +112,7 @@ def cmd_generate(args) -> int:
     trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampler.settings(),
                   model_dtype(model), args.max_new_tokens)
     decode_seconds = sum(time_split(events).values())
+    note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
     summary = {
         "prompt_len": len(prompt_ids),
         "budget": budget if args.policy != "full" else None,  # the full cache holds no budget (as the text says)
@@ -128,6 +129,7 @@ def cmd_generate(args) -> int:
             "params": policy.params(),
             "model": args.model,
             **summary,
+            "note": note or None,
             "steps": [e.to_json() for e in trace.decode_steps],
         }
         print(json.dumps(out))
@@ -137,6 +139,8 @@ def cmd_generate(args) -> int:
         print(f"\n\n-- prompt {summary['prompt_len']} tokens, {held}, final cache "
               f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s",
               file=sys.stderr)
+        if note:
+            print(f"-- {note}", file=sys.stderr)
     if args.trace:  # checked before the run; still after the output, so that a failing save keeps the result
         try:
             trace.save(args.trace)
@@ -370,7 +374,7 @@ def cmd_trace(args) -> int:
     """A saved run (``kvviz generate --trace``, the app's download): what it was, its diagnostics, and what
     happened to the tokens ``--follow`` names."""
     from . import diagnostics
-    from .trace import Trace, run_note, time_split
+    from .trace import Trace, checkpoint_note, run_note, time_split
 
     # Options another view would silently drop: refused before the file is read.
     if args.read_lag and (args.follow or args.csv):
@@ -389,6 +393,9 @@ def cmd_trace(args) -> int:
               f"prompt {trace.prompt_len} tokens, budget B = {trace.budget}, {len(steps)} decode steps, "
               f"{sum(e.evicted.size for e in trace.events)} evictions"
               + (f", stopped (of {trace.max_new_tokens} new tokens asked for)" if trace.stopped else ""))
+        note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
+        if note:
+            print(note)
         seconds = time_split(trace.events)
         total = sum(seconds.values())
         if total:

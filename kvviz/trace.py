@@ -21,6 +21,30 @@ def run_note(trace) -> str:
             + sampling_note(trace.sampling))
 
 
+def checkpoint_note(trace) -> str:
+    """Why a checkpointed policy's (AvoKV-E's, R-KV's) cache ended over budget with nothing evicted, or "":
+    those evict only at a checkpoint, and a run that ended before its first one kept every entry."""
+    from .policies import REGISTRY
+    from .policies.checkpointed import CheckpointPolicy
+
+    spec = REGISTRY.get(trace.policy)
+    if spec is None or not issubclass(spec.cls, CheckpointPolicy) or not trace.events:
+        return ""
+    last = trace.events[-1]
+    if last.cache_size <= trace.budget or any(event.evicted.size for event in trace.events):
+        return ""
+    try:
+        policy = spec.build(**trace.params)
+    except ValueError:  # parameters this version refuses: the schedule is unknown
+        return ""
+    first = policy.first_checkpoint(trace.prompt_len, trace.budget)
+    if last.step >= first:  # not this schedule's run (nothing evicted at a checkpoint): say nothing rather than guess
+        return ""
+    ended = "was stopped" if trace.stopped else "ended"
+    return (f"no checkpoint reached: {trace.policy} evicts every {policy.interval} generated tokens, first at step "
+            f"{first} here, and this run {ended} at step {last.step}; the cache was not cut")
+
+
 def sampling_note(sampling: dict) -> str:
     """How a run picked its tokens, for a caption (``", sampled at temperature 0.6, ..."``): empty when greedy."""
     if not sampling:

@@ -453,6 +453,30 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
     assert "no token text contains 'zzz'" in capsys.readouterr().err
 
 
+def test_a_checkpointed_run_that_ends_before_its_first_checkpoint_says_so(tiny, tmp_path, capsys):
+    """generate (text and --json) and trace say why AvoKV-E's cache ended over B with nothing evicted."""
+    from kvviz.cli import main
+
+    _, tokenizer = tiny
+    budget = len(tokenizer(TEXT, add_special_tokens=False)["input_ids"]) - 2  # over B at once; forced cut at step 14
+    args = ["generate", *TINY, "--prompt", TEXT, "--no-chat", "--policy", "avokv", "--budget", str(budget),
+            "--param", "interval=16"]
+    note = ("no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 here, and this run "
+            "ended at step 7; the cache was not cut")
+    assert main([*args, "--max-new-tokens", "8", "--trace", str(tmp_path / "short.parquet")]) == 0
+    assert capsys.readouterr().err.endswith(f" tok/s\n-- {note}\n")
+    assert main([*args, "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["note"] == note
+    assert main(["trace", str(tmp_path / "short.parquet")]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == note
+    # A run past its first checkpoint has no note (its cache may still be over B, as between any checkpoints).
+    assert main([*args, "--max-new-tokens", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["note"] is None and any(step["evicted"] for step in out["steps"])
+    assert main([*args, "--max-new-tokens", "20"]) == 0
+    assert "no checkpoint" not in capsys.readouterr().err
+
+
 def test_trace_options_another_view_would_drop_are_refused(tiny, tmp_path, capsys):
     """--csv without --follow printed the summary; --read-lag printed its table whatever --follow or --csv said."""
     from kvviz.cli import main

@@ -198,6 +198,61 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
     assert terms["redundancy"][2] == terms["redundancy"][3] > terms["redundancy"][0] > terms["redundancy"][4]
 
 
+# -------------------------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("name", ["avokv", "rkv"])
+@pytest.mark.parametrize("over, first", [
+    (3, 5),     # the prompt 3 over B: the cache would pass B + 7 at step 5, before the scheduled step 8
+    (20, 1),    # 20 over (>= interval): cut at step 1
+    (0, 8),     # the prompt fills B exactly: over from step 1, first checkpoint at step 8
+    (-5, 8),    # B 5 above the prompt: over from step 6, so step 8
+    (-12, 16),  # over from step 13: step 8 passes under B, step 16
+])
+def test_a_checkpointed_policy_first_evicts_where_first_checkpoint_says(tiny, tiny_prompt, name, over, first):
+    """first_checkpoint is begin_step's schedule worked out ahead: the engine's run first evicts there."""
+    from kvviz.engine import decode
+
+    model, tokenizer = tiny
+    budget = len(tiny_prompt) - over
+    policy = make_policy(name, interval=8)
+    assert policy.first_checkpoint(len(tiny_prompt), budget) == first
+    events = list(decode(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=first + 2,
+                         ignore_eos=True))
+    assert [e.step for e in events if e.evicted.size] == [first]
+
+
+def test_a_checkpointed_run_that_ends_before_its_first_checkpoint_says_why_its_cache_is_over_budget(tiny, tiny_prompt):
+    from dataclasses import replace
+
+    from kvviz.engine import decode
+    from kvviz.trace import Trace, checkpoint_note
+
+    model, tokenizer = tiny
+    budget = len(tiny_prompt) - 2  # over B from step 1; the cache passes B + 15 at step 14
+
+    def trace(name, steps, budget=budget, **params):
+        policy = make_policy(name, **params)
+        events = list(decode(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=steps,
+                             ignore_eos=True))
+        return Trace(tiny_prompt, budget, name, policy.params(), "tiny-random-llama", events, max_new_tokens=steps)
+
+    short = trace("avokv", 8, interval=16)
+    # steps 0 .. 7: the prompt and tokens 1 .. 7 cached, nothing evicted
+    assert short.events[-1].cache_size == len(tiny_prompt) + 7 > budget
+    assert not any(e.evicted.size for e in short.events)
+    assert checkpoint_note(short) == ("no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 "
+                                      "here, and this run ended at step 7; the cache was not cut")
+    stopped = replace(short, stopped=True)
+    assert checkpoint_note(stopped).endswith("this run was stopped at step 7; the cache was not cut")
+    assert checkpoint_note(trace("rkv", 8, interval=16)).startswith("no checkpoint reached: rkv evicts every 16 ")
+    # A run that reached its first checkpoint (and is over B again after it) says nothing; nor does one whose
+    # cache stayed within B, nor a policy that is not checkpointed.
+    reached = trace("avokv", 20, interval=16)
+    assert reached.events[-1].cache_size > budget and checkpoint_note(reached) == ""
+    assert checkpoint_note(trace("avokv", 8, budget=len(tiny_prompt) + 8, interval=16)) == ""
+    assert checkpoint_note(trace("full", 8)) == ""
+
+
 # -------------------------------------------------------------------------------------------- per-step rules
 
 

@@ -170,3 +170,12 @@ class CheckpointPolicy(Policy):
 
     def cache_bound(self, budget: int, step: int) -> int:
         return budget + self.interval - 1
+
+    def first_checkpoint(self, prompt_len: int, budget: int) -> int:
+        """The decode step of a run's first checkpoint, by :meth:`begin_step`'s schedule: the first multiple
+        of ``interval`` at which the cache is over budget, or earlier, the step at which it would pass
+        ``budget + interval - 1`` (step 1 for a prompt that far over budget).  Never the prefill (step 0)."""
+        over = max(budget - prompt_len + 1, 1)  # step k's cache holds prompt_len + k entries until then
+        scheduled = -(-over // self.interval) * self.interval
+        forced = max(budget + self.interval - prompt_len, 1)
+        return min(scheduled, forced)
