@@ -308,12 +308,13 @@ def test_a_stopped_run_that_fails_to_show_itself_warns_and_ends_as_a_run_does(ti
     warnings = []
     monkeypatch.setattr(gr, "Warning", lambda message, **kwargs: warnings.append(message))
     _models[TINY] = tiny
-    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    # Long enough to be decoding after four updates (the text updates at most 30 times a second)
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=120)
     defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
     for name, run_of in (("run", lambda ticket_id, tickets: make_live_handler(limits)(
-            TINY, PROMPT, "inertia", "compression", 0.5, 0, 16, False, *GREEDY, *defaults, ticket_id, tickets)),
+            TINY, PROMPT, "inertia", "compression", 0.5, 0, 120, False, *GREEDY, *defaults, ticket_id, tickets)),
                          ("comparison", lambda ticket_id, tickets: make_compare_handler(limits)(
-            TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 16, False, *GREEDY, ticket_id=ticket_id,
+            TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 120, False, *GREEDY, ticket_id=ticket_id,
             tickets=tickets))):
         tickets, ticket_id = button_ticket(None)
         outputs = run_of(ticket_id, tickets)
@@ -1199,3 +1200,24 @@ def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
         client.predict(PROMPT, "inertia", 0.5, 10, False, TINY, "{}", 24, 3.0, 0.9, 0, api_name="/generate")
     with pytest.raises(Exception, match="top-p must be above 0 and at most 1, got 0"):
         client.predict(PROMPT, "inertia", 0.5, 10, False, TINY, "{}", 24, 0.7, 0.0, 0, api_name="/generate")
+
+
+@pytest.mark.parametrize("text_every_s, text_updates", [(0.0, 25), (float("inf"), 0)])
+def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeypatch, text_every_s, text_updates):
+    """Between the clearing update and the finished run, the Live tab sends the text only when TEXT_EVERY_S
+    has passed (figures held back here): at 0 once per token (the prefill's and the 24 decode steps'), at
+    infinity never, and the finished run still shows all of it."""
+    from kvviz.ui import app
+
+    monkeypatch.setattr(app, "TEXT_EVERY_S", text_every_s)
+    monkeypatch.setattr(app, "FIGURE_EVERY_S", float("inf"))
+    app._models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=25)
+    defaults = [app.PARAMETERS[p]["default"] for p in app.PARAM_NAMES]
+    outputs = list(app.make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 25, False, *GREEDY,
+                                                 *defaults, "", None))
+    streamed = outputs[2:-1]  # after the API call's session holder and the clear, before the finished run
+    assert len(streamed) == text_updates and all(isinstance(out[0], str) for out in streamed)
+    assert [len(out[0]) for out in streamed] == sorted(len(out[0]) for out in streamed)  # the text only grows
+    final = outputs[-1][0]
+    assert final.startswith(streamed[-1][0] if streamed else "") and final

@@ -43,7 +43,10 @@ from .results import build_results_tab
 from .widgets import TypedSlider
 
 log = logging.getLogger(__name__)
-FIGURE_EVERY_S = 0.1  # figures refresh at most 10 times a second (every token at CPU speeds); text on every token
+FIGURE_EVERY_S = 0.1  # figures refresh at most 10 times a second (every token at CPU speeds)
+# The text at most 30 times a second: every token at CPU speeds, several a time on a GPU or a tiny model,
+# whose hundreds of updates a second (each re-rendering the growing text) otherwise saturate the page.
+TEXT_EVERY_S = 1 / 30
 EXAMPLES = {
     "Passkey in a haystack": "There is a passkey hidden in this text. Memorise it. "
     + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 25
@@ -612,7 +615,7 @@ def make_live_handler(limits: Limits):
         except Exception as error:
             raise unexpected("starting the run", error) from None
         view = run.views[policy_name]
-        last_figure, last_secondary, last_fate = 0.0, 0.0, 0.0
+        last_figure, last_secondary, last_fate, last_text = 0.0, 0.0, 0.0, 0.0
         # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming.
         yield ("", "", None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
                None, None, gr.skip())
@@ -625,7 +628,7 @@ def make_live_handler(limits: Limits):
                     break
                 now = time.perf_counter()
                 if now - last_figure >= FIGURE_EVERY_S:
-                    last_figure = now
+                    last_figure = last_text = now
                     # The retention heatmap animates at the full rate; the rank heatmap, the per-step plot and
                     # the token view every half second or second: each redraw costs the browser more than
                     # the server, and a fast model otherwise saturates the page.
@@ -636,7 +639,8 @@ def make_live_handler(limits: Limits):
                         last_fate, fate = now, view.fate_html()
                     yield (run.texts[policy_name], stats_markdown(view, now - run.started), view.retention_figure(),
                            rank, timeline, fate, *[gr.skip()] * 6)
-                else:
+                elif now - last_text >= TEXT_EVERY_S:
+                    last_text = now
                     yield (run.texts[policy_name], *[gr.skip()] * 11)
             yield (*live_result(run, stopped=ticket.is_set()), gr.skip())
         except Exception as error:  # the run failed: say so, keep serving
@@ -794,7 +798,7 @@ def make_compare_handler(limits: Limits):
             raise refused(str(error)) from None
         except Exception as error:
             raise unexpected("starting the comparison", error) from None
-        last_figure = 0.0
+        last_figure = last_text = 0.0
         # The last comparison's download and state go now, not when this one ends.
         yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None, gr.skip())
         try:
@@ -808,8 +812,11 @@ def make_compare_handler(limits: Limits):
                     break
                 now = time.perf_counter()
                 refresh = now - last_figure >= 4 * FIGURE_EVERY_S
+                if not refresh and now - last_text < TEXT_EVERY_S:
+                    continue  # each policy's event would otherwise be an update of its own
                 if refresh:
                     last_figure = now
+                last_text = now
                 yield (*_compare_outputs(names, run.texts, run.views, figures=refresh, final=False), gr.skip())
             yield (*comparison_result(run, stopped=ticket.is_set()), gr.skip())
         except Exception as error:
