@@ -1221,3 +1221,23 @@ def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeyp
     assert [len(out[0]) for out in streamed] == sorted(len(out[0]) for out in streamed)  # the text only grows
     final = outputs[-1][0]
     assert final.startswith(streamed[-1][0] if streamed else "") and final
+
+
+def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_stats(tiny):
+    """AvoKV-E at interval 16 over a prompt two tokens over B: its first checkpoint is at step 14, so an
+    8-token run ends over B with nothing cut (and says why), a 24-token run is cut (and says nothing)."""
+    from kvviz import engine
+    from kvviz.ui import app
+
+    app._models[TINY] = tiny
+    prompt_len = len(engine.encode_prompt(tiny[1], PROMPT, chat=False))
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30)
+    widgets = {name: app.PARAMETERS[name]["default"] for name in app.PARAM_NAMES} | {"interval": 16, "delay": 8}
+    stats = {}
+    for new_tokens in (8, 24):
+        *_, last = app.make_live_handler(limits)(TINY, PROMPT, "avokv", "budget", 0.9, prompt_len - 2, new_tokens,
+                                                 False, *GREEDY, *widgets.values(), "", None)
+        stats[new_tokens] = last[1]
+    assert stats[8].endswith("*no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 "
+                             "here, and this run ended at step 7; the cache was not cut*")
+    assert "no checkpoint" not in stats[24]

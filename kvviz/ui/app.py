@@ -35,7 +35,7 @@ import torch
 from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, build_setting, get_spec
-from ..trace import Trace, model_dtype, run_note, time_split
+from ..trace import Trace, checkpoint_note, model_dtype, run_note, time_split
 from .config import Limits
 from ..store import Store
 from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure
@@ -673,7 +673,8 @@ def live_result(run: Progress, stopped: bool = False) -> tuple:
 def finished_outputs(view: RunView, trace: Trace, text: str, stats: str, path: Path | None) -> tuple:
     """The Live tab once a run is over (or a saved one is opened): every view, the scrubber, the download."""
     last_step = view.steps - 1
-    return (text, stats, view.retention_figure(), view.rank_figure(), view.timeline_figure(), view.fate_html(),
+    note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over B with nothing evicted
+    return (text, stats + (f"  \n*{note}*" if note else ""), view.retention_figure(), view.rank_figure(), view.timeline_figure(), view.fate_html(),
             # a run that decoded no step (one new token) has nothing to scrub
             gr.update(maximum=max(last_step, 1), value=last_step, visible=last_step > 0, interactive=True),
             gr.update(value=str(path), visible=True) if path else gr.update(value=None, visible=False),
