@@ -730,7 +730,7 @@ def cmd_serve(args) -> int:
     from .ui.app import launch
     from .ui.config import Limits
 
-    overrides = {"device": args.device, "dtype": args.dtype}
+    overrides = {"device": args.device, "dtype": args.dtype, "figures_per_second": args.figures_per_second}
     if args.models is not None:
         overrides["models"] = tuple(dict.fromkeys(name.strip() for name in args.models.split(",") if name.strip()))
     # The same app as `python app.py`, the flags over the environment.
@@ -858,6 +858,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model dtype (default: $KVVIZ_DTYPE, else float32 on the CPU, bfloat16 on a GPU)")
     serve.add_argument("--models", help="the models offered, comma-separated, the first the default (default: "
                                         "$KVVIZ_DEFAULT_MODEL and $KVVIZ_MODELS)")
+    serve.add_argument("--figures-per-second", type=float,
+                       help="most redraws a second of a streaming run's heatmap, 0 for none until it ends (default: "
+                            "$KVVIZ_FIGURES_PER_SECOND, else 10; fewer keep a slow browser responsive)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -897,6 +897,19 @@ def test_kvviz_serve_flags_override_the_environment(monkeypatch):
     assert main(["serve", "--device", "cpu", "--dtype", "float16"]) == 0
     assert (launched[-1].device, launched[-1].dtype) == ("cpu", "float16")
     assert main(["serve", "--device", "cpu", "--dtype", "float16", "--models", " , "]) == 2 and len(launched) == 3
+    # The figure rate: the environment's, the flag over it, and a refusal that names both.
+    monkeypatch.delenv("KVVIZ_DEVICE")
+    monkeypatch.delenv("KVVIZ_DTYPE")
+    monkeypatch.setenv("KVVIZ_FIGURES_PER_SECOND", "2.5")
+    assert main(["serve"]) == 0 and launched[-1].figures_per_second == 2.5
+    assert main(["serve", "--figures-per-second", "0"]) == 0 and launched[-1].figures_per_second == 0
+    for value in ("-1", "nan", "61"):
+        assert main(["serve", "--figures-per-second", value]) == 2 and len(launched) == 5
+    monkeypatch.setenv("KVVIZ_FIGURES_PER_SECOND", "fast")
+    with pytest.raises(ValueError, match="KVVIZ_FIGURES_PER_SECOND must be a number, got 'fast'"):
+        Limits.from_env()
+    monkeypatch.delenv("KVVIZ_FIGURES_PER_SECOND")
+    assert Limits.from_env().figures_per_second == 10
 
 
 def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
@@ -1205,14 +1218,13 @@ def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
 @pytest.mark.parametrize("text_every_s, text_updates", [(0.0, 25), (float("inf"), 0)])
 def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeypatch, text_every_s, text_updates):
     """Between the clearing update and the finished run, the Live tab sends the text only when TEXT_EVERY_S
-    has passed (figures held back here): at 0 once per token (the prefill's and the 24 decode steps'), at
-    infinity never, and the finished run still shows all of it."""
+    has passed (figures held back to the end by figures_per_second=0): at 0 once per token (the prefill's and
+    the 24 decode steps'), at infinity never, and the finished run still shows all of it, figures included."""
     from kvviz.ui import app
 
     monkeypatch.setattr(app, "TEXT_EVERY_S", text_every_s)
-    monkeypatch.setattr(app, "FIGURE_EVERY_S", float("inf"))
     app._models[TINY] = tiny
-    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=25)
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=25, figures_per_second=0)
     defaults = [app.PARAMETERS[p]["default"] for p in app.PARAM_NAMES]
     outputs = list(app.make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 25, False, *GREEDY,
                                                  *defaults, "", None))
@@ -1221,6 +1233,8 @@ def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeyp
     assert [len(out[0]) for out in streamed] == sorted(len(out[0]) for out in streamed)  # the text only grows
     final = outputs[-1][0]
     assert final.startswith(streamed[-1][0] if streamed else "") and final
+    assert all(out[2] == {"__type__": "update"} for out in streamed)  # no figure while streaming
+    assert outputs[-1][2].data[0].type == "heatmap"
 
 
 def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_stats(tiny):

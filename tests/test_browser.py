@@ -30,8 +30,11 @@ def app_url():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Room for a run long enough that Stop always lands before it ends (the tiny model decodes 500 tokens in
-    # seconds, and on a loaded machine the page can be slower than that).
-    limits = Limits(models=(TINY,), max_prompt_tokens=2000, max_new_tokens=3000, host="127.0.0.1", port=port)
+    # seconds, and on a loaded machine the page can be slower than that).  Two redraws a second, not ten:
+    # headless software-rendered Chromium on a loaded 2-core machine takes up to seconds to answer a click
+    # under ten (benchmarks/page_responsiveness.py), which made the Stop/Run tests flaky.
+    limits = Limits(models=(TINY,), max_prompt_tokens=2000, max_new_tokens=3000, host="127.0.0.1", port=port,
+                    figures_per_second=2)
     app = build_app(limits)
     app.queue(default_concurrency_limit=1, max_size=8)
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)

@@ -43,7 +43,6 @@ from .results import build_results_tab
 from .widgets import TypedSlider
 
 log = logging.getLogger(__name__)
-FIGURE_EVERY_S = 0.1  # figures refresh at most 10 times a second (every token at CPU speeds)
 # The text at most 30 times a second: every token at CPU speeds, several a time on a GPU or a tiny model,
 # whose hundreds of updates a second (each re-rendering the growing text) otherwise saturate the page.
 TEXT_EVERY_S = 1 / 30
@@ -616,6 +615,7 @@ def make_live_handler(limits: Limits):
             raise unexpected("starting the run", error) from None
         view = run.views[policy_name]
         last_figure, last_secondary, last_fate, last_text = 0.0, 0.0, 0.0, 0.0
+        figure_every = 1 / limits.figures_per_second if limits.figures_per_second else math.inf
         # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming.
         yield ("", "", None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
                None, None, gr.skip())
@@ -627,15 +627,15 @@ def make_live_handler(limits: Limits):
                 if ticket.is_set():
                     break
                 now = time.perf_counter()
-                if now - last_figure >= FIGURE_EVERY_S:
+                if now - last_figure >= figure_every:
                     last_figure = last_text = now
                     # The retention heatmap animates at the full rate; the rank heatmap, the per-step plot and
                     # the token view every half second or second: each redraw costs the browser more than
                     # the server, and a fast model otherwise saturates the page.
                     fate = rank = timeline = gr.skip()
-                    if now - last_secondary >= 5 * FIGURE_EVERY_S:
+                    if now - last_secondary >= 5 * figure_every:
                         last_secondary, rank, timeline = now, view.rank_figure(), view.timeline_figure()
-                    if now - last_fate >= 10 * FIGURE_EVERY_S:
+                    if now - last_fate >= 10 * figure_every:
                         last_fate, fate = now, view.fate_html()
                     yield (run.texts[policy_name], stats_markdown(view, now - run.started), view.retention_figure(),
                            rank, timeline, fate, *[gr.skip()] * 6)
@@ -800,6 +800,8 @@ def make_compare_handler(limits: Limits):
         except Exception as error:
             raise unexpected("starting the comparison", error) from None
         last_figure = last_text = 0.0
+        # Four panels a refresh: a quarter of the Live tab's rate.
+        figure_every = 4 / limits.figures_per_second if limits.figures_per_second else math.inf
         # The last comparison's download and state go now, not when this one ends.
         yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None, gr.skip())
         try:
@@ -812,7 +814,7 @@ def make_compare_handler(limits: Limits):
                 if ticket.is_set() and run.level():  # every policy still decoding has made this step
                     break
                 now = time.perf_counter()
-                refresh = now - last_figure >= 4 * FIGURE_EVERY_S
+                refresh = now - last_figure >= figure_every
                 if not refresh and now - last_text < TEXT_EVERY_S:
                     continue  # each policy's event would otherwise be an update of its own
                 if refresh:

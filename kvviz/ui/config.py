@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from ..models import DEFAULT_MODEL, DTYPES, check_device
 
 
+def _float(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    try:
+        return float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
 def _int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     try:
@@ -21,7 +29,9 @@ class Limits:
     """``KVVIZ_DEFAULT_MODEL``, ``KVVIZ_MODELS`` (extra allowed, comma-separated), ``KVVIZ_MAX_PROMPT_TOKENS``,
     ``KVVIZ_MAX_NEW_TOKENS``, ``KVVIZ_QUEUE_SIZE``, ``KVVIZ_RUNS_PER_MODEL``, ``KVVIZ_DEVICE`` and
     ``KVVIZ_DTYPE`` (where every model runs: ``cpu`` or ``cuda[:N]``; ``float32``, ``bfloat16`` or
-    ``float16``, empty for float32 on the CPU and bfloat16 on a GPU); host/port from ``GRADIO_SERVER_*``."""
+    ``float16``, empty for float32 on the CPU and bfloat16 on a GPU), ``KVVIZ_FIGURES_PER_SECOND`` (how
+    often a streaming run redraws its retention heatmap, at most; the other views follow at a fifth and a
+    tenth of it; 0: only once the run ends); host/port from ``GRADIO_SERVER_*``."""
 
     models: tuple[str, ...] = (DEFAULT_MODEL,)
     max_prompt_tokens: int = 4096
@@ -32,6 +42,9 @@ class Limits:
     port: int = 7860
     device: str = "cpu"
     dtype: str = ""
+    # Each redraw costs the browser far more than the server (benchmarks/page_responsiveness.py): a slow
+    # client or a fast model may want fewer.
+    figures_per_second: float = 10.0
 
     def __post_init__(self):
         # Refused at start, not at the first run: a deployment on the wrong device should not come up.
@@ -42,6 +55,9 @@ class Limits:
         if not self.models or not all(isinstance(name, str) and name for name in self.models):
             raise ValueError(f"name at least one model to serve (KVVIZ_DEFAULT_MODEL, KVVIZ_MODELS, kvviz serve "
                              f"--models), got {self.models!r}")
+        if not 0 <= self.figures_per_second <= 60:  # also refuses NaN
+            raise ValueError(f"the figures per second (KVVIZ_FIGURES_PER_SECOND, kvviz serve --figures-per-second) "
+                             f"must be from 0 (only when a run ends) to 60, got {self.figures_per_second}")
         if self.dtype not in ("", *DTYPES):
             raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} (or empty for the device's default), "
                              f"got {self.dtype!r}")
@@ -62,5 +78,6 @@ class Limits:
             port=_int("GRADIO_SERVER_PORT", 7860),
             device=os.environ.get("KVVIZ_DEVICE", "cpu").strip() or "cpu",
             dtype=os.environ.get("KVVIZ_DTYPE", "").strip(),
+            figures_per_second=_float("KVVIZ_FIGURES_PER_SECOND", 10.0),
         )
         return cls(**{**settings, **overrides})
