@@ -8,20 +8,13 @@ from dataclasses import dataclass
 from ..models import DEFAULT_MODEL, DTYPES, check_device
 
 
-def _float(name: str, default: float) -> float:
+def _number(name: str, default, kind=int):
+    """The environment variable ``name`` as ``kind`` (int or float), ``default`` when unset or empty."""
     value = os.environ.get(name, "")
     try:
-        return float(value) if value else default
+        return kind(value) if value else default
     except ValueError:
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-
-
-def _int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number, got {value!r}") from None
+        raise ValueError(f"{name} must be {'a whole number' if kind is int else 'a number'}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -70,14 +63,14 @@ class Limits:
         extra = [m.strip() for m in os.environ.get("KVVIZ_MODELS", "").split(",") if m.strip()]
         settings = dict(
             models=tuple(dict.fromkeys([default, *extra])),
-            max_prompt_tokens=_int("KVVIZ_MAX_PROMPT_TOKENS", 4096),
-            max_new_tokens=_int("KVVIZ_MAX_NEW_TOKENS", 512),
-            queue_size=_int("KVVIZ_QUEUE_SIZE", 16),
-            runs_per_model=_int("KVVIZ_RUNS_PER_MODEL", 1),
+            max_prompt_tokens=_number("KVVIZ_MAX_PROMPT_TOKENS", 4096),
+            max_new_tokens=_number("KVVIZ_MAX_NEW_TOKENS", 512),
+            queue_size=_number("KVVIZ_QUEUE_SIZE", 16),
+            runs_per_model=_number("KVVIZ_RUNS_PER_MODEL", 1),
             host=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-            port=_int("GRADIO_SERVER_PORT", 7860),
+            port=_number("GRADIO_SERVER_PORT", 7860),
             device=os.environ.get("KVVIZ_DEVICE", "cpu").strip() or "cpu",
             dtype=os.environ.get("KVVIZ_DTYPE", "").strip(),
-            figures_per_second=_float("KVVIZ_FIGURES_PER_SECOND", 10.0),
+            figures_per_second=_number("KVVIZ_FIGURES_PER_SECOND", 10.0, float),
         )
         return cls(**{**settings, **overrides})
