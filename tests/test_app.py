@@ -105,26 +105,33 @@ def test_parameter_widgets_take_the_selected_policys_meaning():
     assert policy_from_inputs("inertia", {"refresh": 4.0, "sinks": 3}).refresh == 4  # other policies' widgets ignored
 
 
-def test_parameters_a_setting_leaves_unused_are_hidden_at_their_defaults():
-    """Cumulative's alpha is not offered; choosing aggregation=sum for InertiaKV hides alpha and sets it back
-    to 0.8 (so that the run is not refused for a value it would ignore), and choosing ema shows it again."""
-    from kvviz.ui.app import PARAM_NAMES, _show_parameters, _show_parameters_in_use, policy_from_inputs
+def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tiny):
+    """Cumulative's alpha is not offered; choosing aggregation=sum for InertiaKV hides alpha, and the run leaves
+    it out (it is not refused for a value it would ignore); choosing ema shows it again holding what it held,
+    so that single-step stays single-step (alpha 0) after sum and back."""
+    from kvviz.ui.app import (PARAM_NAMES, _describe, _models, _show_parameters, _show_parameters_in_use,
+                              policy_from_inputs)
 
     shown = dict(zip(PARAM_NAMES, _show_parameters("cumulative")[1:]))
-    assert not shown["alpha"]["visible"] and shown["alpha"]["value"] == 0.8 and shown["refresh"]["visible"]
+    assert not shown["alpha"]["visible"] and shown["refresh"]["visible"]
     assert dict(zip(PARAM_NAMES, _show_parameters("inertia")[1:]))["alpha"]["visible"]
     widgets = {name: None for name in PARAM_NAMES} | {"alpha": 0.3, "aggregation": "sum", "refresh": 2, "window": 5}
     after = dict(zip(PARAM_NAMES, _show_parameters_in_use("inertia", *widgets.values())))
-    assert after["alpha"] == {"__type__": "update", "visible": False, "value": 0.8}
+    assert after["alpha"] == {"__type__": "update", "visible": False}  # its value stays
     assert after["refresh"] == {"__type__": "update", "visible": True}
     assert after["window"] == {"__type__": "update"}  # not inertia's: left alone
-    assert policy_from_inputs("inertia", widgets | {"alpha": after["alpha"]["value"]}).aggregation == "sum"
+    summed = policy_from_inputs("inertia", widgets)  # alpha 0.3, hidden, is left out: the registry's cumulative
+    assert (summed.aggregation, summed.alpha, summed.refresh) == ("sum", 0.8, 2)
+    with pytest.raises(ValueError, match="alpha does nothing"):  # the API's JSON says what it sends
+        policy_from_inputs("inertia", {"alpha": 0.3, "aggregation": "sum"}, strict=True)
     again = dict(zip(PARAM_NAMES, _show_parameters_in_use("inertia", *(widgets | {"aggregation": "ema"}).values())))
     assert again["alpha"] == {"__type__": "update", "visible": True}
-    # single-step's preset alpha (0) is unused under a sum: the widget goes to the 0.8 the registry records
-    summed = dict(zip(PARAM_NAMES, _show_parameters_in_use("single-step", *(widgets | {"alpha": 0.0}).values())))
-    assert summed["alpha"]["value"] == 0.8
-    assert policy_from_inputs("single-step", widgets | {"alpha": 0.8}).alpha == 0.8
+    single = widgets | {"alpha": 0.0, "refresh": 1}  # single-step's widgets after sum and back to ema
+    assert policy_from_inputs("single-step", single | {"aggregation": "ema"}).alpha == 0.0
+    assert policy_from_inputs("single-step", single).alpha == 0.8  # under sum: cumulative's run
+    _models[TINY] = tiny  # the description states the previous-step weight of what would run
+    assert "with these parameters: **1**." in _describe("single-step", TINY, *single.values())
+    assert "with these parameters: **0**." in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
     decoupled = dict(zip(PARAM_NAMES, _show_parameters_in_use(
         "inertia-decoupled", *(widgets | {"aggregation": "ema", "layer_weighting": "last"}).values())))
     assert decoupled["last_k"]["visible"] and not decoupled["layers"]["visible"]

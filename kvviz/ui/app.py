@@ -123,10 +123,22 @@ def policy_from_inputs(name: str, values: dict, strict: bool = False) -> Policy:
     ``strict=True`` (the API's JSON): a parameter this policy does not have is an error, not a no-op.
     """
     spec = get_spec(name)
-    if not strict:
+    if not strict:  # and hidden too: the parameters the chosen settings leave unused, holding what they held
         own = {p["name"] for p in spec.parameters()}
-        values = {key: value for key, value in values.items() if key in own}
+        unused = _unused_parameters(spec, values) or {}
+        values = {key: value for key, value in values.items() if key in own and key not in unused}
     return spec.build(**{key: value for key, value in values.items() if value is not None})
+
+
+def _unused_parameters(spec, values: dict) -> dict[str, str] | None:
+    """The parameters of ``spec`` that the widgets' choices and switches leave unused (which are unused
+    depends on those alone, so only they are read); None while those do not build."""
+    chosen = {p["name"]: values[p["name"]] for p in spec.parameters()
+              if (p.get("choices") or isinstance(p["default"], bool)) and values.get(p["name"]) is not None}
+    try:
+        return spec.build(**chosen).unused()
+    except ValueError:
+        return None
 
 
 def whole_number(label: str, value, low: int, high: int | None = None) -> int:
@@ -1179,22 +1191,16 @@ def _show_parameters(policy_name: str, model_name: str | None = None):
 
 
 def _show_parameters_in_use(policy_name: str, *param_values):
-    """Hide the parameters that the chosen settings make unused (cumulative's alpha, a decoupled EMA's last_k
-    under the mean of all layers), back at their defaults so that the registry accepts them, and show again
-    those that are used.  Which are unused depends only on choices and switches, so only those are read."""
+    """Hide the parameters that the chosen settings leave unused (cumulative's alpha, a decoupled EMA's last_k
+    under the mean of all layers) and show again those that are used.  Values stay as they are: a run leaves
+    out the hidden ones (policy_from_inputs), and one shown again holds what it held (single-step's alpha
+    0 after aggregation sum and back to ema)."""
     spec = REGISTRY.get(policy_name)
-    if spec is None:
+    unused = _unused_parameters(spec, dict(zip(PARAM_NAMES, param_values))) if spec else None
+    if unused is None:
         return [gr.skip()] * len(PARAM_NAMES)
-    own = {p["name"]: p for p in spec.parameters()}
-    values = dict(zip(PARAM_NAMES, param_values))
-    try:
-        chosen = spec.build(**{name: values[name] for name, p in own.items()
-                               if (p.get("choices") or isinstance(p["default"], bool)) and values.get(name) is not None})
-    except ValueError:
-        return [gr.skip()] * len(PARAM_NAMES)
-    unused = chosen.unused()  # each set to the value the registry accepts for it (the field's default)
-    return [gr.skip() if name not in own else gr.update(visible=False, value=getattr(chosen, name))
-            if name in unused else gr.update(visible=True) for name in PARAM_NAMES]
+    own = {p["name"] for p in spec.parameters()}
+    return [gr.update(visible=name not in unused) if name in own else gr.skip() for name in PARAM_NAMES]
 
 
 def _describe(policy_name: str, model_name: str | None = None, *param_values) -> str:
@@ -1202,7 +1208,7 @@ def _describe(policy_name: str, model_name: str | None = None, *param_values) ->
     spec = REGISTRY.get(policy_name)
     if spec is None:
         return ""
-    description = f"**{spec.display}** ({spec.family}). {spec.description}" + (f" *{spec.paper}*" if spec.paper else "")
+    description = f"**{spec.display}** ({spec.family}). {spec.description}" + (f" *{spec.paper}*." if spec.paper else "")
     loaded = _models.get(model_name or "")
     if loaded:  # how much memory across steps this rule keeps on the model in use
         try:
