@@ -164,6 +164,9 @@ def fraction(label: str, value) -> float:
         raise ValueError(f"{label} must be a number, got {value!r}") from None
 
 
+CLOSE_ERROR_TOASTS = "() => document.querySelectorAll('button.toast-close.error').forEach(b => b.click())"
+
+
 def refused(message: str) -> gr.Error:
     """What the user must change, in a toast that stays until closed: a timed one is easily missed while
     watching the plots, and the outputs then show a bare "Error"."""
@@ -1267,6 +1270,9 @@ def stoppable_run(limits: Limits, run_button, stop_button, check, handler, input
     before its next step and shows what ran; one being checked or waiting in the queue is cancelled (through
     a hidden field's change, never a decoding one).  Returns the check's and the run's events."""
     tickets, ticket_id = gr.State(None), gr.Textbox("", visible=False)  # "": an API call
+    # A refusal's toast stays until closed (refused()); the next click closes it, so that it never sits over
+    # a run that then goes ahead.
+    run_button.click(None, None, None, js=CLOSE_ERROR_TOASTS, queue=False, api_name=False)
     taken = run_button.click(button_ticket, tickets, [tickets, ticket_id], queue=False, api_name=False)
     checked = taken.success(check, inputs, None, api_name=False, show_progress_on=progress_on)
     checked.failure(retire, tickets, None, queue=False, api_name=False)
