@@ -131,6 +131,12 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
     assert policy_from_inputs("single-step", single).alpha == 0.8  # under sum: cumulative's run
     _models[TINY] = tiny  # the description states the previous-step weight of what would run
     assert "with these parameters: **1**." in _describe("single-step", TINY, *single.values())
+    # ... and describes what it now is, not the entry picked
+    assert _describe("single-step", TINY, *single.values()).startswith(
+        "These settings are **cumulative**: **Cumulative** (InertiaKV ablation). m <- m + s")
+    assert _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values()).startswith("**Single-step**")
+    assert _describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values()).startswith(
+        "**InertiaKV** (InertiaKV). Layer-sequential EMA")  # alpha 0.5 is still InertiaKV
     assert "with these parameters: **0**." in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
     decoupled = dict(zip(PARAM_NAMES, _show_parameters_in_use(
         "inertia-decoupled", *(widgets | {"aggregation": "ema", "layer_weighting": "last"}).values())))

@@ -34,7 +34,7 @@ import torch
 
 from .. import diagnostics, engine
 from ..models import load_model
-from ..policies import REGISTRY, Policy, build_setting, get_spec
+from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label
 from ..trace import Trace, checkpoint_note, model_dtype, run_note, time_split
 from .config import Limits
 from ..store import Store
@@ -1207,18 +1207,24 @@ def _show_parameters_in_use(policy_name: str, *param_values):
 
 
 def _describe(policy_name: str, model_name: str | None = None, *param_values) -> str:
-    """The policy's description, with the previous-step weight its current parameters give on the loaded model."""
+    """The policy's description, with the previous-step weight its current parameters give on the loaded model.
+
+    Parameters that make it another registry entry (InertiaKV with aggregation sum is cumulative, with alpha 0
+    single-step) describe that entry, named as the Compare tab would name the setting."""
     spec = REGISTRY.get(policy_name)
     if spec is None:
         return ""
-    description = f"**{spec.display}** ({spec.family}). {spec.description}" + (f" *{spec.paper}*." if spec.paper else "")
+    try:
+        policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values))) if param_values \
+            else spec.build()
+    except ValueError:
+        policy = None  # a value being typed; Run reports it
+    label = setting_label(policy) if policy is not None else policy_name
+    named = REGISTRY.get(label.split()[0], spec)
+    description = (f"These settings are **{label}**: " if named is not spec else "") + \
+        f"**{named.display}** ({named.family}). {named.description}" + (f" *{named.paper}*." if named.paper else "")
     loaded = _models.get(model_name or "")
-    if loaded:  # how much memory across steps this rule keeps on the model in use
-        try:
-            policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values))) if param_values \
-                else spec.build()
-        except ValueError:
-            return description  # a value being typed; Run reports it
+    if loaded and policy is not None:  # how much memory across steps this rule keeps on the model in use
         weight = policy.previous_step_weight(loaded[0].config.num_hidden_layers)
         if weight is not None:
             description += f" Previous-step weight on {model_name} with these parameters: **{weight:.3g}**."
