@@ -9,6 +9,8 @@ quantity is causal.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -92,10 +94,7 @@ class CheckpointPolicy(Policy):
         return True  # to buffer each step's queries; attention itself is only computed at checkpoints
 
     def begin_step(self, step: int, cached: torch.Tensor, new_position: int) -> None:
-        size = cached.numel() + 1
-        # Checkpoints every `interval` tokens; also whenever the cache would exceed B + interval - 1, which
-        # only happens when the prompt alone is over budget, so the documented bound holds at every step.
-        self.checkpoint = size > self.budget and (step % self.interval == 0 or size > self.budget + self.interval - 1)
+        self.checkpoint = self.checkpoint_at(step, cached.numel() + 1, self.budget)
         self.new_position = new_position
         self.features: dict[str, torch.Tensor] = {}
         self.layers_seen = 0
@@ -171,11 +170,13 @@ class CheckpointPolicy(Policy):
     def cache_bound(self, budget: int, step: int) -> int:
         return budget + self.interval - 1
 
+    def checkpoint_at(self, step: int, size: int, budget: int) -> bool:
+        """Whether decode step ``step``, with ``size`` entries once its token is in, is a checkpoint: every
+        ``interval`` tokens while over budget, and also whenever the cache would exceed B + interval - 1 (only
+        when the prompt alone is over budget), so that the documented bound holds at every step."""
+        return size > budget and (step % self.interval == 0 or size > budget + self.interval - 1)
+
     def first_checkpoint(self, prompt_len: int, budget: int) -> int:
-        """The decode step of a run's first checkpoint, by :meth:`begin_step`'s schedule: the first multiple
-        of ``interval`` at which the cache is over budget, or earlier, the step at which it would pass
-        ``budget + interval - 1`` (step 1 for a prompt that far over budget).  Never the prefill (step 0)."""
-        over = max(budget - prompt_len + 1, 1)  # step k's cache holds prompt_len + k entries until then
-        scheduled = -(-over // self.interval) * self.interval
-        forced = max(budget + self.interval - prompt_len, 1)
-        return min(scheduled, forced)
+        """The decode step of a run's first checkpoint (never the prefill): until then nothing is evicted, so
+        step k's cache holds prompt_len + k entries.  At the latest the step that would pass B + interval - 1."""
+        return next(step for step in itertools.count(1) if self.checkpoint_at(step, prompt_len + step, budget))

@@ -689,7 +689,8 @@ def finished_outputs(view: RunView, trace: Trace, text: str, stats: str, path: P
     """The Live tab once a run is over (or a saved one is opened): every view, the scrubber, the download."""
     last_step = view.steps - 1
     note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over B with nothing evicted
-    return (text, stats + (f"  \n*{note}*" if note else ""), view.retention_figure(), view.rank_figure(), view.timeline_figure(), view.fate_html(),
+    stats += f"  \n*{note}*" if note else ""
+    return (text, stats, view.retention_figure(), view.rank_figure(), view.timeline_figure(), view.fate_html(),
             # a run that decoded no step (one new token) has nothing to scrub
             gr.update(maximum=max(last_step, 1), value=last_step, visible=last_step > 0, interactive=True),
             gr.update(value=str(path), visible=True) if path else gr.update(value=None, visible=False),
@@ -1187,7 +1188,7 @@ def make_prompt_counter(limits: Limits):
 def _show_parameters(policy_name: str, model_name: str | None = None):
     spec = REGISTRY.get(policy_name)
     own = {p["name"]: p for p in spec.parameters()} if spec else {}
-    unused = spec.build().unused() if spec else {}
+    unused = (_unused_parameters(spec, {}) or {}) if spec else {}  # at the entry's defaults
     return [_describe(policy_name, model_name)] + [
         _parameter_update(own[name], visible=name not in unused) if name in own else gr.update(visible=False)
         for name in PARAM_NAMES]
