@@ -105,10 +105,10 @@ def _literal(value) -> str:
 def setting_names(policies, settings) -> list[str]:
     """Each row's policy, named by the parameters its setting changes (``"inertia alpha=0.9"``; the defaults,
     ``{}``, keep the bare name), each value written as the Compare tab writes it (``alpha=0``, ``true``)."""
-    from .policies import _shown
+    from .policies import shown_value
 
     return [policy if setting == "{}" else f"{policy} " + " ".join(
-        f"{name}={_shown(value)}" for name, value in json.loads(setting).items())
+        f"{name}={shown_value(value)}" for name, value in json.loads(setting).items())
         for policy, setting in zip(policies, settings)]
 
 

@@ -109,6 +109,7 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
     """Cumulative's alpha is not offered; choosing aggregation=sum for InertiaKV hides alpha, and the run leaves
     it out (it is not refused for a value it would ignore); choosing ema shows it again holding what it held,
     so that single-step stays single-step (alpha 0) after sum and back."""
+    from kvviz.policies import REGISTRY
     from kvviz.ui.app import (PARAM_NAMES, _describe, _models, _show_parameters, _show_parameters_in_use,
                               policy_from_inputs)
 
@@ -138,6 +139,14 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
     assert _describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values()).startswith(
         "**InertiaKV** (InertiaKV). Layer-sequential EMA")  # alpha 0.5 is still InertiaKV
     assert "with these parameters: **0**." in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
+    # a changed value that is no other entry is named beside the entry's text, which describes the entry's value
+    assert "Changed here" not in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
+    halfway = _describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values())
+    assert "Changed here: `alpha` = **0.5**, not 0.8 (EMA coefficient" in halfway
+    assert "`refresh`" not in halfway  # refresh 1 is InertiaKV's own
+    expected = widgets | {p["name"]: p["default"] for p in REGISTRY["expected-attention"].parameters()}
+    assert "Changed here: `vnorm` = **false**, not true (multiply the expected attention by the value norm)." in \
+        _describe("expected-attention", TINY, *(expected | {"vnorm": False}).values())
     decoupled = dict(zip(PARAM_NAMES, _show_parameters_in_use(
         "inertia-decoupled", *(widgets | {"aggregation": "ema", "layer_weighting": "last"}).values())))
     assert decoupled["last_k"]["visible"] and not decoupled["layers"]["visible"]

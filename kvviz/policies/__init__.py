@@ -73,7 +73,7 @@ class PolicySpec:
         for name, why in unused.items():
             if name in checked and checked[name] != defaults[name]:
                 raise ValueError(f"policy {self.name!r}: {name} does nothing when {why}; leave it out (or at "
-                                 f"{_shown(defaults[name])})")
+                                 f"{shown_value(defaults[name])})")
         # One spelling per run: a preset's value for a parameter the setting leaves unused goes back to the
         # default too (single-step with aggregation=sum is cumulative, alpha 0.8, not alpha 0).
         return self.cls(**{**self.preset, **checked, **{name: defaults[name] for name in unused}})
@@ -243,11 +243,11 @@ def setting_label(policy: Policy) -> str:
     candidates = {spec.name: {p["name"]: p["default"] for p in spec.parameters()}
                   for spec in REGISTRY.values() if spec.cls is type(policy)}
     best = fewest_changes(params, candidates)
-    return " ".join([best, *(f"{key}={_shown(value)}" for key, value in params.items()
+    return " ".join([best, *(f"{key}={shown_value(value)}" for key, value in params.items()
                              if value != candidates[best][key])])
 
 
-def _shown(value: Any) -> str:
+def shown_value(value: Any) -> str:
     """A parameter value as one types it: ``0`` not ``0.0``, ``false`` not ``False``."""
     if isinstance(value, bool):
         return str(value).lower()
@@ -258,4 +258,4 @@ def _shown(value: Any) -> str:
 
 
 __all__ = ["REGISTRY", "Policy", "PolicySpec", "build_setting", "coerce", "default_params", "get_spec",
-           "make_policy", "setting_label"]
+           "make_policy", "setting_label", "shown_value"]

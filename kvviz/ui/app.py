@@ -34,7 +34,7 @@ import torch
 
 from .. import diagnostics, engine
 from ..models import load_model
-from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label
+from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
 from ..trace import Trace, checkpoint_note, model_dtype, run_note, time_split
 from .config import Limits
 from ..store import Store
@@ -1224,6 +1224,12 @@ def _describe(policy_name: str, model_name: str | None = None, *param_values) ->
     named = REGISTRY.get(label.split()[0], spec)
     description = (f"These settings are **{label}**: " if named is not spec else "") + \
         f"**{named.display}** ({named.family}). {named.description}" + (f" *{named.paper}*." if named.paper else "")
+    if policy is not None:  # the entry's text describes its own values: say which of them these settings change
+        params = policy.params()
+        changed = [f"`{p['name']}` = **{shown_value(params[p['name']])}**, not {shown_value(p['default'])} "
+                   f"({p.get('help', '')})" for p in named.parameters() if params[p["name"]] != p["default"]]
+        if changed:
+            description += " Changed here: " + "; ".join(changed) + "."
     loaded = _models.get(model_name or "")
     if loaded and policy is not None:  # how much memory across steps this rule keeps on the model in use
         weight = policy.previous_step_weight(loaded[0].config.num_hidden_layers)
