@@ -642,6 +642,20 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     assert "no token" in view.history_figure([], "").layout.annotations[0].text
 
 
+def test_the_history_figure_leaves_room_under_the_budget_line_for_its_label():
+    """A token ranked first throughout, B = 30: the axis would end at rank 31, and the budget line's label,
+    drawn under the line (from 30.5), would fall onto the step axis' tick labels."""
+    from kvviz.trace import StepEvent
+
+    view = RunView(31, 2, 30, [f"t{i}" for i in range(31)])
+    view.add(StepEvent(0, 0, 0, "!", np.arange(31), np.empty(0, np.int64), np.linspace(1, 0, 31)), "!")
+    view.add(StepEvent(1, 0, 0, "?", np.append(np.arange(30), 31), np.array([30]),
+                       np.linspace(1, 0, 31)), "?")
+    figure = view.history_figure([0], "first")
+    bottom, top = figure.layout.yaxis.range
+    assert bottom - 30.5 >= 0.06 * (bottom - top)  # a label's height on a 380-pixel figure
+
+
 def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     """Checkpoints at step 1 of a view over prompt 0..4, budget 2: step 1 judged 0..3 (4 and 5, the tail,
     unjudged) with S = +inf (a sink), -.2, .1, .5 and evicted 1 and 2.  Scrubbed to step 2, the table is step

@@ -179,7 +179,7 @@ class RunView:
                 for index, values in enumerate(series):
                     fig.data[index].update(x=steps if index < 2 else steps[1:], y=values)
             return fig
-        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09,
                             subplot_titles=("cache entries", "evicted this step", "time per step (ms)"))
         fig.add_scatter(x=steps, y=[e.cache_size for e in self.events], name="cache", row=1, col=1)
         fig.add_hline(y=self.budget, line_dash="dot", line_color="#c44", row=1, col=1,
@@ -373,7 +373,8 @@ class RunView:
                                 legendgroup=name, showlegend=False, marker=dict(color=color, symbol="x", size=10),
                                 hovertext=[f"{name} evicted at step {s}" for s in gone["step"]], hoverinfo="text")
         fig.add_hline(y=self.budget + 0.5, line_dash="dash", line_color="#888",
-                      annotation_text=f"budget B = {self.budget}", annotation_position="bottom left")
+                      annotation_text=f"budget B = {self.budget}", annotation_position="bottom left",
+                      annotation_bgcolor="rgba(255,255,255,0.6)")
         # The slots left for judged entries, where the protected ones hold no finite utility and so are not
         # ranked (AvoKV-E's sinks and tail); not where they compete in the ranks (H2O's recent window).
         judged = self.budget - sum(self.pinned)
@@ -388,7 +389,8 @@ class RunView:
         decoding = history[history["step"] >= 1]
         deepest = np.nanmax(decoding[["raw_rank", "utility_rank"]].to_numpy(), initial=0.0)
         bottom = max(self.budget + 1, min(deepest, 2 * self.budget))
-        fig.update_yaxes(range=[bottom + 0.7, 0.3], title="rank (1 = most useful)")
+        # Room under the budget line for its label and the crosses, a fixed share of the plot's height.
+        fig.update_yaxes(range=[bottom + max(0.7, 0.08 * bottom), 0.3], title="rank (1 = most useful)")
         fig.update_layout(title=f"Token history: {note}<br><sup>solid: rank by the policy's utility · dotted: "
                           "rank by the step's raw score · ×: evicted · below the dashed line: out of the top B</sup>",
                           xaxis_title="decode step", height=380, margin=dict(l=50, r=20, t=60, b=40),
