@@ -594,6 +594,27 @@ def test_one_setting_typed_two_ways_is_named_as_one():
     assert list(compare_settings(["inertia", "inertia alpha=0.8", "tova"])) == ["inertia", "tova"]
 
 
+def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
+    """Four chips, three panels: the page says which chip ran as which policy, for the whole run."""
+    from kvviz.ui.app import _models, make_compare_handler, repeats_note
+
+    assert repeats_note(["inertia", "tova", "streaming", "inertia alpha=0.8"]) == \
+        "*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*"
+    assert repeats_note(["tova", "tova ", "inertia alpha=0.5", "inertia alpha=0.50"]) == \
+        "*Run once: `tova` is given twice; `inertia alpha=0.50` is `inertia alpha=0.5`.*"
+    assert repeats_note(["inertia alpha=0.8", "inertia"]) == \
+        "*Run once: `inertia` and `inertia alpha=0.8` are one setting, `inertia`.*"
+    assert repeats_note(["inertia", "tova"]) == "" and repeats_note(["inertia", 3]) == ""
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    updates = list(make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova", "streaming", "inertia alpha=0.8"],
+                                                "compression", 0.5, 0, 4, False))
+    divergences = [u[8] for u in updates[2:] if isinstance(u[8], str)]  # after the tickets and the clearing
+    assert divergences and all(d.startswith("*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*\n\n")
+                               for d in divergences)
+    assert "**tova** vs **inertia**" in divergences[-1] and list(updates[-1][-2]) == ["inertia", "tova", "streaming"]
+
+
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
     from kvviz.ui.app import _models, make_compare_check
 

@@ -511,13 +511,7 @@ def policy_settings(entries, fewest: int, what: str) -> dict[str, str]:
     if not isinstance(entries, (list, tuple)) or not all(isinstance(entry, str) for entry in entries):
         raise ValueError(f"give the policies as a list of names or settings such as 'inertia alpha=0.5', got "
                          f"{entries!r:.80}")
-    settings: dict[str, str] = {}
-    repeats = []  # (entry, the entry it repeats, their label)
-    for entry in entries:
-        label = build_setting(entry)[0]
-        if label in settings:
-            repeats.append((entry, settings[label], label))
-        settings.setdefault(label, entry)
+    settings, repeats = _distinct_settings(entries)
     if len(settings) < fewest and repeats:
         entry, first, label = repeats[0]
         same = (f"'{entry}' is given twice" if entry.strip() == first.strip() else
@@ -527,6 +521,42 @@ def policy_settings(entries, fewest: int, what: str) -> dict[str, str]:
         raise ValueError(f"choose {'two' if fewest == 2 else 'one'} to four policies to {what} (one policy twice "
                          "needs two settings, e.g. 'inertia' and 'inertia alpha=0.5')")
     return settings
+
+
+def _distinct_settings(entries) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+    """Each distinct policy's first entry by label, and the entries that repeat one: (entry, the entry it
+    repeats, their label)."""
+    settings: dict[str, str] = {}
+    repeats = []
+    for entry in entries:
+        label = build_setting(entry)[0]
+        if label in settings:
+            repeats.append((entry, settings[label], label))
+        settings.setdefault(label, entry)
+    return settings, repeats
+
+
+def repeats_note(entries) -> str:
+    """What :func:`policy_settings` dropped as a repeat, for the page (markdown): a chip that stays in the box
+    but gets no panel would otherwise pass for a lost policy.  Empty when nothing repeats (or the entries are
+    not a list of settings, which the check refuses)."""
+    try:
+        if isinstance(entries, str):
+            entries = [entries]
+        _, repeats = _distinct_settings(entries or [])
+    except (TypeError, ValueError):
+        return ""
+    parts = []
+    for entry, first, label in repeats:
+        entry, first = entry.strip(), first.strip()
+        if entry == first:
+            parts.append(f"`{entry}` is given twice")
+        elif first == label:
+            # a label with no changes is the registry entry itself, at its defaults
+            parts.append(f"`{entry}` is `{label}`" + ("" if " " in label else " (its defaults)"))
+        else:
+            parts.append(f"`{entry}` and `{first}` are one setting, `{label}`")
+    return f"*Run once: {'; '.join(parts)}.*" if parts else ""
 
 
 def compare_settings(entries) -> dict[str, str]:
@@ -806,6 +836,7 @@ def make_compare_handler(limits: Limits):
             yield (*[gr.skip()] * 12, made)
         try:
             settings = compare_settings(names)
+            repeated = repeats_note(names)  # shown above the divergence lines for the whole run
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
                                list(build_policies(settings).values()), temperature, top_p, seed)
             policies = build_policies(settings)  # fresh state
@@ -836,8 +867,9 @@ def make_compare_handler(limits: Limits):
                 if refresh:
                     last_figure = now
                 last_text = now
-                yield (*_compare_outputs(names, run.texts, run.views, figures=refresh, final=False), gr.skip())
-            yield (*comparison_result(run, stopped=ticket.is_set()), gr.skip())
+                yield (*_compare_outputs(names, run.texts, run.views, figures=refresh, final=False, note=repeated),
+                       gr.skip())
+            yield (*comparison_result(run, stopped=ticket.is_set(), note=repeated), gr.skip())
         except Exception as error:
             if ticket.is_set():
                 stopped_run_failed("the stopped comparison", error)
@@ -849,20 +881,21 @@ def make_compare_handler(limits: Limits):
     return compare_run
 
 
-def comparison_result(run: Progress, stopped: bool = False) -> tuple:
+def comparison_result(run: Progress, stopped: bool = False, note: str = "") -> tuple:
     """The Compare tab once its comparison has ended or been stopped: every panel, the divergence and
-    Jaccard lines and the zip of its traces (shown whether or not that zip could be written)."""
+    Jaccard lines (after ``note``, :func:`repeats_note`'s) and the zip of its traces (shown whether or not
+    that zip could be written)."""
     running = run.running()
-    note = (f"**stopped** after {run.views[running[0]].steps} of {run.max_new_tokens} tokens (runs that had "
-            "ended are whole)\n\n" if stopped and running else "")
+    stop_note = (f"**stopped** after {run.views[running[0]].steps} of {run.max_new_tokens} tokens (runs that had "
+                 "ended are whole)\n\n" if stopped and running else "")
     try:
         download = gr.update(value=str(save_comparison(run)), visible=True)
     except Exception:  # noqa: BLE001 -- logged; the figures, fates and diagnostics still come
         log.exception("saving the comparison's traces")
         download = gr.skip()
     outputs = list(_compare_outputs(list(run.views), run.texts, run.views, figures=True, final=True,
-                                    download=download))
-    outputs[8] = note + outputs[8]  # the divergence lines
+                                    download=download, note=note))
+    outputs[8] = stop_note + outputs[8]  # the divergence lines
     return tuple(outputs)
 
 
@@ -888,7 +921,7 @@ def save_comparison(run: Progress) -> Path:
     return archive
 
 
-def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None):
+def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None, note: str = ""):
     slots = 4
     out = []
     for i in range(slots):
@@ -908,7 +941,7 @@ def _compare_outputs(names, texts, views, figures: bool, final: bool, download=N
         else:
             out.append(gr.skip() if i < len(names) else gr.update(visible=False))
     if figures or final:
-        out.append(divergence_markdown(names, views))
+        out.append(f"{note}\n\n{divergence_markdown(names, views)}" if note else divergence_markdown(names, views))
         out.append(jaccard_figure(names, views))
     else:
         out += [gr.skip(), gr.skip()]
