@@ -615,6 +615,45 @@ def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
     assert "**tova** vs **inertia**" in divergences[-1] and list(updates[-1][-2]) == ["inertia", "tova", "streaming"]
 
 
+def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(tiny):
+    """Before the first token: at the click, "loading <model>…" while the check loads it (on a page with no
+    comparison yet, one panel per chosen policy, labelled); once checked, each chosen policy's empty panel
+    and "prefill…"; the Live tab says the same."""
+    from kvviz.ui.app import _models, make_compare_check, make_compare_handler, make_live_handler, PARAMETERS, \
+        PARAM_NAMES
+
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    announce = make_compare_check(limits).announce
+    chosen = ["inertia", "tova", "streaming", "avokv interval=16"]
+    inputs = (TINY, PROMPT, chosen, "compression", 0.5, 0, 4, False)
+    _models.pop(TINY, None)
+    note, *panels = announce(*inputs, None)
+    assert note == f"*loading {TINY}…*" and TINY not in _models  # the check loads it, not this
+    assert [(p["label"], p["visible"]) for p in panels[:4]] == [(label, True) for label in chosen]
+    assert [p["visible"] for p in panels[4:]] == [True] * 4
+    assert all(p == gr.skip() for p in announce(*inputs, {"inertia": None})[1:])  # an earlier comparison stays
+    repeated = announce(TINY, PROMPT, ["inertia", "inertia alpha=0.8", "tova"], "compression", 0.5, 0, 4, False, None)
+    assert repeated[0] == f"*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*\n\n*loading {TINY}…*"
+    assert all(u == gr.skip() for u in announce(TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False, None))
+    _models[TINY] = tiny
+    assert all(u == gr.skip() for u in announce(*inputs, None))  # loaded: the check is quick
+    prompt_len = len(tiny[1](PROMPT, add_special_tokens=False)["input_ids"])
+    updates = make_compare_handler(limits)(*inputs)
+    next(updates)  # an API call's tickets
+    start = next(updates)
+    assert [(p["value"], p["label"], p["visible"]) for p in start[:4]] == [("", label, True) for label in chosen]
+    assert [(p["value"], p["visible"]) for p in start[4:8]] == [(None, True)] * 4  # the last figures go
+    assert start[8] == f"*prefill of the {prompt_len}-token prompt…*"
+    two = make_compare_handler(limits)(TINY, PROMPT, chosen[:2], "compression", 0.5, 0, 4, False)
+    next(two)
+    assert [p["visible"] for p in next(two)[:8]] == [True, True, False, False] * 2
+    defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
+    live = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, 0.0, 1.0, 0,
+                                     *defaults, "", None)
+    next(live)
+    assert next(live)[1] == f"*prefill of the {prompt_len}-token prompt…*"
+
+
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
     from kvviz.ui.app import _models, make_compare_check
 

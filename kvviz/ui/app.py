@@ -619,7 +619,25 @@ def make_compare_check(limits: Limits):
             return gr.skip()
         return f"{NOT_COMPARED}{reason}.*" if reason else ""
 
+    def announce(*inputs_and_state):
+        """At the click, while the check loads the model (its first comparison): say so where the
+        comparison will be, after any repeats' note, and, with no earlier comparison on the page, label one
+        panel per chosen policy.  Nothing when the model is loaded or the inputs will be refused."""
+        *inputs, state = inputs_and_state
+        skip = (gr.skip(),) * 9
+        try:
+            loading = loading_note(inputs[0])
+            if loading is None or problem(*inputs, load=False):
+                return skip
+            labels = list(compare_settings(inputs[2]))
+        except Exception:  # noqa: BLE001 -- the check reports it
+            return skip
+        note = f"{repeats_note(inputs[2])}\n\n{loading}".lstrip()
+        # Panels that hold an earlier comparison keep its labels until this one passes its check.
+        return note, *(starting_panels(labels) if state is None else skip[:8])
+
     check_compare.refusal_note, check_compare.refreshed_note = refusal_note, refreshed_note
+    check_compare.announce = announce
     return check_compare
 
 
@@ -661,8 +679,9 @@ def make_live_handler(limits: Limits):
         view = run.views[policy_name]
         last_figure, last_secondary, last_fate, last_text = 0.0, 0.0, 0.0, 0.0
         figure_every = 1 / limits.figures_per_second if limits.figures_per_second else math.inf
-        # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming.
-        yield ("", "", None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
+        # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming, and
+        # say what runs until the first token.
+        yield ("", PREFILL.format(len(request.prompt_ids)), None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
                None, None, gr.skip())
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
@@ -849,8 +868,10 @@ def make_compare_handler(limits: Limits):
         last_figure = last_text = 0.0
         # Four panels a refresh: a quarter of the Live tab's rate.
         figure_every = 4 / limits.figures_per_second if limits.figures_per_second else math.inf
-        # The last comparison's download and state go now, not when this one ends.
-        yield (*[gr.skip()] * 10, gr.update(value=None, visible=False), None, gr.skip())
+        # One empty panel per chosen policy, labelled, and what runs before the first token; the last
+        # comparison's figures, download and state go now, not when this one ends.
+        yield (*starting_panels(names), f"{repeated}\n\n{PREFILL.format(len(request.prompt_ids))}".lstrip(), None,
+               gr.update(value=None, visible=False), None, gr.skip())
         try:
             # Sampled, every policy draws the same random stream: where their next-token distributions agree
             # they pick the same token, so the first divergence is still the eviction's doing.
@@ -879,6 +900,23 @@ def make_compare_handler(limits: Limits):
             release_memory()
 
     return compare_run
+
+
+PREFILL = "*prefill of the {}-token prompt…*"  # the status until a run's first tokens
+
+
+def loading_note(model_name) -> str | None:
+    """The status while a click's check loads ``model_name`` (its first run: tens of seconds for a real
+    model), or None when it is loaded (or not one of ours: the check refuses it)."""
+    return f"*loading {model_name}…*" if isinstance(model_name, str) and model_name not in _models else None
+
+
+def starting_panels(labels) -> list:
+    """The Compare tab's text and figure panels as a comparison of ``labels`` starts: one empty, labelled
+    panel each, the rest hidden."""
+    texts = [gr.update(value="", label=labels[i], visible=True) if i < len(labels) else gr.update(value="", visible=False)
+             for i in range(4)]
+    return [*texts, *(gr.update(value=None, visible=i < len(labels)) for i in range(4))]
 
 
 def comparison_result(run: Progress, stopped: bool = False, note: str = "") -> tuple:
@@ -1305,7 +1343,7 @@ def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
 
 
 def stoppable_run(limits: Limits, run_button, stop_button, check, handler, inputs: list, outputs: list, name: str,
-                  progress_on) -> tuple:
+                  progress_on, announce=None) -> tuple:
     """A Run button and its Stop (the Live tab's, the Compare tab's): the events ``/{name}`` and ``/stop_{name}``.
 
     The click first takes a ticket, the run's stop switch (a click while the session's run is pending ends
@@ -1314,12 +1352,16 @@ def stoppable_run(limits: Limits, run_button, stop_button, check, handler, input
     itself, where Gradio's default would drop it), and a failed check or run retires the click's ticket.
     Stop, unqueued so that a full queue cannot hold it up, sets the session's tickets: a decoding run ends
     before its next step and shows what ran; one being checked or waiting in the queue is cancelled (through
-    a hidden field's change, never a decoding one).  Returns the check's and the run's events."""
+    a hidden field's change, never a decoding one).  ``announce`` (function, inputs, outputs), unqueued, says
+    what the click waits for (a model's first load) before the check starts.  Returns the check's and the
+    run's events."""
     tickets, ticket_id = gr.State(None), gr.Textbox("", visible=False)  # "": an API call
     # A refusal's toast stays until closed (refused()); the next click closes it, so that it never sits over
     # a run that then goes ahead.
     run_button.click(None, None, None, js=CLOSE_ERROR_TOASTS, queue=False, api_name=False)
     taken = run_button.click(button_ticket, tickets, [tickets, ticket_id], queue=False, api_name=False)
+    if announce:
+        taken.success(*announce, api_name=False, queue=False, show_progress="hidden")
     checked = taken.success(check, inputs, None, api_name=False, show_progress_on=progress_on)
     checked.failure(retire, tickets, None, queue=False, api_name=False)
     running = checked.success(handler, [*inputs, ticket_id, tickets], [*outputs, tickets],
@@ -1387,7 +1429,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             # after a refusal the prompt's token count replaces it there, and the last run's views stay.
             # The API is /generate; /live drives the widgets.
             checked, live = stoppable_run(limits, run, stop, make_live_check(limits), make_live_handler(limits),
-                                          inputs, live_outputs, "live", progress_on=prompt_size)
+                                          inputs, live_outputs, "live", progress_on=prompt_size,
+                                          announce=(lambda name: loading_note(name) or gr.skip(), model, prompt_size))
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
             trace_checked = saved.upload(check_trace, saved, None, api_name=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
@@ -1507,7 +1550,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_checked, compare = stoppable_run(
                 limits, c_run, c_stop, compare_check, make_compare_handler(limits), c_inputs,
                 [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state], "compare",
-                progress_on=c_divergence)
+                progress_on=c_divergence,
+                announce=(compare_check.announce, [*c_inputs, c_state], [c_divergence, *c_texts, *c_figs]))
             c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
             for component in c_inputs:
                 component.input(compare_check.refreshed_note, [*c_inputs, c_divergence], c_divergence,
