@@ -671,6 +671,37 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
                                                               0.5, 0, 9999, False)
 
 
+def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny):
+    """A refusal keeps the last comparison's results on the page, as the Live tab keeps its last run, but
+    says they are the previous comparison's: in the note, on each panel and on both tables."""
+    from kvviz.ui.app import NOT_RUN, _models, make_compare_check, mark_previous_run
+
+    _models[TINY] = tiny
+    marks = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refused_marks
+    refused = (TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False)
+    note, *texts, fates, stability = marks(*refused, {"inertia": None, "tova alpha=0.5": None})
+    assert note == ("*Not compared: choose two to four policies to compare (one policy twice needs two settings, "
+                    "e.g. 'inertia' and 'inertia alpha=0.5').*\n\n*Shown: the previous comparison (inertia, tova "
+                    "alpha=0.5), not these inputs' results.*")
+    assert [t.get("label") for t in texts] == ["inertia · previous comparison", "tova alpha=0.5 · previous comparison",
+                                                None, None]
+    assert fates["label"] == "Previous comparison: Fate per policy"
+    assert stability["label"].startswith("Previous comparison: Stability per policy (InertiaKV App. I;")
+    # No comparison yet: the panels the click labelled go back to placeholders; no tables to mark.
+    note, *texts, fates, stability = marks(*refused, None)
+    assert "Shown:" not in note and [t["label"] for t in texts] == ["policy 1", "policy 2", "policy 3", "policy 4"]
+    assert fates == stability == gr.skip()
+    # Stop cancelled the check of passing inputs: nothing refused, nothing marked.
+    assert all(u == gr.skip() for u in marks(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False,
+                                             {"inertia": None}))
+    stats = "**tokens** 4 / 4 · **prompt** 50 tokens"
+    view = RunView(4, 2, 4, ["a", "b", "c", "d"])
+    assert mark_previous_run(view, stats) == NOT_RUN + stats
+    assert mark_previous_run(view, NOT_RUN + stats) == NOT_RUN + stats  # refused twice: said once
+    assert NOT_RUN.startswith("*Not run: the last click was refused")
+    assert mark_previous_run(None, "") == gr.skip()  # nothing shown yet: nothing to mark
+
+
 def test_an_edit_after_a_refused_comparison_restates_or_clears_the_reason():
     """The note of a refused click follows the inputs as they are edited: the reason they have now, nothing
     once they pass; what a comparison itself wrote there (no refusal) stays."""

@@ -360,6 +360,13 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     message.wait_for(state="hidden", timeout=30_000)
     page.locator("a[download='comparison.zip']").wait_for(timeout=120_000)  # and the comparison runs
     assert page.get_by_test_id("toast-text").count() == 0
+    # Refused now, the comparison that ran stays, marked as the previous one (not these inputs' results).
+    page.get_by_label("Prompt").nth(1).fill(PROMPT * 40)
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.get_by_text("Shown: the previous comparison (inertia, tova, streaming)").wait_for(timeout=30_000)
+    page.get_by_label("inertia · previous comparison").wait_for(timeout=10_000)
+    page.screenshot(path=ARTIFACTS / "compare_refused_after_a_comparison.png", full_page=True)
+    page.get_by_label("Prompt").nth(1).fill(PROMPT)
 
 
 def test_a_refused_run_leaves_the_views_and_shows_the_count(page):

@@ -569,6 +569,13 @@ def build_policies(settings: dict[str, str]) -> dict[str, Policy]:
 
 
 NOT_COMPARED = "*Not compared: "  # how the refusal note begins, where the comparison would have been
+PREVIOUS = "previous comparison"  # how a refusal marks what the last comparison left on the page
+FATES_LABEL = "Fate per policy"
+STABILITY_LABEL = ("Stability per policy (InertiaKV App. I; means over steps, k = B): top-B churn of raw scores "
+                   "and of utility (the keep turnover wherever the cache holds B, for any policy), their Jaccard, "
+                   "raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
+                   "scores, and of their utilities, over the entries both scored (the ranking inertia); n/a "
+                   "where a policy records no such score or never rescores")
 
 
 def make_compare_check(limits: Limits):
@@ -636,7 +643,27 @@ def make_compare_check(limits: Limits):
         # Panels that hold an earlier comparison keep its labels until this one passes its check.
         return note, *(starting_panels(labels) if state is None else skip[:8])
 
+    def refused_marks(*inputs_and_state):
+        """A refused click: :func:`refusal_note`, and the previous comparison's panels and tables, which stay
+        as the Live tab's last run does, each marked as the previous comparison's, so that they are not
+        taken for these inputs' results (its next comparison relabels them).  With no comparison yet, the
+        panels the click labelled go back to their placeholders."""
+        *inputs, state = inputs_and_state
+        note = refusal_note(*inputs)
+        if not isinstance(note, str):  # Stop cancelled the check: nothing was refused
+            return (gr.skip(),) * 7
+        labels = list(state or [])
+        texts = [gr.update(label=f"{labels[i]} · {PREVIOUS}") if i < len(labels) else
+                 gr.update(label=f"policy {i + 1}") if not labels else gr.skip() for i in range(4)]
+        if labels:
+            note += f"\n\n*Shown: the {PREVIOUS} ({', '.join(labels)}), not these inputs' results.*"
+        # first: the stability table's label runs to three lines
+        tables = [gr.update(label=f"{PREVIOUS.capitalize()}: {label}") if labels else gr.skip()
+                  for label in (FATES_LABEL, STABILITY_LABEL)]
+        return note, *texts, *tables
+
     check_compare.refusal_note, check_compare.refreshed_note = refusal_note, refreshed_note
+    check_compare.refused_marks = refused_marks
     check_compare.announce = announce
     return check_compare
 
@@ -744,6 +771,17 @@ def finished_outputs(view: RunView, trace: Trace, text: str, stats: str, path: P
             gr.update(maximum=max(last_step, 1), value=last_step, visible=last_step > 0, interactive=True),
             gr.update(value=str(path), visible=True) if path else gr.update(value=None, visible=False),
             diagnostics_markdown(trace), view, view.step_detail_figure(last_step))
+
+
+NOT_RUN = "*Not run: the last click was refused (or stopped before it ran); below, the previous run.*  \n"
+
+
+def mark_previous_run(view: RunView | None, stats: str):
+    """A Live click that did not run: its last run's views stay (as a refused comparison's do), and its
+    stats line says they are that run's, not these inputs'.  The next run or opened trace rewrites it."""
+    if view is None or not isinstance(stats, str):
+        return gr.skip()
+    return NOT_RUN + stats.removeprefix(NOT_RUN)
 
 
 def make_open_handler(limits: Limits):
@@ -1471,6 +1509,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             # too (.then does not follow a failed event), so that it sits beside the toast's reason.
             for loaded in (checked.success, checked.failure, opened.then):
                 loaded(counter, count_inputs, prompt_size, api_name=False)
+            checked.failure(mark_previous_run, [view_state, stats], stats, api_name=False, queue=False)
             app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
         with gr.Tab("Compare"):
@@ -1503,15 +1542,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                           placeholder="text to find (e.g. 9074615) or positions (#12, #40-45); "
                                           "empty: the prompt tokens the policies disagree on")
                     c_fates_note = gr.Markdown()
-                    c_fates = gr.Dataframe(label="Fate per policy", visible=False, interactive=False, max_height=360)
-                    c_diagnostics = gr.Dataframe(label="Stability per policy (InertiaKV App. I; means over steps, "
-                                                 "k = B): top-B churn of raw scores and of utility (the keep "
-                                                 "turnover wherever the cache holds B, for any policy), their "
-                                                 "Jaccard, raw top-B evicted, and the rank stabilities: Spearman "
-                                                 "of consecutive recomputations' raw scores, and of their "
-                                                 "utilities, over the entries both scored (the ranking inertia); "
-                                                 "n/a where a policy records no such score or never rescores",
-                                                 visible=False, interactive=False)
+                    c_fates = gr.Dataframe(label=FATES_LABEL, visible=False, interactive=False, max_height=360)
+                    c_diagnostics = gr.Dataframe(label=STABILITY_LABEL, visible=False, interactive=False)
                     with gr.Accordion("Oracle damage probe", open=False):
                         gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
                                     "of the full-cache continuation, and ranks each policy's utility against the damage. "
@@ -1552,13 +1584,17 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state], "compare",
                 progress_on=c_divergence,
                 announce=(compare_check.announce, [*c_inputs, c_state], [c_divergence, *c_texts, *c_figs]))
-            c_checked.failure(compare_check.refusal_note, c_inputs, c_divergence, api_name=False)
+            c_checked.failure(compare_check.refused_marks, [*c_inputs, c_state],
+                              [c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False)
             for component in c_inputs:
                 component.input(compare_check.refreshed_note, [*c_inputs, c_divergence], c_divergence,
                                 api_name=False, trigger_mode="always_last", show_progress="hidden", queue=False)
-            c_checked.success(lambda: compare_fates(None, ""), None, [c_fates_note, c_fates], api_name=False,
-                              queue=False)
-            c_checked.success(lambda: compare_diagnostics(None), None, c_diagnostics, api_name=False, queue=False)
+            # A refusal's marks go too (the text panels' go with the run's first update).
+            c_checked.success(lambda: (compare_fates(None, "")[0], gr.update(value=None, visible=False,
+                                                                             label=FATES_LABEL)),
+                              None, [c_fates_note, c_fates], api_name=False, queue=False)
+            c_checked.success(lambda: gr.update(value=None, visible=False, label=STABILITY_LABEL), None,
+                              c_diagnostics, api_name=False, queue=False)
             compare.then(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False)
             compare.then(compare_diagnostics, c_state, c_diagnostics, api_name=False)
             c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
