@@ -1249,6 +1249,35 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
     assert columns[2].startswith("inertia (to step") and columns[3].startswith("inertia alpha=0.3 (to step")
 
 
+def test_a_budget_never_filled_is_refused_with_a_remedy_that_works(tiny):
+    """Prompt L, n new tokens: the run feeds back L + n - 1 tokens, so a budget B evicts only if B < L + n - 1,
+    i.e. with n >= B - L + 2 new tokens, offered only within the app's limit (16 here)."""
+    from kvviz.ui.app import _models, validate
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    size = len(kvviz.engine.encode_prompt(tiny[1], PROMPT, chat=False))
+
+    def check(budget, new_tokens):
+        return validate(limits, TINY, PROMPT, "budget", 0.5, budget, new_tokens, False, [kvviz.make_policy("tova")])
+
+    # B = L + 5 with 4 new tokens feeds back L + 3: below L + 3, or 7 new tokens (L + 6 fed back) evicts.
+    with pytest.raises(ValueError, match=rf"^a budget of {size + 5} holds the {size}-token prompt and all 3 tokens "
+                                         rf"fed back, so nothing would be evicted; choose a budget below {size + 3}, "
+                                         r"or allow at least 7 new tokens$"):
+        check(size + 5, 4)
+    assert check(size + 5, 7).budget == size + 5 and check(size + 2, 4).budget == size + 2
+    with pytest.raises(ValueError, match="allow at least 7 new tokens"):
+        check(size + 5, 6)  # one fewer than offered: L + 5 fed back, all held
+    # The largest budget 16 new tokens fill is L + 14; one more is past any remedy but a smaller budget.
+    with pytest.raises(ValueError, match="or allow at least 16 new tokens$"):
+        check(size + 14, 4)
+    assert check(size + 14, 16).budget == size + 14
+    with pytest.raises(ValueError, match=rf"choose a budget below {size + 3} \(even 16 new tokens, the most allowed "
+                                         r"here, would not fill it\)$"):
+        check(size + 15, 4)
+
+
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):
     """The long-generation regime: B = L0 + 5 with 20 new tokens evicts from step 6 on.  A budget the run
     never fills is refused."""
@@ -1262,12 +1291,13 @@ def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny)
     assert [t["value"] for t in result[:2]] == ["".join(e.text for e in run.trace.events) for run in runs]
     sizes = [e.cache_size for e in runs[0].trace.events]
     assert sizes[5] == budget and sizes[-1] == budget and not any(len(e.evicted) for e in runs[0].trace.events[:5])
-    with pytest.raises(Exception, match=f"nothing would be evicted; choose a budget below {prompt_len + 19} or more "
-                                        "new tokens$"):
+    with pytest.raises(Exception, match=f"nothing would be evicted; choose a budget below {prompt_len + 19}, or "
+                                        "allow at least 21 new tokens$"):
         client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, prompt_len + 19, 20, False, *GREEDY, "",
                        api_name="/compare")
     # a budget that no number of new tokens here would fill: more tokens is not offered as a way out
-    with pytest.raises(Exception, match=f"choose a budget below {prompt_len + 19}$"):
+    with pytest.raises(Exception, match=f"choose a budget below {prompt_len + 19} \\(even 3000 new tokens, the most "
+                                        "allowed here, would not fill it\\)$"):
         client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 10**6, 20, False, *GREEDY, "",
                        api_name="/compare")
     # The same through the API, whose optional last argument is the budget in tokens.

@@ -248,8 +248,11 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
         # generated tokens fill it.  Only a budget that the whole run never reaches is refused.
         fed = len(prompt_ids) + max_new - 1  # the last token is generated, never fed back
         if value >= fed:
-            longest = len(prompt_ids) + limits.max_new_tokens - 1  # the most this app feeds back
-            more = " or more new tokens" if value < longest else ""
+            # More new tokens fill it once they feed back more than it holds: value - prompt + 2 of them,
+            # offered only within this app's limit.
+            needed = value - len(prompt_ids) + 2
+            more = (f", or allow at least {needed} new tokens" if needed <= limits.max_new_tokens else
+                    f" (even {limits.max_new_tokens} new tokens, the most allowed here, would not fill it)")
             raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} tokens "
                              f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
         resolved = value
