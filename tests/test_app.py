@@ -791,6 +791,33 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[4]  # 4: not judged
 
 
+def test_whitespace_tokens_show_in_table_cells_not_as_blanks():
+    """The fates table and the Why table: a newline, tab or spaces-only token is a symbol, not an empty
+    cell; a space before a word stays as it is; the text searched (Follow) is the token's own."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.app import compare_fates
+    from kvviz.ui.figures import visible_whitespace
+
+    tokens = ["system", "\n", " ", "\t", "  ", " The", "a\r\n"]
+    assert [visible_whitespace(t) for t in tokens] == ["system", "⏎", "␣", "⇥", "␣␣", " The", "a␍⏎"]
+    assert visible_whitespace("") == ""
+    views = {}
+    for name, evicted in (("a", 1), ("b", 2)):  # each evicts one whitespace token at step 1
+        view = RunView(7, 2, 6, tokens)
+        view.add(StepEvent(0, 0, 0, "!", np.arange(7), np.empty(0, np.int64)), "!")
+        view.add(StepEvent(1, 0, 0, "?", np.array([p for p in range(8) if p != evicted]), np.array([evicted])), "?")
+        views[name] = view
+    frame = compare_fates(views, "")[1]["value"]  # what they disagree on: the newline and the space
+    assert frame["position"].tolist() == [1, 2] and frame["token"].tolist() == ["⏎", "␣"]
+    assert compare_fates(views, "#3-4")[1]["value"]["token"].tolist() == ["⇥", "␣␣"]
+    assert compare_fates(views, "a\r")[1]["value"]["position"].tolist() == [6]  # found by its own text
+    nan = float("nan")
+    terms = {"S": np.array([0.3, -0.1, 0.2, 0.1, 0.5, 0.6, nan, nan], np.float32)}
+    view = views["a"]
+    view.events[-1].components = terms
+    assert view.terms_frame(1)[0]["token"].tolist()[:3] == ["⏎", "⇥", "␣"]  # lowest S first: 1, 3, 2
+
+
 def test_compare_follows_prompt_tokens_through_each_policy():
     """Prompt [The][ key][ is][ 42], budget 4: at step 1 policy a evicts 1 (" key"), b evicts 3 (" 42")."""
     from kvviz.trace import StepEvent

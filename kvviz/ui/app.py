@@ -1091,7 +1091,7 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
         return f"*{note}*", gr.update(value=None, visible=False)
     fates = {name: [views[name].evicted_at(p) for p in positions] for name in names}
     # Runs that diverge end at different steps: each column says how far its "kept" reaches.
-    frame = pd.DataFrame({"position": positions, "token": [first.token(p) for p in positions],
+    frame = pd.DataFrame({"position": positions, "token": [first.token_cell(p) for p in positions],
                           **{f"{name} (to step {views[name].steps - 1})":
                              ["kept" if step is None else f"evicted at step {step}" for step in steps]
                              for name, steps in fates.items()}})

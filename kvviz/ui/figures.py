@@ -257,7 +257,7 @@ class RunView:
         terms = event.components
         judged = ~np.all([np.isnan(values) for values in terms.values()], axis=0)
         present = event.present[judged]
-        frame = pd.DataFrame({"position": present, "token": [self.token(int(p)) for p in present],
+        frame = pd.DataFrame({"position": present, "token": [self.token_cell(int(p)) for p in present],
                               **{name: values[judged].astype(np.float64) for name, values in terms.items()}})
         score = list(terms)[-1]  # the combined score comes last (AvoKV-E's S, R-KV's score)
         sink = np.isposinf(frame[score].to_numpy())  # kept by rule, whatever their terms
@@ -401,6 +401,10 @@ class RunView:
     def token(self, position: int) -> str:
         return self.tokens[position] if position < len(self.tokens) else ""
 
+    def token_cell(self, position: int) -> str:
+        """The token as a table cell shows it: :func:`visible_whitespace`."""
+        return visible_whitespace(self.token(position))
+
     def fate_html(self, step: int | None = None, prompt_only: bool = True) -> str:
         """The tokens coloured by fate: kept to the end (or to ``step``), evicted at step s, not yet generated."""
         step = self.steps - 1 if step is None else step
@@ -419,6 +423,16 @@ class RunView:
             spans.append(f'<span title="{tip}" style="{style}">{html.escape(self.token(position))}</span>')
         return ('<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.6; max-height: 320px;'
                 ' overflow-y: auto">' + "".join(spans) + "</div>")
+
+
+SHOWN_WHITESPACE = str.maketrans({"\n": "⏎", "\r": "␍", "\t": "⇥"})
+
+
+def visible_whitespace(token: str) -> str:
+    """A token for a table cell, where whitespace is a blank cell: line breaks and tabs as symbols, and a
+    token of spaces only as one ␣ each (a space before a word stays a space)."""
+    shown = token.translate(SHOWN_WHITESPACE)
+    return shown.replace(" ", "␣") if token and not token.strip(" ") else shown
 
 
 def _binned_share(values: np.ndarray, weight: np.ndarray, col: int, row: int) -> np.ndarray:
