@@ -6,7 +6,8 @@
 * raw-top evicted rate: share of this step's raw top-k that the step evicted;
 * keep-set turnover: ``1 - Jaccard`` of consecutive keep sets.  With k = B and the cache held at B, the
   utility top-k *is* the keep set, so utility churn equals this turnover (``2 / (B + 1)`` a step when the new
-  entry displaces an old one) for every policy that evicts by its utility, InertiaKV or not;
+  entry displaces an old one) for every policy that evicts by its utility, InertiaKV or not; both count only
+  steps that evicted (growth is no churn: a full cache, a checkpointed policy between checkpoints);
 * rank stability: Spearman correlation of consecutive recomputations' raw scores (or utilities) over the
   entries scored at both, the ranking inertia that churn at k = B cannot show;
 * Spearman correlation and top-k Jaccard between two scorers on the same step;
@@ -95,9 +96,16 @@ def raw_churn(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
 
 
 def utility_churn(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:
-    """(step, churn of the top-k by the policy's utility (the EMA for InertiaKV) against the previous step)."""
+    """(step, churn of the top-k by the policy's utility (the EMA for InertiaKV) against the previous step),
+    for consecutive steps of which the later evicted, the steps :func:`keep_turnover` pairs.  A step that
+    evicts nothing decided nothing: between AvoKV-E's or R-KV's checkpoints each new entry, not judged yet,
+    enters the top-k at +inf and pushes the lowest judged one out, 2 / (k + 1) a step that counted would
+    read as churn (and match any policy's turnover at k = B)."""
     k = k or trace.budget
-    return _consecutive_churn([(e.step, _utility_top(e, k)) for e in trace.decode_steps])
+    evicted = {e.step for e in trace.decode_steps if e.evicted.size}
+    return [(step, value) for step, value in _consecutive_churn([(e.step, _utility_top(e, k))
+                                                                 for e in trace.decode_steps])
+            if step in evicted]
 
 
 def raw_utility_jaccard(trace: Trace, k: int | None = None) -> list[tuple[int, float]]:

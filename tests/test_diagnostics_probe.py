@@ -67,6 +67,9 @@ def test_keep_turnover_and_rank_stability_on_a_hand_trace():
     summary = dx.summary(trace)
     assert summary["keep_turnover"] == pytest.approx(0.4)
     assert summary["utility_rank_stability"] == pytest.approx(-0.5)
+    # Utility top-4: {0,1,2,3} -> {0,1,2,5} at step 2, churn 2/5.  Step 3 evicts nothing: its top-4 {6,5,1,2}
+    # (6 unjudged at +inf pushes 0 out) decided nothing, so it is no churn (counted, another 2/5).
+    assert dx.utility_churn(trace) == [(2, pytest.approx(0.4))]
     # Fewer than three common positions: no correlation, and the mean skips it.
     assert np.isnan(dx.utility_rank_stability(hand_trace())[0][1])
     assert np.isnan(dx.summary(hand_trace())["utility_rank_stability"])
@@ -177,6 +180,12 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
         decisions = [e.step for e in checkpointed.decode_steps if e.components]
         assert decisions == [1, 8, 16, 24]
         assert [step for step, _ in dx.utility_rank_stability(checkpointed)] == decisions[1:]
+        # Churn only into a checkpoint (the steps that evict), each from the step before it.
+        assert [step for step, _ in dx.utility_churn(checkpointed)] == decisions[1:]
+        # One checkpoint in a short run: nothing to pair, n/a (not 2/(B+1) from its new entries at +inf).
+        short = kvviz.run(model, tokenizer, tiny_prompt, name, budget=60, max_new_tokens=10, interval=16).trace
+        assert [e.step for e in short.decode_steps if e.evicted.size] == [1]
+        assert dx.utility_churn(short) == [] and np.isnan(dx.summary(short)["utility_churn"])
 
 
 def test_token_history_of_a_real_run_agrees_with_its_events(tiny, tiny_prompt):

@@ -470,12 +470,15 @@ def diagnostics_markdown(trace: Trace) -> str:
     rows = "\n".join(f"| {name.replace('_', ' ')} | {'n/a' if np.isnan(v) else f'{v:.4f}'} |" for name, v in values.items())
     return ("| diagnostic (mean over steps, k = budget) | value |\n|---|---|\n" + rows +
             "\n\n" + DIAGNOSTICS_NOTE + "\n\n*n/a: this policy records no raw per-step score (or no utility) to "
-            "compare, or no two consecutive steps have one.*")
+            "compare, or no two consecutive steps have one (for utility churn and keep turnover: no two of which "
+            "the later evicted).*")
 
 
 # Why two policies' utility churn can match while their rankings do not (README, "How it works").
 DIAGNOSTICS_NOTE = ("*Where the cache holds B, the top-B by utility is the keep set itself, so utility churn is "
-                    "the keep turnover, 2/(B+1) a step when a new entry displaces an old one, for any policy. "
+                    "the keep turnover, 2/(B+1) a step when a new entry displaces an old one, for any policy; "
+                    "both count only steps that evicted (AvoKV-E and R-KV: into each checkpoint from the step "
+                    "before it). "
                     "The rank stabilities measure how much each recomputation reorders the ranking: the Spearman "
                     "correlation of consecutive recomputations' raw scores, and of their utilities, over the "
                     "entries both scored (each policy on its own keep set; a step that changes no utility, as "
@@ -578,7 +581,8 @@ STABILITY_LABEL = ("Stability per policy (InertiaKV App. I; means over steps, k 
                    "and of utility (the keep turnover wherever the cache holds B, for any policy), their Jaccard, "
                    "raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
                    "scores, and of their utilities, over the entries both scored (the ranking inertia); n/a "
-                   "where a policy records no such score or never rescores")
+                   "where a policy records no such score or never rescores (churn and turnover: where it evicted "
+                   "at no step after its first, as AvoKV-E with one checkpoint)")
 
 
 def make_compare_check(limits: Limits):
