@@ -367,6 +367,9 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     page.get_by_label("inertia · previous comparison").wait_for(timeout=10_000)
     page.screenshot(path=ARTIFACTS / "compare_refused_after_a_comparison.png", full_page=True)
     page.get_by_label("Prompt").nth(1).fill(PROMPT)
+    # closed: the Live tab's refusal of the same prompt must show a toast of its own
+    page.evaluate("() => document.querySelectorAll('button.toast-close.error').forEach(b => b.click())")
+    message.wait_for(state="hidden", timeout=30_000)
 
 
 def test_a_refused_run_leaves_the_views_and_shows_the_count(page):
