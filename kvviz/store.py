@@ -179,12 +179,18 @@ class Store:
         # The experiment a measured row belongs to; a cell is that plus its draw.
         experiment = ["model", "task", "sample", "seed", "policy", "setting", *self._CUT_BY.values(), "prompt_len",
                       *GENERATION]
+        # ``ran_in``: every sweep that ran the row's experiment (a row written by hand, without a sweep name,
+        # by its folder), so that a sweep's filter keeps the cells it shares with a sweep kept in its place.
+        single = "source IS DISTINCT FROM 'measured' OR sample IS NULL"
         self.con.execute(
-            f"CREATE TABLE generations AS SELECT * FROM (SELECT * REPLACE (named(policy, CAST(params AS VARCHAR)) "
+            f"CREATE TABLE generations AS SELECT *, CASE WHEN {single} THEN [coalesce(sweep, folder)] ELSE "
+            f"list(DISTINCT coalesce(sweep, folder) ORDER BY coalesce(sweep, folder)) OVER (PARTITION BY "
+            f"{', '.join(experiment)}) END AS ran_in "
+            "FROM (SELECT * REPLACE (named(policy, CAST(params AS VARCHAR)) "
             "AS policy) FROM (SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
             f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
             "ON settings.folder = split_part(shard, '/', 1) WHERE problem = ''))) "
-            "QUALIFY source IS DISTINCT FROM 'measured' OR sample IS NULL OR row_number() OVER (PARTITION BY "
+            f"QUALIFY {single} OR row_number() OVER (PARTITION BY "
             f"{', '.join(experiment)}, coalesce(draw, 0) ORDER BY sweep) = 1")
         # One row per measured sample and cell: the mean over its draws (a greedy sweep has one draw, so its
         # rows are unchanged), so that every figure, count and paired test is per sample -- draws of one
@@ -334,21 +340,25 @@ class Store:
                "absolute_budget": "CASE WHEN policy = 'full' THEN NULL ELSE absolute_budget END"}
     _CUT = ", ".join(f"{expression} AS {name}" for name, expression in _CUT_BY.items())
 
-    def _filters(self, task, model, source, policies) -> tuple[str, list]:
+    def _filters(self, task, model, source, policies, sweeps=None) -> tuple[str, list]:
+        """The WHERE clause of the filters (None: any), ``sweeps`` a list of sweep names: rows any of them ran."""
         sql = ("(? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?) "
-               "AND (? IS NULL OR list_contains(?, policy)) AND list_contains(?, metric)")
-        return sql, [task, task, model, model, source, source, policies, policies, list(QUALITY_METRICS)]
+               "AND (? IS NULL OR list_contains(?, policy)) AND (?::VARCHAR[] IS NULL OR list_has_any(ran_in, ?)) "
+               "AND list_contains(?, metric)")
+        sweeps = list(sweeps) if sweeps else None
+        return sql, [task, task, model, model, source, source, policies, policies, sweeps, sweeps,
+                     list(QUALITY_METRICS)]
 
     def quality_vs_compression(self, task: str | None = None, model: str | None = None,
                                policies: list[str] | None = None, source: str | None = None,
-                               settings: bool = False) -> pd.DataFrame:
+                               settings: bool = False, sweeps: list[str] | None = None) -> pd.DataFrame:
         """Mean score and its standard error per (source, model, task, policy, compression or absolute budget)
         of each policy at its default setting (the α and refresh sweeps have their own queries), under
         optional filters; over samples, each the mean of its ``draws`` where a sweep sampled several.  A
         compression cell has ``absolute_budget`` NULL, a budget cell ``compression`` NULL; the full cache has
         neither (one reference for both).  With ``settings``, every other parameter setting that was run too,
         each its own policy named by what it changes (``"avokv interval=16"``)."""
-        where, params = self._filters(task, model, source, policies)
+        where, params = self._filters(task, model, source, policies, sweeps)
         frame = self.frame(
             f"""
             SELECT source, model, task, policy, setting, {self._CUT}, avg(score) AS score,
@@ -366,17 +376,17 @@ class Store:
         return {name: values[parameter] for name, values in self.defaults.items()
                 if parameter in values and {k: v for k, v in values.items() if k != parameter} == base}
 
-    def alpha_sensitivity(self, task=None, model=None, source=None) -> pd.DataFrame:
+    def alpha_sensitivity(self, task=None, model=None, source=None, sweeps=None) -> pd.DataFrame:
         """InertiaKV's mean score per EMA coefficient α, from rows that change nothing but α, per compression
         or absolute budget.  The family is every registered name whose defaults differ from ``inertia``'s in α
         alone (inertia α = 0.8, single-step α = 0, where the store files InertiaKV run at α = 0), at its own
         default α."""
-        where, params = self._filters(task, model, source, None)
+        where, params = self._filters(task, model, source, None, sweeps)
         family = self._family("alpha")
         return self.frame(
             f"""
             SELECT source, model, task, compression, absolute_budget, alpha, avg(score) AS score,
-                   count(*) AS samples FROM (
+                   stddev_samp(score) / sqrt(count(*)) AS stderr, count(*) AS samples FROM (
                 SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.alpha') AS DOUBLE),
                                    default_alpha) AS alpha
                 FROM results JOIN (SELECT unnest(?::VARCHAR[]) AS policy, unnest(?::DOUBLE[]) AS default_alpha)
@@ -385,17 +395,18 @@ class Store:
             WHERE alpha IS NOT NULL GROUP BY ALL ORDER BY source, model, task, compression, absolute_budget, alpha
             """, [list(family), list(family.values()), *params])
 
-    def refresh_curve(self, task=None, model=None, source=None) -> pd.DataFrame:
+    def refresh_curve(self, task=None, model=None, source=None, sweeps=None) -> pd.DataFrame:
         """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family,
         from rows that change nothing but r.  The family is every registered name whose defaults differ from
         ``inertia``'s in r alone (inertia r = 1, inertia-lazy r = 4, score-free r = 0), at its own default r;
         per compression or absolute budget."""
-        where, params = self._filters(task, model, source, None)
+        where, params = self._filters(task, model, source, None, sweeps)
         family = self._family("refresh")
         return self.frame(
             f"""
             SELECT source, model, task, compression, absolute_budget, refresh, avg(score) AS score,
-                   avg(decode_tok_s) AS decode_tok_s, count(*) AS samples FROM (
+                   stddev_samp(score) / sqrt(count(*)) AS stderr, avg(decode_tok_s) AS decode_tok_s,
+                   count(*) AS samples FROM (
                 SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.refresh') AS INTEGER),
                                    default_refresh) AS refresh
                 FROM results JOIN (SELECT unnest(?::VARCHAR[]) AS policy, unnest(?::INTEGER[]) AS default_refresh)
@@ -404,7 +415,7 @@ class Store:
             GROUP BY ALL ORDER BY source, model, task, compression, absolute_budget, refresh
             """, [list(family), list(family.values()), *params])
 
-    def speed_vs_quality(self, task=None, model=None, policies=None, settings: bool = False) -> pd.DataFrame:
+    def speed_vs_quality(self, task=None, model=None, policies=None, settings: bool = False, sweeps=None) -> pd.DataFrame:
         """Measured decode throughput, cache size and score per (model, task, policy, compression or absolute
         budget) at defaults (``settings``: every setting run, named as in :meth:`quality_vs_compression`).
 
@@ -414,7 +425,7 @@ class Store:
         step's cache is never smaller than a prefill-time policy's B), or the prompt fits an absolute budget;
         NULL for the cell unless every sample says.  ``budget`` is the mean resolved budget; ``sweeps`` names
         the sweeps the rows come from (speeds compare within one run)."""
-        where, params = self._filters(task, model, "measured", policies)
+        where, params = self._filters(task, model, "measured", policies, sweeps)
         frame = self.frame(
             f"""
             SELECT model, task, policy, setting, {self._CUT}, avg(score) AS score,
@@ -429,7 +440,7 @@ class Store:
             """, [settings, *params])
         return named_by_setting(frame)
 
-    def max_length_hits(self, task=None, model=None, policies=None, settings: bool = False) -> pd.DataFrame:
+    def max_length_hits(self, task=None, model=None, policies=None, settings: bool = False, sweeps=None) -> pd.DataFrame:
         """How many generations reached ``max_new_tokens`` instead of ending with end-of-sequence, per (model,
         task, policy, compression or absolute budget) of each policy at its defaults (AvoKV-E's Table 2 counts
         the same, per absolute budget).
@@ -439,7 +450,7 @@ class Store:
         lack it and are never guessed), ``hits`` those that reached the cap; ``hit_rate`` = hits / recorded,
         NULL where no row records it.  Measured rows only: the papers print counts per table, not per run.
         """
-        where, params = self._filters(task, model, "measured", policies)
+        where, params = self._filters(task, model, "measured", policies, sweeps)
         frame = self.frame(
             f"""
             SELECT source, model, task, policy, setting, {self._CUT},
@@ -495,10 +506,10 @@ class Store:
             HAVING count(DISTINCT origin = 'measured') = 2 ORDER BY suite
             """, [list(QUALITY_METRICS)]).fetchall()]
 
-    def needle_grid(self, model=None, policies=None, source=None) -> pd.DataFrame:
+    def needle_grid(self, model=None, policies=None, source=None, sweeps=None) -> pd.DataFrame:
         """Mean score per (policy, compression or absolute budget, context length, needle depth) of the
         needle-in-a-haystack grid."""
-        where, params = self._filters("needle_grid", model, source, policies)
+        where, params = self._filters("needle_grid", model, source, policies, sweeps)
         return self.frame(
             f"""
             SELECT source, policy, {self._CUT},
@@ -509,7 +520,8 @@ class Store:
             GROUP BY ALL ORDER BY source, policy, absolute_budget NULLS FIRST, compression NULLS FIRST, length, depth
             """, params)
 
-    def paired_scores(self, reference: str, task=None, model=None, policies=None, settings: bool = False) -> pd.DataFrame:
+    def paired_scores(self, reference: str, task=None, model=None, policies=None, settings: bool = False,
+                      sweeps=None) -> pd.DataFrame:
         """Each measured sample's score under a policy next to its score under ``reference`` (at its defaults)
         on the same prompt, for paired comparisons (:mod:`kvviz.stats`); every policy at its defaults, and with
         ``settings`` also every other parameter setting that was run (α and refresh sweeps, ablations), each
@@ -521,7 +533,7 @@ class Store:
         ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
         ``absolute_budget``, ``sample``, ``score``, ``reference_score``, ``setting``.
         """
-        where, params = self._filters(task, model, "measured", None)
+        where, params = self._filters(task, model, "measured", None, sweeps)
         frame = self.frame(
             f"""
             WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ?) AND sample IS NOT NULL AND {where})
@@ -541,10 +553,10 @@ class Store:
             """, [settings, *params, reference, policies, policies])
         return frame.assign(policy=setting_names(frame.policy, frame.setting))
 
-    def other_settings(self, task=None, model=None, policies=None, source=None) -> pd.DataFrame:
+    def other_settings(self, task=None, model=None, policies=None, source=None, sweeps=None) -> pd.DataFrame:
         """Rows that the per-policy queries leave out because they change a parameter from its default (α and
         refresh sweeps, ablations): how many per (policy, setting), so that a table can say what it omits."""
-        where, params = self._filters(task, model, source, policies)
+        where, params = self._filters(task, model, source, policies, sweeps)
         return self.frame(
             f"""
             SELECT policy, setting, count(*) AS rows FROM results WHERE setting <> '{{}}' AND {where}
@@ -555,6 +567,7 @@ class Store:
         """The distinct values of a filter column, of one source's rows or of all."""
         if column not in ("task", "model", "policy", "source", "sweep"):
             raise ValueError(f"no filter on {column!r}")
+        values = "unnest(ran_in)" if column == "sweep" else column  # a shared cell counts for every sweep it ran in
         return [row[0] for row in self.con.execute(
-            f"SELECT DISTINCT {column} FROM results WHERE {column} IS NOT NULL AND (? IS NULL OR source = ?) "
-            "ORDER BY 1", [source, source]).fetchall()]
+            f"SELECT DISTINCT * FROM (SELECT {values} AS value FROM results WHERE (? IS NULL OR source = ?)) "
+            "WHERE value IS NOT NULL ORDER BY 1", [source, source]).fetchall()]

@@ -238,8 +238,11 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, api_name="/results")
-        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, api_name="/results")
+        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, [], api_name="/results")
+        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, [],
+                                   api_name="/results")
+        only_paper = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, ["paper"],
+                                    api_name="/results")
         assert len(everything) == 3 * len(SECTIONS)  # each figure with its table and CSV
 
         def at(section: str) -> int:  # where a section's figure is among the outputs
@@ -255,6 +258,8 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
         # inertia-lazy here sets refresh = 8: a refresh-sweep point, not the policy at its default
         assert policies(everything[1]) == {"inertia", "score-free", "tova", "full"}
         assert policies(only_tova[1]) == {"tova"}
+        sources = only_paper[1]["headers"].index("source")
+        assert {row[sources] for row in only_paper[1]["data"]} == {"paper"}  # the sweep filter
         assert path(only_tova[2]).read_text().startswith("source,model,task,policy")
         # measured vs paper: each source relative to its own full cache (0.75 / 1.0 and 42 / 84 for inertia)
         comparison = everything[at("Measured vs paper") + 1]
@@ -1191,13 +1196,14 @@ def test_speed_and_cache_figures_average_every_point_over_the_same_tasks(tmp_pat
     assert {trace.name: list(trace.y) for trace in speed.data} == {"full": [0.75], "h2o": [0.5], "tova": [0.5]}
     assert {point[2] for trace in speed.data for point in trace.customdata} == {"s"}  # the run, in the hover
     cache = figures[3 * SECTIONS.index("Quality vs cache held")]
-    assert {trace.name: list(trace.y) for trace in cache.data} == {"h2o": [0.5], "tova": [0.5]}
-    assert [shape.y0 for shape in cache.layout.shapes] == [0.75]  # the full cache over a and b
+    # the full cache over a and b: a dotted line named with its score in the legend
+    assert {trace.name: list(trace.y) for trace in cache.data} == {"h2o": [0.5], "tova": [0.5],
+                                                                   "full cache: 0.75": [0.75, 0.75]}
     for figure in (speed, cache):
         assert "mean over a, b; extra left out (not run at every point)" in figure.layout.title.text
     # One task chosen: every point over it alone, nothing left out.
     cache = query(Store(tmp_path), "(all)", "extra", [], "measured")[3 * SECTIONS.index("Quality vs cache held")]
-    assert {trace.name: list(trace.y) for trace in cache.data} == {"tova": [1.0]}
+    assert {trace.name: list(trace.y) for trace in cache.data} == {"tova": [1.0], "full cache: 0.00": [0.0, 0.0]}
     assert "left out" not in cache.layout.title.text
 
 
@@ -1244,3 +1250,135 @@ def test_the_results_tab_shows_other_settings_as_their_own_policies_when_asked(t
     assert set(table.policy) >= {"inertia alpha=0.3", "inertia refresh=8"}
     colours = {trace.name: trace.line.color for trace in every[0].data if trace.mode and "lines" in trace.mode}
     assert colours.get("inertia alpha=0.3") and colours["inertia alpha=0.3"] != colours.get("inertia")
+
+
+def review_store(tmp_path: Path) -> Store:
+    """Two sweeps that share one cell (s2 reran s1's tova at ρ 0.5), a budget sweep, and paper rows: printed
+    numbers 0.1 apart at one ρ, and a paper's budgets far past the measured ones."""
+    base = {"source": "measured", "model": "m", "seed": 0, "prompt_len": 100, "metric": "string_match",
+            "params": {}, "decode_tok_s": 10.0, "absolute_budget": None}
+    s1 = [{**base, "sweep": "s1", "task": "t", "sample": sample, "policy": policy, "compression": rho,
+           "score": score, "params": params}
+          for policy, rho, params, scores in [("full", None, {}, (1.0, 0.5)), ("tova", 0.5, {}, (0.5, 0.0)),
+                                              ("inertia", 0.9, {}, (1.0, 0.0)),
+                                              ("inertia", 0.9, {"alpha": 0.0}, (0.0, 0.0))]
+          for sample, score in enumerate(scores)]
+    s2 = [{**base, "sweep": "s2", "task": "t", "sample": sample, "policy": policy, "compression": 0.5,
+           "score": score, "decode_tok_s": 20.0} for policy, scores in [("tova", (0.5, 0.0)), ("h2o", (1.0, 1.0))]
+          for sample, score in enumerate(scores)]
+    s3 = [{**base, "sweep": "s3", "task": "r", "sample": 0, "policy": policy, "compression": None,
+           "absolute_budget": budget, "score": score, "decode_tok_s": 5.0}
+          for policy, budget, score in [("full", None, 0.5), ("tova", 80, 0.25), ("tova", 112, 0.5)]]
+    # a task run at one budget (and without timings: it is in no speed figure)
+    s3 += [{**base, "sweep": "s3", "task": "q", "sample": 0, "policy": policy, "compression": None,
+            "absolute_budget": budget, "score": 0.5, "decode_tok_s": None} for policy, budget in [("full", None),
+                                                                                                ("tova", 64)]]
+    for name, rows_ in (("s1", s1), ("s2", s2), ("s3", s3)):
+        write_rows(tmp_path / name, rows_)
+    paper = {"source": "paper", "sweep": "paper", "paper": "P", "table": "Table 1", "params": {}, "metric": "score"}
+    write_rows(tmp_path / "paper", [
+        {**paper, "model": "L", "task": "LongBench", "policy": "inertia", "compression": 0.9, "score": 52.52},
+        {**paper, "model": "L", "task": "LongBench", "policy": "tova", "compression": 0.9, "score": 52.62},
+        {**paper, "model": "L", "task": "LongBench", "policy": "tova", "compression": 0.9, "score": 52.62,
+         "table": "Table 2"},  # the same number printed twice: "two figures", no standard error
+        {**paper, "model": "D", "task": "MATH-500", "policy": "tova", "compression": None, "absolute_budget": 1024,
+         "score": 80.0}])
+    return Store(tmp_path)
+
+
+def test_a_sweep_filter_keeps_the_cells_a_sweep_ran_also_where_another_sweep_holds_them(tmp_path):
+    store = review_store(tmp_path)
+    # s2's tova rows are s1's experiment: stored once (as s1's), but s2 ran them too
+    assert store.options("sweep") == ["paper", "s1", "s2", "s3"]
+    assert store.options("sweep", source="measured") == ["s1", "s2", "s3"]
+    s2 = store.quality_vs_compression(sweeps=["s2"])
+    assert s2[["policy", "compression", "score", "samples"]].values.tolist() == [
+        ["h2o", 0.5, 1.0, 2], ["tova", 0.5, 0.25, 2]]
+    assert set(store.quality_vs_compression(sweeps=["s1"]).policy) == {"full", "tova", "inertia", "single-step"}
+    assert set(store.quality_vs_compression(sweeps=["s1", "s3"]).task) == {"t", "r", "q"}
+    assert store.speed_vs_quality(sweeps=["s3"]).policy.tolist() == ["full", "tova", "tova"]
+    assert store.alpha_sensitivity(sweeps=["s2"]).empty and len(store.alpha_sensitivity(sweeps=["s1"])) == 2
+    # pairs need both sides in the sweep: h2o pairs with s2's tova, not with s1's inertia
+    assert set(store.paired_scores("tova", sweeps=["s2"]).policy) == {"h2o"}
+    assert store.paired_scores("inertia", sweeps=["s2"]).empty
+
+
+def test_results_figures_say_what_each_point_is_and_keep_panels_readable(tmp_path):
+    from kvviz.ui.results import SECTIONS, query
+
+    store = review_store(tmp_path)
+    figures = lambda *args, **kwargs: dict(zip(SECTIONS, query(store, *args, **kwargs)[0::3]))
+    everything = figures("(all)", "(all)", [], "(all)")
+    quality = everything["Quality vs compression"]
+    traces = {(trace.xaxis, trace.name): trace for trace in quality.data}
+    # the paper's MATH-500 budgets (1024) have an x axis of their own, not the measured budgets' (80, 112)
+    paper_axis = next(axis for (axis, name), trace in traces.items() if list(trace.x) == [1024])
+    measured_axis = next(axis for (axis, name), trace in traces.items() if list(trace.x) == [80, 112])
+    layout_of = lambda axis: quality.layout[axis.replace("x", "xaxis")]
+    assert paper_axis != measured_axis and layout_of(paper_axis).matches is None
+    assert layout_of(measured_axis).matches != paper_axis
+    # printed figures 0.1 apart get a panel at least 10% of their value tall; and no error bars: the
+    # "samples" of a paper row are the printed figures it averages
+    paper_tova = next(trace for (axis, name), trace in traces.items() if name == "tova" and list(trace.x) == [0.9]
+                      and max(trace.y) > 50)
+    low, high = quality.layout[paper_tova.yaxis.replace("y", "yaxis")].range
+    assert high - low >= 0.1 * 52.62 and low < 52.52 and high > 52.62
+    assert paper_tova.error_y.array is None or all(v != v for v in paper_tova.error_y.array)
+    assert "n = 2 printed figures" in paper_tova.hovertext[0]
+    # the full cache in a panel of one budget: a reference around it, not a point under that budget's markers
+    one_budget = figures("(all)", "q", [], "measured")["Quality vs compression"]
+    full = next(trace for trace in one_budget.data if trace.name == "full")
+    assert min(full.x) < 64 < max(full.x) and list(full.y) == [0.5, 0.5] and full.line.dash == "dot"
+    measured_tova = next(trace for (axis, name), trace in traces.items() if name == "tova" and list(trace.x) == [0.5])
+    assert "ρ=0.5" in measured_tova.hovertext[0] and "n = 2 samples" in measured_tova.hovertext[0]
+    assert list(measured_tova.error_y.array) == [pytest.approx(0.25)]  # (0.5, 0): sd 0.354 / sqrt 2
+    # papers print no samples to pair: one message, no axes
+    paired = figures("(all)", "(all)", [], "paper")["Paired differences"]
+    assert [a.text for a in paired.layout.annotations] == [
+        "papers print no per-sample scores: choose the measured source to pair samples"]
+    assert paired.layout.xaxis.visible is False
+    # α run at two values per cut: markers, not a line through what was never run
+    alpha = figures("(all)", "t", [], "measured")["α sensitivity"]
+    assert [(list(trace.x), trace.mode) for trace in alpha.data] == [([0.0, 0.8], "markers")]
+    # speeds of the compression and the budget sweeps never share an axis; each panel names its sweeps
+    speed = figures("(all)", "(all)", [], "measured")["Quality vs decode speed"]
+    assert {trace.xaxis for trace in speed.data} == {"x", "x2"}
+    assert [a.text for a in speed.layout.annotations] == ["compression cells (ρ) · s1, s2",
+                                                          "absolute-budget cells · s3"]
+    tova = next(trace for trace in speed.data if trace.name == "tova" and trace.xaxis == "x2")
+    # B=80 cuts harder than B=112: the larger marker
+    assert dict(zip([point[0] for point in tova.customdata], tova.marker.size)) == {"B=80": 14, "B=112": 7}
+    # the needle grid is a task of its own: another task chosen says so
+    grid = figures("(all)", "t", [], "measured")["Needle in a haystack grid"]
+    assert [a.text for a in grid.layout.annotations] == ["the grid is the task needle_grid: choose it (or (all)) "
+                                                         "as the Task"]
+
+
+def test_the_draws_note_names_the_sampled_tasks():
+    from kvviz.ui.results import _draws_note
+
+    frame = pd.DataFrame({"task": ["a", "b", "b"], "draws": [1, 4, 2]})
+    assert _draws_note(frame) == " over samples; on b each sample the mean of up to 4 sampled draws"
+    assert _draws_note(frame.assign(draws=1)) == ""
+
+
+def test_the_policy_filter_marks_names_only_a_paper_reports(tmp_path):
+    import gradio as gr
+
+    from kvviz.ui.results import build_results_tab
+
+    store = review_store(tmp_path)
+    with gr.Blocks() as app:
+        build_results_tab(app, store)
+    dropdowns = {block.label: block for block in app.blocks.values() if isinstance(block, gr.Dropdown)}
+    choices = dropdowns["Policies (none = all)"].choices
+    assert ("h2o", "h2o") in choices and ("tova", "tova") in choices
+    write_rows(tmp_path / "paper2", [{"source": "paper", "sweep": "paper2", "paper": "P", "table": "T",
+                                      "model": "L", "task": "LongBench", "policy": "thinkv", "compression": 0.9,
+                                      "params": {}, "metric": "score", "score": 50.0}])
+    with gr.Blocks() as app:
+        build_results_tab(app, Store(tmp_path))
+    dropdowns = {block.label: block for block in app.blocks.values() if isinstance(block, gr.Dropdown)}
+    assert ("thinkv (paper only)", "thinkv") in dropdowns["Policies (none = all)"].choices
+    assert dropdowns["Sweeps (none = all; a cell run by two sweeps counts in either)"].choices == [
+        (name, name) for name in ("paper", "paper2", "s1", "s2", "s3")]

@@ -246,7 +246,10 @@ class Colours:
 
 
 def _empty(fig: go.Figure, text: str = "no rows for these filters") -> go.Figure:
+    """``fig`` saying ``text``, without axes to read (they would span a meaningless default range)."""
     fig.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
     return fig
 
 
@@ -346,9 +349,10 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
         fig.update_yaxes(title_text=ylabel if col == 1 else None, row=row, col=col, secondary_y=False)
         kind = part["axis"].iloc[0] if "axis" in part and not part.empty else None
         x_axis = fig.get_subplot(row, col, secondary_y=False).xaxis.plotly_name.replace("axis", "")  # "x3"
-        if first_x.setdefault(kind, x_axis) != x_axis:
-            # one x range per kind: panels compare at a glance
-            fig.update_xaxes(matches=first_x[kind], row=row, col=col)
+        if first_x.setdefault((source, kind), x_axis) != x_axis:
+            # one x range per source and kind: measured panels compare at a glance, and a paper's budgets
+            # (AvoKV-E's up to 1024) do not squeeze a measured sweep's into a corner
+            fig.update_xaxes(matches=first_x[source, kind], row=row, col=col)
     # What the figure is and which rows it shows on the first line; the parenthetical, which can run past a
     # narrow figure's edge and hide that, on a second.
     head, paren, rest = title.partition(" (")
@@ -378,14 +382,26 @@ def _axis_titles(fig: go.Figure, panels: list, xlabel: str) -> None:
         fig.update_xaxes(title_text=xlabel, row=row, col=col)
 
 
+def _hover_counts(part: pd.DataFrame) -> list[str]:
+    """What each point averages, for its hover: samples (a paper row: printed figures), or generations."""
+    if "recorded" in part:
+        return [f"{hits:g} of {recorded:g} generations" for hits, recorded in zip(part.hits, part.recorded)]
+    if "samples" not in part:
+        return [""] * len(part)
+    unit = "printed figures" if "source" in part and part["source"].iloc[0] == "paper" else "samples"
+    return [f"n = {n:g} {unit}" for n in part.samples]
+
+
 def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str,
-                 colours: Colours | None = None) -> go.Figure:
+                 colours: Colours | None = None, join_fewer_than: int = 0) -> go.Figure:
     """``y`` against ``x``, a panel per source / model / task, a line per policy (and compression or budget,
     if not x).  With x = ``"compression"``, budget cells are drawn against their budget in panels of their own
     (:func:`_on_cut_axes`), and ``xlabel`` is the compression axis's title only.
 
     A line has one colour and one legend entry across the panels (a policy its usual colour); clicking it
-    in the legend toggles it everywhere.  Paper rows are dashed.
+    in the legend toggles it everywhere.  Paper rows are dashed.  A line of fewer than ``join_fewer_than``
+    points is drawn as markers alone (α: two far-apart values joined would read as measured in between).
+    The hover gives each point's value, standard error and what it averages.
     """
     cuts = [c for c in ("compression", "absolute_budget") if c in frame]
     reference = x == "compression"  # the full cache is then a flat line across each panel
@@ -406,20 +422,46 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             # each other setting of a policy: a shade of its colour, and a marker of its own
             marker = dict(symbol=colours.symbol(policy)) if colour else None
             colour = colour or palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
-            dash = "dash" if part["source"].iloc[0] == "paper" else "solid"
+            paper = part["source"].iloc[0] == "paper"
+            dash = "dash" if paper else "solid"
             xs, ys = part[x], part[y]
+            stderr = part["stderr"] if "stderr" in part and not paper else pd.Series(np.nan, index=part.index)
+            where = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)] if reference \
+                else [f"{xlabel} = {position:g}" for position in xs]
+            hover = [f"{label}<br>{at}<br>{ylabel} {value:.3f}" + ("" if pd.isna(error) else f" ± {error:.3f}")
+                     + (f"<br>{count}" if count else "") for at, value, error, count in
+                     zip(where, ys, stderr, _hover_counts(part))]
+            mode = "lines+markers" if len(part) >= join_fewer_than else "markers"
             if reference and policy == "full" and len(part) == 1 and panel[x].notna().any():
-                # The full cache does not depend on the compression: a reference across the panel's range.
-                xs, ys, dash = [panel[x].min(), panel[x].max()], [ys.iloc[0]] * 2, "dot"
-            # ± one standard error over samples, where there are several (paper rows are single numbers)
-            error = dict(type="data", array=part["stderr"], visible=True, thickness=1) \
-                if "stderr" in part and part["stderr"].notna().any() and len(xs) == len(part) else None
+                # The full cache does not depend on the compression: a reference across the panel's range
+                # (a panel of one cut: around it, or the line would be a point under that cut's markers).
+                low, high = panel[x].min(), panel[x].max()
+                pad = 0.0 if high > low else max(abs(low) * 0.1, 0.05)
+                xs, ys, dash, mode = [low - pad, high + pad], [ys.iloc[0]] * 2, "dot", "lines"
+                hover = [f"full cache (no cut)<br>{ylabel} {part[y].iloc[0]:.3f}<br>{_hover_counts(part)[0]}"] * 2
+            # ± one standard error over samples, where there are several; a paper row's "samples" are the
+            # printed figures it averages, often one number printed twice: no error of anything
+            error = dict(type="data", array=stderr, visible=True, thickness=1) \
+                if stderr.notna().any() and len(xs) == len(part) else None
             fig.add_scatter(x=xs, y=ys, name=label, legendgroup=label, showlegend=label not in shown,
-                            mode="lines+markers", line=dict(dash=dash, color=colour), marker=marker, error_y=error,
-                            row=row, col=col)
+                            mode=mode, line=dict(dash=dash, color=colour), marker=marker, error_y=error,
+                            hovertext=hover, hoverinfo="text", row=row, col=col)
             shown.add(label)
+        if not panel.empty and "source" in panel and panel["source"].iloc[0] == "paper":
+            _readable_range(fig, panel[y], row, col)
     _axis_titles(fig, panels, xlabel)
     return fig
+
+
+def _readable_range(fig: go.Figure, values: pd.Series, row: int, col: int) -> None:
+    """A paper panel's y range, at least 10% of its largest value tall: printed figures that differ in the
+    second decimal (52.52 against 52.62) would otherwise fill the panel as if they differed a lot."""
+    low, high = values.min(), values.max()
+    least = 0.1 * max(abs(low), abs(high))
+    if pd.isna(low) or high - low >= least or least == 0:
+        return
+    middle = (low + high) / 2
+    fig.update_yaxes(range=[middle - 0.6 * least, middle + 0.6 * least], row=row, col=col, secondary_y=False)
 
 
 def _hits_figure(frame: pd.DataFrame, colours: Colours, settings: bool = False) -> go.Figure:
@@ -439,14 +481,18 @@ def _hits_figure(frame: pd.DataFrame, colours: Colours, settings: bool = False) 
     return fig
 
 
-def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours) -> go.Figure:
+def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours, empty: str | None = None) -> go.Figure:
     """Each policy's paired difference to ``reference`` against compression (budget cells against their budget,
     in panels of their own), with its bootstrap interval, a panel per model / task (and per suite over its
-    tasks); the policies are nudged apart on x so that intervals at the same cut do not hide each other."""
+    tasks); the policies are nudged apart on x so that intervals at the same cut do not hide each other.
+    ``empty``: what to say when no pair is left (default: that none pairs under these filters)."""
+    if frame.empty:
+        return _empty(go.Figure(), empty or f"no measured samples pair with {reference} under these filters")
     frame = frame.assign(source="measured")
-    placed = _on_cut_axes(frame) if not frame.empty else frame.assign(axis="compression", position=frame.compression)
+    placed = _on_cut_axes(frame)
     fig, panels = _facets(placed, f"Paired difference to {reference} on the same samples (mean Δ; bars: 95% "
-                          "paired-bootstrap interval; filled: sign test p < 0.05)", f"Δ score vs {reference}")
+                          "paired-bootstrap interval; filled: sign test p < 0.05; policies nudged apart on x "
+                          "around their cut)", f"Δ score vs {reference}")
     policies = sorted(frame.policy.unique()) if not frame.empty else []
     shown = set()
     for _, panel, row, col in panels:
@@ -471,8 +517,6 @@ def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours) -> go.
                 row=row, col=col)
             shown.add(policy)
     _axis_titles(fig, panels, "compression ρ")
-    if frame.empty:
-        _empty(fig, f"no measured samples pair with {reference} under these filters")
     return fig
 
 
@@ -511,16 +555,18 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours) -> go.
 def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
     """Score (left axis) and decode speed (right axis, dotted) against the refresh interval, a panel per
     source / model / task and a colour per compression (or absolute budget)."""
-    fig, panels = _facets(frame, "Refresh interval r (0 = score-free): quality and decode speed", "mean score",
-                          y2label="decode tok/s (measured)")
+    fig, panels = _facets(frame, "Refresh interval r (0 = score-free): quality and decode speed (bars: ± 1 "
+                          "standard error)", "mean score", y2label="decode tok/s (measured)")
     palette, shown = {}, set()
     for _, panel, row, col in panels:
         for cut, part in _with_budgets(panel).groupby(["compression", "absolute_budget"], dropna=False, sort=True):
             label = _cut_label(*cut)
             colour = palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
             dash = "dash" if part["source"].iloc[0] == "paper" else "solid"
+            error = dict(type="data", array=part.stderr, visible=True, thickness=1) \
+                if dash == "solid" and "stderr" in part and part.stderr.notna().any() else None  # measured rows
             fig.add_scatter(x=part.refresh, y=part.score, name=f"{label} score", legendgroup=f"{label} score",
-                            showlegend=f"{label} score" not in shown, mode="lines+markers",
+                            showlegend=f"{label} score" not in shown, mode="lines+markers", error_y=error,
                             line=dict(dash=dash, color=colour), row=row, col=col, secondary_y=False)
             shown.add(f"{label} score")
             if part.decode_tok_s.notna().any():
@@ -584,35 +630,70 @@ def _point_labels(part: pd.DataFrame, kinds: int) -> list[str]:
 KIND_SYMBOLS = {"compression": "circle", "budget": "square", "full": "circle"}
 
 
+def _cut_order(part: pd.DataFrame) -> pd.Series:
+    """How hard each of a kind's cells cuts the cache, 0 (least) to 1 (most): a compression's ρ up, an absolute
+    budget down; the full cache 0."""
+    budget = part.absolute_budget.notna()
+    severity = part.compression.where(~budget, -part.absolute_budget).astype(float)
+    ranks = severity.rank(method="dense") - 1
+    top = ranks.max()
+    return (ranks / top).fillna(0.0) if top and top > 0 else pd.Series(0.0, index=part.index)
+
+
 def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     """Quality against measured decode speed, one point per (policy, compression or budget), averaged over
-    the tasks every point has (:func:`_comparable`)."""
-    fig = go.Figure()
+    the tasks every point has (:func:`_comparable`).
+
+    A panel per kind of cell: compression cells and absolute-budget cells come from other sweeps, prompts and
+    lengths, so their speeds never share an axis (each panel names the sweeps its points come from).  A line
+    per policy joins its cells in order of the cut, the marker the larger the harder the cut."""
     if frame.empty:
-        return _empty(fig, "no measured rows with a decode speed for these filters")
+        return _empty(go.Figure(), "no measured rows with a decode speed for these filters")
     rows, notes = _comparable(frame)
     per_point = _per_point(rows, ["score", "decode_tok_s", "decode_cache"])
-    several, kinds = per_point.model.nunique() > 1, per_point.kind.nunique()
-    for (model, policy), part in per_point.groupby(["model", "policy"]):
-        cuts = _point_labels(part, kinds)
-        # No text on the points: a dozen policies share the 20-23 tok/s cluster; the hover names the cut.
-        fig.add_scatter(x=part.decode_tok_s, y=part.score, name=f"{policy} · {model}" if several else policy,
-                        mode="markers", marker=dict(size=10, color=colours(policy),
-                                                    symbol=[KIND_SYMBOLS[k] for k in part.kind]),
-                        customdata=list(zip(cuts, part.decode_cache, part.sweeps)),
-                        hovertemplate=(f"{policy}<br>%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
-                                       "%{x:.2f} tok/s<br>largest cache while decoding %{customdata[1]:.0f}"
-                                       "<br>run: %{customdata[2]}<extra></extra>"))
-    fig.update_layout(xaxis_title="decode tok/s", yaxis_title="mean score", legend=dict(font=dict(size=10)))
-    _title(fig, "Quality vs decode speed (measured)", notes + (["squares: budget cells"] if kinds > 1 else []))
+    several = per_point.model.nunique() > 1
+    kinds = sorted(per_point.kind.unique(), key=["compression", "budget", "full"].index)
+    names = {"compression": "compression cells (ρ)", "budget": "absolute-budget cells", "full": "full cache"}
+    titles = []
+    for kind in kinds:
+        sweeps = sorted({name for joined in per_point[per_point.kind == kind].sweeps for name in joined.split(", ")})
+        titles.append(f"{names[kind]} · {', '.join(sweeps)}")
+    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles, horizontal_spacing=0.08)
+    shown = set()
+    for col, kind in enumerate(kinds, start=1):
+        panel = per_point[per_point.kind == kind]
+        order = _cut_order(panel[panel.policy != "full"]).reindex(panel.index, fill_value=0.0)
+        for (model, policy), part in panel.assign(order=order).groupby(["model", "policy"]):
+            part = part.sort_values("order")
+            cuts = _point_labels(part, 1)
+            name = f"{policy} · {model}" if several else policy
+            # No text on the points: a dozen policies share one cluster of speeds; the hover names the cut.
+            fig.add_scatter(x=part.decode_tok_s, y=part.score, name=name, legendgroup=name,
+                            showlegend=name not in shown, mode="lines+markers",
+                            line=dict(color=colours(policy), width=1),
+                            marker=dict(size=7 + 7 * part.order, color=colours(policy), symbol=KIND_SYMBOLS[kind]),
+                            customdata=list(zip(cuts, part.decode_cache, part.sweeps)),
+                            hovertemplate=(f"{policy}<br>%{{customdata[0]}}<br>score %{{y:.3f}}<br>"
+                                           "%{x:.2f} tok/s<br>largest cache while decoding %{customdata[1]:.0f}"
+                                           "<br>run: %{customdata[2]}<extra></extra>"), row=1, col=col)
+            shown.add(name)
+        fig.update_xaxes(title_text="decode tok/s", row=1, col=col)
+    fig.update_yaxes(title_text="mean score", row=1, col=1)
+    fig.update_layout(legend=dict(font=dict(size=10)))
+    fig.update_annotations(font_size=11)
+    _title(fig, "Quality vs decode speed (measured)",
+           notes + ["a line per policy through its cells; the larger the marker, the harder the cut"])
+    fig.update_layout(margin_t=fig.layout.margin.t + 20, height=fig.layout.height + 20)  # the panels' titles
     return fig
 
 
 def _title(fig: go.Figure, title: str, notes: list[str]) -> None:
     """``title`` with each note on a small line of its own below it (one long line would run past the edge),
     and the top margin and height that make room for them."""
-    fig.update_layout(title="<br>".join([title, *(f"<sup>{note}</sup>" for note in notes)]),
-                      margin={**MARGIN, "t": MARGIN["t"] + 16 * len(notes)}, height=400 + 16 * len(notes))
+    # Anchored at the top: centred in the margin (Plotly's default) it would run into panel titles under it
+    fig.update_layout(title=dict(text="<br>".join([title, *(f"<sup>{note}</sup>" for note in notes)]),
+                                 yref="container", y=1, yanchor="top", pad=dict(t=12)),
+                      margin={**MARGIN, "t": MARGIN["t"] + 20 * len(notes)}, height=400 + 20 * len(notes))
 
 
 def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
@@ -651,11 +732,14 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
                                                         "largest cache while decoding %{x:.0f} entries"
                                                         "<extra></extra>"))
         shown.add(name)
+    # The full cache's scores as dotted lines named in the legend (a label on the plot sat on the points)
+    evicting_cache = per_point[per_point.policy != "full"].decode_cache
+    span = [evicting_cache.min(), evicting_cache.max()]
     for row in per_point[per_point.policy == "full"].itertuples():
         what = " · ".join(filter(None, [row.model if several else "", f"{row.kind} tasks" if kinds > 1 else ""]))
-        fig.add_hline(y=row.score, line=dict(dash="dot", color="grey", width=1), annotation_position="top left",
-                      annotation_text=f"full cache{f' ({what})' if what else ''} {row.score:.2f}",
-                      annotation_font=dict(size=10, color="grey"))
+        name = f"full cache{f' ({what})' if what else ''}: {row.score:.2f}"
+        fig.add_scatter(x=span, y=[row.score] * 2, name=name, mode="lines", hoverinfo="name",
+                        line=dict(dash="dashdot" if row.kind == "budget" else "dot", color=colours("full"), width=1))
     fig.update_layout(xaxis_title="largest cache while decoding (entries, mean over samples)",
                       yaxis_title="mean score", legend=dict(font=dict(size=10)))
     _title(fig, "Quality vs the cache actually held (measured)",
@@ -664,20 +748,22 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     return fig
 
 
-def _grid_figure(frame: pd.DataFrame) -> go.Figure:
-    """One heatmap (depth × context length) per (policy, compression or absolute budget)."""
+def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for these filters") -> go.Figure:
+    """One heatmap (depth × context length) per (policy, compression or absolute budget), each cell's score
+    written in it."""
     if frame.empty:
-        return _empty(go.Figure(), "no needle-grid rows")
+        return _empty(go.Figure(), empty)
     panels = list(_with_budgets(frame).groupby(["policy", "compression", "absolute_budget"], dropna=False))
     columns = min(5, len(panels))
     rows = math.ceil(len(panels) / columns)
-    titles = [f"{p} (full)" if c != c and b != b else f"{p} {_cut_label(c, b)}" for (p, c, b), _ in panels]
+    titles = ["full cache" if p == "full" else f"{p} {_cut_label(c, b)}" for (p, c, b), _ in panels]
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.03,
                         vertical_spacing=0.12 / max(rows, 1) + 0.04)
     for index, (_, part) in enumerate(panels):
         pivot = part.pivot_table(index="depth", columns="length", values="score")
         fig.add_heatmap(z=pivot.values, x=[str(c) for c in pivot.columns], y=[f"{d:.0%}" for d in pivot.index],
-                        colorscale="RdYlGn", zmin=0, zmax=1, showscale=index == 0,
+                        colorscale="RdYlGn", zmin=0, zmax=1, showscale=index == 0, texttemplate="%{z:.2f}",
+                        textfont=dict(size=9),
                         hovertemplate="length %{x}<br>depth %{y}<br>ROUGE-L %{z:.2f}<extra></extra>",
                         row=index // columns + 1, col=index % columns + 1)
     fig.update_layout(title="Needle in a haystack: ROUGE-L F by context length (x) and needle depth (y)",
@@ -701,38 +787,47 @@ def _csv(frame: pd.DataFrame, name: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def paired(store: Store, reference: str, task: str | None, model: str | None,
-           policies: tuple[str, ...] | None, settings: bool = False) -> pd.DataFrame:
+           policies: tuple[str, ...] | None, settings: bool = False,
+           sweeps: tuple[str, ...] | None = None) -> pd.DataFrame:
     """The paired-difference table (a few seconds of resampling: kept per filter combination; the store never
     changes while the app runs)."""
     return paired_table(store.paired_scores(reference, task, model, list(policies) if policies else None,
-                                            settings=settings))
+                                            settings=settings, sweeps=sweeps))
 
 
 def query(store: Store, model: str, task: str, policies: list[str], source: str, suite: str | None = None,
-          colours: Colours | None = None, reference: str | None = None, settings: bool = False):
+          colours: Colours | None = None, reference: str | None = None, settings: bool = False,
+          sweeps: list[str] | None = None):
     """Every figure, its table and its CSV for the current filters, in the tab's output order."""
     model = None if model in (None, ALL) else model
     task = None if task in (None, ALL) else task
     source = None if source in (None, ALL) else source
     policies = policies or None
+    sweeps = tuple(sweeps) if sweeps else None
     colours = colours or Colours.of(store)
     suites = store.comparable_suites()
     suite = suite if suite in suites else (suites[0] if suites else "RULER")
 
     settings = bool(settings)
-    quality = store.quality_vs_compression(task, model, policies, source, settings=settings)
+    quality = store.quality_vs_compression(task, model, policies, source, settings=settings, sweeps=sweeps)
     references = store.options("policy", source="measured")
     reference = reference if reference in references else default_reference(references)
-    differences = paired(store, reference, task, model, tuple(policies) if policies else None, settings) \
+    differences = paired(store, reference, task, model, tuple(policies) if policies else None, settings, sweeps) \
         if reference and source != "paper" else paired_table(pd.DataFrame())  # papers print no samples
-    hits = store.max_length_hits(task, model, policies, settings=settings)
+    hits = store.max_length_hits(task, model, policies, settings=settings, sweeps=sweeps)
     comparison = store.paper_comparison(suite, policies)
-    alpha = store.alpha_sensitivity(task, model, source)
-    refresh = store.refresh_curve(task, model, source)
-    speed = store.speed_vs_quality(task, model, policies, settings=settings)
+    alpha = store.alpha_sensitivity(task, model, source, sweeps=sweeps)
+    refresh = store.refresh_curve(task, model, source, sweeps=sweeps)
+    speed = store.speed_vs_quality(task, model, policies, settings=settings, sweeps=sweeps)
     if source == "paper":  # the papers report no per-run decode speed or max-length hits
         speed, hits = speed.iloc[0:0], hits.iloc[0:0]
-    grid = store.needle_grid(model, policies, source)
+    # The grid is a task of its own: another task chosen leaves it empty, saying why
+    grid = store.needle_grid(model, policies, source, sweeps=sweeps)
+    grid_empty = "no needle-grid rows for these filters"
+    if task not in (None, "needle_grid"):
+        grid, grid_empty = grid.iloc[0:0], f"the grid is the task needle_grid: choose it (or {ALL}) as the Task"
+    unpaired = ("papers print no per-sample scores: choose the measured source to pair samples"
+                if source == "paper" else None)
     figures = [
         (_line_figure(quality, "compression", "score",
                       f"Quality vs {_versus(quality)} ("
@@ -741,14 +836,15 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
                       f"{_draws_note(quality)})", "compression ρ", "mean score", colours), quality,
          "quality_vs_compression"),
         (_hits_figure(hits, colours, settings), hits, "max_length_hits"),
-        (_paired_figure(differences, reference, colours), differences, f"paired_vs_{reference}"),
+        (_paired_figure(differences, reference, colours, unpaired), differences, f"paired_vs_{reference}"),
         (_comparison_figure(comparison, suite, colours), comparison, f"measured_vs_paper_{suite}"),
-        (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV)", "α", "mean score"), alpha,
+        (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV; bars: ± 1 standard error; a cut run at "
+                      "fewer than three α: markers only)", "α", "mean score", join_fewer_than=3), alpha,
          "alpha_sensitivity"),
         (_refresh_figure(refresh), refresh, "refresh_curve"),
         (_speed_figure(speed, colours), speed, "speed_vs_quality"),
         (_cache_figure(speed, colours), speed, "quality_vs_cache"),
-        (_grid_figure(grid), grid, "needle_grid"),
+        (_grid_figure(grid, grid_empty), grid, "needle_grid"),
     ]
     out = []
     for figure, frame, name in figures:
@@ -757,9 +853,13 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
 
 
 def _draws_note(frame: pd.DataFrame) -> str:
-    """Where sampled cells are drawn: each sample's point is the mean of its draws (as ``kvviz results`` says)."""
-    draws = frame["draws"].max() if "draws" in frame and frame["draws"].notna().any() else 1
-    return f" over samples; each sample the mean of up to {int(draws)} sampled draws" if draws > 1 else ""
+    """Where sampled cells are drawn: each sample's point is the mean of its draws (as ``kvviz results`` says),
+    naming the tasks that were sampled (the others were greedy, one generation a sample)."""
+    if "draws" not in frame or not (frame["draws"] > 1).any():
+        return ""
+    sampled = frame[frame["draws"] > 1].groupby("task")["draws"].max()
+    return " over samples; " + ", ".join(f"on {task} each sample the mean of up to {int(draws)} sampled draws"
+                                         for task, draws in sampled.items())
 
 
 def default_reference(policies: list[str]) -> str | None:
@@ -784,13 +884,21 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
     with gr.Row():
         model = gr.Dropdown([ALL, *store.options("model")], value=ALL, label="Model")
         task = gr.Dropdown([ALL, *store.options("task")], value=ALL, label="Task")
-        policies = gr.Dropdown(store.options("policy"), value=[], multiselect=True, label="Policies (none = all)")
+        measured = set(store.options("policy", source="measured"))
+        # names only a paper reports (its ablations, methods not implemented here) are marked as such
+        policies = gr.Dropdown([name if name in measured else (f"{name} (paper only)", name)
+                                for name in store.options("policy")], value=[], multiselect=True,
+                               label="Policies (none = all)")
         # measured first: paper scores are on each benchmark's own scale (0-100, 0-1, %), ours are 0-1
         source = gr.Radio([ALL, "measured", "paper"], value="measured", label="Source")
         # A policy run only at other settings (AvoKV-E at interval=16) is otherwise in no figure but the grid's.
         settings = gr.Checkbox(False, label="Other parameter settings too (α and refresh sweeps, intervals, "
                                             "ablations): each its own policy, e.g. 'avokv interval=16', paired "
                                             "against the reference at its defaults")
+    with gr.Row():
+        # One run's cells (results_db/README.md says where and when each ran): its speeds compare
+        sweeps = gr.Dropdown(store.options("sweep"), value=[], multiselect=True,
+                             label="Sweeps (none = all; a cell run by two sweeps counts in either)")
     outputs = []
     suite = reference = None
     for title in SECTIONS:
@@ -822,11 +930,12 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
             table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
             outputs += [plot, table, csv]
-    filters = [model, task, policies, source, suite, reference, settings]
+    filters = [model, task, policies, source, suite, reference, settings, sweeps]
 
-    def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value):
+    def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value,
+                sweep_values=None):
         return query(store, model_value, task_value, policy_values, source_value, suite_value, colours,
-                     reference_value, settings_value)
+                     reference_value, settings_value, sweep_values)
 
     gr.on([app.load, *(widget.change for widget in filters)], handler, filters, outputs, api_name="results",
           api_visibility="undocumented")
