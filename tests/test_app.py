@@ -1439,3 +1439,10 @@ def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_st
     assert stats[8].endswith("*no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 "
                              "here, and this run ended at step 7; the cache was not cut*")
     assert "no checkpoint" not in stats[24]
+
+
+def test_the_retention_heatmap_labels_where_the_prompt_ends():
+    view = follow_view()  # a 6-token prompt
+    figure = view.retention_figure()
+    labels = [a for a in figure.layout.annotations if a.text == "prompt end"]
+    assert len(labels) == 1 and labels[0].x == 5.5

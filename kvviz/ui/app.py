@@ -1016,9 +1016,10 @@ def _compare_outputs(names, texts, views, figures: bool, final: bool, download=N
             figure = view.retention_figure()
             # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
             # long title and band annotation, which ran past the panel's edge).
-            key = "dark kept · pale evicted" + ("<br>green never evicted" if any(view.pinned) else "")
+            key = "dark kept · pale evicted" + (" · green never evicted" if any(view.pinned) else "")
             figure.update_layout(title=dict(text=f"{names[i]}<br><span style='font-size:10px'>{key}</span>"),
-                                 height=340, margin=dict(t=85))
+                                 height=340, margin=dict(l=40, r=10, t=60, b=35),
+                                 xaxis_title="position", yaxis_title="step")
             figure.layout.annotations = [a for a in figure.layout.annotations if not a.text.startswith("green:")]
             out.append(gr.update(value=figure, visible=True))
         else:

@@ -120,7 +120,9 @@ class RunView:
             return fig
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
         fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)")
-        fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888")
+        fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888", annotation_text="prompt end",
+                      annotation_position="bottom left", annotation_font=dict(size=9, color="#555"),
+                      annotation_bgcolor="rgba(255,255,255,0.7)")
         self._pinned_bands(fig)
         fig.update_layout(title=title)
         _marker(fig, marker_step)
