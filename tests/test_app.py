@@ -1446,3 +1446,14 @@ def test_the_retention_heatmap_labels_where_the_prompt_ends():
     figure = view.retention_figure()
     labels = [a for a in figure.layout.annotations if a.text == "prompt end"]
     assert len(labels) == 1 and labels[0].x == 5.5
+
+
+def test_stop_while_a_model_loads_replaces_the_loading_line_and_leaves_other_notes():
+    from kvviz.ui.app import loading_note, stopped_while_loading
+
+    repeats = "*Run once: `tova` is given twice.*"
+    assert stopped_while_loading(f"{repeats}\n\n{loading_note('some-model')}") == \
+        f"{repeats}\n\n*Stopped before the run started.*"
+    assert stopped_while_loading(loading_note("some-model")) == "*Stopped before the run started.*"
+    divergence = "| policy | first divergent step |\n|---|---|"
+    assert stopped_while_loading(divergence) == gr.skip() and stopped_while_loading(None) == gr.skip()

@@ -1418,7 +1418,21 @@ def stoppable_run(limits: Limits, run_button, stop_button, check, handler, input
     stop_button.click(request_stop, tickets, cancel, queue=False, api_name=f"stop_{name}",
                       api_visibility="undocumented", cancels=[checked])
     cancel.change(None, cancels=[running])
+    if announce:  # the line saying what the click waited for would otherwise stay
+        outputs = announce[2]
+        note = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+        cancel.change(stopped_while_loading, note, note, api_name=False, queue=False, show_progress="hidden")
     return checked, running
+
+
+def stopped_while_loading(note):
+    """Stop before the run started, while ``note`` (a Markdown status) says that a model loads: that line
+    gives way to saying the run was stopped (the load may still finish in the background, for the next
+    click).  Any other note is left as it is."""
+    if not isinstance(note, str) or "*loading " not in note:
+        return gr.skip()
+    kept = [line for line in note.split("\n") if not line.startswith("*loading ")]
+    return "\n".join([*kept, "*Stopped before the run started.*"]).strip()
 
 
 def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
