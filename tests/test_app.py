@@ -816,6 +816,9 @@ def test_whitespace_tokens_show_in_table_cells_not_as_blanks():
     view = views["a"]
     view.events[-1].components = terms
     assert view.terms_frame(1)[0]["token"].tolist()[:3] == ["⏎", "⇥", "␣"]  # lowest S first: 1, 3, 2
+    # the step-detail plot's hover too (the newline evicted at this step included)
+    hover = view.step_detail_figure(1).data[0].hovertext
+    assert [text.split("<br>")[0] for text in hover[:4]] == ["pos 0 · system", "pos 1 · ⏎", "pos 2 · ␣", "pos 3 · ⇥"]
 
 
 def test_compare_follows_prompt_tokens_through_each_policy():

@@ -230,7 +230,7 @@ class RunView:
         terms = event.components or {}
         if terms:
             notes.append("hover: the terms this checkpoint decided from")
-        text = [f"pos {p} · {html.escape(self.token(p))!s}<br>"
+        text = [f"pos {p} · {html.escape(self.token_cell(int(p)))}<br>"
                 + (f"utility {utility[int(p)]:.4g} · rank {rank.get(int(p), '-')}<br>" if int(p) in utility else "")
                 + "".join(f"{name} {values[i]:.3g} · " for name, values in terms.items() if not np.isnan(values[i]))
                 + ("evicted now" if p in evicted else "kept") for i, p in enumerate(present)]
