@@ -1,7 +1,7 @@
 """Eviction policies and the registry the CLI, the UI and the sweep runner all read.
 
 Adding a policy: one new file with a :class:`~kvviz.policies.base.Policy` dataclass, one line in
-``REGISTRY`` below.
+``REGISTRY`` below (the README's "Adding a policy" works one through).
 """
 
 from __future__ import annotations
@@ -43,6 +43,18 @@ class PolicySpec:
     description: str
     paper: str = ""
     preset: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A name is typed as the first word of a setting ("inertia alpha=0.5"): a space would split it.
+        if not self.name or self.name != "".join(self.name.split()):
+            raise ValueError(f"policy name {self.name!r} must be one word, without spaces")
+        if not (isinstance(self.cls, type) and issubclass(self.cls, Policy)):
+            raise TypeError(f"policy {self.name!r}: {self.cls!r} is not a subclass of kvviz.policies.Policy")
+        # Without its own @dataclass a subclass's param() fields are not fields: no parameters, and the
+        # attribute would be the dataclasses.Field object itself.
+        if "__dataclass_fields__" not in vars(self.cls):
+            raise TypeError(f"policy {self.name!r}: decorate {self.cls.__name__} with @dataclass, so that its "
+                            "parameters are dataclass fields")
 
     def parameters(self) -> list[dict[str, Any]]:
         """Each parameter's name, type, default (the preset's where it sets one), range or choices, help."""
@@ -126,9 +138,18 @@ def coerce(policy: str, parameter: dict[str, Any], value: Any) -> Any:
     return value
 
 
-REGISTRY: dict[str, PolicySpec] = {
-    spec.name: spec
-    for spec in [
+def by_name(specs: list[PolicySpec]) -> dict[str, PolicySpec]:
+    """``specs`` keyed by name, in order; a name given twice is refused (a dict would keep the last silently)."""
+    registry: dict[str, PolicySpec] = {}
+    for spec in specs:
+        if spec.name in registry:
+            raise ValueError(f"two registry entries are named {spec.name!r}; give the new policy a name of its own")
+        registry[spec.name] = spec
+    return registry
+
+
+REGISTRY: dict[str, PolicySpec] = by_name(
+    [
         PolicySpec("full", FullCache, "Full cache", "reference", "No eviction; equals model.generate."),
         PolicySpec("inertia", InertiaKV, "InertiaKV", "InertiaKV",
                    f"Layer-sequential EMA of last-query attention, scored every step. {EMA_MEMORY}",
@@ -184,7 +205,7 @@ REGISTRY: dict[str, PolicySpec] = {
         PolicySpec("recency", Recency, "Recency", "baseline", "Keep the most recent B tokens.", ""),
         PolicySpec("random", RandomEviction, "Random", "baseline", "Evict uniformly at random (seeded).", ""),
     ]
-}
+)
 
 
 def get_spec(name: str) -> PolicySpec:
@@ -257,5 +278,5 @@ def shown_value(value: Any) -> str:
     return str(value)
 
 
-__all__ = ["REGISTRY", "Policy", "PolicySpec", "build_setting", "coerce", "default_params", "get_spec",
+__all__ = ["REGISTRY", "Policy", "PolicySpec", "build_setting", "by_name", "coerce", "default_params", "get_spec",
            "make_policy", "setting_label", "shown_value"]

@@ -176,7 +176,21 @@ class StepScorePolicy(Policy):
     """Keep the top ``B`` by a score recomputed from scratch every step (layer-mean of :meth:`score`)."""
 
     def score(self, view: LayerView, positions: torch.Tensor) -> torch.Tensor:
-        """Per-slot score of one layer, ``(n,)``; higher = keep."""
+        """One layer's score for every cached slot; higher = keep.
+
+        Parameters
+        ----------
+        view : LayerView
+            This layer at this step: ``keys`` and ``values`` ``(num_kv_heads, n, head_dim)``, ``query``
+            ``(num_heads, head_dim)``, ``attn`` ``(num_heads, n)`` (computed only if read).
+        positions : torch.Tensor
+            Absolute position of each slot, ``(n,)``.
+
+        Returns
+        -------
+        torch.Tensor
+            Shape ``(n,)``.  The layer mean of it ranks the entries; the lowest go first.
+        """
         raise NotImplementedError
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
@@ -190,7 +204,12 @@ class StepScorePolicy(Policy):
         self.step_mean.clear()
 
     def observe(self, view: LayerView, positions: torch.Tensor) -> None:
-        self.step_mean.add(self.score(view, positions), positions)
+        score = self.score(view, positions)
+        if score.shape != positions.shape:  # a scalar or a per-head score would broadcast: every entry tied
+            raise ValueError(f"{type(self).__name__}.score must return one score per cached slot, shape "
+                             f"({positions.numel()},); it returned {tuple(score.shape)} (reduce over heads, "
+                             "e.g. .mean(0))")
+        self.step_mean.add(score, positions)
 
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
         return lowest(self.step_mean.mean(positions), positions, over_budget(positions, budget))
