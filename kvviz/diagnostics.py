@@ -325,16 +325,18 @@ def boundary_crossings(history: pd.DataFrame, k: int, rank: str = "raw_rank") ->
 
 # ------------------------------------------------------------------------- delayed first reads (AvoKV-E)
 
-# Policies whose per-step raw score is the layer-mean last-query attention (InertiaKV only with its default
-# attention scorer): read lags mean something only for these.
-# (Lazy refresh and Score-Free also score attention, on some steps only: read_lags refuses those gaps.)
-ATTENTION_SCORED = ("inertia", "inertia-lazy", "score-free", "single-step", "cumulative", "inertia-decoupled",
-                    "tova", "h2o")
-
-
 def scores_attention(policy: str, params: dict) -> bool:
-    """Whether a run of ``policy`` with ``params`` records last-query attention as its raw score."""
-    return policy in ATTENTION_SCORED and params.get("scorer", "attention") == "attention"
+    """Whether a run of ``policy`` (a registry name) with ``params`` (as its trace records them) records
+    last-query attention as its raw score (:meth:`Policy.records_attention`): read lags mean something only
+    for these.  (Lazy refresh and Score-Free also score attention, on some steps only: read_lags refuses
+    those gaps.)  A name or parameters this version does not know: False."""
+    from .policies import REGISTRY  # the policies import nothing of the diagnostics
+
+    spec = REGISTRY.get(policy)
+    try:
+        return spec is not None and spec.cls(**{**spec.preset, **params}).records_attention()
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -468,3 +468,17 @@ def test_read_lags_refuse_a_run_that_did_not_score_every_step_or_evicted():
         dx.read_lags(events, 2)
     assert dx.scores_attention("tova", {}) and dx.scores_attention("inertia", {"scorer": "attention"})
     assert not dx.scores_attention("inertia", {"scorer": "vnorm"}) and not dx.scores_attention("knorm", {})
+
+
+def test_which_policies_record_attention_comes_from_the_policy_not_a_list_of_names(monkeypatch):
+    """The registry's attention-scored entries (their raw score is the layer-mean last-query attention), a
+    preset's scorer counted (inertia-vnorm is not one); a name added to the registry answers by its class,
+    with no list of names in the diagnostics to edit."""
+    from kvviz.policies import REGISTRY, PolicySpec
+    from kvviz.policies.tova import TOVA
+
+    assert [name for name in REGISTRY if dx.scores_attention(name, {})] == [
+        "inertia", "inertia-lazy", "score-free", "single-step", "cumulative", "inertia-decoupled", "tova", "h2o"]
+    assert not dx.scores_attention("nonexistent", {}) and not dx.scores_attention("tova", {"no_such": 1})
+    monkeypatch.setitem(REGISTRY, "my-tova", PolicySpec("my-tova", TOVA, "My TOVA", "baseline", "TOVA again.", ""))
+    assert dx.scores_attention("my-tova", {})

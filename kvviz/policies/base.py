@@ -104,6 +104,11 @@ class Policy:
         """Weight the utility of the previous step keeps after one scoring step, if the rule has one."""
         return None
 
+    def records_attention(self) -> bool:
+        """Whether the raw score this setting records per step (``StepEvent.raw``) is the last query's
+        attention, averaged over heads and layers: what AvoKV-E's read-lag diagnostic reads."""
+        return False
+
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 

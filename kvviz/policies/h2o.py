@@ -25,6 +25,9 @@ class H2O(Policy):
 
     recent: float = param(0.5, low=0.0, high=1.0, help="share of the budget kept for the most recent tokens")
 
+    def records_attention(self) -> bool:
+        return True
+
     def __post_init__(self):
         if not 0.0 <= self.recent <= 1.0:
             raise ValueError(f"recent must be in [0, 1], got {self.recent}")

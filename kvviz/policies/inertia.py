@@ -82,6 +82,9 @@ class InertiaKV(Policy):
     scorer: str = param("attention", choices=tuple(SCORERS), help="per-layer score fed to the aggregation")
     layers: str = param("all", help="eligible layers: 'all' or comma-separated indices, e.g. '0,5,10'")
 
+    def records_attention(self) -> bool:
+        return self.scorer == "attention"
+
     def __post_init__(self):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")

@@ -20,5 +20,8 @@ from .base import StepScorePolicy
 class TOVA(StepScorePolicy):
     """Token Omission Via Attention: keep the top-``B`` by this step's last-query attention."""
 
+    def records_attention(self) -> bool:
+        return True
+
     def score(self, view: LayerView, positions: torch.Tensor) -> torch.Tensor:
         return view.attn.mean(0)
