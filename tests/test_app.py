@@ -218,7 +218,8 @@ def test_stop_ends_the_run_and_shows_and_saves_it_as_the_first_steps_of_the_whol
     whole = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=steps + 5).trace
     assert [e.kept.tolist() for e in trace.events] == [e.kept.tolist() for e in whole.events[:steps]]
     assert text == "".join(e.text for e in whole.events[:steps])
-    assert stats.startswith("**stopped** · ") and f"**tokens** {steps} / 3000" in stats
+    # the stats name what ran: the widgets may show another setting by the time one reads them
+    assert stats.startswith("**run** `inertia` · **stopped** · ") and f"**tokens** {steps} / 3000" in stats
     assert slider["visible"] and slider["maximum"] == steps - 1 and "raw utility jaccard" in diag
     assert trace.stopped and trace.max_new_tokens == 3000
     # Opened again, it reads as the stopped run it was, out of the 3000 tokens asked for.
@@ -227,7 +228,8 @@ def test_stop_ends_the_run_and_shows_and_saves_it_as_the_first_steps_of_the_whol
     assert opened[1].split("\n", 1)[1].startswith(f"**stopped** · **tokens** {steps} / 3000")
     client.predict(api_name="/stop_live")  # nothing running: nothing happens, and the next run goes to its end
     again = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 6, False, *GREEDY, *widgets, "", api_name="/live")
-    assert not again[1].startswith("**stopped**") and kvviz.Trace.load(again[7]["value"]).events[-1].step == 5
+    assert again[1].startswith("**run** `inertia` · **tokens**")
+    assert kvviz.Trace.load(again[7]["value"]).events[-1].step == 5
 
 
 def test_stop_cuts_a_comparison_to_the_steps_every_policy_made_and_zips_them(client, tiny):
@@ -456,13 +458,25 @@ def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_s
         view.add(event)
     panel = view.rank_figure()
     assert "no per-entry utility" in panel.layout.annotations[0].text
+    detail = view.step_detail_figure(3)  # no axis of zeros named "no per-entry score": a strip of the entries
+    assert detail.layout.yaxis.visible is False and "it decides by position" in detail.layout.title.text
+    assert sorted(detail.data[0].x) == sorted(streaming.events[3].present.tolist())
     assert "**tokens** 6 / 6" in stats_markdown(view, 1.0) and "over B" not in stats_markdown(view, 1.0)
     snapkv = kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("snapkv", window=4), chat=False, budget=20,
                        max_new_tokens=6).trace
     view = RunView(snapkv.prompt_len, 6, 20)
     for event in snapkv.events:
         view.add(event)
-    assert snapkv.events[-1].cache_size == 25 and "over B" in stats_markdown(view, 1.0)
+    assert snapkv.events[-1].cache_size == 25  # B + 5 tokens fed back: said as what it is
+    assert "(over B: this policy evicts at the prefill only; each generated token adds an entry)" in \
+        stats_markdown(view, 1.0)
+    avokv = kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("avokv", interval=4, delay=4, observe_window=4, sinks=2),
+                      chat=False, budget=20, max_new_tokens=6).trace
+    view = RunView(avokv.prompt_len, 6, 20)
+    for event in avokv.events:
+        view.add(event)
+    assert avokv.events[-1].cache_size > 20 and "(over B: this policy does not evict at every step)" in \
+        stats_markdown(view, 1.0)
 
 
 def follow_view() -> RunView:
@@ -651,7 +665,7 @@ def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(ti
     live = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, 0.0, 1.0, 0,
                                      *defaults, "", None)
     next(live)
-    assert next(live)[1] == f"*prefill of the {prompt_len}-token prompt…*"
+    assert next(live)[1] == f"**run** `inertia` · *prefill of the {prompt_len}-token prompt…*"
 
 
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
@@ -1150,7 +1164,8 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     assert opened[5] == live[5] and opened[8] == live[8]  # prompt tokens by fate, diagnostics
     assert opened[6]["maximum"] == live[6]["maximum"] and opened[6]["visible"]  # the scrubber
     assert opened[1].startswith(f"**opened** {Path(trace_file).name}: `inertia` (alpha=0.8, refresh=1")
-    assert opened[1].split("\n", 1)[1] == live[1].rsplit(" · ", 1)[0]  # the stats, less the wall time
+    # the stats, less what ran (the opened line names it) and the wall time
+    assert opened[1].split("\n", 1)[1] == live[1].removeprefix("**run** `inertia` · ").rsplit(" · ", 1)[0]
     (tmp_path / "notes.parquet").write_text("not a trace")
     with pytest.raises(Exception, match="notes.parquet is not a readable parquet file") as refused:
         client.predict(handle_file(str(tmp_path / "notes.parquet")), api_name="/open_trace")
@@ -1173,7 +1188,7 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     # (its sinks), so only its key explains the green band.
     layouts = [json.loads(figure["value"]["plot"])["layout"] for figure in result[4:6]]  # gr.update payloads
     assert [layout["title"]["text"].split("<br>")[0] for layout in layouts] == ["inertia", "streaming"]
-    assert ["green never evicted" in layout["title"]["text"] for layout in layouts] == [False, True]
+    assert ["green protected" in layout["title"]["text"] for layout in layouts] == [False, True]
     assert not [a for layout in layouts for a in layout.get("annotations", []) if a["text"].startswith("green:")]
 
 
@@ -1449,6 +1464,10 @@ def test_the_retention_heatmap_labels_where_the_prompt_ends():
     figure = view.retention_figure()
     labels = [a for a in figure.layout.annotations if a.text == "prompt end"]
     assert len(labels) == 1 and labels[0].x == 5.5
+    assert "green" not in figure.layout.title.text  # nothing protected here
+    protected = RunView(6, 3, 4, ["a"] * 6, pinned=(2, 3)).retention_figure()  # H2O-like: sinks and a window
+    assert protected.layout.title.text.endswith(
+        "<br><sup>green: protected, the first 2 always and the newest 3 while newest</sup>")
 
 
 def test_stop_while_a_model_loads_replaces_the_loading_line_and_leaves_other_notes():

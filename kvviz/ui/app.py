@@ -453,8 +453,12 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
     # Some policies evict only at checkpoints (AvoKV-E, R-KV) or at prefill (SnapKV): say why the cache is over B.
     over = ""
     if last.cache_size > view.budget:
+        # Decode-time policies never evict at the prefill: one that did, and not since, is prefill-time
+        prefill_only = events[0].evicted.size > 0 and not any(e.evicted.size for e in steps)
         over = (" (over B: no decode step ran, and eviction starts at the first, or at a checkpoint)"
                 if last.step == 0
+                else " (over B: this policy evicts at the prefill only; each generated token adds an entry)"
+                if prefill_only
                 else " (over B: this policy does not evict at every step)")
     speed = f"{rate:.1f} tok/s" if steps else "– (no decode step)"
     # Allocated, not live: a checkpointed policy holds room for every entry it may take before its next eviction.
@@ -711,12 +715,14 @@ def make_live_handler(limits: Limits):
         except Exception as error:
             raise unexpected("starting the run", error) from None
         view = run.views[policy_name]
+        # The stats name the setting that ran: the widgets may describe another by the time one reads them
+        ran = f"**run** `{setting_label(policy)}` · "
         last_figure, last_secondary, last_fate, last_text = 0.0, 0.0, 0.0, 0.0
         figure_every = 1 / limits.figures_per_second if limits.figures_per_second else math.inf
         # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming, and
         # say what runs until the first token.
-        yield ("", PREFILL.format(len(request.prompt_ids)), None, None, None, "", gr.update(visible=False), gr.update(value=None, visible=False), "",
-               None, None, gr.skip())
+        yield ("", ran + PREFILL.format(len(request.prompt_ids)), None, None, None, "", gr.update(visible=False),
+               gr.update(value=None, visible=False), "", None, None, gr.skip())
         try:
             for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
                                        budget=request.budget, max_new_tokens=request.max_new_tokens,
@@ -735,12 +741,12 @@ def make_live_handler(limits: Limits):
                         last_secondary, rank, timeline = now, view.rank_figure(), view.timeline_figure()
                     if now - last_fate >= 10 * figure_every:
                         last_fate, fate = now, view.fate_html()
-                    yield (run.texts[policy_name], stats_markdown(view, now - run.started), view.retention_figure(),
+                    yield (run.texts[policy_name], ran + stats_markdown(view, now - run.started), view.retention_figure(),
                            rank, timeline, fate, *[gr.skip()] * 6)
                 elif now - last_text >= TEXT_EVERY_S:
                     last_text = now
                     yield (run.texts[policy_name], *[gr.skip()] * 11)
-            yield (*live_result(run, stopped=ticket.is_set()), gr.skip())
+            yield (*live_result(run, stopped=ticket.is_set(), ran=ran), gr.skip())
         except Exception as error:  # the run failed: say so, keep serving
             if ticket.is_set():
                 stopped_run_failed("the stopped run", error)
@@ -752,9 +758,9 @@ def make_live_handler(limits: Limits):
     return live_run
 
 
-def live_result(run: Progress, stopped: bool = False) -> tuple:
+def live_result(run: Progress, stopped: bool = False, ran: str = "") -> tuple:
     """The Live tab once its run has ended or been stopped: every view, the scrubber and the trace's download
-    (the views come whether or not the trace could be written)."""
+    (the views come whether or not the trace could be written); ``ran`` starts the stats (what ran)."""
     (label, view), = run.views.items()
     trace = run.trace(label)
     try:
@@ -765,7 +771,7 @@ def live_result(run: Progress, stopped: bool = False) -> tuple:
         path = None
     note = "**stopped** · " if stopped and not run.finished(label) else ""
     return finished_outputs(view, trace, run.texts[label],
-                            note + stats_markdown(view, time.perf_counter() - run.started), path)
+                            ran + note + stats_markdown(view, time.perf_counter() - run.started), path)
 
 
 def finished_outputs(view: RunView, trace: Trace, text: str, stats: str, path: Path | None) -> tuple:
@@ -1015,12 +1021,11 @@ def _compare_outputs(names, texts, views, figures: bool, final: bool, download=N
             view = views[names[i]]
             figure = view.retention_figure()
             # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
-            # long title and band annotation, which ran past the panel's edge).
-            key = "dark kept · pale evicted" + (" · green never evicted" if any(view.pinned) else "")
+            # long title, which ran past the panel's edge).
+            key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
             figure.update_layout(title=dict(text=f"{names[i]}<br><span style='font-size:10px'>{key}</span>"),
                                  height=340, margin=dict(l=40, r=10, t=60, b=35),
                                  xaxis_title="position", yaxis_title="step")
-            figure.layout.annotations = [a for a in figure.layout.annotations if not a.text.startswith("green:")]
             out.append(gr.update(value=figure, visible=True))
         else:
             out.append(gr.skip() if i < len(names) else gr.update(visible=False))

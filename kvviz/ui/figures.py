@@ -105,7 +105,8 @@ class RunView:
 
     def _retention_title(self, col: int, row: int) -> str:
         binned = "" if col == row == 1 else f" · cell = {col} pos × {row} steps"  # mixed cells shade in between
-        return f"Retention (B = {self.budget}): dark kept, pale evicted, blank not yet generated{binned}"
+        return (f"Retention (B = {self.budget}): dark kept, pale evicted, blank not yet generated{binned}"
+                + self._protected_note())
 
     def retention_figure(self, marker_step: int | None = None) -> go.Figure:
         z, col, row = self.retention()
@@ -120,9 +121,9 @@ class RunView:
             return fig
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
         fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)")
+        # the label above the plot, where it hides no cell
         fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888", annotation_text="prompt end",
-                      annotation_position="bottom left", annotation_font=dict(size=9, color="#555"),
-                      annotation_bgcolor="rgba(255,255,255,0.7)")
+                      annotation_position="top", annotation_font=dict(size=9, color="#555"))
         self._pinned_bands(fig)
         fig.update_layout(title=title)
         _marker(fig, marker_step)
@@ -142,8 +143,14 @@ class RunView:
             fig.add_shape(type="path", path=self._tail_path(), line=dict(color="#2ca02c"),
                           fillcolor="rgba(44,160,44,0.15)")
         if sinks or tail:
-            fig.add_annotation(text="green: never evicted (sinks / protected tail)", xref="paper", yref="paper",
-                               x=1, y=1.02, showarrow=False, font=dict(size=10, color="#2ca02c"), xanchor="right")
+            fig.update_layout(margin_t=60)  # the title's second line says what the green bands are
+
+    def _protected_note(self) -> str:
+        """What the green bands are, for the retention title ("" without any): a tail entry is protected only
+        while it is among the newest (H2O's window, AvoKV-E's delay), a sink always."""
+        sinks, tail = self.pinned
+        which = [f"the first {sinks} always"] * bool(sinks) + [f"the newest {tail} while newest"] * bool(tail)
+        return f"<br><sup>green: protected, {' and '.join(which)}</sup>" if which else ""
 
     def _tail_path(self) -> str:
         tail, last = self.pinned[1], max(self.steps - 1, 0)
@@ -223,8 +230,7 @@ class RunView:
         elif event.raw is not None:
             utility, rank, y, label = {}, {}, list(event.raw), "raw score of this step"
         else:
-            utility, rank, y, label = {}, {}, [0.0] * len(present), "no per-entry score"
-            notes.append("this policy keeps no per-entry score (it decides by position)")
+            utility, rank, y, label = {}, {}, [0.0] * len(present), None
         if evicted and event.utility is not None:
             notes.append("× evicted now, drawn at the lowest utility (its own is not recorded)")
         terms = event.components or {}
@@ -238,6 +244,12 @@ class RunView:
             x=present, y=y, mode="markers", hovertext=text, hoverinfo="text",
             marker=dict(color=[EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present], size=6,
                         symbol=["x" if p in evicted else "circle" for p in present])))
+        if label is None:  # a strip of what is present and what goes: there is no score to put on an axis
+            fig.update_layout(title=f"Step {event.step}: the entries present (● kept, × evicted now)<br><sup>this "
+                                    "policy keeps no per-entry score: it decides by position</sup>",
+                              xaxis_title="absolute position", yaxis_visible=False, height=200,
+                              margin=dict(l=50, r=20, t=60, b=40))
+            return fig
         title = f"Step {event.step}: {label} of each entry present (hover for token, score, rank)"
         fig.update_layout(title=title + "".join(f"<br><sup>{note}</sup>" for note in notes),
                           xaxis_title="absolute position", yaxis_title=label, height=300 + 15 * len(notes),
