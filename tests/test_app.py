@@ -1479,3 +1479,31 @@ def test_stop_while_a_model_loads_replaces_the_loading_line_and_leaves_other_not
     assert stopped_while_loading(loading_note("some-model")) == "*Stopped before the run started.*"
     divergence = "| policy | first divergent step |\n|---|---|"
     assert stopped_while_loading(divergence) == gr.skip() and stopped_while_loading(None) == gr.skip()
+
+
+def test_the_comparison_states_its_prompt_budget_and_the_cache_each_policy_reached(tiny):
+    """L0 and B, which the Compare tab showed nowhere, and each cache's largest size while decoding: TOVA
+    holds B, SnapKV (prefill-time) grows by each of the 5 tokens fed back."""
+    from kvviz.ui.app import divergence_markdown
+
+    model, tokenizer = tiny
+    views = {}
+    for name, policy in (("tova", "tova"), ("snapkv", kvviz.make_policy("snapkv", window=4))):
+        trace = kvviz.run(model, tokenizer, PROMPT, policy, chat=False, budget=20, max_new_tokens=6).trace
+        views[name] = RunView(trace.prompt_len, 6, 20)
+        for event in trace.events:
+            views[name].add(event)
+    prompt_len = len(tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+    assert divergence_markdown(["tova", "snapkv"], views).split("\n")[0] == (
+        f"**prompt** {prompt_len} tokens · **budget** B = 20 · **largest cache while decoding**: tova 20, snapkv 25")
+
+
+def test_the_diagnostics_table_explains_n_a_only_where_a_row_reads_n_a(tiny):
+    from kvviz.ui.app import diagnostics_markdown
+
+    model, tokenizer = tiny
+    inertia = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=20, max_new_tokens=6).trace
+    streaming = kvviz.run(model, tokenizer, PROMPT, "streaming", chat=False, budget=20, max_new_tokens=6).trace
+    scored, positional = diagnostics_markdown(inertia), diagnostics_markdown(streaming)
+    assert "| n/a |" not in scored and "*n/a:" not in scored
+    assert "| n/a |" in positional and "*n/a: this policy records no raw per-step score" in positional

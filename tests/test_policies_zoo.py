@@ -437,6 +437,9 @@ def test_a_setting_is_a_name_and_parameters_labelled_by_what_it_changes():
     assert build_setting("avokv lambda_b=0.0")[0] == "avokv lambda_b=0"  # as one types it
     assert build_setting("inertia alpha=0.1234567")[0] != build_setting("inertia alpha=0.1234568")[0]
     assert build_setting("inertia layers=0,2")[1].layers == "0,2"
+    # A bad value names the entry as typed: beside 'inertia' in a comparison, 'policy inertia' alone is ambiguous
+    with pytest.raises(ValueError, match=r"^in 'inertia alpha=2': policy 'inertia': alpha must be between"):
+        build_setting(" inertia alpha=2 ")
     # One label per distinct policy, whichever name states it: the name needing the fewest changes.
     for text, label in [("inertia-lazy refresh=1", "inertia"), ("single-step alpha=0.8", "inertia"),
                         ("cumulative aggregation=ema", "inertia"), ("inertia-vnorm scorer=attention", "inertia"),

@@ -245,7 +245,12 @@ def build_setting(text: str) -> tuple[str, Policy]:
         if key in params:
             raise ValueError(f"the setting {text!r} sets {key} twice; keep one")
         params[key] = value
-    policy = get_spec(name).build(**params)
+    try:
+        policy = get_spec(name).build(**params)
+    except ValueError as error:  # beside another entry of the same policy, say which one is wrong
+        if not params:
+            raise
+        raise ValueError(f"in {text.strip()!r}: {error}") from None
     return setting_label(policy), policy
 
 

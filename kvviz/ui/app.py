@@ -224,7 +224,7 @@ def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: st
     if model_name not in limits.models:
         raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("the prompt is empty; type some text or pick an example")
+        raise ValueError("the prompt is empty; type or paste some text")
     if budget_mode not in ("compression", "budget"):
         raise ValueError(f"size the cache by 'compression' or 'budget', got {budget_mode!r}")
     return whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
@@ -472,10 +472,11 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
 def diagnostics_markdown(trace: Trace) -> str:
     values = diagnostics.summary(trace)
     rows = "\n".join(f"| {name.replace('_', ' ')} | {'n/a' if np.isnan(v) else f'{v:.4f}'} |" for name, v in values.items())
+    missing = any(np.isnan(v) for v in values.values())  # the n/a key only where a row reads n/a
     return ("| diagnostic (mean over steps, k = budget) | value |\n|---|---|\n" + rows +
-            "\n\n" + DIAGNOSTICS_NOTE + "\n\n*n/a: this policy records no raw per-step score (or no utility) to "
+            "\n\n" + DIAGNOSTICS_NOTE + ("\n\n*n/a: this policy records no raw per-step score (or no utility) to "
             "compare, or no two consecutive steps have one (for utility churn and keep turnover: no two of which "
-            "the later evicted).*")
+            "the later evicted).*" if missing else ""))
 
 
 # Why two policies' utility churn can match while their rankings do not (README, "How it works").
@@ -1040,9 +1041,15 @@ def _compare_outputs(names, texts, views, figures: bool, final: bool, download=N
 
 
 def divergence_markdown(names, views) -> str:
+    """The comparison's sizes (L0, B and what each policy's cache reached while decoding, over B where it
+    checkpoints or evicted at the prefill only), then where each policy's text first left the first's."""
     tokens = {n: [e.new_token_id for e in views[n].events] for n in names}
     reference = names[0]
-    lines = []
+    first_view = views[reference]
+    held = ", ".join(f"{name} {max(e.cache_size for e in views[name].events[1:])}" for name in names
+                     if len(views[name].events) > 1)
+    lines = [f"**prompt** {first_view.prompt_len} tokens · **budget** B = {first_view.budget}"
+             + (f" · **largest cache while decoding**: {held}" if held else "")]
     for name in names[1:]:
         a, b = tokens[reference], tokens[name]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
