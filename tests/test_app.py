@@ -759,6 +759,10 @@ def test_the_history_figure_leaves_room_under_the_budget_line_for_its_label():
     figure = view.history_figure([0], "first")
     bottom, top = figure.layout.yaxis.range
     assert bottom - 30.5 >= 0.06 * (bottom - top)  # a label's height on a 380-pixel figure
+    # Following many tokens: the figure grows by their legend's rows, the plot's own height stays
+    many = view.history_figure(list(range(12)), "twelve")
+    plot_height = lambda f: f.layout.height - f.layout.margin.t - f.layout.margin.b
+    assert many.layout.height > figure.layout.height and plot_height(many) == plot_height(figure)
 
 
 def test_the_terms_table_lists_the_last_decision_lowest_score_first():
@@ -830,6 +834,9 @@ def test_whitespace_tokens_show_in_table_cells_not_as_blanks():
     view = views["a"]
     view.events[-1].components = terms
     assert view.terms_frame(1)[0]["token"].tolist()[:3] == ["⏎", "⇥", "␣"]  # lowest S first: 1, 3, 2
+    # the decision's columns first, then its terms: a narrow table keeps the score and fate in view
+    view.events[-1].components = {"p": terms["S"] * 2, **terms}
+    assert view.terms_frame(1)[0].columns.tolist() == ["position", "token", "S", "fate", "p"]
     # the step-detail plot's hover too (the newline evicted at this step included)
     hover = view.step_detail_figure(1).data[0].hovertext
     assert [text.split("<br>")[0] for text in hover[:4]] == ["pos 0 · system", "pos 1 · ⏎", "pos 2 · ␣", "pos 3 · ⇥"]

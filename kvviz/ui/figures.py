@@ -277,6 +277,8 @@ class RunView:
         sink = np.isposinf(frame[score].to_numpy())  # kept by rule, whatever their terms
         frame["fate"] = np.where(np.isin(present, event.evicted), "evicted", np.where(sink, "kept (sink)", "kept"))
         frame = frame.sort_values([score, "position"], kind="stable").reset_index(drop=True)
+        # The decision first (the score and the fate), then the terms it combines: a narrow table keeps them in view
+        frame = frame[["position", "token", score, "fate", *[name for name in terms if name != score]]]
         unjudged = event.present.size - int(judged.sum())
         kept = frame[frame["fate"] == "kept"][score]
         gone = frame[frame["fate"] == "evicted"][score]
@@ -405,10 +407,13 @@ class RunView:
         bottom = max(self.budget + 1, min(deepest, 2 * self.budget))
         # Room under the budget line for its label and the crosses, a fixed share of the plot's height.
         fig.update_yaxes(range=[bottom + max(0.7, 0.08 * bottom), 0.3], title="rank (1 = most useful)")
+        # Below the plot, a legend row per three followed tokens: the figure grows with them rather than
+        # squeezing the plot (a 7-digit needle is 7 or more lines)
+        rows = math.ceil(len(positions) / 3)
         fig.update_layout(title=f"Token history: {note}<br><sup>solid: rank by the policy's utility · dotted: "
                           "rank by the step's raw score · ×: evicted · below the dashed line: out of the top B</sup>",
-                          xaxis_title="decode step", height=380, margin=dict(l=50, r=20, t=60, b=40),
-                          legend=dict(orientation="h", y=-0.2))
+                          xaxis_title="decode step", height=340 + 30 * rows, margin=dict(l=50, r=20, t=60, b=60 + 30 * rows),
+                          legend=dict(orientation="h", yanchor="top", y=-0.24))
         return fig
 
     # -- tokens ----------------------------------------------------------------------------------------
