@@ -1514,3 +1514,16 @@ def test_the_diagnostics_table_explains_n_a_only_where_a_row_reads_n_a(tiny):
     scored, positional = diagnostics_markdown(inertia), diagnostics_markdown(streaming)
     assert "| n/a |" not in scored and "*n/a:" not in scored
     assert "| n/a |" in positional and "*n/a: this policy records no raw per-step score" in positional
+
+
+def test_coming_back_to_the_live_tab_counts_the_prompt_once_another_tab_loaded_the_model(tiny):
+    """The Live tab's "the token count shows once the model is loaded" stayed after a comparison loaded it."""
+    from kvviz.ui.app import _models, build_app
+
+    app = build_app(Limits(models=(TINY,)))
+    live = next(block for block in app.blocks.values() if isinstance(block, gr.Tab) and block.label == "Live")
+    selected = [fn for fn in app.fns.values() if (live._id, "select") in [tuple(t) for t in fn.targets]]
+    assert len(selected) == 1 and [type(block).__name__ for block in selected[0].outputs] == ["Markdown"]
+    _models[TINY] = tiny  # as a comparison would have left it
+    note = selected[0].fn(TINY, PROMPT, False)
+    assert str(len(tiny[1](PROMPT, add_special_tokens=False)["input_ids"])) in note

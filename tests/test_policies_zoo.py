@@ -385,6 +385,9 @@ def test_previous_step_weight_says_how_much_memory_each_rule_keeps():
     assert make_policy("inertia-decoupled").previous_step_weight(30) == 0.8
     assert make_policy("cumulative").previous_step_weight(30) == 1.0
     assert make_policy("single-step").previous_step_weight(30) == 0.0
+    # Score-Free scores at step 1 only: there is no previous step to weigh, whatever alpha says
+    assert make_policy("score-free").previous_step_weight(30) is None
+    assert make_policy("inertia-decoupled", refresh=0).previous_step_weight(30) is None
 
 
 def test_registry_describes_every_policy():

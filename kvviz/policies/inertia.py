@@ -155,7 +155,9 @@ class InertiaKV(Policy):
     def unused(self) -> dict[str, str]:
         return {"alpha": "aggregation is 'sum' (m + s never decays)"} if self.aggregation == "sum" else {}
 
-    def previous_step_weight(self, num_layers: int) -> float:
+    def previous_step_weight(self, num_layers: int) -> float | None:
+        if self.refresh == 0:  # Score-Free: one scoring step, so no previous step to weigh
+            return None
         if self.aggregation == "sum":
             return 1.0
         layers = num_layers if self._eligible is None else len(self._eligible)

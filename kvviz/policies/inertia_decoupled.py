@@ -58,5 +58,5 @@ class DecoupledInertiaKV(InertiaKV):
             self.m[positions] = self.alpha * self.m[positions] + (1.0 - self.alpha) * self.raw.mean(positions)
         return super().select_evictions(step, positions, budget)
 
-    def previous_step_weight(self, num_layers: int) -> float:
-        return self.alpha
+    def previous_step_weight(self, num_layers: int) -> float | None:
+        return None if self.refresh == 0 else self.alpha  # Score-Free scores once: no previous step

@@ -1453,7 +1453,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
     # Gradio's copies of the downloads expire after two hours, checked hourly (else they pile up for good).
     with gr.Blocks(title="kvviz", delete_cache=(3600, 7200)) as app:
         gr.Markdown("# kvviz\nWatch what a KV-cache eviction policy keeps and drops while the model decodes.")
-        with gr.Tab("Live"):
+        with gr.Tab("Live") as live_tab:
             with gr.Row():
                 with gr.Column(scale=1):
                     prompt = gr.Textbox(label="Prompt", lines=8, value=EXAMPLES["Passkey in a haystack"])
@@ -1539,6 +1539,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             for trigger in (prompt.change, model.change, chat.change):
                 trigger(counter, count_inputs, prompt_size, api_name=False, trigger_mode="always_last")
             app.load(counter, count_inputs, prompt_size, api_name=False)
+            # Another tab's run may have loaded the model since: coming back, the count can show
+            live_tab.select(counter, count_inputs, prompt_size, api_name=False, show_progress="hidden")
             # The first run's check (or an opened trace) loads the model: the count can show.  After a refusal
             # too (.then does not follow a failed event), so that it sits beside the toast's reason.
             for loaded in (checked.success, checked.failure, opened.then):
