@@ -693,10 +693,13 @@ def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny)
     _models[TINY] = tiny
     marks = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refused_marks
     refused = (TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False)
-    note, *texts, fates, stability = marks(*refused, {"inertia": None, "tova alpha=0.5": None})
+    note, *texts, fates, stability = marks(*refused, {"inertia": follow_view(), "tova alpha=0.5": follow_view()})
     assert note == ("*Not compared: choose two to four policies to compare (one policy twice needs two settings, "
                     "e.g. 'inertia' and 'inertia alpha=0.5').*\n\n*Shown: the previous comparison (inertia, tova "
-                    "alpha=0.5), not these inputs' results.*")
+                    "alpha=0.5), not these inputs' results.*\n\n"
+                    # and its own notes, which the refusal's takes the place of (follow_view: 6 tokens, B = 4, 5 kept)
+                    "**prompt** 6 tokens · **budget** B = 4 · **largest cache while decoding**: inertia 5, "
+                    "tova alpha=0.5 5\n- **tova alpha=0.5** vs **inertia**: identical for the 3 tokens both produced")
     assert [t.get("label") for t in texts] == ["inertia · previous comparison", "tova alpha=0.5 · previous comparison",
                                                 None, None]
     assert fates["label"] == "Previous comparison: Fate per policy"
@@ -707,7 +710,7 @@ def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny)
     assert fates == stability == gr.skip()
     # Stop cancelled the check of passing inputs: nothing refused, nothing marked.
     assert all(u == gr.skip() for u in marks(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False,
-                                             {"inertia": None}))
+                                             {"inertia": follow_view()}))
     stats = "**tokens** 4 / 4 · **prompt** 50 tokens"
     view = RunView(4, 2, 4, ["a", "b", "c", "d"])
     assert mark_previous_run(view, stats) == NOT_RUN + stats

@@ -667,8 +667,9 @@ def make_compare_check(limits: Limits):
         labels = list(state or [])
         texts = [gr.update(label=f"{labels[i]} · {PREVIOUS}") if i < len(labels) else
                  gr.update(label=f"policy {i + 1}") if not labels else gr.skip() for i in range(4)]
-        if labels:
-            note += f"\n\n*Shown: the {PREVIOUS} ({', '.join(labels)}), not these inputs' results.*"
+        if labels:  # its sizes and divergence lines too, which the refusal's note takes the place of
+            note += (f"\n\n*Shown: the {PREVIOUS} ({', '.join(labels)}), not these inputs' results.*\n\n"
+                     + divergence_markdown(labels, state))
         # first: the stability table's label runs to three lines
         tables = [gr.update(label=f"{PREVIOUS.capitalize()}: {label}") if labels else gr.skip()
                   for label in (FATES_LABEL, STABILITY_LABEL)]
