@@ -1530,3 +1530,11 @@ def test_coming_back_to_the_live_tab_counts_the_prompt_once_another_tab_loaded_t
     _models[TINY] = tiny  # as a comparison would have left it
     note = selected[0].fn(TINY, PROMPT, False)
     assert str(len(tiny[1](PROMPT, add_special_tokens=False)["input_ids"])) in note
+
+
+def test_the_tokens_by_fate_carry_their_colour_key():
+    view = follow_view()  # step 1 evicts 1 and 3, step 2 evicts 5
+    page = view.fate_html()
+    assert page.index("kept to the end") < page.index("evicted early") < page.index('title="pos 0')
+    assert 'title="pos 1: evicted at step 1"' in page and 'title="pos 0: kept to the end"' in page
+    assert "kept at step 1" in view.fate_html(1)

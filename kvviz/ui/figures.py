@@ -440,7 +440,13 @@ class RunView:
                 style = f"background: {KEPT_COLOR}; color: white"
                 tip = f"pos {position}: kept" + (" to the end" if step == self.steps - 1 else f" at step {step}")
             spans.append(f'<span title="{tip}" style="{style}">{html.escape(self.token(position))}</span>')
-        return ('<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.6; max-height: 320px;'
+        # The colours' key: without it they were explained on hover only
+        kept = "kept to the end" if step == self.steps - 1 else f"kept at step {step}"
+        key = (f'<div style="font-size: 0.85em; margin-bottom: 4px"><span style="background: {KEPT_COLOR}; '
+               f'color: white; padding: 0 4px">{kept}</span> <span style="background: rgba(230,120,60,0.25); '
+               'padding: 0 4px">evicted early</span><span style="background: rgba(230,120,60,0.85); '
+               'padding: 0 4px">… late</span> · hover a token for its step</div>')
+        return (key + '<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.6; max-height: 320px;'
                 ' overflow-y: auto">' + "".join(spans) + "</div>")
 
 
