@@ -1382,3 +1382,17 @@ def test_the_policy_filter_marks_names_only_a_paper_reports(tmp_path):
     assert ("thinkv (paper only)", "thinkv") in dropdowns["Policies (none = all)"].choices
     assert dropdowns["Sweeps (none = all; a cell run by two sweeps counts in either)"].choices == [
         (name, name) for name in ("paper", "paper2", "s1", "s2", "s3")]
+
+
+def test_a_filter_changed_while_the_figures_are_drawn_is_queued_not_dropped(tmp_path):
+    """gr.on over app.load defaults to trigger_mode "once": a filter changed while the last query ran was
+    ignored, and the figures kept the earlier filters (the browser test's switch to the paper source hit it)."""
+    import gradio as gr
+
+    from kvviz.ui.results import build_results_tab
+
+    with gr.Blocks() as app:
+        build_results_tab(app, review_store(tmp_path))
+    results = [fn for fn in app.fns.values() if fn.api_name == "results"]
+    assert len(results) == 1 and results[0].trigger_mode == "always_last"
+    assert {event for _, event in results[0].targets} == {"load", "change"}

@@ -937,5 +937,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
         return query(store, model_value, task_value, policy_values, source_value, suite_value, colours,
                      reference_value, settings_value, sweep_values)
 
+    # always_last: a filter changed while the figures for the last one are drawn is queued, not dropped
+    # (Gradio's default, "once", ignored it, and the figures kept showing the earlier filters)
     gr.on([app.load, *(widget.change for widget in filters)], handler, filters, outputs, api_name="results",
-          api_visibility="undocumented")
+          api_visibility="undocumented", trigger_mode="always_last")
