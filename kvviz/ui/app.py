@@ -958,10 +958,13 @@ def make_compare_handler(limits: Limits):
 PREFILL = "*prefill of the {}-token prompt…*"  # the status until a run's first tokens
 
 
+LOADING = "*loading "  # how loading_note begins: Stop looks for it (stopped_while_loading)
+
+
 def loading_note(model_name) -> str | None:
     """The status while a click's check loads ``model_name`` (its first run: tens of seconds for a real
     model), or None when it is loaded (or not one of ours: the check refuses it)."""
-    return f"*loading {model_name}…*" if isinstance(model_name, str) and model_name not in _models else None
+    return f"{LOADING}{model_name}…*" if isinstance(model_name, str) and model_name not in _models else None
 
 
 def starting_panels(labels) -> list:
@@ -1442,9 +1445,9 @@ def stopped_while_loading(note):
     """Stop before the run started, while ``note`` (a Markdown status) says that a model loads: that line
     gives way to saying the run was stopped (the load may still finish in the background, for the next
     click).  Any other note is left as it is."""
-    if not isinstance(note, str) or "*loading " not in note:
+    if not isinstance(note, str) or LOADING not in note:
         return gr.skip()
-    kept = [line for line in note.split("\n") if not line.startswith("*loading ")]
+    kept = [line for line in note.split("\n") if not line.startswith(LOADING)]
     return "\n".join([*kept, "*Stopped before the run started.*"]).strip()
 
 

@@ -884,7 +884,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
     with gr.Row():
         model = gr.Dropdown([ALL, *store.options("model")], value=ALL, label="Model")
         task = gr.Dropdown([ALL, *store.options("task")], value=ALL, label="Task")
-        measured = set(store.options("policy", source="measured"))
+        measured = store.options("policy", source="measured")
         # names only a paper reports (its ablations, methods not implemented here) are marked as such
         policies = gr.Dropdown([name if name in measured else (f"{name} (paper only)", name)
                                 for name in store.options("policy")], value=[], multiselect=True,
@@ -920,7 +920,6 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "sign test says the two differ (p < 0.05); a hollow one: the run cannot tell them "
                             "apart, whatever the interval (a few differing samples among many ties make it "
                             "narrow). Measured rows only.")
-                measured = store.options("policy", source="measured")
                 reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
             if title == "Quality vs decode speed":
                 gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
