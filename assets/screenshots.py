@@ -9,6 +9,7 @@ example, and the Results tab's paired differences.
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import sys
@@ -57,7 +58,8 @@ def main() -> int:
 
             page.get_by_role("tab", name="Compare").click()
             page.get_by_role("button", name="Compare", exact=True).click()
-            page.get_by_text("Kept to the end", exact=False).first.wait_for(timeout=WAIT_MS)
+            # Case-sensitive: the Live tab's hidden fate key says "kept to the end" too
+            page.get_by_text(re.compile("Kept to the end, of")).wait_for(timeout=WAIT_MS)
             time.sleep(3)
             page.evaluate("window.scrollTo(0, 0)")
             time.sleep(1)
