@@ -238,11 +238,14 @@ def cmd_probe(args) -> int:
 
     if args.step < 1:
         raise ValueError(f"--step must be >= 1, got {args.step}")
-    if args.future < 1 or args.batch < 1:
-        raise ValueError("--future and --batch must be >= 1")
+    for option, value in (("--future", args.future), ("--batch", args.batch)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
     if args.sample is not None and args.sample < 1:
         raise ValueError(f"--sample must be >= 1 (leave it out to probe every entry), got {args.sample}")
     names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
+    if not names:  # otherwise the whole probe runs and prints an empty ranking
+        raise ValueError("--policies names no policy; give registry names, e.g. --policies inertia,tova, or 'all'")
     policies = {name: make_policy(name) for name in names}
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)

@@ -161,6 +161,24 @@ def test_a_probe_future_past_the_context_says_to_lower_the_future(capsys):
     assert "--step 0" not in err and "choose --step" not in err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--policies", ","], "--policies names no policy; give registry names"),  # ran the probe, ranked nothing
+    (["--policies", " "], "--policies names no policy"),
+    (["--future", "0"], "--future must be >= 1, got 0"),  # named with its value, not "--future and --batch"
+    (["--batch", "-2"], "--batch must be >= 1, got -2"),
+])
+def test_probe_refuses_what_it_cannot_rank_before_the_model_loads(args, message, capsys, monkeypatch):
+    from kvviz.cli import main
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("kvviz.models.load_model", load_model)
+    assert main(["probe", *TINY, "--prompt", TEXT, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
 def test_the_model_dtype_is_chosen_on_the_command_line_and_recorded_in_the_trace(tmp_path, capsys):
     import torch
 
