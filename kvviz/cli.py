@@ -379,6 +379,9 @@ def cmd_trace(args) -> int:
     from . import diagnostics
     from .trace import Trace, checkpoint_note, run_note, time_split
 
+    if args.follow is not None and not args.follow.strip():  # e.g. an unset shell variable: not the summary
+        raise ValueError("--follow is empty; give text to find in the tokens (e.g. 7342519) or positions (#12, "
+                         "#40-45), or leave --follow out for the run's summary")
     # Options another view would silently drop: refused before the file is read.
     if args.read_lag and (args.follow or args.csv):
         given = " and ".join(flag for flag, on in (("--follow", args.follow), ("--csv", args.csv)) if on)

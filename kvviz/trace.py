@@ -192,6 +192,9 @@ class Trace:
         if not Path(path).exists():  # said plainly: arrow's message for this would read as a corrupt file
             raise ValueError(f"{path} does not exist; give the path of a trace saved with "
                              "`kvviz generate --trace FILE` or the Live tab's download")
+        if Path(path).is_dir():  # arrow would read the folder as a dataset and complain about some file in it
+            raise ValueError(f"{path} is a folder; give the path of a trace file (.parquet) saved with "
+                             "`kvviz generate --trace FILE` or the Live tab's download")
         try:
             table = pq.read_table(path)
         except (OSError, pa.ArrowException) as error:

@@ -518,6 +518,23 @@ def test_trace_options_another_view_would_drop_are_refused(tiny, tmp_path, capsy
         assert not captured.out and captured.err.count("\n") == 1 and message in captured.err, args
 
 
+def test_an_empty_follow_or_a_folder_is_refused_not_read_as_something_else(tiny, tmp_path, capsys):
+    """--follow "" printed the run's summary as if --follow were not given; a folder was read as an arrow
+    dataset and refused for some other file in it, its path cut to 'u/err.txt'."""
+    from kvviz.cli import main
+
+    model, tokenizer = tiny
+    kvviz.run(model, tokenizer, TEXT, "inertia", budget=20, max_new_tokens=4).trace.save(tmp_path / "run.parquet")
+    (tmp_path / "notes.txt").write_text("not a trace")
+    for args, message in (
+            ([str(tmp_path / "run.parquet"), "--follow", ""], "--follow is empty; give text to find"),
+            ([str(tmp_path / "run.parquet"), "--follow", "  ", "--csv"], "--follow is empty"),
+            ([str(tmp_path)], f"{tmp_path} is a folder; give the path of a trace file (.parquet)")):
+        assert main(["trace", *args]) == 2, args
+        captured = capsys.readouterr()
+        assert not captured.out and captured.err.count("\n") == 1 and message in captured.err, args
+
+
 def test_generate_json_carries_each_checkpoints_terms(capsys):
     """AvoKV-E with a checkpoint every 4 tokens: exactly the steps that evicted carry `components`, one value
     per entry present, null for the protected tail (the newest 32 then) and for the sinks' S, and the kept
