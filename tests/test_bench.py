@@ -121,6 +121,9 @@ def test_speed_bench_reports_what_the_static_path_kept_not_its_budget(tmp_path, 
     (["--config", "tiny", "--contexts", "256", "--repeats", "0"], "--repeats must be at least 1"),
     (["--config", "tiny", "--contexts", "256", "--compression", "1"], "--compression must be in [0, 1)"),
     (["--prompt-tokens", "1"], "--prompt-tokens must be at least 2"),
+    # a negative limit skipped every configuration after generate, with exit 0
+    (["--time-limit", "-5"], "--time-limit must be seconds >= 0 (0: no limit), got -5"),
+    (["--time-limit", "nan"], "--time-limit must be seconds >= 0"),
 ])
 def test_speed_bench_refuses_what_it_would_ignore_or_fail_on_before_loading_a_model(args, message, capsys,
                                                                                   monkeypatch):

@@ -71,7 +71,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="seconds for the whole run, the model's build included: a context that would end after "
                              "it (judged by the last one's duration) is skipped, and past it no configuration "
-                             "starts; the first context always starts")
+                             "starts; the first context always starts (default: 0, no limit)")
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 
@@ -416,6 +416,8 @@ def check_arguments(args) -> None:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if not 0.0 <= args.compression < 1.0:
         raise ValueError(f"--compression must be in [0, 1), got {args.compression}")
+    if not args.time_limit >= 0:  # NaN too: a negative limit skipped every configuration but generate
+        raise ValueError(f"--time-limit must be seconds >= 0 (0: no limit), got {args.time_limit:g}")
     if args.config:
         for length in args.contexts.split(","):
             if not length.strip().isdigit() or int(length) < 2:
