@@ -52,6 +52,11 @@ def _validate_generate(args) -> None:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.compile and not args.static:  # otherwise it would be silently ignored: only the static path compiles
         raise ValueError("--compile applies to --static only; add --static or drop --compile")
+    if args.static and (args.temperature != 0.0 or args.trace):  # before --trace's own checks: it cannot apply
+        given = " and ".join(flag for flag, on in (("--temperature", args.temperature != 0.0), ("--trace", args.trace))
+                             if on)
+        raise ValueError(f"--static decodes greedily and keeps no per-step trace: drop {given}, or drop --static to "
+                         "use the engine")
     if args.trace:
         _check_writable(args.trace, "--trace")
         if Path(args.trace).suffix != ".parquet":  # what is written, and what `kvviz trace` and the app open
@@ -90,9 +95,6 @@ def cmd_generate(args) -> int:
     compression = args.compression if args.budget is None and args.compression is not None else None
     if args.budget is None and args.compression is None and args.policy != "full":
         compression = 0.9  # the papers' aggressive regime
-    if args.static and (args.temperature != 0.0 or args.trace):
-        raise ValueError("--static decodes greedily and keeps no per-step trace: drop --temperature/--trace, "
-                         "or drop --static to use the engine")
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     engine.check_prompt(model, prompt_ids, args.max_new_tokens)

@@ -95,7 +95,11 @@ def test_plain_output_streams_text_and_summary(tiny):
         (["--prompt", TEXT, "--static", "--policy", "tova"], "got TOVA {}"),  # names the policy refused
         (["--prompt", TEXT, "--compile"], "--compile applies to --static only; add --static or drop --compile"),
         (["--prompt", TEXT, "--static", "--policy", "inertia-vnorm"], "InertiaKV with its attention scorer"),
-        (["--prompt", TEXT, "--static", "--temperature", "0.7"], "greedily"),
+        (["--prompt", TEXT, "--static", "--temperature", "0.7"], "greedily and keeps no per-step trace: drop "
+                                                                  "--temperature, or drop --static"),
+        (["--prompt", TEXT, "--static", "--trace", "/nonexistent/t.parquet"], "drop --trace, or drop --static"),
+        (["--prompt", TEXT, "--static", "--temperature", "0.7", "--trace", "t.parquet"],
+         "drop --temperature and --trace, or"),
         (["--prompt", TEXT, "--static", "--budget", "100000"], "budget must be between 1 and the prompt length"),
         # Flags that would be silently dropped: said, not guessed.
         (["--prompt", TEXT, "--alpha", "0.7", "--param", "alpha=0.5"], "alpha is given twice (--alpha... and --param"),
