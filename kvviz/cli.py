@@ -295,10 +295,17 @@ def _prompt_and_model_arguments(parser, default_model: str) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
-    parser.add_argument("--model", default=default_model, help="default model, HF hub id, local dir, or tiny-random-<model_type>")
+    parser.add_argument("--model", default=default_model,
+                        help="HF hub id, local folder, or tiny-random-<model_type> (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+
+
+def _chat_argument(parser) -> None:
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap the prompt in the chat template (default); --no-chat tokenises it as is, "
+                             "without special tokens")
 
 
 def cmd_scorers(args) -> int:
@@ -761,18 +768,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text with an eviction policy")
     _prompt_and_model_arguments(gen, DEFAULT_MODEL)
-    gen.add_argument("--policy", default="inertia", help="a name from `kvviz policies`")
+    gen.add_argument("--policy", default="inertia", help="a name from `kvviz policies` (default: %(default)s)")
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--compression", type=float,
                         help="rho in [0, 1): budget = floor((1 - rho) * prompt length); default 0.9 when neither "
                              "this nor --budget is given (except --policy full: no eviction). The library's "
                              "kvviz.run defaults to no compression instead")
     budget.add_argument("--budget", type=int, help="absolute cache budget in tokens (instead of --compression)")
-    gen.add_argument("--alpha", type=float, help="EMA coefficient (InertiaKV family)")
-    gen.add_argument("--refresh", type=int, help="score every r-th step (InertiaKV family; 1 = every step, 0 = score-free)")
-    gen.add_argument("--param", action="append", metavar="NAME=VALUE", help="any other policy parameter")
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                     help="wrap the prompt in the chat template (--no-chat: tokenise as is, no special tokens)")
+    gen.add_argument("--alpha", type=float, help="EMA coefficient in [0, 1] (InertiaKV family; default: the policy's, "
+                                                 "see `kvviz policies`)")
+    gen.add_argument("--refresh", type=int, help="score every r-th step (InertiaKV family; 1 = every step, 0 = "
+                                                 "score-free; default: the policy's)")
+    gen.add_argument("--param", action="append", metavar="NAME=VALUE",
+                     help="any other policy parameter, repeatable (names and ranges: `kvviz policies`)")
+    _chat_argument(gen)
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     gen.add_argument("--top-p", type=float, help="nucleus sampling, with --temperature (default 1: the whole "
@@ -786,20 +795,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     pol = sub.add_parser("policies", help="list the policy registry")
-    pol.add_argument("--json", action="store_true")
+    pol.add_argument("--json", action="store_true", help="print the registry as one JSON list instead")
     pol.set_defaults(func=cmd_policies)
 
     probe = sub.add_parser("probe", help="oracle damage probe: which entries hurt to remove, and who ranks them")
     _prompt_and_model_arguments(probe, DEFAULT_MODEL)
-    probe.add_argument("--step", type=int, default=8, help="decode step to probe (>= 1)")
+    probe.add_argument("--step", type=int, default=8, help="decode step to probe, >= 1 (default: %(default)s)")
     probe.add_argument("--sample", type=int, help="probe a seeded sample of this many entries (default: all)")
-    probe.add_argument("--seed", type=int, default=0)
-    probe.add_argument("--future", type=int, default=8, help="W_fut: teacher-forced tokens replayed")
-    probe.add_argument("--batch", type=int, default=16, help="candidates per forward pass")
+    probe.add_argument("--seed", type=int, default=0, help="seed of --sample's draw (default: %(default)s)")
+    probe.add_argument("--future", type=int, default=8,
+                       help="W_fut: teacher-forced tokens replayed (default: %(default)s)")
+    probe.add_argument("--batch", type=int, default=16, help="candidates per forward pass (default: %(default)s)")
     probe.add_argument("--policies", default="inertia,inertia-lazy,tova,h2o,rkv,avokv,keydiff,knorm,recency",
-                       help="comma-separated registry names, or 'all'")
-    probe.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    probe.add_argument("--json", action="store_true")
+                       help="comma-separated registry names, or 'all' (default: %(default)s)")
+    _chat_argument(probe)
+    probe.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     probe.add_argument("--blindspot", action="store_true", help="also AvoKV-E's blindspot test (Fig. 1a): "
                        "high-damage share by read-pressure and payload rank, from AvoKV-E's ranks at --step (computed "
                        "apart when avokv is not among --policies; the ranking table lists --policies only)")
@@ -808,13 +818,16 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scorers", help="each scorer's ranking against attention, per layer and through "
                         "the EMA (InertiaKV §5.1), and how much layers agree")
     _prompt_and_model_arguments(sc, DEFAULT_MODEL)
-    sc.add_argument("--steps", type=int, default=8, help="decode steps compared (each with the whole cache)")
+    sc.add_argument("--steps", type=int, default=8,
+                    help="decode steps compared, each with the whole cache (default: %(default)s)")
     sc.add_argument("--layer", type=int, help="layer of the per-layer comparison (default: the middle one)")
-    sc.add_argument("--compression", type=float, default=0.9, help="top-B sets at B = (1 - this) x cache size")
-    sc.add_argument("--alpha", type=float, default=0.8, help="EMA coefficient of the utilities compared")
+    sc.add_argument("--compression", type=float, default=0.9,
+                    help="rho in [0, 1): top-B sets at B = (1 - rho) x cache size (default: %(default)s)")
+    sc.add_argument("--alpha", type=float, default=0.8,
+                    help="EMA coefficient in [0, 1] of the utilities compared (default: %(default)s)")
     sc.add_argument("--by-layer", action="store_true", help="also each scorer's Spearman at every layer")
-    sc.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    sc.add_argument("--json", action="store_true")
+    _chat_argument(sc)
+    sc.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     sc.set_defaults(func=cmd_scorers)
 
     tr = sub.add_parser("trace", help="a saved trace: its diagnostics, or what happened to chosen tokens")
@@ -834,13 +847,15 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_arguments(bench_sub.add_parser("speed", help="decode speed: generate vs engine policies"))
     probe_cost.add_arguments(bench_sub.add_parser("probe", help="damage-probe cost: batched vs one at a time"))
     run = bench_sub.add_parser("run", help="run (or resume) a sweep from a TOML config")
-    run.add_argument("config")
+    run.add_argument("config", help="a sweep's TOML file, e.g. configs/needle-grid.toml")
     run.add_argument("--out", help="folder for rows and config (default: the repository's results_db/<name>, "
                      "kvviz.store.ROOT, where `kvviz results` and the app read; not relative to the current folder)")
-    run.add_argument("--shards", type=int, default=1, help="split the cells into this many shards")
-    run.add_argument("--shard", type=int, default=0, help="which shard this process runs")
+    run.add_argument("--shards", type=int, default=1,
+                     help="split the samples into this many shards (default: %(default)s)")
+    run.add_argument("--shard", type=int, default=0,
+                     help="which shard this process runs, 0 to --shards - 1 (default: %(default)s)")
     run.add_argument("--backend", choices=("local", "ray"), default="local",
-                     help="ray: run every shard as a Ray task, each writing rows-<i>.jsonl")
+                     help="ray: run every shard as a Ray task, each writing rows-<i>.jsonl (default: %(default)s)")
     run.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one on loopback)")
     run.add_argument("--status", action="store_true", help="only print how many cells are done, per task")
     bench.set_defaults(func=cmd_bench)

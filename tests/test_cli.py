@@ -331,6 +331,38 @@ def test_unknown_model_fails_with_one_clear_line(tmp_path):
     assert "Traceback" not in proc.stderr and "no-such-model" in lines[-1] and len(lines) == 1
 
 
+def _every_parser(parser, name="kvviz"):
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, sub in action.choices.items():
+                yield from _every_parser(sub, f"{name} {command}")
+
+
+def test_every_option_has_help_that_names_its_default():
+    """`kvviz probe --help` showed --seed, --chat and --json bare and --step, --future, --batch without their
+    defaults; `kvviz bench probe --help` had no help at all for most options."""
+    import argparse
+
+    from kvviz.cli import build_parser
+
+    missing = []
+    for name, parser in _every_parser(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            default = action.default
+            value = "" if isinstance(default, bool) else f"{default:g}" if isinstance(default, float) else str(default)
+            stated = "default" in text and value in text  # a flag on by default: the word is enough
+            if not text or (default not in (None, argparse.SUPPRESS) and default is not False and not stated):
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing
+
+
 def test_policies_lists_the_registry():
     proc = kvviz_cli("policies", "--json")
     listed = {p["name"]: p for p in json.loads(proc.stdout)}

@@ -16,15 +16,19 @@ import torch
 def add_arguments(parser) -> None:
     from ..models import DEFAULT_MODEL, DTYPES
 
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local path (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--step", type=int, default=8)
-    parser.add_argument("--sample", type=int, default=64, help="candidates probed")
-    parser.add_argument("--future", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="prompt length in tokens (a haystack with a passkey; default: %(default)s)")
+    parser.add_argument("--step", type=int, default=8, help="decode step probed, >= 1 (default: %(default)s)")
+    parser.add_argument("--sample", type=int, default=64,
+                        help="candidates probed, drawn with seed 0 (default: %(default)s)")
+    parser.add_argument("--future", type=int, default=8,
+                        help="W_fut: teacher-forced tokens replayed (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="candidates per forward pass of the batched run (default: %(default)s)")
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 

@@ -52,7 +52,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="e.g. cuda (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
-    parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default model)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048,
+                        help="prompt length in tokens of --model's haystack prompt (without --config; default: "
+                             "%(default)s)")
     parser.add_argument("--contexts", default=CONTEXTS, help="prompt lengths with --config (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run (default: %(default)s)")
     parser.add_argument("--compression", type=float, default=0.9,
@@ -65,9 +67,10 @@ def add_arguments(parser) -> None:
                         help="runs of each configuration, interleaved; the best is kept (default: %(default)s)")
     parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=True,
                         help="time the static decode path too (B slots, InertiaKV computed beside the attention; "
-                             "the GPU targets): --no-static times generate and the --policies rows only")
+                             "the GPU targets; default): --no-static times generate and the --policies rows only")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added)")
+                        help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added; "
+                             "default: %(default)s)")
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="seconds for the whole run, the model's build included: a context that would end after "
                              "it (judged by the last one's duration) is skipped, and past it no configuration "
