@@ -1025,6 +1025,31 @@ def test_a_reused_retention_figure_keeps_its_title_and_bands_up_to_date():
     assert sinks.y1 == 299.5
 
 
+def test_a_short_run_puts_its_step_ticks_on_whole_steps():
+    """A run of one or two steps: Plotly's own ticks fell on -0.5 and 0.5, steps that do not exist.  Every
+    step axis ticks each step while a run is short, the streamed figures too, and hands back to Plotly's
+    ticks once the run is long enough for them to be whole."""
+    from kvviz.trace import StepEvent
+
+    UTILITY = np.array([0.4, 0.3, 0.2, 0.1], np.float32)  # distinct: equal utilities rank nothing
+    view = RunView(6, 40, 4, ["a", "b", "c", "d", "e", "f"])
+    kept = np.arange(4)
+    view.add(StepEvent(0, 0, 0, "x", kept, np.array([4, 5]), UTILITY))
+    view.add(StepEvent(1, 0, 0, "x", np.array([0, 1, 2, 6]), np.array([3]), UTILITY))
+    streamed = [view.retention_figure(), view.rank_figure(), view.timeline_figure()]
+    assert [figure.layout.yaxis.dtick for figure in streamed[:2]] == [1, 1]
+    assert {axis.dtick for axis in streamed[2].select_xaxes()} == {1}
+    assert view.history_figure([0, 1]).layout.xaxis.dtick == 1
+    for step in range(2, 30):
+        view.add(StepEvent(step, 0, 0, "x", np.array([0, 1, 2, 4 + step]), np.array([3 + step]),
+                           UTILITY))
+    again = [view.retention_figure(), view.rank_figure(), view.timeline_figure()]
+    assert all(a is b for a, b in zip(again, streamed))  # updated in place
+    assert [figure.layout.yaxis.dtick for figure in again[:2]] == [None, None]
+    assert {axis.dtick for axis in again[2].select_xaxes()} == {None}
+    assert view.history_figure([0, 1]).layout.xaxis.dtick is None
+
+
 def test_dockerfile_and_space_front_matter_agree_with_the_app():
     readme = (ROOT / "README.md").read_text()
     front = re.match(r"---\n(.*?)\n---\n", readme, re.S).group(1)

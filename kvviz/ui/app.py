@@ -38,7 +38,8 @@ from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label,
 from ..trace import Trace, checkpoint_note, model_dtype, run_note, time_split
 from .config import Limits
 from ..store import Store
-from .figures import MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure
+from .figures import (MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure,
+                      step_dtick)
 from .results import build_results_tab
 from .widgets import TypedSlider
 
@@ -1071,6 +1072,7 @@ def jaccard_figure(names, views) -> go.Figure:
             Trace([], 0, reference, events=views[reference].events), Trace([], 0, name, events=views[name].events))
         fig.add_scatter(x=[s for s, _ in pairs], y=[j for _, j in pairs], name=f"{name} vs {reference}")
     fig.update_layout(title="Jaccard of the keep sets over time", xaxis_title="decode step", yaxis_title="Jaccard",
+                      xaxis_dtick=step_dtick(max(view.steps for view in views.values())),
                       yaxis_range=[0, 1.02], height=300, margin=dict(l=50, r=20, t=40, b=40))
     return fig
 

@@ -101,6 +101,7 @@ class RunView:
         with fig.batch_update():
             fig.data[0].update(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row)
             fig.layout.title.text = title  # binning can change as the run grows
+            fig.update_yaxes(dtick=step_dtick(self.steps))
         return fig
 
     def _retention_title(self, col: int, row: int) -> str:
@@ -120,7 +121,7 @@ class RunView:
                     shape.y1 = last + 0.5
             return fig
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
-        fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)")
+        fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)", self.steps)
         # the label above the plot, where it hides no cell
         fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888", annotation_text="prompt end",
                       annotation_position="top", annotation_font=dict(size=9, color="#555"))
@@ -170,7 +171,7 @@ class RunView:
             return fig
         scale = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"], [101 / EMPTY, EMPTY_COLOR],
                  [1, EMPTY_COLOR]]
-        fig = _heatmap(z, col, row, scale, "rank: %{z}% of the budget (200 = no score)")
+        fig = _heatmap(z, col, row, scale, "rank: %{z}% of the budget (200 = no score)", self.steps)
         fig.update_layout(title=title)
         _marker(fig, marker_step)
         if marker_step is None:
@@ -187,6 +188,7 @@ class RunView:
             with fig.batch_update():
                 for index, values in enumerate(series):
                     fig.data[index].update(x=steps if index < 2 else steps[1:], y=values)
+                fig.update_xaxes(dtick=step_dtick(len(steps)))
             return fig
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09,
                             subplot_titles=("cache entries", "evicted this step", "time per step (ms)"))
@@ -198,6 +200,7 @@ class RunView:
             fig.add_scatter(x=steps[1:], y=[1e3 * getattr(e, field) for e in self.events[1:]], name=label,
                             stackgroup="time", row=3, col=1)
         fig.update_xaxes(title_text="decode step (0 = prefill)", row=3, col=1)
+        fig.update_xaxes(dtick=step_dtick(len(steps)))
         fig.update_layout(height=440, margin=dict(l=50, r=20, t=30, b=40), showlegend=True,
                           legend=dict(orientation="h", y=-0.15, traceorder="normal"))
         if marker_step is None:
@@ -412,7 +415,8 @@ class RunView:
         rows = math.ceil(len(positions) / 3)
         fig.update_layout(title=f"Token history: {note}<br><sup>solid: rank by the policy's utility · dotted: "
                           "rank by the step's raw score · ×: evicted · below the dashed line: out of the top B</sup>",
-                          xaxis_title="decode step", height=340 + 30 * rows, margin=dict(l=50, r=20, t=60, b=60 + 30 * rows),
+                          xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
+                          margin=dict(l=50, r=20, t=60, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
         return fig
 
@@ -476,13 +480,19 @@ def _binned_share(values: np.ndarray, weight: np.ndarray, col: int, row: int) ->
     return out
 
 
-def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str) -> go.Figure:
+def step_dtick(steps: int) -> int | None:
+    """The tick spacing of a decode-step axis over ``steps`` steps: every step while there are few (Plotly's
+    own ticks fell on half steps, -0.5 and 0.5, in a run of one or two), else Plotly's choice (None)."""
+    return 1 if steps <= 10 else None
+
+
+def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: int) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row, zmin=0, zmax=EMPTY,
                                colorscale=colorscale, showscale=False,
                                hovertemplate="position %{x}<br>step %{y}<br>" + hover + "<extra></extra>"))
     fig.update_layout(xaxis_title="absolute position", yaxis_title="decode step", height=360,
                       margin=dict(l=50, r=20, t=40, b=40))
-    fig.update_yaxes(autorange="reversed")
+    fig.update_yaxes(autorange="reversed", dtick=step_dtick(steps))
     return fig
 
 
