@@ -531,7 +531,8 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
                          (("temperature", 0.0), ("top_p", 1.0), ("seed", 0)))).settings()
     trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events,
                   sampling=sampling, dtype=model_dtype(model),
-                  max_new_tokens=run_kwargs.get("max_new_tokens", MAX_NEW_TOKENS))
+                  max_new_tokens=run_kwargs.get("max_new_tokens", MAX_NEW_TOKENS),
+                  compression=run_kwargs.get("compression"))
     text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
     return Result(text, trace)
 

@@ -21,6 +21,13 @@ def run_note(trace) -> str:
             + sampling_note(trace.sampling))
 
 
+def budget_note(trace) -> str:
+    """How the trace's cache was sized: ``"budget B = 127 (compression ρ = 0.9)"``, or the budget alone where
+    it was given in tokens or the trace predates recording ρ."""
+    return f"budget B = {trace.budget}" + ("" if trace.compression is None else
+                                             f" (compression ρ = {trace.compression:g})")
+
+
 def checkpoint_note(trace) -> str:
     """Why a checkpointed policy's (AvoKV-E's, R-KV's) cache ended over budget with nothing evicted, or "":
     those evict only at a checkpoint, and a run that ended before its first one kept every entry."""
@@ -147,6 +154,9 @@ class Trace:
     dtype: str = ""  # the model's dtype ("bfloat16"); "" in traces saved before it was recorded
     max_new_tokens: int = 0  # what the run was asked for; 0 in traces saved before it was recorded
     stopped: bool = False  # Stop ended it before end-of-sequence or max_new_tokens
+    # The ρ that set the budget, B = floor((1 - ρ) L0); None where an absolute budget did (or in traces saved
+    # before it was recorded)
+    compression: float | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -164,7 +174,7 @@ class Trace:
     def meta(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "budget": self.budget, "policy": self.policy,
                 "params": self.params, "model": self.model, "sampling": self.sampling, "dtype": self.dtype,
-                "max_new_tokens": self.max_new_tokens, "stopped": self.stopped}
+                "max_new_tokens": self.max_new_tokens, "stopped": self.stopped, "compression": self.compression}
 
     def save(self, path: str | Path) -> None:
         # Imported here: the engine (and a GPU machine's benchmark, which may lack them) never saves a trace.
@@ -236,6 +246,9 @@ class Trace:
                     ("dtype", isinstance(self.dtype, str), "a string"),
                     ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "a whole number"),
                     ("stopped", isinstance(self.stopped, bool), "true or false"),
+                    ("compression", self.compression is None or (
+                        isinstance(self.compression, (int, float)) and not isinstance(self.compression, bool)
+                        and 0 <= self.compression < 1), "absent (an absolute budget) or a ratio in [0, 1)"),
                     ("sampling", isinstance(self.sampling, dict) and (not self.sampling or (
                         set(self.sampling) == {"temperature", "top_p", "seed"} and _is_int(self.sampling["seed"])
                         and all(isinstance(self.sampling[k], (int, float)) and not isinstance(self.sampling[k], bool)

@@ -301,6 +301,7 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     _, fresh = button_ticket(tickets)  # a refused run is over: the next click runs
     *_, last = live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, fresh, tickets)
     assert last[9].steps == 10 and last[-1] == gr.skip()  # ran to the end; the session keeps its tickets
+    assert kvviz.Trace.load(last[7]["value"]).compression == 0.5  # the trace says how B was set
     button_ticket(tickets)  # and after it, the next
     with pytest.raises(TypeError, match="ticket id"):
         next(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults[:-1], None))
@@ -1206,6 +1207,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
         client.predict(handle_file(str(tmp_path / "notes.parquet")), api_name="/open_trace")
     assert "/" not in str(refused.value)  # the upload's temporary folder stays on the server
     assert not kvviz.Trace.load(trace_file).stopped and kvviz.Trace.load(trace_file).max_new_tokens == 10
+    assert kvviz.Trace.load(trace_file).compression is None and " at budget B = 24 on " in opened[1]  # given in tokens
 
 
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):

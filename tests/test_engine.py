@@ -13,6 +13,7 @@ import kvviz
 from kvviz.cache import SlotCache
 from kvviz.engine import resolve_budget
 from kvviz.policies import REGISTRY
+from kvviz.trace import budget_note
 
 
 def generate_ids(model, prompt_ids, new_tokens):
@@ -363,6 +364,10 @@ def test_trace_round_trips_through_parquet(tiny, tiny_prompt, tmp_path):
         assert a.kept.tolist() == b.kept.tolist() and a.evicted.tolist() == b.evicted.tolist()
         assert np.allclose(a.utility, b.utility) and a.text == b.text and a.step == b.step
     assert loaded.max_new_tokens == 8 and loaded.stopped is False
+    assert loaded.compression == 0.5 and budget_note(loaded) == f"budget B = {loaded.budget} (compression ρ = 0.5)"
+    # a budget given in tokens records no ρ
+    by_tokens = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=loaded.budget, max_new_tokens=2).trace
+    assert by_tokens.compression is None and budget_note(by_tokens) == f"budget B = {loaded.budget}"
 
 
 def test_a_trace_saved_before_max_new_tokens_and_stopped_were_recorded_still_loads(tiny, tiny_prompt, tmp_path):
@@ -375,14 +380,16 @@ def test_a_trace_saved_before_max_new_tokens_and_stopped_were_recorded_still_loa
         tmp_path / "t.parquet")
     table = pq.read_table(tmp_path / "t.parquet")
     meta = json.loads(table.schema.metadata[b"kvviz"])
-    del meta["max_new_tokens"], meta["stopped"]
+    del meta["max_new_tokens"], meta["stopped"], meta["compression"]
     pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps(meta)}), tmp_path / "old.parquet")
     old = kvviz.Trace.load(tmp_path / "old.parquet")
-    assert (old.max_new_tokens, old.stopped, len(old.events)) == (0, False, 4)
-    meta["stopped"] = "yes"
-    pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps(meta)}), tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match="its stopped is 'yes', not true or false"):
-        kvviz.Trace.load(tmp_path / "bad.parquet")
+    assert (old.max_new_tokens, old.stopped, old.compression, len(old.events)) == (0, False, None, 4)
+    for key, value, message in (("stopped", "yes", "its stopped is 'yes', not true or false"),
+                                ("compression", 1.5, "its compression is 1.5, not absent .* or a ratio in")):
+        pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps({**meta, key: value})}),
+                       tmp_path / "bad.parquet")
+        with pytest.raises(ValueError, match=message):
+            kvviz.Trace.load(tmp_path / "bad.parquet")
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))

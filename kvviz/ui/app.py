@@ -35,7 +35,7 @@ import torch
 from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
-from ..trace import Trace, checkpoint_note, model_dtype, run_note, time_split
+from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, time_split
 from .config import Limits
 from ..store import Store
 from .figures import (MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure,
@@ -199,6 +199,7 @@ class Request:
     budget: int
     max_new_tokens: int
     sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments; empty: greedy
+    compression: float | None = None  # the ρ that set budget; None: the budget was given in tokens
 
     def sampler(self) -> engine.Sampler:
         """A fresh sampler: every run (every policy of a comparison) draws the same random stream."""
@@ -258,11 +259,13 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
                              f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
         resolved = value
     else:
-        resolved = engine.resolve_budget(len(prompt_ids), compression=fraction("compression", compression))
+        compression = fraction("compression", compression)
+        resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
     for policy in policies:
         policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
         engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
-    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling)
+    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling,
+                   compression if budget_mode == "compression" else None)
 
 
 @dataclass
@@ -280,6 +283,7 @@ class Progress:
     views: dict[str, RunView]
     texts: dict[str, str]
     ends: set[int]  # end-of-sequence ids: a policy that produced one had finished before Stop came
+    compression: float | None = None  # the Request's
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
@@ -289,7 +293,7 @@ class Progress:
         settings = {label: (label.split()[0], policy.params()) for label, policy in policies.items()}
         return cls(request.prompt_ids, request.budget, request.max_new_tokens, model_name, model_dtype(request.model),
                    request.sampling, settings, views, {label: "" for label in policies},
-                   engine.eos_ids(request.model, request.tokenizer))
+                   engine.eos_ids(request.model, request.tokenizer), request.compression)
 
     def add(self, label: str, event) -> None:
         self.views[label].add(event, event.text)
@@ -299,7 +303,8 @@ class Progress:
         name, params = self.settings[label]
         # called once the run is over: a policy that is over and did not finish was stopped
         return Trace(self.prompt_ids, self.budget, name, params, self.model_name, self.views[label].events,
-                     self.sampling, self.dtype, self.max_new_tokens, stopped=not self.finished(label))
+                     self.sampling, self.dtype, self.max_new_tokens, stopped=not self.finished(label),
+                     compression=self.compression)
 
     def finished(self, label: str) -> bool:
         events = self.views[label].events
@@ -830,7 +835,7 @@ def make_open_handler(limits: Limits):
                 view.add(event, event.text)
             params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
             origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
-                      + run_note(trace)
+                      + f" at {budget_note(trace)}" + run_note(trace)
                       + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n"
                       + ("**stopped** · " if trace.stopped else ""))
             text = "".join(event.text for event in trace.events)
