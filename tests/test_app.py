@@ -1029,7 +1029,7 @@ def test_a_reused_retention_figure_keeps_its_title_and_bands_up_to_date():
 def test_a_short_run_puts_its_step_ticks_on_whole_steps():
     """A run of one or two steps: Plotly's own ticks fell on -0.5 and 0.5, steps that do not exist.  Every
     step axis ticks each step while a run is short, the streamed figures too, and hands back to Plotly's
-    ticks once the run is long enough for them to be whole."""
+    ticks once the run is long enough for them to be whole; the time split marks its points meanwhile."""
     from kvviz.trace import StepEvent
 
     UTILITY = np.array([0.4, 0.3, 0.2, 0.1], np.float32)  # distinct: equal utilities rank nothing
@@ -1040,6 +1040,8 @@ def test_a_short_run_puts_its_step_ticks_on_whole_steps():
     streamed = [view.retention_figure(), view.rank_figure(), view.timeline_figure()]
     assert [figure.layout.yaxis.dtick for figure in streamed[:2]] == [1, 1]
     assert {axis.dtick for axis in streamed[2].select_xaxes()} == {1}
+    # the time split of one decode step is one point per part: markers, as an area of no width draws nothing
+    assert [trace.mode for trace in streamed[2].data[2:]] == ["lines+markers"] * 3
     assert view.history_figure([0, 1]).layout.xaxis.dtick == 1
     for step in range(2, 30):
         view.add(StepEvent(step, 0, 0, "x", np.array([0, 1, 2, 4 + step]), np.array([3 + step]),
@@ -1048,6 +1050,7 @@ def test_a_short_run_puts_its_step_ticks_on_whole_steps():
     assert all(a is b for a, b in zip(again, streamed))  # updated in place
     assert [figure.layout.yaxis.dtick for figure in again[:2]] == [None, None]
     assert {axis.dtick for axis in again[2].select_xaxes()} == {None}
+    assert [trace.mode for trace in again[2].data[2:]] == ["lines"] * 3
     assert view.history_figure([0, 1]).layout.xaxis.dtick is None
 
 

@@ -188,6 +188,8 @@ class RunView:
             with fig.batch_update():
                 for index, values in enumerate(series):
                     fig.data[index].update(x=steps if index < 2 else steps[1:], y=values)
+                    if index >= 2:
+                        fig.data[index].mode = _time_mode(len(steps))
                 fig.update_xaxes(dtick=step_dtick(len(steps)))
             return fig
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09,
@@ -198,7 +200,7 @@ class RunView:
         fig.add_bar(x=steps, y=[e.evicted.size for e in self.events], name="evicted", row=2, col=1)
         for field, label in (("t_forward", "forward"), ("t_score", "scoring"), ("t_evict", "eviction")):
             fig.add_scatter(x=steps[1:], y=[1e3 * getattr(e, field) for e in self.events[1:]], name=label,
-                            stackgroup="time", row=3, col=1)
+                            stackgroup="time", mode=_time_mode(len(steps)), row=3, col=1)
         fig.update_xaxes(title_text="decode step (0 = prefill)", row=3, col=1)
         fig.update_xaxes(dtick=step_dtick(len(steps)))
         fig.update_layout(height=440, margin=dict(l=50, r=20, t=30, b=40), showlegend=True,
@@ -484,6 +486,12 @@ def step_dtick(steps: int) -> int | None:
     """The tick spacing of a decode-step axis over ``steps`` steps: every step while there are few (Plotly's
     own ticks fell on half steps, -0.5 and 0.5, in a run of one or two), else Plotly's choice (None)."""
     return 1 if steps <= 10 else None
+
+
+def _time_mode(steps: int) -> str:
+    """The time split's traces: with markers while few steps (one decode step is a single point, an area of
+    no width that drew nothing)."""
+    return "lines+markers" if steps <= 10 else "lines"
 
 
 def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: int) -> go.Figure:
