@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -361,6 +364,37 @@ def test_every_option_has_help_that_names_its_default():
             if not text or (default not in (None, argparse.SUPPRESS) and default is not False and not stated):
                 missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
     assert not missing
+
+
+def readme_cli_lines() -> list[str]:
+    """The command lines of the README's Command line section, comment lines left out."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme.split("\n## Command line\n", 1)[1], flags=re.S).group(1)
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_the_readmes_command_lines_parse_and_make_every_file_they_read(tmp_path):
+    """The examples read haystack.txt, notes.txt and run.parquet, which none of them made: copied as written,
+    they failed with 'cannot read --prompt-file' and 'run.parquet does not exist'."""
+    from kvviz.cli import build_parser
+
+    parser, traces, followed = build_parser(), set(), []
+    for line in readme_cli_lines():
+        words = shlex.split(line, comments=True)
+        if words[0] != ".venv/bin/kvviz":  # a shell line that writes a file the examples read: run as written
+            command = line.replace("python3", shlex.quote(sys.executable), 1) if words[0] == "python3" else line
+            assert subprocess.run(command, shell=True, cwd=tmp_path).returncode == 0, line
+            continue
+        args = parser.parse_args(words[1:])  # an option that does not exist exits here
+        if getattr(args, "prompt_file", None):
+            assert (tmp_path / args.prompt_file).exists(), f"{line!r} reads a file no line before it writes"
+        if args.command == "trace":
+            assert args.file in traces, f"{line!r} opens a trace no `generate --trace` before it saves"
+        if args.command == "generate" and args.trace:
+            traces.add(args.trace)
+        if getattr(args, "follow", None):
+            followed.append(args.follow)
+    assert followed and all(text in (tmp_path / "haystack.txt").read_text() for text in followed)
 
 
 def test_policies_lists_the_registry():
