@@ -574,11 +574,20 @@ def cmd_results(args) -> int:
         raise ValueError("--paper and --vs are two different tables; give one of them")
     if args.settings and args.paper:
         raise ValueError("--paper compares each policy at its defaults: drop --settings")
+    ignored = [flag for flag, value in (("--task", args.task), ("--model", args.model), ("--source", args.source))
+               if value]
+    if args.paper and ignored:  # the comparison is every model's paper and measured rows over the suite's tasks
+        raise ValueError(f"--paper compares every model's paper and measured rows over all of {args.paper}'s tasks, "
+                         f"which {' and '.join(ignored)} would not change: drop {' and '.join(ignored)} "
+                         "(--policies applies)")
     if args.paper:
         frame = store.paper_comparison(args.paper, policies)
         if frame.empty:
             raise ValueError(f"no paper and measured rows on {args.paper!r}; "
                              f"comparable: {', '.join(store.comparable_suites()) or 'none'}")
+        if args.csv:
+            frame.to_csv(sys.stdout, index=False)
+            return 0
         table = frame.pivot_table(index=["origin", "model", "policy"], columns="compression", values="relative")
         print(f"{args.paper}: score / full-cache score (paper: printed aggregate; measured: mean over tasks)")
         print(table.round(3).to_string())

@@ -220,6 +220,28 @@ def test_paper_comparison_is_relative_to_each_sources_full_cache(tmp_path):
     assert store.paper_comparison("RULER", policies=["inertia"]).empty
 
 
+def test_results_paper_prints_csv_and_refuses_filters_it_would_not_apply(tmp_path, capsys):
+    """`kvviz results --paper RULER --csv` printed the table, not CSV; --task, --model and --source were
+    checked against the store and then silently not applied."""
+    from kvviz.cli import main
+
+    full = {"params": {}, "metric": "string_match", "policy": "full", "compression": 0.5, "score": 1.0}
+    write_rows(tmp_path / "sweep", [{"source": "measured", "model": "m", "task": "single_needle", **full},
+                                    {**full, "source": "measured", "model": "m", "task": "single_needle",
+                                     "policy": "tova", "compression": 0.9, "score": 0.5}])
+    write_rows(tmp_path / "paper", [{"source": "paper", "paper": "InertiaKV", "table": "Table 4", "model": "P",
+                                     "task": "RULER", "params": {}, "metric": "score", "policy": policy,
+                                     "compression": rho, "score": score}
+                                    for policy, rho, score in (("full", None, 90.0), ("tova", 0.9, 45.0))])
+    assert main(["results", "--root", str(tmp_path), "--paper", "RULER", "--csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("origin,model,policy,compression,") and len(lines) == 3
+    for flags in (["--task", "single_needle"], ["--model", "m"], ["--source", "measured"]):
+        assert main(["results", "--root", str(tmp_path), "--paper", "RULER", *flags]) == 2
+        error = capsys.readouterr().err.splitlines()[-1]  # after the store's warning about these bare rows
+        assert error.startswith("kvviz: error: --paper") and error.endswith(f"drop {flags[0]} (--policies applies)")
+
+
 def test_results_tab_filters_change_the_figure_data(tmp_path):
     import socket
 
