@@ -530,6 +530,11 @@ def cmd_bench(args) -> int:
             finished, total = (sum(v[i] for v in progress.values()) for i in (0, 1))
             print(f"{config['name']}: {finished} of {total} cells done")
             return 0
+        # Options the chosen backend would silently ignore: ray runs every shard itself, local needs no cluster.
+        if args.backend == "ray" and args.shard:
+            raise ValueError(f"--backend ray runs every shard as its own task: drop --shard {args.shard}")
+        if args.ray_address and args.backend != "ray":
+            raise ValueError("--ray-address applies to --backend ray only; add --backend ray or drop --ray-address")
         sweep.check_shard(args.shard if args.backend == "local" else 0, args.shards)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {str(out)!r} is a file; a sweep writes a folder (its rows and config), so "

@@ -561,6 +561,11 @@ def test_resuming_with_a_different_config_is_refused_and_the_store_is_untouched(
     (["--shards", "0"], "--shards must be at least 1, got 0"),
     (["--shard", "5", "--shards", "2"], "--shard 5 is not one of 2 shard(s); use --shard 0 to 1"),
     (["--shard", "-1", "--shards", "2"], "--shard -1 is not one of 2 shard(s); use --shard 0 to 1"),
+    # silently ignored before: ray runs every shard, and only ray joins a cluster
+    (["--backend", "ray", "--shards", "2", "--shard", "1"], "--backend ray runs every shard as its own task: drop "
+                                                            "--shard 1"),
+    (["--ray-address", "10.0.0.1:6379"], "--ray-address applies to --backend ray only; add --backend ray or drop "
+                                         "--ray-address"),
 ])
 def test_a_shard_that_does_not_exist_is_refused(tmp_path, capsys, no_model, flags, message):
     config = write_config(tmp_path / "c.toml")
