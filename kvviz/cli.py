@@ -785,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default="inertia", help="a name from `kvviz policies` (default: %(default)s)")
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--compression", type=float,
-                        help="rho in [0, 1): budget = floor((1 - rho) * prompt length); default 0.9 when neither "
+                        help="rho in [0, 1): budget B = floor((1 - rho) x prompt length); default 0.9 when neither "
                              "this nor --budget is given (except --policy full: no eviction). The library's "
                              "kvviz.run defaults to no compression instead")
     budget.add_argument("--budget", type=int, help="absolute cache budget in tokens (instead of --compression)")
@@ -896,8 +896,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--models", help="the models offered, comma-separated, the first the default (default: "
                                         "$KVVIZ_DEFAULT_MODEL and $KVVIZ_MODELS)")
     serve.add_argument("--figures-per-second", type=float,
-                       help="most redraws a second of a streaming run's heatmap, 0 for none until it ends (default: "
-                            "$KVVIZ_FIGURES_PER_SECOND, else 10; fewer keep a slow browser responsive)")
+                       help="most redraws a second of a streaming run's heatmap, 0 to 60; 0 for none until it ends "
+                            "(default: $KVVIZ_FIGURES_PER_SECOND, else 10; fewer keep a slow browser responsive)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -363,6 +363,11 @@ def test_every_option_has_help_that_names_its_default():
             stated = "default" in text and value in text  # a flag on by default: the word is enough
             if not text or (default not in (None, argparse.SUPPRESS) and default is not False and not stated):
                 missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+            # one wording per option across subcommands (bench speed's --device said only "e.g. cuda")
+            wording = {"--device": "cpu, cuda or cuda:N", "--compression": "rho in [0, 1)"}
+            for option in set(action.option_strings) & set(wording):
+                if wording[option] not in text:
+                    missing.append(f"{name} {option}: not '{wording[option]}'")
     assert not missing
 
 

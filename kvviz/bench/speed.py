@@ -49,7 +49,7 @@ def add_arguments(parser) -> None:
 
     parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local path (default: %(default)s)")
     parser.add_argument("--config", choices=sorted(CONFIGS), help="random-weight model built from a config")
-    parser.add_argument("--device", default="cpu", help="e.g. cuda (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--prompt-tokens", type=int, default=2048,
@@ -58,8 +58,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--contexts", default=CONTEXTS, help="prompt lengths with --config (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run (default: %(default)s)")
     parser.add_argument("--compression", type=float, default=0.9,
-                        help="share of the prompt's cache evicted: B = (1 - compression) x prompt "
-                             "(default: %(default)s)")
+                        help="rho in [0, 1), the share of the prompt's cache evicted: B = floor((1 - rho) x prompt "
+                             "length) (default: %(default)s)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="engine policies to time, comma-separated (default: %(default)s); a prefill-time "
                              "one's first_token_s is its cost beyond the shared prefill (e.g. kvzip's extra pass)")
