@@ -504,7 +504,8 @@ def cmd_policies(args) -> int:
         for p in spec.parameters():
             bounds = f"choices {list(p['choices'])}" if p.get("choices") else (
                 f"range [{p['low']}, {p['high']}]" if p.get("low") is not None else "")
-            print(f"{'':<16}--param {p['name']}={p['default']}  {bounds}  {p.get('help', '')}")
+            parts = [f"--param {p['name']}={p['default']}", bounds, p.get("help", "")]
+            print(f"{'':<16}" + "  ".join(part for part in parts if part))  # no wide gap where a part is empty
     return 0
 
 

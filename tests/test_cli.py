@@ -410,6 +410,9 @@ def test_policies_lists_the_registry():
     assert set(listed) == set(REGISTRY)
     lazy = {p["name"]: p for p in listed["inertia-lazy"]["parameters"]}
     assert lazy["refresh"]["default"] == 4 and lazy["alpha"]["low"] == 0.0 and lazy["alpha"]["high"] == 1.0
+    printed = kvviz_cli("policies").stdout
+    # 'layers' has no range: its help followed after four spaces, as if a column were missing
+    assert "--param layers=all  eligible layers" in printed and "--param layers=all    " not in printed
 
 
 def test_policies_prints_decoupled_alpha_as_the_previous_step_weight(capsys):
