@@ -331,6 +331,18 @@ def test_probe_bench_refuses_counts_below_one_before_the_model_loads(capsys, mon
     assert capsys.readouterr().err == "kvviz: error: --step must be >= 1, got -3\n"
 
 
+def built_haystack(*args, **kwargs):
+    raise AssertionError("the haystack was built: past the context, that takes minutes before the refusal")
+
+
+def test_speed_bench_refuses_a_prompt_past_the_context_before_building_it(capsys, monkeypatch):
+    monkeypatch.setattr("kvviz.bench.speed.haystack_prompt", built_haystack)
+    assert main(["bench", "speed", "--model", "tiny-random-llama", "--prompt-tokens", "100000"]) == 2
+    assert capsys.readouterr().err == (
+        "kvviz: error: prompt (100000 tokens) + max_new_tokens (64) exceeds the model's context of 4096 tokens; "
+        "shorten the prompt or generate fewer tokens (here: lower --prompt-tokens or --new-tokens)\n")
+
+
 def test_probe_bench_refuses_a_sample_past_the_prefix_or_a_probe_past_the_context_before_decoding(capsys,
                                                                                                   monkeypatch):
     def decoded(*args, **kwargs):
@@ -344,6 +356,7 @@ def test_probe_bench_refuses_a_sample_past_the_prefix_or_a_probe_past_the_contex
     assert err.startswith("kvviz: error: --sample 12 is more than the 11 entries cached at --step 2 (10 prompt "
                           "tokens + 1 generated); choose --sample 11 or less") and err.count("\n") == 1
     # The tiny model's context is 4096: step 8 and 8 future tokens after 4090 prompt tokens pass it.
+    monkeypatch.setattr("kvviz.bench.speed.haystack_prompt", built_haystack)
     assert main(["bench", "probe", "--model", "tiny-random-llama", "--prompt-tokens", "4090"]) == 2
     err = capsys.readouterr().err
     assert err == ("kvviz: error: probing --step 8 decodes 16 tokens after this 4090-token prompt, beyond the "

@@ -50,11 +50,12 @@ def main(args) -> int:
 
     check_arguments(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    prompt_ids = haystack_prompt(tokenizer, args.prompt_tokens)
-    try:  # before decoding: past the context the probe would fail (or crawl) mid-measurement
-        check_fits(model, prompt_ids, args.step, args.future, step_name="--step", future_name="--future")
+    try:  # before the haystack is built (minutes, past the context) and before decoding, which would fail or crawl
+        check_fits(model, range(args.prompt_tokens), args.step, args.future, step_name="--step",
+                   future_name="--future")
     except ValueError as error:
         raise ValueError(f"{error} (the prompt's length is --prompt-tokens)") from None
+    prompt_ids = haystack_prompt(tokenizer, args.prompt_tokens)
     prefix_len = len(prompt_ids) + args.step - 1  # the cache before --step: the prompt and the tokens before it
     if args.sample > prefix_len:  # the candidates are drawn without replacement from these entries
         raise ValueError(f"--sample {args.sample} is more than the {prefix_len} entries cached at --step {args.step} "

@@ -433,6 +433,18 @@ def check_arguments(args) -> None:
         raise ValueError(f"--prompt-tokens must be at least 2, got {args.prompt_tokens}")
 
 
+def _check_context(model, prompts, args) -> None:
+    """Refuse a prompt past the model's context, which would fail (or crawl) mid-measurement."""
+    from .. import engine
+
+    for prompt in prompts:
+        try:
+            engine.check_prompt(model, prompt, args.new_tokens)
+        except ValueError as error:
+            raise ValueError(f"{error} (here: lower {'--contexts' if args.config else '--prompt-tokens'} or "
+                             "--new-tokens)") from None
+
+
 def policy_names(text: str) -> list[str]:
     """The ``--policies`` list, each name checked against the registry."""
     from ..policies import get_spec
@@ -448,7 +460,6 @@ def policy_names(text: str) -> list[str]:
 def main(args) -> int:
     import transformers
 
-    from .. import engine
     from ..models import load_model
     from ..trace import model_dtype
 
@@ -473,15 +484,12 @@ def main(args) -> int:
         meta["model"] = f"{args.config} (random weights)"
     else:
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        # checked before the haystack is built: building one past the context takes minutes, to be refused
+        _check_context(model, [range(args.prompt_tokens)], args)
         prompts = [haystack_prompt(tokenizer, args.prompt_tokens)]
         meta["model"] = args.model
     meta["dtype"] = model_dtype(model)
-    for prompt in prompts:  # a prompt past the model's context would fail (or crawl) mid-measurement
-        try:
-            engine.check_prompt(model, prompt, args.new_tokens)
-        except ValueError as error:
-            raise ValueError(f"{error} (here: lower {'--contexts' if args.config else '--prompt-tokens'} or "
-                             "--new-tokens)") from None
+    _check_context(model, prompts, args)
     out = open(args.out, "w") if args.out else None
 
     def emit(record: dict) -> None:  # line by line: a run cut short by a time limit keeps what it measured
