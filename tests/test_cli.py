@@ -760,13 +760,19 @@ def test_a_trace_with_malformed_sampling_is_refused_saying_so(tmp_path):
         kvviz.Trace.load(tmp_path / "bad.parquet")
 
 
-def test_the_full_cache_is_not_reported_as_holding_a_budget(capsys):
+def test_the_full_cache_is_not_reported_as_holding_a_budget(capsys, tmp_path):
     """One command line for every policy may give --budget to full too: it evicts nothing, and says so rather
-    than print a budget next to a larger final cache."""
+    than print a budget next to a larger final cache; `kvviz trace` of that run said 'budget B = 10'."""
     from kvviz.cli import main
 
+    trace = str(tmp_path / "full.parquet")
     assert main(["generate", *TINY, "--prompt", TEXT, "--policy", "full", "--budget", "10", "--max-new-tokens",
-                 "3"]) == 0
+                 "3", "--trace", trace]) == 0
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     prompt_len = int(summary.split("prompt ")[1].split()[0])
     assert f"no eviction (full cache), final cache {prompt_len + 2}," in summary and "budget" not in summary
+    assert main(["trace", trace]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"prompt {prompt_len} tokens, no eviction (full cache), 2 decode steps" in first and "B =" not in first
+    assert main(["trace", trace, "--follow", "#0"]) == 0
+    assert capsys.readouterr().out.startswith("1 position(s); no eviction (full cache); ranks count from 1")
