@@ -322,6 +322,12 @@ def cmd_scorers(args) -> int:
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
+    # spectrum's own check speaks of max_new_tokens (steps + 1), which this command has no option for
+    room = model.config.max_position_embeddings - len(prompt_ids) - 1  # the most steps that fit
+    if args.steps > room:
+        fix = f"choose --steps {room} or less, or a shorter prompt" if room >= 1 else "use a shorter prompt"
+        raise ValueError(f"--steps {args.steps} decodes {args.steps + 1} tokens after this {len(prompt_ids)}-token "
+                         f"prompt, beyond the model's context of {model.config.max_position_embeddings}; {fix}")
     result = spectrum(model, prompt_ids, steps=args.steps, layer=args.layer, compression=args.compression,
                       alpha=args.alpha)
     rows, cross = result.table(), result.cross_layer_summary()

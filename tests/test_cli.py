@@ -776,3 +776,13 @@ def test_the_full_cache_is_not_reported_as_holding_a_budget(capsys, tmp_path):
     assert f"prompt {prompt_len} tokens, no eviction (full cache), 2 decode steps" in first and "B =" not in first
     assert main(["trace", trace, "--follow", "#0"]) == 0
     assert capsys.readouterr().out.startswith("1 position(s); no eviction (full cache); ranks count from 1")
+
+
+def test_scorers_steps_past_the_context_names_steps(capsys):
+    """It said 'max_new_tokens (5001) ... generate fewer tokens': scorers has no such option."""
+    from kvviz.cli import main
+
+    assert main(["scorers", *TINY, "--prompt", TEXT, "--steps", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--steps 5000 decodes 5001 tokens after this" in err
+    assert "beyond the model's context of 4096; choose --steps" in err and "max_new_tokens" not in err
