@@ -584,6 +584,9 @@ def cmd_results(args) -> int:
         raise ValueError(f"no sweep results under {root} (expected {root}/<sweep>/rows*.jsonl, or "
                          f"{root}/rows*.jsonl for one sweep's folder); run `kvviz bench run CONFIG` or pass --root")
     policies = [name.strip() for name in args.policies.split(",") if name.strip()] if args.policies else None
+    if policies == []:  # e.g. --policies , : otherwise "no rows for these filters together"
+        raise ValueError("--policies names no policy; give registry names, e.g. --policies inertia,tova, or leave "
+                         "it out for every policy")
     _check_filters(store, root, {"--task": ("task", [args.task] if args.task else []),
                                  "--model": ("model", [args.model] if args.model else []),
                                  "--policies": ("policy", policies or [])})

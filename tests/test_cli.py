@@ -459,6 +459,15 @@ def test_results_names_an_unknown_filter_value_and_the_stored_ones(filters, mess
     assert f"stored: {stored}" in err
 
 
+def test_results_with_an_empty_policies_list_says_so(tmp_path, capsys):
+    """It said 'no rows for these filters together', as if the store lacked them."""
+    from kvviz.cli import main
+
+    assert main(["results", "--root", str(_store_root(tmp_path)), "--policies", ","]) == 2
+    assert capsys.readouterr().err == ("kvviz: error: --policies names no policy; give registry names, e.g. "
+                                       "--policies inertia,tova, or leave it out for every policy\n")
+
+
 def test_results_with_valid_filters_prints_the_table(tmp_path, capsys):
     from kvviz.cli import main
 
