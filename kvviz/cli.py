@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
             print(event.text, end="", flush=True)
     elapsed = time.perf_counter() - start
     trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampler.settings(),
-                  model_dtype(model), args.max_new_tokens)
+                  model_dtype(model), args.max_new_tokens, compression=compression)
     decode_seconds = sum(time_split(events).values())
     note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
     summary = {
@@ -392,7 +392,7 @@ def cmd_trace(args) -> int:
     """A saved run (``kvviz generate --trace``, the app's download): what it was, its diagnostics, and what
     happened to the tokens ``--follow`` names."""
     from . import diagnostics
-    from .trace import Trace, checkpoint_note, run_note, time_split
+    from .trace import Trace, budget_note, checkpoint_note, run_note, time_split
 
     if args.follow is not None and not args.follow.strip():  # e.g. an unset shell variable: not the summary
         raise ValueError("--follow is empty; give text to find in the tokens (e.g. 7342519) or positions (#12, "
@@ -411,7 +411,7 @@ def cmd_trace(args) -> int:
     if not args.follow:
         params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
         print(f"{trace.policy}" + (f" ({params})" if params else "") + f"{run_note(trace)}: "
-              f"prompt {trace.prompt_len} tokens, {_budget_note(trace)}, {len(steps)} decode steps, "
+              f"prompt {trace.prompt_len} tokens, {budget_note(trace)}, {len(steps)} decode steps, "
               f"{sum(e.evicted.size for e in trace.events)} evictions"
               + (f", stopped (of {trace.max_new_tokens} new tokens asked for)" if trace.stopped else ""))
         note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
@@ -437,7 +437,7 @@ def cmd_trace(args) -> int:
         print(history.to_csv(index=False), end="")
         return 0
     crossings = diagnostics.boundary_crossings(history, trace.budget)
-    print(f"{note}{len(positions)} position(s); {_budget_note(trace)}; ranks count from 1 = most useful")
+    print(f"{note}{len(positions)} position(s); {budget_note(trace)}; ranks count from 1 = most useful")
     print(f"{'position':>8}  {'token':<12}{'fate':<20}{'raw crossed B':>14}{'utility rank (mean, worst)':>28}")
     for position, rows in history.groupby("position", sort=False):
         gone = rows[rows["evicted"]]
@@ -448,11 +448,6 @@ def cmd_trace(args) -> int:
         raw = crossings[position] if rows["raw_rank"].notna().any() else "-"
         print(f"{position:>8}  {repr(tokens[position])[:11]:<12}{fate:<20}{raw:>14}{rank:>28}")
     return 0
-
-
-def _budget_note(trace) -> str:
-    """The budget a run held, as `generate` says it: the full cache holds none (its B is only the prompt's length)."""
-    return "no eviction (full cache)" if trace.policy == "full" else f"budget B = {trace.budget}"
 
 
 def _print_read_lags(trace) -> int:

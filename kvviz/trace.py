@@ -22,8 +22,11 @@ def run_note(trace) -> str:
 
 
 def budget_note(trace) -> str:
-    """How the trace's cache was sized: ``"budget B = 127 (compression ρ = 0.9)"``, or the budget alone where
-    it was given in tokens or the trace predates recording ρ."""
+    """How the trace's cache was sized: ``"budget B = 127 (compression ρ = 0.9)"``, the budget alone where it
+    was given in tokens (or the trace predates recording ρ), and no budget for the full cache, whose B is
+    only the prompt's length."""
+    if trace.policy == "full":
+        return "no eviction (full cache)"
     return f"budget B = {trace.budget}" + ("" if trace.compression is None else
                                              f" (compression ρ = {trace.compression:g})")
 

@@ -1210,7 +1210,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
         client.predict(handle_file(str(tmp_path / "notes.parquet")), api_name="/open_trace")
     assert "/" not in str(refused.value)  # the upload's temporary folder stays on the server
     assert not kvviz.Trace.load(trace_file).stopped and kvviz.Trace.load(trace_file).max_new_tokens == 10
-    assert kvviz.Trace.load(trace_file).compression is None and " at budget B = 24 on " in opened[1]  # given in tokens
+    assert kvviz.Trace.load(trace_file).compression is None and " in float32 · budget B = 24" in opened[1]  # given in tokens
 
 
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):

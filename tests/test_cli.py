@@ -45,6 +45,7 @@ def test_generate_json_contract(tmp_path):
     import kvviz
 
     assert kvviz.Trace.load(trace_file).token_ids == out["token_ids"]
+    assert kvviz.Trace.load(trace_file).compression == 0.5  # how B was set, for `kvviz trace` and the app
 
 
 def test_no_chat_tokenises_the_prompt_as_is():
@@ -536,7 +537,7 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
     assert main(["trace", str(tmp_path / "run.parquet")]) == 0
     out = capsys.readouterr().out
     evictions = sum(e.evicted.size for e in trace.events)
-    assert f"budget B = {trace.budget}, 15 decode steps, {evictions} evictions" in out
+    assert f"budget B = {trace.budget} (compression ρ = 0.8), 15 decode steps, {evictions} evictions" in out
     assert f"utility churn           {diagnostics.summary(trace)['utility_churn']:.4f}" in out
     # Following the passkey's text: every position whose token holds part of it, each with its own fate.
     tokens = [tokenizer.decode([i]) for i in trace.prompt_ids]
@@ -574,6 +575,7 @@ def test_a_checkpointed_run_that_ends_before_its_first_checkpoint_says_so(tiny, 
     assert json.loads(capsys.readouterr().out)["note"] == note
     assert main(["trace", str(tmp_path / "short.parquet")]) == 0
     assert capsys.readouterr().out.splitlines()[1] == note
+    assert kvviz.Trace.load(tmp_path / "short.parquet").compression is None  # the budget was given in tokens
     # A run past its first checkpoint has no note (its cache may still be over B, as between any checkpoints).
     assert main([*args, "--max-new-tokens", "20", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -835,7 +835,7 @@ def make_open_handler(limits: Limits):
                 view.add(event, event.text)
             params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
             origin = (f"**opened** {Path(path).name}: `{trace.policy}`" + (f" ({params})" if params else "")
-                      + f" at {budget_note(trace)}" + run_note(trace)
+                      + run_note(trace) + f" · {budget_note(trace)}"
                       + ("" if tokens else " (prompt tokens shown as ids: that model is not loaded here)") + "  \n"
                       + ("**stopped** · " if trace.stopped else ""))
             text = "".join(event.text for event in trace.events)
