@@ -12,14 +12,36 @@ The library surface::
 Without ``compression`` or ``budget`` the library compresses nothing (B = the prompt length).
 """
 
-from .engine import EvictingCache, Result, Sampler, attach, decode, encode_prompt, resolve_budget, run, stream
-from .models import DEFAULT_MODEL, ModelNotFound, load_model
-from .policies import REGISTRY, Policy, make_policy
-from .trace import StepEvent, Trace
+from __future__ import annotations
+
+import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_MODEL", "REGISTRY", "EvictingCache", "ModelNotFound", "Policy", "Result", "Sampler", "StepEvent",
-    "Trace", "attach", "decode", "encode_prompt", "load_model", "make_policy", "resolve_budget", "run", "stream",
-]
+# name -> the submodule that defines it.  Imported on first use (PEP 562): the command line imports this
+# package for every subcommand, and `kvviz --help` should not wait seconds for torch and transformers.
+_EXPORTS = {
+    **dict.fromkeys(["EvictingCache", "Result", "Sampler", "attach", "decode", "encode_prompt", "resolve_budget",
+                     "run", "stream"], "engine"),
+    **dict.fromkeys(["DEFAULT_MODEL", "ModelNotFound", "load_model"], "models"),
+    **dict.fromkeys(["REGISTRY", "Policy", "make_policy"], "policies"),
+    **dict.fromkeys(["StepEvent", "Trace"], "trace"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        # a submodule, as `kvviz.engine` was when this file imported them all
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f".{name}", __name__)
+        raise AttributeError(f"module 'kvviz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # once: later look-ups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

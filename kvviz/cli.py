@@ -290,7 +290,7 @@ def cmd_probe(args) -> int:
 
 
 def _prompt_and_model_arguments(parser, default_model: str) -> None:
-    from .models import DTYPES
+    from .model_names import DTYPES
 
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -785,7 +785,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .models import DEFAULT_MODEL, DTYPES
+    from .model_names import DEFAULT_MODEL, DTYPES
 
     parser = _Parser(prog="kvviz", description="Explore decoding-time KV-cache eviction.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

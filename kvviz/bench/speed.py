@@ -28,7 +28,8 @@ import traceback
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
-import torch
+# torch is imported inside the functions that use it: `kvviz --help` reads add_arguments and should
+# not wait seconds for it.
 
 CONFIGS = {
     "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -45,7 +46,7 @@ CONTEXTS = "16384,32768,65536"
 
 
 def add_arguments(parser) -> None:
-    from ..models import DEFAULT_MODEL, DTYPES
+    from ..model_names import DEFAULT_MODEL, DTYPES
 
     parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local path (default: %(default)s)")
     parser.add_argument("--config", choices=sorted(CONFIGS), help="random-weight model built from a config")
@@ -97,6 +98,7 @@ def without_cudnn_on_failure(run, cuda: bool) -> tuple[dict, str | None]:
     The prefill has its own fallback; this one is for the decode shape, one query over the whole cache,
     which a context first meets in ``generate`` or in a run's first step.  Returns the result and the
     fallback's note (None if there was none)."""
+    import torch
     try:
         return run(), None
     except Exception as error:  # noqa: BLE001 -- re-raised unless it is cuDNN's
@@ -109,6 +111,7 @@ def without_cudnn_on_failure(run, cuda: bool) -> tuple[dict, str | None]:
 
 
 def _sync(device) -> None:
+    import torch
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
@@ -133,6 +136,7 @@ def haystack_prompt(tokenizer, tokens: int) -> list[int]:
 
 
 def build_from_config(name: str, device: str, dtype: str | None = None):
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .. import scoring
@@ -165,6 +169,7 @@ class _TokenClock:
 
 def time_generate(model, prompt_ids: list[int], new_tokens: int, device) -> dict:
     """Plain ``model.generate`` with HF's default dynamic cache (the baseline), timed per token."""
+    import torch
     ids = torch.tensor([prompt_ids], device=device)
     clock = _TokenClock(device)
     _sync(device)
@@ -210,6 +215,7 @@ def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget
                 options: dict, shared=None) -> dict:
     """The static decode path (:mod:`kvviz.fast`): B + 1 slots, scores from the attention pass, EMA and
     arg-min on the device, one CUDA graph per step variant on a GPU."""
+    import torch
     from ..fast import StaticInertia
 
     static = StaticInertia(model, **options)  # outside the clock: importing the compiler is not prefill
@@ -266,6 +272,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     (the GPU targets), then the engine policies; a run killed part-way keeps every row already yielded.
     Past ``deadline`` (``time.perf_counter()``), configurations not yet started are ``skipped`` rows.
     """
+    import torch
     from ..engine import prefill, resolve_budget
     from ..policies import make_policy
 
@@ -458,6 +465,7 @@ def policy_names(text: str) -> list[str]:
 
 
 def main(args) -> int:
+    import torch
     import transformers
 
     from ..models import load_model
