@@ -427,7 +427,8 @@ def no_model(monkeypatch):
     # 100 tokens at ρ = 0.5: budget 50, not above a SnapKV window of 64
     ("policies", '[{ name = "snapkv", params = { window = 128 } }]',
      "1 policy × task × compression cell(s) cannot run: snapkv window = 128 at compression 0.5 on single_needle "
-     "(220 tokens, budget 110): budget 110 must exceed SnapKV's observation window of 128 tokens. In the config: "
+     "(220 tokens, budget 110): budget 110 must exceed SnapKV's observation window of 128 tokens: raise the budget "
+     "above 128 (or lower window). In the config: "
      "change such a policy's params, or, where its budget is too small, give it its own compressions"),
 ])
 def test_a_malformed_sweep_config_is_refused_in_one_line_before_a_model_loads(tmp_path, capsys, no_model, key,
@@ -484,7 +485,8 @@ def test_a_benchmark_prompt_too_short_for_a_policys_budget_is_refused_before_its
     with pytest.raises(ValueError, match=r"1 policy × task × compression cell\(s\) cannot run on this model: snapkv "
                                          r"window = 100 at compression 0.5 on math500 \(1 sample\(s\), first sample 0: "
                                          r"\d+ tokens, budget \d+: budget \d+ must exceed SnapKV's observation window "
-                                         r"of 100 tokens\). In the config: change such a policy's params"):
+                                         r"of 100 tokens: raise the budget above 100 \(or lower window\)\). In the "
+                                         r"config: change such a policy's params"):
         sweep.run(bench, out, model=model, tokenizer=tokenizer, progress=False)
     assert (out / "rows.jsonl").read_bytes().startswith(stored)
     assert {json.loads(line)["task"] for line in (out / "rows.jsonl").read_text().splitlines()} == {"single_needle"}
@@ -502,7 +504,7 @@ def test_every_cell_is_judged_on_its_real_prompt_and_model_before_anything_decod
     with pytest.raises(ValueError, match=r"2 policy × task × compression cell\(s\) cannot run on this model: snapkv "
                                          r"window = 99 at compression 0.5 on single_needle \(2 sample\(s\), first "
                                          r"sample 0: \d+ tokens, budget \d+: budget \d+ must exceed SnapKV's "
-                                         r"observation window of 99 tokens\); inertia layers = '40' .*names a layer "
+                                         r"observation window of 99 tokens: .*\); inertia layers = '40' .*names a layer "
                                          r"beyond this model's"):
         sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False)
     assert not (tmp_path / "rows.jsonl").exists() or not (tmp_path / "rows.jsonl").read_bytes()  # nothing decoded

@@ -144,7 +144,7 @@ class ExpectedAttention(Policy):
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget <= self.sinks:
             raise ValueError(f"budget {budget} must exceed the {self.sinks} sink tokens Expected Attention "
-                             f"always keeps")
+                             f"always keeps: raise the budget above {self.sinks} (or lower sinks)")
         super().reset(prompt_len, budget, num_layers)
         self.stats: dict[int, QueryStats] = {}
         self.step_mean = StepMean()

@@ -84,7 +84,8 @@ class KVzip(Policy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget <= self.sinks:
-            raise ValueError(f"budget {budget} must exceed the {self.sinks} sink tokens KVzip always keeps")
+            raise ValueError(f"budget {budget} must exceed the {self.sinks} sink tokens KVzip always keeps: "
+                             f"raise the budget above {self.sinks} (or lower sinks)")
         super().reset(prompt_len, budget, num_layers)
         self.total = torch.zeros(prompt_len)  # summed over the layers that scored each position
         self.layers_seen = torch.zeros(prompt_len)

@@ -39,7 +39,8 @@ class SnapKV(Policy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget < prompt_len and budget <= self.window:
-            raise ValueError(f"budget {budget} must exceed SnapKV's observation window of {self.window} tokens")
+            raise ValueError(f"budget {budget} must exceed SnapKV's observation window of {self.window} tokens: "
+                             f"raise the budget above {self.window} (or lower window)")
         super().reset(prompt_len, budget, num_layers)
         self.votes = StepMean()
 
