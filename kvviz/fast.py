@@ -215,10 +215,11 @@ class StaticInertia:
         # The exact class: subclasses (inertia-decoupled) change the update rule the static step hard-codes.
         if type(policy) is not InertiaKV or (policy.scorer, policy.aggregation, policy.layers) != (
                 "attention", "ema", "all"):
+            settings = ", ".join(f"{key}={value}" for key, value in policy.params().items())
             raise ValueError("the static path runs InertiaKV with its attention scorer, EMA aggregation and all "
                              "layers (inertia, inertia-lazy, score-free, single-step; --alpha and --refresh "
-                             f"may change); got {type(policy).__name__} {policy.params()}: use the engine for this "
-                             "policy")
+                             f"may change); got {type(policy).__name__}" + (f" ({settings})" if settings else "")
+                             + ": use the engine for this policy")
         return cls(model, alpha=policy.alpha, refresh=policy.refresh, compile=compile)
 
     @torch.inference_mode()

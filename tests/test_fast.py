@@ -152,8 +152,10 @@ def test_static_path_refuses_what_it_cannot_compute_exactly(tiny, tiny_prompt):
     model, tokenizer = tiny
     with pytest.raises(ValueError, match="prompt length"):
         StaticInertia(model).generate(tokenizer, tiny_prompt, len(tiny_prompt) + 2, 8)
-    with pytest.raises(ValueError, match="attention scorer"):
+    with pytest.raises(ValueError, match=r"attention scorer.*; got InertiaKV \(alpha=0.8, refresh=1, aggregation=sum,"):
         StaticInertia.from_policy(model, kvviz.make_policy("inertia", aggregation="sum"))
+    with pytest.raises(ValueError, match="; got TOVA: use the engine for this policy$"):  # no empty "{}"
+        StaticInertia.from_policy(model, kvviz.make_policy("tova"))
     with pytest.raises(ValueError, match="attention scorer"):  # a subclass with another update rule
         StaticInertia.from_policy(model, kvviz.make_policy("inertia-decoupled"))
     assert StaticInertia.from_policy(model, kvviz.make_policy("score-free")).refresh == 0
