@@ -769,7 +769,8 @@ def cmd_serve(args) -> int:
     from .ui.app import launch
     from .ui.config import Limits
 
-    overrides = {"device": args.device, "dtype": args.dtype, "figures_per_second": args.figures_per_second}
+    overrides = {"device": args.device, "dtype": args.dtype, "figures_per_second": args.figures_per_second,
+                 "host": args.host, "port": args.port}
     if args.models is not None:
         overrides["models"] = tuple(dict.fromkeys(name.strip() for name in args.models.split(",") if name.strip()))
     # The same app as `python app.py`, the flags over the environment.
@@ -908,6 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--figures-per-second", type=float,
                        help="most redraws a second of a streaming run's heatmap, 0 to 60; 0 for none until it ends "
                             "(default: $KVVIZ_FIGURES_PER_SECOND, else 10; fewer keep a slow browser responsive)")
+    serve.add_argument("--host", help="address to listen on; 0.0.0.0 for every interface (default: "
+                                      "$GRADIO_SERVER_NAME, else 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default: $GRADIO_SERVER_PORT, else 7860)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

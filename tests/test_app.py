@@ -1120,6 +1120,13 @@ def test_kvviz_serve_flags_override_the_environment(monkeypatch):
         Limits.from_env()
     monkeypatch.delenv("KVVIZ_FIGURES_PER_SECOND")
     assert Limits.from_env().figures_per_second == 10
+    # Where it listens: the environment's, the flags over it; a port out of range is refused at start.
+    monkeypatch.setenv("GRADIO_SERVER_PORT", "8000")
+    assert main(["serve"]) == 0 and (launched[-1].host, launched[-1].port) == ("127.0.0.1", 8000)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "9000"]) == 0
+    assert (launched[-1].host, launched[-1].port) == ("0.0.0.0", 9000)
+    for flags in (["--port", "0"], ["--port", "70000"], ["--host", " "]):
+        assert main(["serve", *flags]) == 2 and len(launched) == 7
 
 
 def test_the_live_tab_runs_the_model_in_the_deployments_dtype():

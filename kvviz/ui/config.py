@@ -51,6 +51,12 @@ class Limits:
         if not 0 <= self.figures_per_second <= 60:  # also refuses NaN
             raise ValueError(f"the figures per second (KVVIZ_FIGURES_PER_SECOND, kvviz serve --figures-per-second) "
                              f"must be from 0 (only when a run ends) to 60, got {self.figures_per_second}")
+        if not (isinstance(self.port, int) and 1 <= self.port <= 65535):
+            raise ValueError(f"the port (GRADIO_SERVER_PORT, kvviz serve --port) must be from 1 to 65535, "
+                             f"got {self.port!r}")
+        if not (isinstance(self.host, str) and self.host.strip()):
+            raise ValueError("the host (GRADIO_SERVER_NAME, kvviz serve --host) is empty; give an address such "
+                             "as 127.0.0.1, or 0.0.0.0 for every interface")
         if self.dtype not in ("", *DTYPES):
             raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} (or empty for the device's default), "
                              f"got {self.dtype!r}")
