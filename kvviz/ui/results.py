@@ -925,7 +925,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                 gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
                             "may come from another machine (results_db/README.md says which), so compare speeds "
                             "within one run, or measure them together with `kvviz bench speed --policies ...`.")
-            plot = gr.Plot(label=title)  # not Gradio's default label, "Plot"
+            # The accordion names the figure: a label tag (Gradio's default, "Plot") covered its title's start
+            plot = gr.Plot(label=title, show_label=False)
             table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
             outputs += [plot, table, csv]
