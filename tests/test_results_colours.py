@@ -142,6 +142,10 @@ def test_other_settings_are_shades_of_their_policys_colour_with_a_marker_each(st
     for policy, names in by_policy.items():  # a marker per setting, the policy's defaults circles
         symbols = [colours.symbol(name) for name in names]
         assert "circle" not in symbols and len(set(symbols)) == min(len(names), 16), (policy, symbols)
+    # and across policies: the shipped reasoning sweep's one setting of each, in near shades, had one marker
+    assert colours.symbol("avokv interval=16") != colours.symbol("rkv interval=16")
+    if len(settings) <= 16:
+        assert len({colours.symbol(name) for name in settings}) == len(settings)
     # Any two names in one figure stay apart beyond a just-noticeable difference (about 1-2), in colour alone
     shown = policies + list(settings)
     closest = min((distance(colours(a), colours(b)), a, b) for a, b in itertools.combinations(shown, 2))

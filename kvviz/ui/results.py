@@ -111,7 +111,8 @@ class Colours:
     cache, every figure's reference, is grey.  Another setting of a policy (``"inertia alpha=0.9"``, a name
     in ``bases``) gets a shade of its policy's hue (within 15 degrees), lighter or darker, nearer to its
     policy's colour than to any other policy's, again the farthest from every colour given; and a marker of
-    its own (VARIANT_SYMBOLS; its policy's defaults are circles).  No two names share a colour.  A name first
+    its own (VARIANT_SYMBOLS, the next one over all settings given, unused by its policy's others; its policy's
+    defaults are circles).  No two names share a colour.  A name first
     met later (``__call__``) is given one the same way, and keeps it.
     """
 
@@ -225,7 +226,11 @@ class Colours:
         light = (lab[:, 0] >= self.SHADE_L[0]) & (lab[:, 0] <= self.SHADE_L[1]) & (self._background >= self.CONTRAST)
         # from the strictest: a shade of the family, readable, clearly nearer to its policy than to any other
         allowed = [family & light & (own + self.SHADE_MARGIN <= other), family & (own < other), family]
-        self.symbols[name] = VARIANT_SYMBOLS[sum(b == base for b in self.bases.values()) % len(VARIANT_SYMBOLS)]
+        # The next marker over every setting so far, not over this policy's only: two policies' first settings
+        # (avokv interval=16, rkv interval=16) were both squares in near shades. One unused by its siblings.
+        used = {self.symbols[other] for other, b in self.bases.items() if b == base}
+        turn = [VARIANT_SYMBOLS[(len(self.bases) + k) % len(VARIANT_SYMBOLS)] for k in range(len(VARIANT_SYMBOLS))]
+        self.symbols[name] = next((symbol for symbol in turn if symbol not in used), turn[0])
         self.bases[name] = base
         self._give(name, *self._farthest(allowed, self._nearest()))
 
