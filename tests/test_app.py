@@ -1448,6 +1448,8 @@ def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
     assert live[0] == expected.text and expected.token_ids != greedy.token_ids
     trace_file = live[7]["value"] if isinstance(live[7], dict) else live[7]
     assert kvviz.Trace.load(trace_file).sampling == sampling
+    # the run's own stats say so too, as the opened trace's line does
+    assert live[1].startswith("**run** `inertia`, sampled at temperature 0.9, top-p 0.9, seed 7 · ")
     opened = client.predict(handle_file(trace_file), api_name="/open_trace")
     assert "sampled at temperature 0.9, top-p 0.9, seed 7" in opened[1].split("\n")[0]
 

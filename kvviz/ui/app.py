@@ -35,7 +35,7 @@ import torch
 from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
-from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, time_split
+from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
 from .config import Limits
 from ..store import Store
 from .figures import (MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure,
@@ -724,8 +724,9 @@ def make_live_handler(limits: Limits):
         except Exception as error:
             raise unexpected("starting the run", error) from None
         view = run.views[policy_name]
-        # The stats name the setting that ran: the widgets may describe another by the time one reads them
-        ran = f"**run** `{setting_label(policy)}` · "
+        # The stats name the setting that ran, and how it picked its tokens: the widgets may describe another
+        # by the time one reads them
+        ran = f"**run** `{setting_label(policy)}`{sampling_note(request.sampling)} · "
         last_figure, last_secondary, last_fate, last_text = 0.0, 0.0, 0.0, 0.0
         figure_every = 1 / limits.figures_per_second if limits.figures_per_second else math.inf
         # Clear what the previous run left (scrubber, detail, download, diagnostics) before streaming, and
