@@ -480,7 +480,7 @@ def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_s
         stats_markdown(view, 1.0)
 
 
-def follow_view() -> RunView:
+def follow_view(raw: bool = True) -> RunView:
     """Prompt "ab 7342 519 cd" as tokens [ab][ 73][42][ 5][19][ cd], budget 4.  Step 1 (consumes token
     "!" at 6): present 0..6, evicts 1 and 3, keeps 0, 2, 4, 5, 6 with utilities .9, .1, .5, .3, .8 (one over
     B: the policy may hold more, as checkpointed ones do).  Step 2 (consumes "?" at 7): evicts 5."""
@@ -490,7 +490,7 @@ def follow_view() -> RunView:
     view.add(StepEvent(0, 0, 0, "!", np.arange(6), np.empty(0, np.int64), np.zeros(6, np.float32)), "!")
     view.add(StepEvent(1, 0, 0, "?", np.array([0, 2, 4, 5, 6]), np.array([1, 3]),
                        np.array([0.9, 0.1, 0.5, 0.3, 0.8], np.float32),
-                       np.array([0.4, 0.0, 0.1, 0.2, 0.3, 0.05, 0.6], np.float32), scored=True), "?")
+                       np.array([0.4, 0.0, 0.1, 0.2, 0.3, 0.05, 0.6], np.float32) if raw else None, scored=True), "?")
     view.add(StepEvent(2, 0, 0, ".", np.array([0, 2, 4, 6, 7]), np.array([5]),
                        np.array([0.9, 0.2, 0.4, 0.7, 0.6], np.float32)), ".")
     return view
@@ -747,8 +747,10 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     crosses = [t for t in figure.data if t.mode == "markers"]
     assert sorted((t.legendgroup, list(t.x)[0], list(t.y)[0]) for t in crosses) == [
         ("#1 ' 73'", 1, 5), ("#5 ' cd'", 2, 5)]
-    assert "test" in figure.layout.title.text
+    assert "test" in figure.layout.title.text and "dotted: rank by the step's raw score" in figure.layout.title.text
     assert "no token" in view.history_figure([], "").layout.annotations[0].text
+    # a policy that records no raw score (AvoKV-E, R-KV) draws no dotted lines, and its key promises none
+    assert "dotted" not in follow_view(raw=False).history_figure([5, 1], "test").layout.title.text
 
 
 def test_the_history_figure_leaves_room_under_the_budget_line_for_its_label():

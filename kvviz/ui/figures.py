@@ -27,8 +27,9 @@ EMPTY = 200
 NEVER = np.iinfo(np.int32).max
 KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR = "#1f3b73", "#f1c9a5", "#ffffff"
 MAX_FOLLOWED = 16  # lines in the token-history figure: two 7-digit passkeys fit, more is unreadable
+# Sixteen that stay apart (the last was a second mid-blue, beside the first)
 FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
-                 "#7f7f7f", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
+                 "#7f7f7f", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#000000"]
 
 
 class RunView:
@@ -415,8 +416,11 @@ class RunView:
         # Below the plot, a legend row per three followed tokens: the figure grows with them rather than
         # squeezing the plot (a 7-digit needle is 7 or more lines)
         rows = math.ceil(len(positions) / 3)
-        fig.update_layout(title=f"Token history: {note}<br><sup>solid: rank by the policy's utility · dotted: "
-                          "rank by the step's raw score · ×: evicted · below the dashed line: out of the top B</sup>",
+        # The dotted lines only where the policy records a raw score (AvoKV-E and R-KV decide at checkpoints
+        # and record none: the key promised lines that never came)
+        dotted = " · dotted: rank by the step's raw score" if history["raw_rank"].notna().any() else ""
+        fig.update_layout(title=f"Token history: {note}<br><sup>solid: rank by the policy's utility{dotted} · "
+                          "×: evicted · below the dashed line: out of the top B</sup>",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
                           margin=dict(l=50, r=20, t=60, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
