@@ -1560,6 +1560,7 @@ def test_the_diagnostics_table_explains_n_a_only_where_a_row_reads_n_a(tiny):
     streaming = kvviz.run(model, tokenizer, PROMPT, "streaming", chat=False, budget=20, max_new_tokens=6).trace
     scored, positional = diagnostics_markdown(inertia), diagnostics_markdown(streaming)
     assert "| n/a |" not in scored and "*n/a:" not in scored
+    assert "| diagnostic | value |" in scored  # a short header: a long one wrapped "value" in the narrow column
     assert "| n/a |" in positional and "*n/a: this policy records no raw per-step score" in positional
 
 

@@ -480,7 +480,9 @@ def diagnostics_markdown(trace: Trace) -> str:
     values = diagnostics.summary(trace)
     rows = "\n".join(f"| {name.replace('_', ' ')} | {'n/a' if np.isnan(v) else f'{v:.4f}'} |" for name, v in values.items())
     missing = any(np.isnan(v) for v in values.values())  # the n/a key only where a row reads n/a
-    return ("| diagnostic (mean over steps, k = budget) | value |\n|---|---|\n" + rows +
+    # What the values are goes above the table: in the header it took the narrow column's width and wrapped
+    # "value" into "valu / e"
+    return ("Means over the run's steps (k = the budget B):\n\n| diagnostic | value |\n|---|---:|\n" + rows +
             "\n\n" + DIAGNOSTICS_NOTE + ("\n\n*n/a: this policy records no raw per-step score (or no utility) to "
             "compare, or no two consecutive steps have one (for utility churn and keep turnover: no two of which "
             "the later evicted).*" if missing else ""))

@@ -748,7 +748,8 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     fig.update_layout(xaxis_title="largest cache while decoding (entries, mean over samples)",
                       yaxis_title="mean score", legend=dict(font=dict(size=10)))
     _title(fig, "Quality vs the cache actually held (measured)",
-           notes + (["squares: budget cells; dotted: the full cache over the same tasks"] if kinds > 1
+           notes + (["squares: budget cells; dotted (dash-dot for the budget cells): the full cache over the same "
+                     "tasks"] if kinds > 1
                     else ["dotted: the full cache over the same tasks"]))
     return fig
 
