@@ -137,7 +137,7 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
         "These settings are **cumulative**: **Cumulative** (InertiaKV ablation). m <- m + s")
     assert _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values()).startswith("**Single-step**")
     assert _describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values()).startswith(
-        "**InertiaKV** (InertiaKV). Layer-sequential EMA")  # alpha 0.5 is still InertiaKV
+        "**InertiaKV**. Layer-sequential EMA")  # alpha 0.5 is still InertiaKV; its family is its name, said once
     assert "with these parameters: **0**." in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
     # a changed value that is no other entry is named beside the entry's text, which describes the entry's value
     assert "Changed here" not in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())

@@ -1367,7 +1367,8 @@ def _describe(policy_name: str, model_name: str | None = None, *param_values) ->
     label = setting_label(policy) if policy is not None else policy_name
     named = REGISTRY.get(label.split()[0], spec)
     description = (f"These settings are **{label}**: " if named is not spec else "") + \
-        f"**{named.display}** ({named.family}). {named.description}" + (f" *{named.paper}*." if named.paper else "")
+        f"**{named.display}**" + (f" ({named.family})" if named.family != named.display else "") + \
+        f". {named.description}" + (f" *{named.paper}*." if named.paper else "")
     if policy is not None:  # the entry's text describes its own values: say which of them these settings change
         params = policy.params()
         changed = [f"`{p['name']}` = **{shown_value(params[p['name']])}**, not {shown_value(p['default'])} "
