@@ -1583,3 +1583,23 @@ def test_the_tokens_by_fate_carry_their_colour_key():
     assert page.index("kept to the end") < page.index("evicted early") < page.index('title="pos 0')
     assert 'title="pos 1: evicted at step 1"' in page and 'title="pos 0: kept to the end"' in page
     assert "kept at step 1" in view.fate_html(1)
+
+
+def test_a_typed_setting_the_registry_refuses_is_said_when_it_is_entered():
+    """Not only at the next Compare: the newest entry of the Policies box is checked as it comes, and the
+    preset box stops naming a comparison the list no longer is."""
+    from kvviz.ui.app import COMPARISONS, policies_edited
+
+    preset, entries = next(iter(COMPARISONS.items()))
+    with pytest.warns(UserWarning, match=r"alpha must be between 0.0 and 1.0, got '2' \(in the Policies box"):
+        update = policies_edited(preset, [*entries, "inertia alpha=2"])
+    assert update["value"] is None  # edited: no longer the preset
+    with pytest.warns(UserWarning, match="unknown policy 'foo'"):
+        policies_edited(preset, ["inertia", "foo"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a good entry, or the preset's own list, says nothing
+        assert policies_edited(preset, list(entries)) == gr.skip()
+        assert policies_edited(preset, ["inertia", "inertia alpha=0.5"])["value"] is None
+        policies_edited(preset, [])

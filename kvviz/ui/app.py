@@ -579,6 +579,19 @@ def repeats_note(entries) -> str:
     return f"*Run once: {'; '.join(parts)}.*" if parts else ""
 
 
+def policies_edited(preset: str, entries):
+    """The Policies box edited by hand: a typed entry the registry refuses is said at once, in a toast, not
+    at the next Compare (the newest entry only: it is appended last, and the older ones were said when they
+    came); and the preset box empties once the list is no longer that preset's, which it went on naming."""
+    entries = list(entries or [])
+    if entries:
+        try:
+            build_setting(entries[-1])
+        except ValueError as error:
+            gr.Warning(f"{error} (in the Policies box: change or remove it)")
+    return gr.update(value=None) if COMPARISONS.get(preset) != entries else gr.skip()
+
+
 def compare_settings(entries) -> dict[str, str]:
     return policy_settings(entries, 2, "compare")
 
@@ -1627,6 +1640,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         s_table = gr.Dataframe(label="Mean over steps", interactive=False)
                         s_note = gr.Markdown()
             c_preset.input(lambda name: COMPARISONS.get(name, gr.skip()), c_preset, c_policies, api_name=False)
+            c_policies.change(policies_edited, [c_preset, c_policies], c_preset, api_name=False,
+                             show_progress="hidden")
             c_state = gr.State(None)
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
                         c_temperature, c_top_p, c_seed]
