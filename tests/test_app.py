@@ -994,6 +994,28 @@ def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     assert "AvoKV-E judges nothing at step 2" in note and plot["visible"] is False
 
 
+def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
+    """0.24 against R-KV's 0.85 read as a bug in a browser review; it is a ranking that drops the damaging
+    entries first, and the note says so, naming the policy, only where one is below 0.5."""
+    import kvviz.probe
+    from kvviz.ui.app import _models, make_probe_handler
+
+    _models[TINY] = tiny
+    handler = make_probe_handler(Limits(models=(TINY,)))
+    table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    below = [policy for policy, auroc in zip(table.policy, table.auroc) if auroc < 0.5]  # a random model's
+    assert ("AUROC below 0.5" in note) == bool(below) and all(policy in note for policy in below)
+    real = kvviz.probe.aligned_quality
+
+    def one_inverted(utilities, damage):
+        quality, aligned = real(utilities, damage)
+        return {"inertia": {**quality["inertia"], "auroc": 0.9}, "tova": {**quality["tova"], "auroc": 0.24}}, aligned
+
+    monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
+    table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    assert "AUROC below 0.5 (tova): worse than chance" in note and table.set_index("policy").auroc["tova"] == 0.24
+
+
 def test_the_prompt_size_shows_before_a_run(tiny):
     from kvviz.ui.app import _models, make_prompt_counter
 

@@ -1241,11 +1241,16 @@ def make_probe_handler(limits: Limits):
         finally:
             release_memory()
         missing = sorted(set(names) - set(result.utilities))
+        # Below chance reads as a bug; it is a ranking that keeps the harmless entries and drops the damaging
+        # ones (AvoKV-E on SmolLM2, whose 0.9-weighted key redundancy marks a needle's digits as replaceable)
+        inverted = [name for name, q in quality.items() if q.get("auroc", 0.5) < 0.5]
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
                 + (f" Ranked over the {int(aligned.sum())} entries every policy judged ({int((~aligned).sum())} left"
                    " out: a protected tail, sinks or a window some policy never judges)."
                    if aligned is not None and not aligned.all() else "")
+                + (f" AUROC below 0.5 ({', '.join(inverted)}): worse than chance, that ranking puts the entries "
+                   "whose removal hurt most among the least useful." if inverted else "")
                 + f" Blindspot: {spot_note}.")
         return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
 

@@ -772,8 +772,8 @@ def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for thes
                         textfont=dict(size=9),
                         hovertemplate="length %{x}<br>depth %{y}<br>ROUGE-L %{z:.2f}<extra></extra>",
                         row=index // columns + 1, col=index % columns + 1)
-    fig.update_layout(title="Needle in a haystack: ROUGE-L F by context length (x) and needle depth (y)",
-                      height=80 + 200 * rows, margin=MARGIN)
+    fig.update_layout(title="Needle in a haystack: ROUGE-L F by context length (x, prompt tokens) and needle depth "
+                            "(y, share of the context before it)", height=80 + 200 * rows, margin=MARGIN)
     fig.update_annotations(font_size=10)
     return fig
 
