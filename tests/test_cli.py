@@ -96,7 +96,7 @@ def test_plain_output_streams_text_and_summary(tiny):
         (["--prompt", TEXT * 200, "--max-new-tokens", "10"], "context"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
         (["--prompt", TEXT, "--static", "--policy", "tova"], "InertiaKV with its attention scorer"),
-        (["--prompt", TEXT, "--static", "--policy", "tova"], "got TOVA {}"),  # names the policy refused
+        (["--prompt", TEXT, "--static", "--policy", "tova"], "; got TOVA: use the engine for this policy"),  # names it
         (["--prompt", TEXT, "--compile"], "--compile applies to --static only; add --static or drop --compile"),
         (["--prompt", TEXT, "--static", "--policy", "inertia-vnorm"], "InertiaKV with its attention scorer"),
         (["--prompt", TEXT, "--static", "--temperature", "0.7"], "greedily and keeps no per-step trace: drop "
