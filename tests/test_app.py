@@ -753,6 +753,27 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     assert "dotted" not in follow_view(raw=False).history_figure([5, 1], "test").layout.title.text
 
 
+def test_tokens_one_checkpoint_evicts_together_are_crossed_at_their_rank_in_that_decision():
+    """AvoKV-E's and R-KV's checkpoints evict many entries at once, and their crosses all sat at (step, B + 1),
+    one over another.  A cross now sits at the entry's rank by the checkpoint's score among the entries it
+    judged (the sink and the tail are not judged).  Here S over positions 0..6 = (sink, .1, .9, .4, .2, .3,
+    tail): descending among the judged, .4 is 2nd and .1 5th."""
+    from kvviz.trace import StepEvent
+
+    view = RunView(6, 3, 3, ["a", "b", "c", "d", "e", "f"])
+    view.add(StepEvent(0, 0, 0, "!", np.arange(6), np.empty(0, np.int64), np.full(6, np.inf, np.float32)), "!")
+    score = np.array([np.nan, 0.1, 0.9, 0.4, 0.2, 0.3, np.nan], np.float32)
+    view.add(StepEvent(1, 0, 0, "?", np.array([0, 2, 6]), np.array([1, 3, 4, 5]),
+                       np.array([np.inf, 0.9, np.inf], np.float32), components={"S": score}), "?")
+    figure = view.history_figure([1, 3], "test")
+    crosses = {t.legendgroup: t for t in figure.data if t.mode == "markers"}
+    assert list(crosses["#1 'b'"].y) == [5] and list(crosses["#3 'd'"].y) == [2]
+    assert crosses["#3 'd'"].hovertext == ("#3 'd' evicted at step 1, rank 2 by that decision's score",)
+    # a step that recorded no score (a per-step policy): just past B, as before
+    del view.events[1].components["S"]
+    assert [list(t.y) for t in view.history_figure([1, 3], "test").data if t.mode == "markers"] == [[4], [4]]
+
+
 def test_the_history_figure_leaves_room_under_the_budget_line_for_its_label():
     """A token ranked first throughout, B = 30: the axis would end at rank 31, and the budget line's label,
     drawn under the line (from 30.5), would fall onto the step axis' tick labels."""

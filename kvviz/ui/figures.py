@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..diagnostics import boundary_crossings, find_positions, token_history
+from ..diagnostics import boundary_crossings, descending_rank, find_positions, token_history
 from ..diagnostics import ranks as ascending_ranks
 from ..trace import StepEvent
 
@@ -374,6 +374,7 @@ class RunView:
         history = self._history(positions)
         crossings = boundary_crossings(history, self.budget)
         fig = go.Figure()
+        crosses = []  # (steps, decision ranks, name, colour) of each followed token's eviction
         for index, (position, rows) in enumerate(history.groupby("position", sort=False)):
             color, name = FOLLOW_COLORS[index % len(FOLLOW_COLORS)], f"#{position} {self.token(position)!r}"
             gone = rows[rows["evicted"]]
@@ -390,10 +391,9 @@ class RunView:
                 fig.add_scatter(x=scored["step"], y=scored["raw_rank"], mode="lines+markers", name=name + " raw",
                                 legendgroup=name, showlegend=False, line=dict(color=color, dash="dot", width=1.5),
                                 marker=dict(size=3), hovertext=hover, hoverinfo="text")
-            if len(gone):  # drawn just past the budget line: its utility that step is not recorded
-                fig.add_scatter(x=gone["step"], y=[self.budget + 1] * len(gone), mode="markers",
-                                legendgroup=name, showlegend=False, marker=dict(color=color, symbol="x", size=10),
-                                hovertext=[f"{name} evicted at step {s}" for s in gone["step"]], hoverinfo="text")
+            if len(gone):  # at its rank in the decision where the step recorded one, else just past B
+                ranks = [self._decision_rank(s, position) for s in gone["step"]]
+                crosses.append((gone["step"].tolist(), ranks, name, color))
         fig.add_hline(y=self.budget + 0.5, line_dash="dash", line_color="#888",
                       annotation_text=f"budget B = {self.budget}", annotation_position="bottom left",
                       annotation_bgcolor="rgba(255,255,255,0.6)")
@@ -410,7 +410,14 @@ class RunView:
         # line that leaves through the bottom fell further than twice the budget.
         decoding = history[history["step"] >= 1]
         deepest = np.nanmax(decoding[["raw_rank", "utility_rank"]].to_numpy(), initial=0.0)
+        deepest = max([deepest, *(rank for _, ranks, _, _ in crosses for rank in ranks if rank is not None)])
         bottom = max(self.budget + 1, min(deepest, 2 * self.budget))
+        for steps, ranks, name, color in crosses:  # a cross deeper than the plot sits on its floor
+            fig.add_scatter(x=steps, y=[self.budget + 1 if rank is None else min(rank, bottom) for rank in ranks],
+                            mode="markers", legendgroup=name, showlegend=False,
+                            marker=dict(color=color, symbol="x", size=10), hoverinfo="text",
+                            hovertext=[f"{name} evicted at step {s}" + ("" if rank is None else
+                                       f", rank {rank:g} by that decision's score") for s, rank in zip(steps, ranks)])
         # Room under the budget line for its label and the crosses, a fixed share of the plot's height.
         fig.update_yaxes(range=[bottom + max(0.7, 0.08 * bottom), 0.3], title="rank (1 = most useful)")
         # Below the plot, a legend row per three followed tokens: the figure grows with them rather than
@@ -425,6 +432,22 @@ class RunView:
                           margin=dict(l=50, r=20, t=60, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
         return fig
+
+    def _decision_rank(self, step: int, position: int) -> float | None:
+        """Where an entry evicted at ``step`` stood in that step's decision: its rank (1 = most kept) by the
+        checkpoint's score among the entries it judged (AvoKV-E's S, R-KV's score), so that tokens one
+        checkpoint evicts together do not all sit on one point; ``None`` where the step recorded no score
+        (a per-step policy evicts the one entry ranked just past B)."""
+        event = self.events[step]
+        terms = event.components or {}
+        score = terms.get("S", terms.get("score"))
+        if score is None:
+            return None
+        index = int(np.searchsorted(event.present, position))
+        judged = np.isfinite(score)
+        if index >= score.size or not judged[index]:
+            return None
+        return float(descending_rank(score[judged], score[index:index + 1])[0])
 
     # -- tokens ----------------------------------------------------------------------------------------
     def token(self, position: int) -> str:
