@@ -311,6 +311,7 @@ def _chat_argument(parser) -> None:
 def cmd_scorers(args) -> int:
     from . import engine
     from .models import load_model
+    from .probe import check_fits
     from .spectrum import spectrum
 
     if args.steps < 1:
@@ -323,11 +324,7 @@ def cmd_scorers(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     # spectrum's own check speaks of max_new_tokens (steps + 1), which this command has no option for
-    room = model.config.max_position_embeddings - len(prompt_ids) - 1  # the most steps that fit
-    if args.steps > room:
-        fix = f"choose --steps {room} or less, or a shorter prompt" if room >= 1 else "use a shorter prompt"
-        raise ValueError(f"--steps {args.steps} decodes {args.steps + 1} tokens after this {len(prompt_ids)}-token "
-                         f"prompt, beyond the model's context of {model.config.max_position_embeddings}; {fix}")
+    check_fits(model, prompt_ids, args.steps, 1, step_name="--steps", doing="")
     result = spectrum(model, prompt_ids, steps=args.steps, layer=args.layer, compression=args.compression,
                       alpha=args.alpha)
     rows, cross = result.table(), result.cross_layer_summary()

@@ -118,7 +118,7 @@ def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy,
 
 
 def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: str = "step",
-               future_name: str | None = None) -> None:
+               future_name: str | None = None, doing: str = "probing ") -> None:
     """Refuse a probe whose ``step + future`` decoded tokens pass the model's context, saying what to change.
 
     Parameters
@@ -126,6 +126,8 @@ def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: 
     step_name, future_name : str
         What the caller calls the step and the future (``"--step"``, ``"--future"``) in the message.
         ``future_name=None``: the caller's future is fixed, so only the step or the prompt can change.
+    doing : str
+        What the message says is being done (``kvviz scorers`` compares steps, it does not probe: ``""``).
     """
     limit = model.config.max_position_embeddings
     room = limit - len(prompt_ids)  # decoded tokens the context still holds after this prompt
@@ -138,7 +140,7 @@ def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: 
                    + ", or use a shorter prompt")
         else:  # not even step 1 and one future token fit
             fix = "use a shorter prompt"
-        raise ValueError(f"probing {step_name} {step} decodes {step + future} tokens after this "
+        raise ValueError(f"{doing}{step_name} {step} decodes {step + future} tokens after this "
                          f"{len(prompt_ids)}-token prompt, beyond the model's context of {limit}; {fix}")
     check_prompt(model, prompt_ids, step + future)
 

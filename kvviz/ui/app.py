@@ -258,15 +258,14 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
                     f" (even {limits.max_new_tokens} new tokens, the most allowed here, would not fill it)")
             raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} tokens "
                              f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
-        resolved = value
+        resolved, compression = value, None  # the budget in tokens: no ρ set it
     else:
         compression = fraction("compression", compression)
         resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
     for policy in policies:
         policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
         engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
-    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling,
-                   compression if budget_mode == "compression" else None)
+    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression)
 
 
 @dataclass
