@@ -1099,6 +1099,28 @@ def test_a_short_run_puts_its_step_ticks_on_whole_steps():
     assert view.history_figure([0, 1]).layout.xaxis.dtick is None
 
 
+def test_evictions_per_step_show_single_evictions_beside_the_first_mass_eviction():
+    """The first decode step drops L0 − B entries at once; on a linear axis every later single eviction was a
+    bar one pixel high.  The axis is logarithmic from below 1, so a count of 1 has height, and the streamed
+    figure's range follows a larger count."""
+    import math
+
+    from kvviz.trace import StepEvent
+
+    utility = np.linspace(1, 0, 4).astype(np.float32)
+    view = RunView(604, 40, 4, [str(i) for i in range(604)])
+    view.add(StepEvent(0, 0, 0, "x", np.arange(104), np.empty(0, np.int64), np.zeros(104, np.float32)))
+    view.add(StepEvent(1, 0, 0, "x", np.array([0, 1, 2, 604]), np.arange(3, 104), utility))
+    view.add(StepEvent(2, 0, 0, "x", np.array([0, 1, 2, 605]), np.array([604]), utility))
+    figure = view.timeline_figure()
+    axis = figure.layout.yaxis2  # the middle row
+    low, high = axis.range
+    assert axis.type == "log" and low < math.log10(1) and math.log10(101) < high
+    assert list(figure.data[1].y) == [0, 101, 1]
+    view.add(StepEvent(3, 0, 0, "x", np.array([0, 1, 2, 606]), np.arange(104, 604), utility))  # a made-up burst
+    assert view.timeline_figure() is figure and figure.layout.yaxis2.range[1] > math.log10(500)
+
+
 def test_dockerfile_and_space_front_matter_agree_with_the_app():
     readme = (ROOT / "README.md").read_text()
     front = re.match(r"---\n(.*?)\n---\n", readme, re.S).group(1)

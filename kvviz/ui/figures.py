@@ -192,9 +192,10 @@ class RunView:
                     if index >= 2:
                         fig.data[index].mode = _time_mode(len(steps))
                 fig.update_xaxes(dtick=step_dtick(len(steps)))
+                fig.update_yaxes(range=_evicted_range(series[1]), row=2, col=1)
             return fig
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09,
-                            subplot_titles=("cache entries", "evicted this step", "time per step (ms)"))
+                            subplot_titles=("cache entries", "evicted this step (log scale)", "time per step (ms)"))
         fig.add_scatter(x=steps, y=[e.cache_size for e in self.events], name="cache", row=1, col=1)
         fig.add_hline(y=self.budget, line_dash="dot", line_color="#c44", row=1, col=1,
                       annotation_text=f"budget B = {self.budget}", annotation_position="top left")
@@ -202,6 +203,8 @@ class RunView:
         for field, label in (("t_forward", "forward"), ("t_score", "scoring"), ("t_evict", "eviction")):
             fig.add_scatter(x=steps[1:], y=[1e3 * getattr(e, field) for e in self.events[1:]], name=label,
                             stackgroup="time", mode=_time_mode(len(steps)), row=3, col=1)
+        # log: the first step's mass eviction (L0 − B) would otherwise flatten every later single eviction
+        fig.update_yaxes(type="log", dtick=1, range=_evicted_range(series[1]), row=2, col=1)
         fig.update_xaxes(title_text="decode step (0 = prefill)", row=3, col=1)
         fig.update_xaxes(dtick=step_dtick(len(steps)))
         fig.update_layout(height=440, margin=dict(l=50, r=20, t=30, b=40), showlegend=True,
@@ -507,6 +510,11 @@ def _binned_share(values: np.ndarray, weight: np.ndarray, col: int, row: int) ->
     out = np.clip(np.rint(share * 100), 0, 100).astype(np.uint8)
     out[total == 0] = EMPTY
     return out
+
+
+def _evicted_range(counts: list[int]) -> list[float]:
+    """The log axis range of evictions per step: from below 1, so a single eviction shows as a bar."""
+    return [math.log10(0.5), math.log10(max(counts, default=1) or 1) + 0.2]
 
 
 def step_dtick(steps: int) -> int | None:
