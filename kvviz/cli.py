@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
             print(event.text, end="", flush=True)
     elapsed = time.perf_counter() - start
     trace = Trace(prompt_ids, budget, args.policy, policy.params(), args.model, events, sampler.settings(),
-                  model_dtype(model), args.max_new_tokens, compression=compression)
+                  model_dtype(model), args.max_new_tokens, compression=compression, prompt=prompt, chat=args.chat)
     decode_seconds = sum(time_split(events).values())
     note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
     summary = {
@@ -411,6 +411,9 @@ def cmd_trace(args) -> int:
               f"prompt {trace.prompt_len} tokens, {budget_note(trace)}, {len(steps)} decode steps, "
               f"{sum(e.evicted.size for e in trace.events)} evictions"
               + (f", stopped (of {trace.max_new_tokens} new tokens asked for)" if trace.stopped else ""))
+        if trace.prompt:  # recorded since traces keep the text they ran from
+            shown = trace.prompt if len(trace.prompt) <= 72 else trace.prompt[:69] + "..."
+            print(f"prompt ({'through the chat template' if trace.chat else 'as is'}): {shown!r}")
         note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
         if note:
             print(note)

@@ -532,7 +532,8 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events,
                   sampling=sampling, dtype=model_dtype(model),
                   max_new_tokens=run_kwargs.get("max_new_tokens", MAX_NEW_TOKENS),
-                  compression=run_kwargs.get("compression"))
+                  compression=run_kwargs.get("compression"), prompt=prompt if isinstance(prompt, str) else "",
+                  chat=run_kwargs.get("chat", True) if isinstance(prompt, str) else None)
     text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
     return Result(text, trace)
 

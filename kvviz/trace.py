@@ -160,6 +160,11 @@ class Trace:
     # The ρ that set the budget, B = floor((1 - ρ) L0); None where an absolute budget did (or in traces saved
     # before it was recorded)
     compression: float | None = None
+    # The prompt as given, before any chat template, and whether the template was asked for (a model without
+    # one reads the text as is): what reruns the run from text.  "" and None where the run was given token ids,
+    # and in traces saved before they were recorded.
+    prompt: str = ""
+    chat: bool | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -177,7 +182,8 @@ class Trace:
     def meta(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "budget": self.budget, "policy": self.policy,
                 "params": self.params, "model": self.model, "sampling": self.sampling, "dtype": self.dtype,
-                "max_new_tokens": self.max_new_tokens, "stopped": self.stopped, "compression": self.compression}
+                "max_new_tokens": self.max_new_tokens, "stopped": self.stopped, "compression": self.compression,
+                "prompt": self.prompt, "chat": self.chat}
 
     def save(self, path: str | Path) -> None:
         # Imported here: the engine (and a GPU machine's benchmark, which may lack them) never saves a trace.
@@ -256,7 +262,9 @@ class Trace:
                         set(self.sampling) == {"temperature", "top_p", "seed"} and _is_int(self.sampling["seed"])
                         and all(isinstance(self.sampling[k], (int, float)) and not isinstance(self.sampling[k], bool)
                                 for k in ("temperature", "top_p")))),
-                     "empty (greedy) or an object of temperature, top_p and an integer seed")]
+                     "empty (greedy) or an object of temperature, top_p and an integer seed"),
+                    ("prompt", isinstance(self.prompt, str), "a string"),
+                    ("chat", self.chat is None or isinstance(self.chat, bool), "absent, true or false")]
         for key, ok, kind in settings:
             if not ok:
                 raise ValueError(f"{name}: its {key} is {getattr(self, key)!r:.60}, not {kind}")

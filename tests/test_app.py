@@ -1287,6 +1287,51 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     assert kvviz.Trace.load(trace_file).compression is None and " in float32 · budget B = 24" in opened[1]  # given in tokens
 
 
+def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path):
+    """'Use its settings' sets every Live control to the trace's run (non-default parameters, ρ, sampling,
+    no chat template); Run with those controls makes the same tokens and keep sets.  A trace recorded from
+    token ids has no prompt text: its ids' text is used, and reads back as the same ids.  A trace of a model
+    not served here is refused, naming how to serve it."""
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_live_handler, make_reuse_handler
+
+    _models[TINY] = tiny
+    model, tokenizer = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    widgets = {**{name: PARAMETERS[name]["default"] for name in PARAM_NAMES}, "alpha": 0.3, "refresh": 2}
+    *_, ran = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.6, 0, 9, False, 0.7, 0.9, 3,
+                                        *widgets.values(), "", None)
+    saved = ran[7]["value"]
+    model_name, prompt, chat, policy, mode, rho, budget, max_new, temperature, top_p, seed, description, *params = \
+        make_reuse_handler(limits)(saved)
+    assert (model_name, prompt, chat, policy, mode, rho["value"], max_new) == \
+        (TINY, PROMPT, False, "inertia", "compression", 0.6, 9)
+    assert (temperature, top_p, seed) == (0.7, 0.9, 3) and rho["visible"] and not budget["visible"]
+    own = {p["name"] for p in kvviz.REGISTRY["inertia"].parameters()}
+    shown = {name: update["value"] for name, update in zip(PARAM_NAMES, params) if update["visible"]}
+    assert shown == {name: widgets[name] for name in own}  # InertiaKV's own, at the trace's values, shown
+    assert "`alpha` = **0.3**" in description and "`refresh` = **2**" in description
+    held = [update.get("value", widgets[name]) for name, update in zip(PARAM_NAMES, params)]  # others as they were
+    *_, again = make_live_handler(limits)(model_name, prompt, policy, mode, rho["value"], budget.get("value"),
+                                          max_new, chat, temperature, top_p, seed, *held, "", None)
+    first, second = kvviz.Trace.load(saved), kvviz.Trace.load(again[7]["value"])
+    assert second.token_ids == first.token_ids and second.params == first.params
+    assert [e.kept.tolist() for e in second.events] == [e.kept.tolist() for e in first.events]
+
+    ids = kvviz.engine.encode_prompt(tokenizer, PROMPT, chat=True)  # the chat template's special tokens too
+    library = kvviz.run(model, tokenizer, ids, "tova", budget=20, max_new_tokens=6)
+    assert library.trace.prompt == "" and library.trace.chat is None
+    library.trace.model = TINY
+    library.trace.save(tmp_path / "ids.parquet")
+    outputs = make_reuse_handler(limits)(str(tmp_path / "ids.parquet"))
+    assert outputs[2] is False and outputs[4] == "budget" and outputs[6]["value"] == 20
+    assert kvviz.engine.encode_prompt(tokenizer, outputs[1], chat=False) == ids
+    library.trace.model = "someone/other-model"
+    library.trace.save(tmp_path / "other.parquet")
+    with pytest.raises(gr.Error, match="ran on someone/other-model, which is not served here; start the app with "
+                                       "`kvviz serve --models someone/other-model`"):
+        make_reuse_handler(limits)(str(tmp_path / "other.parquet"))
+
+
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):
     model, tokenizer = tiny
     result = client.predict(TINY, PROMPT, ["inertia", "streaming"], "budget", 0.5, 20, 12, False, *GREEDY, "",

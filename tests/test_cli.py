@@ -46,6 +46,7 @@ def test_generate_json_contract(tmp_path):
 
     assert kvviz.Trace.load(trace_file).token_ids == out["token_ids"]
     assert kvviz.Trace.load(trace_file).compression == 0.5  # how B was set, for `kvviz trace` and the app
+    assert (kvviz.Trace.load(trace_file).prompt, kvviz.Trace.load(trace_file).chat) == (TEXT, False)
 
 
 def test_no_chat_tokenises_the_prompt_as_is():
@@ -538,6 +539,7 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
     out = capsys.readouterr().out
     evictions = sum(e.evicted.size for e in trace.events)
     assert f"budget B = {trace.budget} (compression ρ = 0.8), 15 decode steps, {evictions} evictions" in out
+    assert "prompt (as is): 'The passkey is 71432. Remember it. The grass is green. The passkey is...'" in out
     assert f"utility churn           {diagnostics.summary(trace)['utility_churn']:.4f}" in out
     # Following the passkey's text: every position whose token holds part of it, each with its own fate.
     tokens = [tokenizer.decode([i]) for i in trace.prompt_ids]

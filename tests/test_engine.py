@@ -376,16 +376,21 @@ def test_a_trace_saved_before_max_new_tokens_and_stopped_were_recorded_still_loa
     import pyarrow.parquet as pq
 
     model, tokenizer = tiny
-    kvviz.run(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=4).trace.save(
+    text = tokenizer.decode(tiny_prompt)
+    kvviz.run(model, tokenizer, text, "inertia", compression=0.5, max_new_tokens=4, chat=False).trace.save(
         tmp_path / "t.parquet")
     table = pq.read_table(tmp_path / "t.parquet")
     meta = json.loads(table.schema.metadata[b"kvviz"])
-    del meta["max_new_tokens"], meta["stopped"], meta["compression"]
+    assert (meta["prompt"], meta["chat"]) == (text, False)  # the text it ran from, and how it was read
+    del meta["max_new_tokens"], meta["stopped"], meta["compression"], meta["prompt"], meta["chat"]
     pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps(meta)}), tmp_path / "old.parquet")
     old = kvviz.Trace.load(tmp_path / "old.parquet")
     assert (old.max_new_tokens, old.stopped, old.compression, len(old.events)) == (0, False, None, 4)
+    assert (old.prompt, old.chat) == ("", None)
     for key, value, message in (("stopped", "yes", "its stopped is 'yes', not true or false"),
-                                ("compression", 1.5, "its compression is 1.5, not absent .* or a ratio in")):
+                                ("compression", 1.5, "its compression is 1.5, not absent .* or a ratio in"),
+                                ("prompt", 7, "its prompt is 7, not a string"),
+                                ("chat", "yes", "its chat is 'yes', not absent, true or false")):
         pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps({**meta, key: value})}),
                        tmp_path / "bad.parquet")
         with pytest.raises(ValueError, match=message):

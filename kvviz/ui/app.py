@@ -201,6 +201,8 @@ class Request:
     max_new_tokens: int
     sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments; empty: greedy
     compression: float | None = None  # the ρ that set budget; None: the budget was given in tokens
+    prompt: str = ""  # as typed, before the chat template
+    chat: bool = True
 
     def sampler(self) -> engine.Sampler:
         """A fresh sampler: every run (every policy of a comparison) draws the same random stream."""
@@ -265,7 +267,7 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     for policy in policies:
         policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
         engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
-    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression)
+    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
 
 
 @dataclass
@@ -284,6 +286,8 @@ class Progress:
     texts: dict[str, str]
     ends: set[int]  # end-of-sequence ids: a policy that produced one had finished before Stop came
     compression: float | None = None  # the Request's
+    prompt: str = ""  # the Request's
+    chat: bool = True
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
@@ -293,7 +297,8 @@ class Progress:
         settings = {label: (label.split()[0], policy.params()) for label, policy in policies.items()}
         return cls(request.prompt_ids, request.budget, request.max_new_tokens, model_name, model_dtype(request.model),
                    request.sampling, settings, views, {label: "" for label in policies},
-                   engine.eos_ids(request.model, request.tokenizer), request.compression)
+                   engine.eos_ids(request.model, request.tokenizer), request.compression, request.prompt,
+                   request.chat)
 
     def add(self, label: str, event) -> None:
         self.views[label].add(event, event.text)
@@ -304,7 +309,7 @@ class Progress:
         # called once the run is over: a policy that is over and did not finish was stopped
         return Trace(self.prompt_ids, self.budget, name, params, self.model_name, self.views[label].events,
                      self.sampling, self.dtype, self.max_new_tokens, stopped=not self.finished(label),
-                     compression=self.compression)
+                     compression=self.compression, prompt=self.prompt, chat=self.chat)
 
     def finished(self, label: str) -> bool:
         events = self.views[label].events
@@ -860,6 +865,49 @@ def make_open_handler(limits: Limits):
             raise unexpected(f"showing {Path(path).name}", error) from None
 
     return open_trace
+
+
+def make_reuse_handler(limits: Limits):
+    """Set the Live controls to an opened trace's run, so that Run reruns it, or a variant once one is changed."""
+
+    def reuse_settings(path):
+        try:
+            trace = Trace.load(path)
+        except ValueError as error:
+            raise refused(str(error)) from None
+        name = Path(path).name
+        if trace.model not in limits.models:
+            raise refused(f"{name} ran on {trace.model or 'a model it does not name'}, which is not served here; "
+                          f"start the app with `kvviz serve --models {trace.model or 'MODEL'}` to rerun it")
+        spec = REGISTRY.get(trace.policy)
+        if spec is None:
+            raise refused(f"{name} ran policy {trace.policy!r}, which this version does not have; "
+                          f"choose one of {', '.join(REGISTRY)}")
+        prompt, chat = trace.prompt, trace.chat
+        if not prompt:  # recorded as token ids only: their text, with any chat template already in it
+            tokenizer = get_model(limits, trace.model)[1]
+            prompt, chat = tokenizer.decode(trace.prompt_ids, skip_special_tokens=False), False
+            if engine.encode_prompt(tokenizer, prompt, chat=False) != trace.prompt_ids:
+                gr.Warning(f"{name} records its prompt as token ids only, and their text does not tokenise back to "
+                           "the same ids: a rerun reads a slightly different prompt")
+        asked = trace.max_new_tokens or len(trace.events)  # 0: saved before it was recorded
+        if asked > limits.max_new_tokens:
+            gr.Warning(f"{name} asked for {asked} new tokens; {limits.max_new_tokens} is the most allowed here")
+        own = {p["name"]: p for p in spec.parameters()}
+        unused = _unused_parameters(spec, trace.params) or {}
+        widgets = [gr.update(**{**_parameter_update(own[key], visible=key not in unused),
+                                "value": trace.params.get(key, own[key]["default"])})
+                   if key in own else gr.update(visible=False) for key in PARAM_NAMES]
+        by_ratio = trace.compression is not None
+        sampling = trace.sampling or {"temperature": 0.0, "top_p": 0.95, "seed": 0}
+        return (trace.model, prompt, bool(chat), trace.policy,
+                "compression" if by_ratio else "budget",
+                gr.update(value=trace.compression, visible=by_ratio) if by_ratio else gr.update(visible=False),
+                gr.update(value=trace.budget, visible=not by_ratio),
+                min(asked, limits.max_new_tokens), sampling["temperature"], sampling["top_p"], sampling["seed"],
+                _describe(trace.policy, trace.model, *[trace.params.get(key) for key in PARAM_NAMES]), *widgets)
+
+    return reuse_settings
 
 
 def scrubbed_step(view: RunView, step) -> int:
@@ -1505,6 +1553,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     with gr.Accordion("Open a saved trace", open=False):
                         saved = gr.File(label="Trace (parquet): this tab's download or `kvviz generate --trace`",
                                         file_types=[".parquet"], type="filepath", elem_id="live-open")
+                        reuse = gr.Button("Use its settings (model, prompt, policy, cache size, sampling)",
+                                          visible=False, elem_id="live-reuse")
                 with gr.Column(scale=2):
                     text = gr.Textbox(label="Generated text", lines=5)
                     stats = gr.Markdown()
@@ -1537,10 +1587,18 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                           inputs, live_outputs, "live", progress_on=prompt_size,
                                           announce=(lambda name: loading_note(name) or gr.skip(), model, prompt_size))
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
+            saved.upload(lambda: gr.update(visible=False), None, reuse, api_name=False, queue=False)
             trace_checked = saved.upload(check_trace, saved, None, api_name=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
                                            concurrency_limit=limits.runs_per_model, concurrency_id="model",
                                            api_name="open_trace", api_visibility="undocumented")
+            opened.success(lambda: gr.update(visible=True), None, reuse, api_name=False, queue=False)
+            saved.clear(lambda: gr.update(visible=False), None, reuse, api_name=False, queue=False)
+            # In the runs' concurrency group too: a trace without its prompt text loads its model's tokenizer.
+            reuse.click(make_reuse_handler(limits), saved,
+                        [model, prompt, chat, policy, budget_mode, compression, budget, max_new, temperature, top_p,
+                         seed, description, *widgets], api_name=False, concurrency_limit=limits.runs_per_model,
+                        concurrency_id="model")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             after = [history, terms_note, terms]
             step_slider.input(scrub, [view_state, step_slider], [retention, ranks, timeline, detail, fate, terms_note,
@@ -1553,7 +1611,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             checked.success(lambda: step_views(None, "", 0), None, after, api_name=False, queue=False)
             for shown in (live, opened):
                 shown.then(step_views, [view_state, follow, step_slider], after, api_name=False)
-            policy.change(_show_parameters, [policy, model], [description, *widgets], api_name=False)
+            # input, not change: a trace's settings set the policy and its parameters together (the change
+            # event would then reset the parameters to the policy's defaults)
+            policy.input(_show_parameters, [policy, model], [description, *widgets], api_name=False)
             for widget in widgets:  # e.g. alpha changes the previous-step weight the description states
                 describe = {"fn": _describe, "inputs": [policy, model, *widgets], "outputs": description,
                             "api_name": False}
