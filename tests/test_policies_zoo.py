@@ -363,6 +363,22 @@ def test_snapkv_pools_only_the_positions_before_the_window():
     assert set(range(6)) - set(drop.tolist()) == {1, 4, 5}
 
 
+def test_reused_snapkv_forgets_the_last_runs_scores():
+    """A second run whose prompt fits the budget evicts nothing and scores nothing: its utility must be
+    None, not the first run's pooled votes."""
+    keys = torch.tensor([[[3.0, 0], [0, 0], [1, 0], [2, 0], [0, 0], [0, 0]]])
+    view = PrefillView(0, torch.tensor([[[1.0, 0], [1, 0]]]), keys, torch.ones_like(keys), 1.0)
+    policy = make_policy("snapkv", window=2, kernel=1)
+    policy.reset(6, 4, 1)
+    policy.observe_prefill(view, torch.arange(6))
+    assert policy.select_evictions(0, torch.arange(6), 4).numel() == 2
+    assert policy.utility(torch.arange(4)) is not None  # the first run did score
+    policy.reset(6, 6, 1)  # budget = prompt: nothing to select
+    policy.observe_prefill(view, torch.arange(6))
+    assert policy.select_evictions(0, torch.arange(6), 6).numel() == 0
+    assert policy.utility(torch.arange(6)) is None
+
+
 def test_decoupled_inertia_averages_layers_then_one_ema():
     # alpha = .5.  Step 1 over [0, 1, 2]: layer mean of [.2,.3,.5] and [.6,.1,.3] = [.4, .2, .4]
     #   -> m = .5 * 0 + .5 * s = [.2, .1, .2]; evict 1.

@@ -43,6 +43,7 @@ class SnapKV(Policy):
                              f"raise the budget above {self.window} (or lower window)")
         super().reset(prompt_len, budget, num_layers)
         self.votes = StepMean()
+        self.score = None  # set by the prefill's selection; None keeps a reused policy from reporting stale scores
 
     def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
         self.votes.add(view.attn.mean((0, 1)), positions)
@@ -65,7 +66,7 @@ class SnapKV(Policy):
         return lowest(score, positions, count)
 
     def utility(self, positions: torch.Tensor) -> torch.Tensor | None:
-        if not hasattr(self, "score"):
+        if self.score is None:
             return None
         known = positions < self.score.numel()
         return torch.where(known, self.score[positions.clamp(max=self.score.numel() - 1)], float("inf"))
