@@ -148,13 +148,15 @@ class SlotCache(Cache):
             layer.move(holes_d, sources_d, new_length)
 
     def copy_from(self, other: "SlotCache") -> None:
-        """Fill this (empty) cache with a copy of ``other``'s live entries, positions included."""
+        """Fill this (empty) cache with a copy of ``other``'s live entries, positions included; the next token
+        then takes the position ``other``'s would (``seen`` is copied too, past any evicted entries)."""
         if self.seen:
             raise ValueError("copy_from needs an empty cache")
         size = other.size
         for index, layer in enumerate(other.layers):
             self.update(layer.keys[:, :, :size], layer.values[:, :, :size], index)
         self.positions[:size] = other.positions[:size]
+        self.seen = other.seen
 
     def resize(self, capacity: int) -> None:
         """Reallocate every layer to ``capacity`` slots (frees memory once the cache sits at its budget)."""

@@ -295,6 +295,25 @@ def test_slot_cache_compaction_moves_survivors_into_holes():
     assert cache.get_seq_length() == 5
 
 
+def test_slot_cache_copy_continues_the_sources_positions():
+    """A copy of a cache that has evicted entries gives the next token the position the source would: one
+    past every token ever written (6), not past the live count (4), which would repeat position 4."""
+    source = SlotCache(num_layers=2, capacity=8)
+    keys = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
+    for layer in range(2):
+        source.update(keys, keys + 100, layer)
+    source.evict(torch.tensor([1, 4]))
+    copy_ = SlotCache(num_layers=2, capacity=8)
+    copy_.copy_from(source)
+    assert copy_.live_positions().tolist() == [0, 5, 2, 3]
+    new = torch.tensor([[[[6.0]]]])
+    for cache in (source, copy_):
+        for layer in range(2):
+            cache.update(new, new + 100, layer)
+    assert copy_.live_positions().tolist() == source.live_positions().tolist() == [0, 5, 2, 3, 6]
+    assert copy_.seen == source.seen == 7
+
+
 @pytest.mark.parametrize(
     "prompt_len, kwargs, expected",
     [(100, dict(compression=0.9), 10), (1000, dict(compression=0.9), 100), (57, dict(compression=0.5), 28),
