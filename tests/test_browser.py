@@ -335,6 +335,29 @@ def test_a_saved_trace_opens_into_the_live_views(page, tmp_path):
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => String((p.layout.title || {}).text || '')"
         ".startsWith('Retention (B = 30)'))", timeout=30_000)
+    # Its settings into the controls: SnapKV with a window of its own, not the default the policy's own
+    # change would set; the budget in tokens; no chat template.
+    run = kvviz.run(model, tokenizer, PROMPT, "snapkv", chat=False, budget=30, max_new_tokens=12, window=8)
+    run.trace.save(tmp_path / "snapkv-run.parquet")
+    page.locator("#live-open").get_by_label("Clear").click()  # the box shows the file it holds, not an upload
+    page.locator("#live-reuse").wait_for(state="hidden", timeout=30_000)
+    page.locator("#live-open input[type=file]").set_input_files(str(tmp_path / "snapkv-run.parquet"))
+    page.get_by_text("snapkv-run.parquet: snapkv (window=8, kernel=7) on tiny-random-llama").wait_for(timeout=60_000)
+    page.locator("#live-reuse").click()
+    policy = page.get_by_label("Policy", exact=True).first
+    page.wait_for_function("e => e.value.endsWith('(snapkv)')", arg=policy.element_handle(), timeout=30_000)
+    time.sleep(2)  # any event the new values set off has run
+    page.get_by_text("Policy parameters").first.click()
+    assert page.get_by_label("number input for window", exact=False).first.input_value() == "8"
+    page.get_by_text("Policy parameters").first.click()  # closed again, as the other tests expect
+    assert page.get_by_label("Budget B (tokens)").first.input_value() == "30"
+    assert page.get_by_label("Prompt").first.input_value() == PROMPT
+    assert not page.get_by_label("Chat template").first.is_checked()
+    assert page.get_by_text("Changed here: window = 8").is_visible()  # the description, of what the controls hold
+    # back to what the other tests expect
+    page.get_by_label("compression", exact=True).first.check()
+    policy.click()
+    page.get_by_role("option", name="(inertia)", exact=False).first.click()
 
 
 def test_a_refused_comparison_keeps_its_message_on_screen(page):

@@ -1554,7 +1554,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         saved = gr.File(label="Trace (parquet): this tab's download or `kvviz generate --trace`",
                                         file_types=[".parquet"], type="filepath", elem_id="live-open")
                         reuse = gr.Button("Use its settings (model, prompt, policy, cache size, sampling)",
-                                          visible=False, elem_id="live-reuse")
+                                          visible=False, size="sm", elem_id="live-reuse")
                 with gr.Column(scale=2):
                     text = gr.Textbox(label="Generated text", lines=5)
                     stats = gr.Markdown()
