@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import time
 
-from kvviz.ui.app import EXAMPLES, PARAM_NAMES, PARAMETERS, make_live_handler
+from kvviz.tasks.examples import EXAMPLES
+from kvviz.ui.app import PARAM_NAMES, PARAMETERS, make_live_handler
 from kvviz.ui.config import Limits
 
 

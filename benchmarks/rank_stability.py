@@ -22,7 +22,7 @@ import numpy as np
 
 import kvviz
 from kvviz import diagnostics
-from kvviz.ui.app import EXAMPLES
+from kvviz.tasks.examples import EXAMPLES
 
 POLICIES = {"inertia alpha=0.0": ("inertia", {"alpha": 0.0}), "inertia alpha=0.5": ("inertia", {"alpha": 0.5}),
             "inertia": ("inertia", {}), "inertia alpha=0.95": ("inertia", {"alpha": 0.95}),

@@ -213,3 +213,20 @@ def test_math_metric_scores_arithmetic_answers(tiny):
     assert math_equal(echoed, sample.answers) == 1.0
     assert math_equal(f"So, the final answer is {wrong}.", sample.answers) == 0.0
     assert math_equal("no number at all", sample.answers) == 0.0
+
+
+def test_the_benchmarks_read_the_apps_example_prompts_without_loading_the_ui():
+    """The rank-stability benchmark runs on the Live tab's examples: it imported them from the app, and so
+    loaded Gradio and Plotly to read four strings."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import rank_stability; "
+            "from kvviz.ui.app import EXAMPLES; "  # the app still offers the same ones
+            "print(rank_stability.EXAMPLES is EXAMPLES)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.stdout.split() == ["True"], proc.stderr
+    code = "import sys; sys.path.insert(0, 'benchmarks'); import rank_stability; print('gradio' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.stdout.split() == ["False"], proc.stderr

@@ -36,6 +36,7 @@ from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
 from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
+from ..tasks.examples import EXAMPLES
 from .config import Limits
 from ..store import Store
 from .figures import (MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure,
@@ -47,22 +48,6 @@ log = logging.getLogger(__name__)
 # The text at most 30 times a second: every token at CPU speeds, several a time on a GPU or a tiny model,
 # whose hundreds of updates a second (each re-rendering the growing text) otherwise saturate the page.
 TEXT_EVERY_S = 1 / 30
-EXAMPLES = {
-    "Passkey in a haystack": "There is a passkey hidden in this text. Memorise it. "
-    + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 25
-    + "The passkey is 7342519. Remember it. 7342519 is the passkey. "
-    + "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 25
-    + "What is the passkey?",
-    "Four-key needle": "Remember these numbers. " + " ".join(
-        f"The special number for {key} is {value}. " + "Filler sentence about nothing in particular. " * 12
-        for key, value in [("apple", 4821937), ("river", 1560382), ("candle", 9074615), ("mirror", 3318270)])
-    + "What is the special number for candle?",
-    "Long free-form answer": "Write a detailed story, several paragraphs long, about a lighthouse keeper who "
-    "finds a message in a bottle and decides to follow its instructions.",
-    "Short reasoning": "A farmer has 17 sheep. All but 9 run away. Then he buys twice as many as he has left. "
-    "How many sheep does he have now? Think step by step.",
-}
-
 # The comparisons the papers make, ready to run (editable once chosen): settings as the Policies box takes them,
 # the reference first (the divergence and Jaccard lines are against it).  AvoKV-E and R-KV check every 16 tokens
 # instead of 128, so that the tab's 48 new tokens see several checkpoints (and AvoKV-E's delay matters).
