@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from . import engine
 from .policies.inertia import InertiaKV
 from .policies.recency import Recency
+from .scoring import installed
 
 
 @dataclass
@@ -242,22 +243,24 @@ class StaticInertia:
         stop_ids = stop_ids or set()
         model, device = self.model, self.model.device
         policy = InertiaKV(alpha=self.alpha, refresh=self.refresh) if self.scoring else Recency()
-        # Prefill and step 1 through the reference engine: step 1 attends to the whole prompt.
-        cache = engine.EvictingCache(model, policy, budget=budget, capacity=len(prompt_ids) + 1)
-        events = engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=2,
-                               ignore_eos=True, cache=cache, shared=shared)
-        first = next(events)
-        if timer is not None:
-            timer()
-        first_token_time = time.perf_counter()
-        if first.new_token_id in stop_ids:
-            return StaticRun([first.new_token_id], [], first_token_time)
-        second = next(events)
-        tokens = [first.new_token_id, second.new_token_id]
-        kept_log = [second.kept.tolist()] if record_kept else []
-        if max_new_tokens <= 2 or second.new_token_id in stop_ids:
-            return StaticRun(tokens[:max_new_tokens], kept_log, first_token_time)
-
+        # Prefill and step 1 through the reference engine: step 1 attends to the whole prompt.  Its score
+        # capture is installed only for these two steps: the static step below calls no HF attention, and
+        # the caller's model gets its own attention implementation back.
+        with installed(model):
+            cache = engine.EvictingCache(model, policy, budget=budget, capacity=len(prompt_ids) + 1)
+            events = engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=2,
+                                   ignore_eos=True, cache=cache, shared=shared)
+            first = next(events)
+            if timer is not None:
+                timer()
+            first_token_time = time.perf_counter()
+            if first.new_token_id in stop_ids:
+                return StaticRun([first.new_token_id], [], first_token_time)
+            second = next(events)
+            tokens = [first.new_token_id, second.new_token_id]
+            kept_log = [second.kept.tolist()] if record_kept else []
+            if max_new_tokens <= 2 or second.new_token_id in stop_ids:
+                return StaticRun(tokens[:max_new_tokens], kept_log, first_token_time)
         slots = budget + 1
         size = cache.size
         keys = [layer.keys[:, :, :size].clone() for layer in cache.layers]

@@ -10,6 +10,7 @@ only look at keys or values pay nothing for attention.
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -198,26 +199,74 @@ def rope_frequencies(model) -> torch.Tensor | None:
 
 
 _registered = False
+_ABSENT = object()  # an attention module that had no ROPE_ATTRIBUTE before install()
+_holds_lock = threading.Lock()
+_holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [open installed() blocks, saved state]
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "o_proj")]
 
 
 def install(model) -> None:
-    """Switch ``model`` from SDPA to the score-capturing SDPA wrapper (numerically identical outputs)."""
+    """Switch ``model`` from SDPA to the score-capturing SDPA wrapper (numerically identical outputs).
+
+    Sets ``config._attn_implementation`` to ``kvviz_sdpa`` and a ``kvviz_rope`` attribute on each attention
+    module, for good: what :func:`~kvviz.models.load_model` wants for the models it builds.  For someone
+    else's model use :func:`installed`, which puts both back afterwards (a call to ``install`` inside such a
+    block is undone with it).  A model on another implementation is refused before anything changes.
+    """
     global _registered
+    current = model.config._attn_implementation
+    if current not in (ATTN_IMPLEMENTATION, "sdpa"):
+        raise ValueError(
+            f"kvviz captures scores beside SDPA, but this model uses attn_implementation={current!r}; "
+            "load it with attn_implementation='sdpa'."
+        )
     if not _registered:
         AttentionInterface.register(ATTN_IMPLEMENTATION, kvviz_sdpa_forward)
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
         _registered = True
     rope = rope_frequencies(model)
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):  # the attention modules
-            setattr(module, ROPE_ATTRIBUTE, rope)
-    current = model.config._attn_implementation
-    if current == ATTN_IMPLEMENTATION:
-        return
-    if current != "sdpa":
-        raise ValueError(
-            f"kvviz captures scores beside SDPA, but this model uses attn_implementation={current!r}; "
-            "load it with attn_implementation='sdpa'."
-        )
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for module in _attention_modules(model):
+        setattr(module, ROPE_ATTRIBUTE, rope)
+    if current != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
+
+@contextmanager
+def installed(model):
+    """:func:`install` for the duration of the block, then give ``model`` back its attention implementation
+    and its attention modules' ``kvviz_rope`` attributes as they were before (a model already installed
+    stays installed).
+
+    Blocks on one model may nest, or overlap on several threads in any order: the state is saved when the
+    first opens and put back when the last closes, so no run loses the capture while another is in flight.
+    """
+    with _holds_lock:
+        hold = _holds.get(model)
+        if hold is None:
+            saved = (model.config._attn_implementation,
+                     [(module, getattr(module, ROPE_ATTRIBUTE, _ABSENT)) for module in _attention_modules(model)])
+            install(model)  # raises before anything is held or changed
+            hold = _holds[model] = [0, saved]
+        hold[0] += 1
+    try:
+        yield model
+    finally:
+        with _holds_lock:
+            hold[0] -= 1
+            if hold[0] == 0:
+                del _holds[model]
+                _restore(model, *hold[1])
+
+
+def _restore(model, implementation: str, ropes: list) -> None:
+    for module, rope in ropes:
+        if rope is _ABSENT:
+            if hasattr(module, ROPE_ATTRIBUTE):
+                delattr(module, ROPE_ATTRIBUTE)
+        else:
+            setattr(module, ROPE_ATTRIBUTE, rope)
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)

@@ -146,13 +146,17 @@ def spectrum(model, prompt_ids: list[int], *, steps: int = 8, layer: int | None 
         The EMA coefficient of the InertiaKV utilities.
     """
     layer = check_layer(model, layer)
-    num_layers = model.config.num_hidden_layers
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if not 0.0 <= compression < 1.0:
         raise ValueError(f"compression must be in [0, 1), got {compression}")
     check_prompt(model, prompt_ids, steps + 1)
-    scoring.install(model)
+    with scoring.installed(model):  # the caller's model gets its attention implementation back
+        return _measure(model, prompt_ids, steps, layer, compression, alpha)
+
+
+def _measure(model, prompt_ids: list[int], steps: int, layer: int, compression: float, alpha: float) -> Spectrum:
+    num_layers = model.config.num_hidden_layers
     prompt_len, device, cache_arg = len(prompt_ids), model.device, cache_kwarg(model)
     policies = {name: InertiaKV(alpha=alpha, scorer=name) for name in SCORERS}
     for policy in policies.values():

@@ -148,6 +148,26 @@ def test_static_path_stops_after_a_stop_token(tiny, tiny_prompt):
     assert len(stopped.step_seconds) == len(stopped.setup_steps) == max(0, first + 1 - 2)
 
 
+def test_static_path_gives_the_model_back_as_it_was(tiny, tiny_prompt):
+    """Its first two steps run through the engine's score capture; afterwards the caller's SDPA model is
+    SDPA again, with no kvviz attribute left on its attention modules, and decodes as a fresh copy does."""
+    import copy
+
+    import torch
+
+    from kvviz.models import tiny_model
+
+    model, tokenizer = tiny_model("llama")
+    fresh = copy.deepcopy(model)
+    static = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 6)
+    assert static.token_ids == StaticInertia(tiny[0]).generate(tokenizer, tiny_prompt, 20, 6).token_ids  # same weights
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(module, "kvviz_rope") for module in model.modules())
+    ids = torch.tensor([tiny_prompt])
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                       fresh.generate(ids, max_new_tokens=6, do_sample=False))
+
+
 def test_static_path_refuses_what_it_cannot_compute_exactly(tiny, tiny_prompt):
     model, tokenizer = tiny
     with pytest.raises(ValueError, match="prompt length"):

@@ -168,6 +168,16 @@ def test_top_b_is_the_floor_of_the_share_even_where_floating_point_falls_short(t
     assert [top_b(120, 0.5), top_b(5, 0.9), top_b(130, 0.9)] == [60, 1, 13]
 
 
+def test_the_callers_model_gets_its_attention_back():
+    from kvviz.models import tiny_model
+
+    model, tokenizer = tiny_model("llama")
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 3, add_special_tokens=False)["input_ids"]
+    spectrum(model, prompt, steps=2, layer=1)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(module, "kvviz_rope") for module in model.modules())
+
+
 @pytest.mark.parametrize("kwargs, message", [(dict(layer=3), "layer must be between 0 and 2"),
                                              (dict(steps=0), "steps must be at least 1"),
                                              (dict(compression=1.0), "compression must be in")])
