@@ -57,6 +57,17 @@ def _log(message: str) -> None:
     print(f"[kvviz] {message}", file=sys.stderr, flush=True)
 
 
+def check_model_name(name: str) -> None:
+    """Refuse, before anything loads, a name :func:`load_model` cannot take: a path that does not exist, a tiny
+    model of a family not supported here (a hub id is only known to exist once it is fetched)."""
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():  # a path, not a hub id
+        raise ModelNotFound(f"no folder {name!r}: give a local directory with config.json and *.safetensors, an "
+                            f"HF hub id or {DEFAULT_MODEL!r}")
+    if name.startswith(TINY_PREFIX) and name[len(TINY_PREFIX):] not in SUPPORTED_TYPES:
+        raise ModelNotFound(f"no tiny model {name!r}; choose {TINY_PREFIX}<family> with a family of "
+                            f"{', '.join(SUPPORTED_TYPES)}")
+
+
 def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype | str | None = None):
     """Return ``(model, tokenizer)`` ready for the engine (SDPA with score capture installed, eval mode).
 
@@ -74,9 +85,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.d
     if isinstance(dtype, str) and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     dtype = default_dtype(device) if dtype is None else getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():  # a path, not a hub id
-        raise ModelNotFound(f"no folder {name!r}: give a local directory with config.json and *.safetensors, an "
-                            f"HF hub id or {DEFAULT_MODEL!r}")
+    check_model_name(name)
     # Every model is built in its dtype, never cast afterwards: a cast would round the rotary embedding's
     # float32 inverse frequencies too (HF keeps them in float32), and RoPE angles drift with position.
     if name.startswith(TINY_PREFIX):

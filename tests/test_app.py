@@ -1174,6 +1174,13 @@ def test_kvviz_serve_flags_override_the_environment(monkeypatch):
     assert main(["serve", "--device", "cpu", "--dtype", "float16"]) == 0
     assert (launched[-1].device, launched[-1].dtype) == ("cpu", "float16")
     assert main(["serve", "--device", "cpu", "--dtype", "float16", "--models", " , "]) == 2 and len(launched) == 3
+    # A mistyped local path or tiny family is refused at start, not when someone picks it; a hub id is
+    # only known to exist once fetched, so it passes.
+    for models, said in (("./no-such-model", "no folder './no-such-model'"), ("tiny-random-lama", "no tiny model "
+                         "'tiny-random-lama'; choose tiny-random-<family> with a family of llama, qwen2")):
+        with pytest.raises(ValueError, match=f"the models .*kvviz serve --models\\): {said}"):
+            Limits(models=(models,))
+    assert Limits(models=("someone/some-model",)).models == ("someone/some-model",)
     # The figure rate: the environment's, the flag over it, and a refusal that names both.
     monkeypatch.delenv("KVVIZ_DEVICE")
     monkeypatch.delenv("KVVIZ_DTYPE")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..models import DEFAULT_MODEL, DTYPES, check_device
+from ..models import DEFAULT_MODEL, DTYPES, check_device, check_model_name
 
 
 def _number(name: str, default, kind=int):
@@ -48,6 +48,12 @@ class Limits:
         if not self.models or not all(isinstance(name, str) and name for name in self.models):
             raise ValueError(f"name at least one model to serve (KVVIZ_DEFAULT_MODEL, KVVIZ_MODELS, kvviz serve "
                              f"--models), got {self.models!r}")
+        for name in self.models:  # a mistyped path would otherwise fail only when someone picks it
+            try:
+                check_model_name(name)
+            except ValueError as error:
+                raise ValueError(f"the models (KVVIZ_DEFAULT_MODEL, KVVIZ_MODELS, kvviz serve --models): {error}") \
+                    from None
         if not 0 <= self.figures_per_second <= 60:  # also refuses NaN
             raise ValueError(f"the figures per second (KVVIZ_FIGURES_PER_SECOND, kvviz serve --figures-per-second) "
                              f"must be from 0 (only when a run ends) to 60, got {self.figures_per_second}")
