@@ -31,6 +31,7 @@ from itertools import combinations
 import numpy as np
 import pandas as pd
 
+from .ranking import ranks  # also diagnostics.ranks, as the probe and the UI import it
 from .trace import StepEvent, Trace
 
 
@@ -46,17 +47,6 @@ def jaccard(a: set, b: set) -> float:
 
 def churn(previous: set, current: set) -> float:
     return 1.0 - jaccard(previous, current)
-
-
-def ranks(values: np.ndarray) -> np.ndarray:
-    """Ascending ranks from 1, ties sharing their average rank."""
-    values = np.asarray(values, dtype=np.float64)
-    order = np.argsort(values, kind="stable")
-    ranked = np.empty(values.size)
-    ranked[order] = np.arange(1, values.size + 1)
-    _, groups = np.unique(values, return_inverse=True)
-    sums = np.bincount(groups, weights=ranked)
-    return (sums / np.bincount(groups))[groups]
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:

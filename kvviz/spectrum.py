@@ -17,7 +17,6 @@ pairs), with the top-B churn of the chosen layer between consecutive steps besid
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -28,7 +27,7 @@ from transformers import DynamicCache
 
 from . import scoring
 from .diagnostics import jaccard, spearman, top_k, topk_jaccard
-from .engine import cache_kwarg, check_prompt
+from .engine import cache_kwarg, check_prompt, resolve_budget
 from .policies.inertia import SCORERS, InertiaKV, attention_score
 
 
@@ -83,8 +82,14 @@ class Spectrum:
 
 
 def top_b(size: int, compression: float) -> int:
-    """``B = max(1, floor((1 - compression) * size))``; the epsilon keeps 0.1 * 120 at 12, not 11.99... -> 11."""
-    return max(1, math.floor((1.0 - compression) * size + 1e-9))
+    """``B = max(1, floor((1 - compression) * size))``: the engine's budget (:func:`kvviz.engine.resolve_budget`)
+    for ``size`` entries, but 1 where that leaves none (a run would be refused; a top-1 set still compares)."""
+    try:
+        return resolve_budget(size, compression=compression)
+    except ValueError:
+        if not 0.0 <= compression < 1.0:
+            raise
+        return 1
 
 
 class _Capture:

@@ -15,6 +15,19 @@ from test_policies_inertia import drive
 # -------------------------------------------------------------------------------------------- AvoKV-E
 
 
+def test_percentile_rank_and_the_diagnostics_ranks_are_scipys_average_ranks():
+    from scipy.stats import rankdata
+
+    from kvviz.diagnostics import ranks
+
+    values = torch.tensor([3.0, 1.0, 3.0, 2.0, 1.0, 1.0, 5.0])  # ties of two and of three
+    expected = rankdata(values.numpy(), method="average")
+    assert ranks(values.numpy()).tolist() == pytest.approx(expected.tolist())
+    got = percentile_rank(values)
+    assert got.dtype == torch.float32 and got.tolist() == pytest.approx(((expected - 1) / 6).tolist())
+    assert percentile_rank(torch.tensor([4.0])).tolist() == [0.0]
+
+
 def test_avokv_worked_example_appendix_a_table_5():
     # Raw features of the four candidates ("I", "cook", "dinner", "myself").
     p = torch.tensor([0.04, 0.81, 0.02, 0.05])

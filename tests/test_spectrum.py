@@ -168,6 +168,20 @@ def test_top_b_is_the_floor_of_the_share_even_where_floating_point_falls_short(t
     assert [top_b(120, 0.5), top_b(5, 0.9), top_b(130, 0.9)] == [60, 1, 13]
 
 
+def test_top_b_is_the_engines_budget_or_one():
+    from kvviz.engine import resolve_budget
+    from kvviz.spectrum import top_b
+
+    for size in (1, 7, 99, 120, 1000):
+        for compression in (0.0, 0.3, 0.5, 0.9, 0.99):
+            expected = max(1, int((1 - compression) * size + 1e-9))
+            assert top_b(size, compression) == expected
+            if expected > 1 or (1 - compression) * size >= 1:
+                assert top_b(size, compression) == resolve_budget(size, compression=compression)
+    with pytest.raises(ValueError, match="compression must be in"):
+        top_b(10, 1.0)
+
+
 def test_the_callers_model_gets_its_attention_back():
     from kvviz.models import tiny_model
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ranking import ranks
 from ..scoring import LayerView, PrefillView
 from .base import NO_SLOTS, Policy, lowest, param
 
@@ -49,17 +50,23 @@ def window_attention(queries: torch.Tensor, query_positions: torch.Tensor, view:
 
 
 def percentile_rank(values: torch.Tensor) -> torch.Tensor:
-    """(rank - 1) / (n - 1) with ascending ranks, ties sharing their average rank; 0 for a single value."""
+    """``(rank - 1) / (n - 1)`` with ascending ranks, ties sharing their average rank (:func:`kvviz.ranking.ranks`).
+
+    Parameters
+    ----------
+    values : torch.Tensor
+        ``(n,)`` values, one per candidate.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(n,)`` float32 in ``[0, 1]`` on ``values``' device; zeros for ``n < 2``.
+    """
     n = values.numel()
     if n < 2:
         return torch.zeros_like(values, dtype=torch.float32)
-    order = torch.argsort(values, stable=True)
-    ranks = torch.empty(n, dtype=torch.float64)
-    ranks[order] = torch.arange(1, n + 1, dtype=torch.float64)
-    _, groups = torch.unique(values, return_inverse=True)
-    mean_rank = torch.zeros(int(groups.max()) + 1, dtype=torch.float64).index_add_(0, groups, ranks)
-    mean_rank = mean_rank / torch.bincount(groups).double()
-    return ((mean_rank[groups] - 1) / (n - 1)).float()
+    ranked = ranks(values.detach().double().cpu().numpy())
+    return torch.from_numpy((ranked - 1) / (n - 1)).float().to(values.device)
 
 
 @dataclass
