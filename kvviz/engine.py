@@ -19,7 +19,7 @@ import torch
 
 from . import scoring
 from .cache import SlotCache
-from .policies import Policy, make_policy
+from .policies import Policy, make_policy, setting_label
 from .trace import StepEvent, Trace, model_dtype
 
 MAX_NEW_TOKENS = 64  # stream() and run() when the caller gives none
@@ -32,6 +32,8 @@ def resolve_budget(prompt_len: int, *, compression: float | None = None, budget:
     if budget is not None:
         if budget < 1:
             raise ValueError(f"budget must be at least 1 token, got {budget}")
+        if budget != int(budget):  # 12.5 would silently run at 12
+            raise ValueError(f"budget is a number of tokens, a whole number; got {budget}")
         return int(budget)
     if compression is None:
         return prompt_len
@@ -320,6 +322,11 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     check_policy(model, tokenizer, prompt_ids, policy)
     if cache is None:
         cache = EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
+    elif cache.policy is not policy or cache._budget_args != {"budget": budget, "compression": compression}:
+        # the cache's own would run silently in place of what this call names
+        raise ValueError(f"the cache given was made for {type(cache.policy).__name__} at {cache._budget_args}, "
+                         f"this call names {type(policy).__name__} at budget={budget}, compression={compression}: "
+                         "pass the cache's policy and budget, or no cache")
     prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
 
     start = time.perf_counter()
@@ -526,7 +533,8 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=run_kwargs.get("chat", True))
     events = list(stream(model, tokenizer, prompt_ids, policy_obj, **run_kwargs))
     budget = resolve_budget(len(prompt_ids), compression=run_kwargs.get("compression"), budget=run_kwargs.get("budget"))
-    name = policy if isinstance(policy, str) else type(policy).__name__
+    # A policy object is named by its registry entry (what budget_note, the diagnostics and the app look up)
+    name = policy if isinstance(policy, str) else setting_label(policy_obj).split()[0]
     sampling = Sampler(*(run_kwargs.get(k, default) for k, default in
                          (("temperature", 0.0), ("top_p", 1.0), ("seed", 0)))).settings()
     trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events,

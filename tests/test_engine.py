@@ -395,10 +395,50 @@ def test_resolve_budget(prompt_len, kwargs, expected):
 
 
 @pytest.mark.parametrize("kwargs", [dict(compression=1.0), dict(compression=-0.1), dict(budget=0),
-                                    dict(compression=0.99)])
+                                    dict(compression=0.99), dict(budget=12.5)])
 def test_resolve_budget_rejects(kwargs):
     with pytest.raises(ValueError):
         resolve_budget(50, **kwargs)
+    assert resolve_budget(50, budget=12.0) == 12  # a whole number written as a float is that number
+
+
+def test_a_trace_of_a_policy_object_is_named_by_its_registry_entry(tiny, tiny_prompt):
+    """run() with a policy object named the trace after its class ('FullCache', 'TOVA'); what looks a trace up
+    by name then missed it: the full cache's trace read as 'budget B = 40', TOVA's read lags were refused."""
+    from kvviz import diagnostics
+    from kvviz.policies import Policy, make_policy
+
+    model, tokenizer = tiny
+    run = lambda policy: kvviz.run(model, tokenizer, tiny_prompt, policy, budget=40, max_new_tokens=3).trace
+    assert run(make_policy("tova")).policy == "tova" and diagnostics.scores_attention("tova", {})
+    assert budget_note(run(make_policy("full"))) == "no eviction (full cache)"
+    # parameters that make another entry name that entry, as the Compare tab would; they are all recorded
+    summed = run(make_policy("inertia", aggregation="sum"))
+    assert summed.policy == "cumulative" and summed.params["aggregation"] == "sum"
+    assert REGISTRY[summed.policy].build(**summed.params).params() == make_policy("cumulative").params()
+
+    class Oldest(Policy):  # a policy of one's own, not registered: its class names it
+        def select_evictions(self, step, positions, budget):
+            return torch.argsort(positions)[:max(0, positions.numel() - budget)]
+
+    assert run(Oldest()).policy == "Oldest"
+
+
+def test_decode_refuses_a_cache_made_for_another_budget_or_policy(tiny, tiny_prompt):
+    """A cache passed to decode runs at its own budget: one naming another was silently overridden."""
+    from kvviz.engine import EvictingCache, decode
+    from kvviz.policies import make_policy
+
+    model, tokenizer = tiny
+    policy = make_policy("tova")
+    cache = EvictingCache(model, policy, budget=40, capacity=len(tiny_prompt) + 4)
+    with pytest.raises(ValueError, match="made for TOVA at {'budget': 40, 'compression': None}, this call names "
+                                         "TOVA at budget=20"):
+        next(decode(model, tokenizer, tiny_prompt, policy, budget=20, max_new_tokens=3, cache=cache))
+    with pytest.raises(ValueError, match="this call names StreamingLLM"):
+        next(decode(model, tokenizer, tiny_prompt, make_policy("streaming"), budget=40, max_new_tokens=3,
+                    cache=cache))
+    assert len(list(decode(model, tokenizer, tiny_prompt, policy, budget=40, max_new_tokens=3, cache=cache))) == 3
 
 
 def test_sampler_draws_from_the_tempered_nucleus():

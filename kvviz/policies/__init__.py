@@ -263,11 +263,14 @@ def fewest_changes(values: dict[str, Any], candidates: dict[str, dict[str, Any]]
 
 def setting_label(policy: Policy) -> str:
     """The registry name that states ``policy`` with the fewest parameter changes (:func:`fewest_changes`),
-    then those changes as ``key=value`` in the registry's order: e.g. ``"inertia alpha=0.5"``, ``"single-step"``."""
+    then those changes as ``key=value`` in the registry's order: e.g. ``"inertia alpha=0.5"``, ``"single-step"``;
+    an unregistered class's name."""
     params = policy.params()
     # Only names of this exact class: a subclass (inertia-decoupled) changes the rule, not a parameter.
     candidates = {spec.name: {p["name"]: p["default"] for p in spec.parameters()}
                   for spec in REGISTRY.values() if spec.cls is type(policy)}
+    if not candidates:  # a policy class of one's own, not registered: its class names it
+        return type(policy).__name__
     best = fewest_changes(params, candidates)
     return " ".join([best, *(f"{key}={shown_value(value)}" for key, value in params.items()
                              if value != candidates[best][key])])
