@@ -704,7 +704,7 @@ def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny)
     assert [t.get("label") for t in texts] == ["inertia · previous comparison", "tova alpha=0.5 · previous comparison",
                                                 None, None]
     assert fates["label"] == "Previous comparison: Fate per policy"
-    assert stability["label"].startswith("Previous comparison: Stability per policy (InertiaKV App. I;")
+    assert stability["label"].startswith("Previous comparison: Stability, a column per policy (InertiaKV App. I;")
     # No comparison yet: the panels the click labelled go back to placeholders; no tables to mark.
     note, *texts, fates, stability = marks(*refused, None)
     assert "Shown:" not in note and [t["label"] for t in texts] == ["policy 1", "policy 2", "policy 3", "policy 4"]
@@ -903,17 +903,19 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova", "streaming"], "compression", 0.5, 0,
                                             12, False)
-    table = compare_diagnostics(last[-2])["value"].set_index("policy")
+    table = compare_diagnostics(last[-2])["value"]
+    assert list(table.columns) == ["diagnostic", "inertia", "tova", "streaming"]  # a column per policy: no scrolling
+    table = table.set_index("diagnostic")
     # StreamingLLM scores nothing: only its keep turnover has a value.
-    assert (table.loc["streaming"] == "n/a").tolist() == [key != "keep_turnover" for key in diagnostics.summary(
+    assert (table["streaming"] == "n/a").tolist() == [key != "keep_turnover" for key in diagnostics.summary(
         kvviz.run(model, tokenizer, PROMPT, "streaming", chat=False, compression=0.5, max_new_tokens=2).trace)]
     # Utility churn at k = B is only each keep set's turnover (the rank stabilities: tests/test_diagnostics_probe).
     for name in ("inertia", "tova"):
-        assert table.loc[name, "utility churn"] == table.loc[name, "keep turnover"]
+        assert table.loc["utility churn", name] == table.loc["keep turnover", name]
     for name in ("inertia", "tova", "streaming"):
         trace = kvviz.run(model, tokenizer, PROMPT, name, chat=False, compression=0.5, max_new_tokens=12).trace
         for key, value in diagnostics.summary(trace).items():
-            assert table.loc[name, key.replace("_", " ")] == ("n/a" if np.isnan(value) else f"{value:.4f}")
+            assert table.loc[key.replace("_", " "), name] == ("n/a" if np.isnan(value) else f"{value:.4f}")
     assert compare_diagnostics(None)["visible"] is False
 
 
@@ -1435,7 +1437,7 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
                                             8, False)
     assert list(last[-2]) == ["inertia", "inertia alpha=0.3"]
     view_len = last[-2]["inertia"].prompt_len
-    assert compare_diagnostics(last[-2])["value"]["policy"].tolist() == ["inertia", "inertia alpha=0.3"]
+    assert list(compare_diagnostics(last[-2])["value"].columns)[1:] == ["inertia", "inertia alpha=0.3"]
     # The download: one trace per setting, in order, each the policy it is labelled as, with its own run.
     import zipfile
 

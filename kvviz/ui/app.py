@@ -593,7 +593,7 @@ def build_policies(settings: dict[str, str]) -> dict[str, Policy]:
 NOT_COMPARED = "*Not compared: "  # how the refusal note begins, where the comparison would have been
 PREVIOUS = "previous comparison"  # how a refusal marks what the last comparison left on the page
 FATES_LABEL = "Fate per policy"
-STABILITY_LABEL = ("Stability per policy (InertiaKV App. I; means over steps, k = B): top-B churn of raw scores "
+STABILITY_LABEL = ("Stability, a column per policy (InertiaKV App. I; means over steps, k = B): top-B churn of raw scores "
                    "and of utility (the keep turnover wherever the cache holds B, for any policy), their Jaccard, "
                    "raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
                    "scores, and of their utilities, over the entries both scored (the ranking inertia); n/a "
@@ -1135,16 +1135,18 @@ def compare_diagnostics(views: dict[str, RunView] | None):
     """InertiaKV Appendix I's stability diagnostics side by side, one row per compared policy: raw and utility
     top-B churn, keep turnover, raw/utility Jaccard, the share of each step's raw top-B that it evicted and
     the raw and utility rank stabilities (means over steps, k = the budget; n/a where a policy records no raw
-    score or no utility), as the Live tab lists them."""
+    score or no utility), as the Live tab lists them: a row per diagnostic, a column per policy."""
     if not views:
         return gr.update(value=None, visible=False)
-    rows = []
+    columns = {}
     for name, view in views.items():
         # the diagnostics read the budget and the decode events only; the prompt's ids are not kept here
         trace = Trace([0] * view.prompt_len, view.budget, name, events=view.events)
-        rows.append({"policy": name, **{key.replace("_", " "): "n/a" if np.isnan(value) else f"{value:.4f}"
-                                        for key, value in diagnostics.summary(trace).items()}})
-    return gr.update(value=pd.DataFrame(rows), visible=True)
+        summary = diagnostics.summary(trace)
+        columns.setdefault("diagnostic", [key.replace("_", " ") for key in summary])
+        columns[name] = ["n/a" if np.isnan(value) else f"{value:.4f}" for value in summary.values()]
+    # a column per policy (at most four), a row per diagnostic: the eight diagnostics as columns scrolled sideways
+    return gr.update(value=pd.DataFrame(columns), visible=True)
 
 
 def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
