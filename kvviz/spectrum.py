@@ -28,7 +28,8 @@ from transformers import DynamicCache
 from . import scoring
 from .diagnostics import jaccard, spearman, top_k, topk_jaccard
 from .engine import cache_kwarg, check_prompt, resolve_budget
-from .policies.inertia import SCORERS, InertiaKV, attention_score
+from .policies.inertia import InertiaKV
+from .policies.scorers import SCORERS, attention_score
 
 
 @dataclass

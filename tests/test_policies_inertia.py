@@ -7,7 +7,7 @@ import torch
 
 from kvviz.policies import make_policy
 from kvviz.policies.base import lowest
-from kvviz.policies.inertia import entropy_score, vnorm_score
+from kvviz.policies.scorers import entropy_score, vnorm_score
 from kvviz.scoring import LayerView
 
 
@@ -141,6 +141,28 @@ def test_entropy_weights_layer_by_normalised_entropy():
     # Head entropies / ln 2: [.5, .5] -> 1, [1, 0] -> 0; mean 0.5.  Head-mean attention [.75, .25] -> [.375, .125].
     score = entropy_score(view(0, [[0.5, 0.5], [1.0, 0.0]]), torch.tensor([0, 1]))
     assert score.tolist() == pytest.approx([0.375, 0.125])
+
+
+def test_every_scorer_lives_in_scorers_and_gives_one_score_per_entry_as_documented():
+    """One module holds the scorers InertiaKV, KeyDiff and K-norm share; each returns ``(n,)`` for a view
+    over n entries with grouped heads (4 query, 2 KV heads here), as its docstring says."""
+    from kvviz.policies.keydiff import KeyDiff
+    from kvviz.policies.knorm import KNorm
+    from kvviz.policies.scorers import SCORERS
+
+    torch.manual_seed(0)
+    n = 5
+    keys, values = torch.randn(2, n, 8), torch.randn(2, n, 8)
+    layer_view = LayerView(0, torch.randn(4, 8), keys, values, 8 ** -0.5)
+    positions = torch.tensor([0, 3, 4, 7, 9])
+    for name, scorer in SCORERS.items():
+        assert scorer.__module__ == "kvviz.policies.scorers", name
+        assert "Parameters" in scorer.__doc__ and "``(n,)``" in scorer.__doc__, name
+        assert scorer(layer_view, positions).shape == (n,), name
+    # the policies score with the very same functions
+    assert torch.equal(KeyDiff().score(layer_view, positions), SCORERS["keydiff"](layer_view, positions))
+    assert torch.equal(KNorm().score(layer_view, positions), SCORERS["knorm"](layer_view, positions))
+    assert SCORERS["recency"](layer_view, positions).tolist() == pytest.approx([0.1, 0.4, 0.5, 0.8, 1.0])
 
 
 def test_lowest_ties_go_oldest_first():

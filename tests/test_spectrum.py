@@ -14,7 +14,7 @@ from scipy import stats
 
 import kvviz
 from kvviz.cli import main
-from kvviz.policies.inertia import SCORERS
+from kvviz.policies.scorers import SCORERS
 from kvviz.spectrum import spectrum
 
 STEPS = 4

@@ -19,57 +19,13 @@ The same rule gives the paper's operating points and ablations (see the registry
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..scoring import LayerView
 from .base import Policy, StepMean, grown, lowest, over_budget, param
-
-
-def attention_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
-    """Head-mean last-query attention, ``(n,)``."""
-    return view.attn.mean(0)
-
-
-def vnorm_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
-    """Each head's attention times its value norms normalised to mean 1 over the cache, then head-mean."""
-    norms = view.value_norms()
-    return (view.attn * norms / norms.mean(-1, keepdim=True)).mean(0)
-
-
-def entropy_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
-    """Head-mean attention weighted by the layer's normalised entropy (mean over heads of H / log n)."""
-    attn = view.attn
-    n = attn.shape[-1]
-    if n < 2:
-        return attn.mean(0)
-    entropy = -(attn * attn.clamp_min(1e-30).log()).sum(-1) / math.log(n)
-    return entropy.mean() * attn.mean(0)
-
-
-def keydiff_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
-    """Minus the cosine of each key to the mean normalised key (distinctive keys score high), head-mean."""
-    unit = torch.nn.functional.normalize(view.keys.float(), dim=-1)
-    anchor = torch.nn.functional.normalize(unit.mean(1, keepdim=True), dim=-1)
-    return -(unit * anchor).sum(-1).mean(0)
-
-
-def knorm_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
-    """Minus the key L2 norm over its mean (low-norm keys score high), head-mean."""
-    norms = view.keys.float().norm(dim=-1)
-    return -(norms / norms.mean(-1, keepdim=True)).mean(0)
-
-
-def recency_score(view: LayerView, positions: torch.Tensor) -> torch.Tensor:
-    """Position over the newest position: 1 for the newest token, decreasing with age."""
-    positions = positions.float()
-    return (positions + 1) / (positions.max() + 1)
-
-
-SCORERS = {"attention": attention_score, "vnorm": vnorm_score, "entropy": entropy_score,
-           "keydiff": keydiff_score, "knorm": knorm_score, "recency": recency_score}
+from .scorers import SCORERS
 
 
 @dataclass

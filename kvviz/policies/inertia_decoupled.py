@@ -16,7 +16,8 @@ import torch
 
 from ..scoring import LayerView
 from .base import param
-from .inertia import SCORERS, InertiaKV
+from .inertia import InertiaKV
+from .scorers import SCORERS
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 
 from ..scoring import LayerView
 from .base import StepScorePolicy
-from .inertia import keydiff_score
+from .scorers import keydiff_score
 
 
 @dataclass

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..scoring import LayerView
-from .inertia import knorm_score
 from .base import StepScorePolicy
+from .scorers import knorm_score
 
 
 @dataclass
