@@ -856,25 +856,24 @@ def make_reuse_handler(limits: Limits):
     """Set the Live controls to an opened trace's run, so that Run reruns it, or a variant once one is changed."""
 
     def reuse_settings(path):
-        try:
-            trace = Trace.load(path)
-        except ValueError as error:
-            raise refused(str(error)) from None
-        name = Path(path).name
+        with refusing("using the trace's settings"):  # what to change, or one line: never a bare "Error"
+            return settings_of(Trace.load(path), Path(path).name)
+
+    def settings_of(trace: Trace, name: str) -> tuple:
         if trace.model not in limits.models:
-            raise refused(f"{name} ran on {trace.model or 'a model it does not name'}, which is not served here; "
-                          f"start the app with `kvviz serve --models {trace.model or 'MODEL'}` to rerun it")
+            raise ValueError(f"{name} ran on {trace.model or 'a model it does not name'}, which is not served "
+                             f"here; start the app with `kvviz serve --models {trace.model or 'MODEL'}` to rerun it")
         spec = REGISTRY.get(trace.policy)
         if spec is None:
-            raise refused(f"{name} ran policy {trace.policy!r}, which this version does not have; "
-                          f"choose one of {', '.join(REGISTRY)}")
+            raise ValueError(f"{name} ran policy {trace.policy!r}, which this version does not have; "
+                             f"choose one of {', '.join(REGISTRY)}")
         prompt, chat = trace.prompt, trace.chat
         if not prompt:  # recorded as token ids only: their text, with any chat template already in it
             tokenizer = get_model(limits, trace.model)[1]
             prompt, chat = tokenizer.decode(trace.prompt_ids, skip_special_tokens=False), False
             if engine.encode_prompt(tokenizer, prompt, chat=False) != trace.prompt_ids:
-                gr.Warning(f"{name} records its prompt as token ids only, and their text does not tokenise back to "
-                           "the same ids: a rerun reads a slightly different prompt")
+                gr.Warning(f"{name} records its prompt as token ids only, and their text does not tokenise back "
+                           "to the same ids: a rerun reads a slightly different prompt")
         asked = trace.max_new_tokens or len(trace.events)  # 0: saved before it was recorded
         if asked > limits.max_new_tokens:
             gr.Warning(f"{name} asked for {asked} new tokens; {limits.max_new_tokens} is the most allowed here")
@@ -884,10 +883,9 @@ def make_reuse_handler(limits: Limits):
                                 "value": trace.params.get(key, own[key]["default"])})
                    if key in own else gr.update(visible=False) for key in PARAM_NAMES]
         by_ratio = trace.compression is not None
-        sampling = trace.sampling or {"temperature": 0.0, "top_p": 0.95, "seed": 0}
-        return (trace.model, prompt, bool(chat), trace.policy,
-                "compression" if by_ratio else "budget",
-                gr.update(value=trace.compression, visible=by_ratio) if by_ratio else gr.update(visible=False),
+        sampling = trace.sampling or {"temperature": 0.0, "top_p": 0.95, "seed": 0}  # greedy: the widgets' start
+        return (trace.model, prompt, bool(chat), trace.policy, "compression" if by_ratio else "budget",
+                gr.update(value=trace.compression, visible=True) if by_ratio else gr.update(visible=False),
                 gr.update(value=trace.budget, visible=not by_ratio),
                 min(asked, limits.max_new_tokens), sampling["temperature"], sampling["top_p"], sampling["seed"],
                 _describe(trace.policy, trace.model, *[trace.params.get(key) for key in PARAM_NAMES]), *widgets)
@@ -1132,7 +1130,7 @@ def jaccard_figure(names, views) -> go.Figure:
 
 
 def compare_diagnostics(views: dict[str, RunView] | None):
-    """InertiaKV Appendix I's stability diagnostics side by side, one row per compared policy: raw and utility
+    """InertiaKV Appendix I's stability diagnostics side by side, a column per compared policy: raw and utility
     top-B churn, keep turnover, raw/utility Jaccard, the share of each step's raw top-B that it evicted and
     the raw and utility rank stabilities (means over steps, k = the budget; n/a where a policy records no raw
     score or no utility), as the Live tab lists them: a row per diagnostic, a column per policy."""
