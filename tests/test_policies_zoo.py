@@ -28,6 +28,40 @@ def test_percentile_rank_and_the_diagnostics_ranks_are_scipys_average_ranks():
     assert percentile_rank(torch.tensor([4.0])).tolist() == [0.0]
 
 
+def test_avokv_ranks_its_sinks_among_the_candidates_as_its_docstring_says():
+    """Table 5's four candidates with one sink (position 0, "I"): it is kept (+inf) but still ranked, so the
+    others' S are those of the worked example below, not of percentile ranks over the three of them."""
+    p = torch.tensor([0.04, 0.81, 0.02, 0.05])
+    r = torch.tensor([0.55, 0.41, 0.55, 0.92])
+    b = torch.tensor([0.55, 0.62, 2.10, 1.20])
+    policy = make_policy("avokv", sinks=1)
+    score = policy.risk({"p": p, "r": r, "b": b}, torch.tensor([0, 1, 2, 3]))
+    assert score[0] == float("inf")
+    assert [round(s, 2) for s in score[1:].tolist()] == [0.12, -0.40, -0.80]
+    without_sink = eviction_risk(p[1:], r[1:], b[1:], 0.1, 0.9, 0.05)  # the reading not taken
+    assert not torch.allclose(score[1:], without_sink)
+    import kvviz.policies.avokv
+
+    assert "they count in every percentile" in " ".join(kvviz.policies.avokv.__doc__.split())
+
+
+def test_checkpointed_hooks_and_helpers_document_their_shapes():
+    from kvviz.policies.avokv import AvoKVE
+    from kvviz.policies.base import StepMean, grown
+    from kvviz.policies.checkpointed import CheckpointPolicy
+    from kvviz.policies.rkv import RKV
+
+    documented = [percentile_rank, eviction_risk, StepMean.add, grown, CheckpointPolicy.layer_features,
+                  CheckpointPolicy.risk, AvoKVE.layer_features, AvoKVE.risk, RKV.layer_features, RKV.risk]
+    for function in documented:
+        doc = function.__doc__ or ""
+        assert any(f"``({size},)``" in doc for size in "cnm"), function.__qualname__
+    state = torch.tensor([1.0, 2.0])
+    assert grown(state, 1) is state
+    assert grown(state, 2, fill=-1.0).tolist() == [1.0, 2.0, -1.0, -1.0]  # (max(2 m, position + 1),)
+    assert grown(state, 6).shape == (7,)
+
+
 def test_avokv_worked_example_appendix_a_table_5():
     # Raw features of the four candidates ("I", "cook", "dinner", "myself").
     p = torch.tensor([0.04, 0.81, 0.02, 0.05])

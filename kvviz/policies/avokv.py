@@ -15,7 +15,10 @@ candidates C.  For each candidate, averaged over layers and heads:
 
 Each is turned into its percentile rank over C (ties averaged) and combined as
 ``S = lp*N(p) - lr*N(r) + lb*N(b)``; the ``sinks`` oldest candidates (the first entries of the sequence,
-which no policy here evicts before them) get ``S = +inf``.  ``W_delay >= W_obs`` is enforced (§4.1).  The cache keeps P and
+which no policy here evicts before them) get ``S = +inf``.  The paper only says to protect the first four
+entries; we read that as "never evict them" and keep them in C otherwise: they count in every percentile
+rank and in the median payload, and their keys are among those ``r`` compares each candidate with (the
+other reading, taking them out of C like the tail, would rank and compare the rest without them).  ``W_delay >= W_obs`` is enforced (§4.1).  The cache keeps P and
 the top ``B - |P|`` candidates.  Between checkpoints nothing is evicted, so the cache may exceed B by up
 to ``interval - 1``.
 """
@@ -34,7 +37,22 @@ PAYLOAD_EPS = 1e-6
 
 def eviction_risk(p: torch.Tensor, r: torch.Tensor, b: torch.Tensor, lambda_p: float, lambda_r: float,
                   lambda_b: float, normalise: bool = True) -> torch.Tensor:
-    """``S = lp*N(p) - lr*N(r) + lb*N(b)`` over the candidates (``N`` = percentile rank, or identity)."""
+    """``S = lp*N(p) - lr*N(r) + lb*N(b)`` over the candidates (``N`` = percentile rank, or identity).
+
+    Parameters
+    ----------
+    p, r, b : torch.Tensor
+        ``(c,)`` read pressure, key redundancy and payload of the ``c`` candidates.
+    lambda_p, lambda_r, lambda_b : float
+        The weights; ``lambda_r`` is subtracted.
+    normalise : bool
+        Percentile-rank each feature over the candidates first (False: the raw values).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(c,)`` float32, higher = keep.
+    """
     norm = percentile_rank if normalise else (lambda x: x.float())
     return lambda_p * norm(p) - lambda_r * norm(r) + lambda_b * norm(b)
 
@@ -82,6 +100,11 @@ class AvoKVE(CheckpointPolicy):
         return self.sinks, self.protected(budget)
 
     def layer_features(self, view, positions, queries, query_positions):
+        """``p``, ``r`` and ``b`` of the ``c`` candidates at this layer, each ``(c,)`` (head means).
+
+        ``view`` holds keys and values ``(num_kv_heads, n, head_dim)``, ``positions`` is ``(n,)``, ``queries``
+        ``(w, num_heads, head_dim)`` at ``query_positions`` ``(w,)``; see :meth:`CheckpointPolicy.layer_features`.
+        """
         cand = self.candidates
         attn = window_attention(queries, query_positions, view, positions)  # (heads, w, n)
         norms = view.values.float().norm(dim=-1)[:, cand]  # (kv_heads, c)
@@ -99,6 +122,8 @@ class AvoKVE(CheckpointPolicy):
         return {**features, **ranked, "S": score}
 
     def risk(self, features, positions):
+        """``S`` of each candidate, ``(c,)``, from the layer-mean ``p``, ``r``, ``b`` (each ``(c,)``) at the
+        candidates' ``(c,)`` absolute ``positions``; the ``sinks`` oldest of them get ``+inf``."""
         score = eviction_risk(features["p"], features["r"], features["b"], self.lambda_p, self.lambda_r,
                               self.lambda_b, self.normalise)
         oldest = torch.argsort(positions)[: self.sinks]

@@ -148,7 +148,23 @@ def over_budget(positions: torch.Tensor, budget: int) -> int:
 
 
 def grown(state: torch.Tensor, position: int, fill: float = 0.0) -> torch.Tensor:
-    """``state`` (indexed by absolute position) with room for ``position`` (doubling, amortised O(1))."""
+    """``state`` (indexed by absolute position) with room for ``position`` (doubling, amortised O(1)).
+
+    Parameters
+    ----------
+    state : torch.Tensor
+        ``(m,)`` per-position state.
+    position : int
+        The absolute position that must fit.
+    fill : float
+        Value of the added entries.
+
+    Returns
+    -------
+    torch.Tensor
+        ``state`` itself if ``position < m``, else a copy of shape ``(max(2 m, position + 1),)`` with ``fill``
+        after the first ``m`` entries; same dtype.
+    """
     if position < state.numel():
         return state
     extra = torch.full((max(state.numel(), position + 1 - state.numel()),), fill, dtype=state.dtype)
@@ -167,6 +183,15 @@ class StepMean:
         self.layers = 0
 
     def add(self, score: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add one layer's scores to the step's per-position totals.
+
+        Parameters
+        ----------
+        score : torch.Tensor
+            ``(n,)`` the layer's score of each cached entry, on any device.
+        positions : torch.Tensor
+            ``(n,)`` absolute position of each entry, in the same order.
+        """
         self.total = grown(self.total, int(positions.max()))
         self.total[positions] += score.to("cpu", torch.float32)
         self.layers += 1

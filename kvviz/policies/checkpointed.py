@@ -137,10 +137,42 @@ class CheckpointPolicy(Policy):
         self.layers_seen += 1
 
     def layer_features(self, view, positions, queries, query_positions) -> dict[str, torch.Tensor]:
+        """One layer's features of the ``c`` candidates at a checkpoint (``self.candidates``, slot indices).
+
+        Parameters
+        ----------
+        view : LayerView
+            The layer's cache: keys and values ``(num_kv_heads, n, head_dim)``.
+        positions : torch.Tensor
+            ``(n,)`` absolute position of each cached slot.
+        queries : torch.Tensor
+            ``(w, num_heads, head_dim)`` the buffered post-RoPE queries, oldest first.
+        query_positions : torch.Tensor
+            ``(w,)`` their absolute positions.
+
+        Returns
+        -------
+        dict[str, torch.Tensor]
+            Feature name -> ``(c,)`` values in ``self.candidates``' order; summed over layers (on CPU, float32)
+            and averaged before :meth:`risk`.
+        """
         raise NotImplementedError
 
     def risk(self, features: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
-        """Per-candidate score, higher = keep."""
+        """Per-candidate score, higher = keep.
+
+        Parameters
+        ----------
+        features : dict[str, torch.Tensor]
+            Feature name -> ``(c,)`` layer-mean float32 values (CPU) of the :meth:`layer_features`.
+        positions : torch.Tensor
+            ``(c,)`` absolute positions of the candidates, in the same order.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(c,)`` scores; the lowest candidates are evicted (ties: older first).
+        """
         raise NotImplementedError
 
     def explain(self, features: dict[str, torch.Tensor], score: torch.Tensor) -> dict[str, torch.Tensor]:

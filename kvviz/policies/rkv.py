@@ -49,6 +49,11 @@ class RKV(CheckpointPolicy):
         return 0, self.window
 
     def layer_features(self, view, positions, queries, query_positions):
+        """``importance`` and ``redundancy`` of the ``c`` candidates at this layer, each ``(c,)`` (head means).
+
+        ``view`` holds keys ``(num_kv_heads, n, head_dim)``, ``positions`` is ``(n,)``, ``queries``
+        ``(w, num_heads, head_dim)`` at ``query_positions`` ``(w,)``; see :meth:`CheckpointPolicy.layer_features`.
+        """
         cand = self.candidates
         attn = window_attention(queries, query_positions, view, positions)[:, :, cand].mean((0, 1))
         order = torch.argsort(positions[cand])  # pool over neighbours in position order
@@ -62,4 +67,5 @@ class RKV(CheckpointPolicy):
         return {"importance": importance, "redundancy": redundancy}
 
     def risk(self, features, positions):
+        """``lam * importance - (1 - lam) * redundancy``, ``(c,)``, from the layer-mean features (each ``(c,)``)."""
         return self.lam * features["importance"] - (1 - self.lam) * features["redundancy"]
