@@ -53,6 +53,7 @@ def test_keep_set_and_utility_equal_the_repeat_tokens_attention(family, chunk, t
     kept = torch.from_numpy(events[0].kept)[sinks:]
     torch.testing.assert_close(torch.from_numpy(events[0].utility)[sinks:], reference[kept], rtol=1e-4, atol=1e-6)
     assert all(e.evicted.size == 0 for e in events[1:])  # prefill-time: nothing evicted while decoding
+    assert all(e.raw is None for e in events)  # its score is the reconstruction's utility, not a per-step raw score
 
 
 def test_reconstruction_leaves_the_prefill_cache_and_the_output_unchanged(tiny, tiny_prompt, monkeypatch):

@@ -410,6 +410,19 @@ def test_snapkv_pools_only_the_positions_before_the_window():
     assert set(range(6)) - set(drop.tolist()) == {1, 4, 5}
 
 
+def test_reused_checkpointed_policy_reports_no_utility_before_its_next_checkpoint():
+    policy = make_policy("rkv", interval=1, observe_window=1, window=1, kernel=1)
+    keys = torch.tensor([[[1.0, 0], [0, 1], [1, 1], [2, 0]]])
+    positions = torch.arange(4)
+    policy.reset(3, 2, 1)
+    policy.begin_step(1, torch.arange(3), 3)  # 4 entries over a budget of 2: a checkpoint
+    policy.observe(LayerView(0, torch.tensor([[1.0, 0]]), keys, torch.ones_like(keys), 1.0), positions)
+    assert policy.select_evictions(1, positions, 2).numel() == 2
+    assert torch.isfinite(policy.utility(torch.arange(3))).all()  # the three candidates were scored
+    policy.reset(3, 2, 1)
+    assert policy.utility(positions) is None
+
+
 def test_reused_snapkv_forgets_the_last_runs_scores():
     """A second run whose prompt fits the budget evicts nothing and scores nothing: its utility must be
     None, not the first run's pooled votes."""

@@ -191,7 +191,7 @@ class CheckpointPolicy(Policy):
         return candidates[lowest(score, positions[candidates], candidates.numel() - keep)]
 
     def utility(self, positions: torch.Tensor) -> torch.Tensor | None:
-        if getattr(self, "last_score", None) is None:
+        if self.last_score is None:
             return None
         return torch.tensor([self.last_score.get(p, float("inf")) for p in positions.tolist()])
 

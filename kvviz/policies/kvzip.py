@@ -108,9 +108,6 @@ class KVzip(Policy):
         score[prompt] = self.total[index] / self.layers_seen[index].clamp_min(1)
         return torch.where(positions < self.sinks, float("inf"), score)
 
-    def raw_scores(self, positions: torch.Tensor) -> torch.Tensor | None:
-        return None
-
     def pinned(self, budget: int) -> tuple[int, int]:
         return self.sinks, 0
 
