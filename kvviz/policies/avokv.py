@@ -19,8 +19,8 @@ which no policy here evicts before them) get ``S = +inf``.  The paper only says 
 entries; we read that as "never evict them" and keep them in C otherwise: they count in every percentile
 rank and in the median payload, and their keys are among those ``r`` compares each candidate with (the
 other reading, taking them out of C like the tail, would rank and compare the rest without them).
-``W_delay >= W_obs`` is enforced (§4.1).  The cache keeps P and the top ``B - |P|`` candidates.  Between checkpoints nothing is evicted, so the cache may exceed B by up
-to ``interval - 1``.
+``W_delay >= W_obs`` is enforced (§4.1).  The cache keeps P and the top ``B - |P|`` candidates.  Between
+checkpoints nothing is evicted, so the cache may exceed B by up to ``interval - 1``.
 """
 
 from __future__ import annotations
