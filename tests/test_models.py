@@ -24,7 +24,7 @@ def test_every_family_loads_by_its_tiny_name_with_the_capture_installed():
 def test_an_unsupported_family_is_refused_with_the_families_that_are():
     with pytest.raises(ModelNotFound, match="'gpt2' model; kvviz supports Llama \\(llama\\), Qwen2/2.5 \\(qwen2\\).*Gemma \\(gemma\\)"):
         check_supported(AutoConfig.for_model("gpt2"), "gpt2")
-    with pytest.raises(ModelNotFound, match="no tiny model for 'gpt2'"):
+    with pytest.raises(ModelNotFound, match="no tiny model 'tiny-random-gpt2'; choose tiny-random-<family> with a family of llama"):
         kvviz.load_model("tiny-random-gpt2")
 
 
