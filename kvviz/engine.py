@@ -11,7 +11,7 @@ import inspect
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -177,12 +177,13 @@ def attach(model, policy: str | Policy = "inertia", *, budget: int | None = None
         raise ValueError(f"{type(policy).__name__} scores from an extra reconstruction pass after the prefill, "
                          "which model.generate cannot run; use kvviz.run or kvviz.stream")
     policy.check_model(model)
-    cache = EvictingCache(model, policy, budget=budget, compression=compression, auto=True)
-    try:
-        yield cache
-    finally:
-        cache.close_step()
-        scoring.set_active_sink(None)
+    with scoring.installed(model):  # on exit the model gets its own attention implementation back
+        cache = EvictingCache(model, policy, budget=budget, compression=compression, auto=True)
+        try:
+            yield cache
+        finally:
+            cache.close_step()
+            scoring.set_active_sink(None)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -286,14 +287,13 @@ def prefill(model, prompt_ids: list[int], window: int = 0) -> Prefill:
     (what prefill-time policies need to share it)."""
     cache = SlotCache(model.config.num_hidden_layers, len(prompt_ids))
     recorder = _QueryRecorder(window) if window > 0 else None
-    if recorder is not None:
-        scoring.install(model)
-    start = time.perf_counter()
-    with scoring.scoring(recorder):
-        logits = model(input_ids=torch.tensor([prompt_ids], device=model.device),
-                       position_ids=torch.arange(len(prompt_ids), device=model.device)[None],
-                       logits_to_keep=1, **{cache_kwarg(model): cache}).logits[0, -1]
-    seconds = time.perf_counter() - start
+    with scoring.installed(model) if recorder is not None else nullcontext():
+        start = time.perf_counter()
+        with scoring.scoring(recorder):
+            logits = model(input_ids=torch.tensor([prompt_ids], device=model.device),
+                           position_ids=torch.arange(len(prompt_ids), device=model.device)[None],
+                           logits_to_keep=1, **{cache_kwarg(model): cache}).logits[0, -1]
+        seconds = time.perf_counter() - start
     if recorder is None:
         return Prefill(list(prompt_ids), cache, logits, seconds)
     return Prefill(list(prompt_ids), cache, logits, seconds, window, recorder.queries, recorder.scaling,
@@ -443,16 +443,17 @@ def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Pol
     """
     for policy in policies.values():  # all refused before the shared prefill, not one by one as they start
         check_policy(model, tokenizer, prompt_ids, policy)
-    shared = prefill(model, prompt_ids, window=max(p.prefill_window for p in policies.values()))
-    streams = {name: decode(model, tokenizer, prompt_ids, policy, shared=shared,
-                            sampler=Sampler(**(sampler_args or {})), **kwargs)
-               for name, policy in policies.items()}
-    while streams:
-        for name in list(streams):
-            try:
-                yield name, next(streams[name])
-            except StopIteration:
-                del streams[name]
+    with scoring.installed(model):  # one hold over the prefill and every stream; restored after the last
+        shared = prefill(model, prompt_ids, window=max(p.prefill_window for p in policies.values()))
+        streams = {name: decode(model, tokenizer, prompt_ids, policy, shared=shared,
+                                sampler=Sampler(**(sampler_args or {})), **kwargs)
+                   for name, policy in policies.items()}
+        while streams:
+            for name in list(streams):
+                try:
+                    yield name, next(streams[name])
+                except StopIteration:
+                    del streams[name]
 
 
 def _piece(tokenizer, generated: list[int]) -> str:
@@ -481,8 +482,9 @@ def stream(model, tokenizer, prompt: str | list[int], policy: str | Policy = "in
     prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=chat)
     check_prompt(model, prompt_ids, max_new_tokens)
     policy = make_policy(policy, **params) if isinstance(policy, str) else policy
-    yield from decode(model, tokenizer, prompt_ids, policy, budget=budget, compression=compression,
-                      max_new_tokens=max_new_tokens, sampler=Sampler(temperature, top_p, seed))
+    with scoring.installed(model):  # run() streams too: once it ends the model has its own attention back
+        yield from decode(model, tokenizer, prompt_ids, policy, budget=budget, compression=compression,
+                          max_new_tokens=max_new_tokens, sampler=Sampler(temperature, top_p, seed))
 
 
 def check_prompt(model, prompt_ids: list[int], max_new_tokens: int) -> None:

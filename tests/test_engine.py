@@ -336,8 +336,6 @@ def run_snapkv_and_inertia(model, tokenizer, prompt_ids):
                                   budget=20, max_new_tokens=4))
 
 
-@pytest.mark.xfail(strict=True, reason="needs engine.attach, stream, decode_many and prefill to run inside "
-                   "scoring.installed (a patch to engine.py, not made here); remove this mark with it")
 @pytest.mark.parametrize("use", [attach_and_generate, run_snapkv_and_inertia])
 def test_the_engine_gives_the_model_back_as_it_was(use, tiny_prompt):
     from kvviz.models import tiny_model
