@@ -81,7 +81,10 @@ class StepEvent:
         The policy's un-aggregated score of this step (e.g. layer-mean attention) for every position present
         before eviction, i.e. ``union(kept, evicted)`` in position order; ``None`` if it computed none.
     scored : bool
-        Whether this step computed attention scores.
+        Whether the policy was handed this step's per-layer views (its ``wants_scores``; at the prefill, its
+        ``prefill_window``): InertiaKV on its refresh steps, a checkpointed policy (AvoKV-E, R-KV) at every
+        step, as it keeps a window of queries between checkpoints.  Whether it made a score of them is
+        ``raw is not None``.
     t_forward, t_score, t_evict : float
         Seconds in the model forward (scoring excluded), in scoring, and in choosing and applying evictions.
     cache_bytes : int
