@@ -360,6 +360,24 @@ def test_a_saved_trace_opens_into_the_live_views(page, tmp_path):
     page.get_by_role("option", name="(inertia)", exact=False).first.click()
 
 
+def test_the_examples_box_names_the_example_only_while_the_prompt_is_it(page):
+    """An edited prompt empties the Examples box (it went on naming the passkey over another text), and
+    picking an example, also the one named before, puts its text back."""
+    from kvviz.tasks.examples import EXAMPLES
+
+    page.get_by_role("tab", name="Live").click()
+    examples = page.get_by_label("Examples").first
+    page.get_by_label("Prompt").first.fill("A prompt of my own.")
+    page.wait_for_function("e => e.value === ''", arg=examples.element_handle(), timeout=30_000)
+    for name in ("Passkey in a haystack", "Short reasoning"):
+        examples.click()
+        page.get_by_role("option", name=name).click()
+        page.wait_for_function("([e, text]) => e.value === text",
+                               arg=[page.get_by_label("Prompt").first.element_handle(), EXAMPLES[name]],
+                               timeout=30_000)
+        assert examples.input_value() == name
+
+
 def test_a_refused_comparison_keeps_its_message_on_screen(page):
     """What to change stays until closed: a toast that vanished after 10 s left only bare "Error" badges."""
     page.get_by_role("tab", name="Compare").click()

@@ -1364,6 +1364,11 @@ def _parameter_widget(p: dict):
     return gr.Textbox(value=str(p["default"]), label=label, visible=False)
 
 
+def pick_example(choice: gr.SelectData) -> str:
+    """The prompt of the example just picked (also the one already shown, after its text was edited)."""
+    return EXAMPLES.get(choice.value, gr.skip())
+
+
 def make_prompt_counter(limits: Limits):
     def count_tokens(model_name: str, prompt: str, chat: bool) -> str:
         """The prompt's length in the model's tokens, before Run (once the model is loaded: no load here)."""
@@ -1613,7 +1618,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     widget.release(parameter_past_end_note(name), [policy, widget], None, api_name=False,
                                    show_progress="hidden")
             model.change(_describe, [policy, model, *widgets], description, api_name=False)
-            example.change(lambda name: EXAMPLES.get(name, ""), example, prompt, api_name=False)
+            # select, not change: picking the example shown again restores its text, and the box emptied below
+            # (the prompt no longer that example's) leaves the prompt alone
+            example.select(pick_example, None, prompt, api_name=False)
+            prompt.change(lambda text, name: gr.skip() if EXAMPLES.get(name) == text else None, [prompt, example],
+                          example, api_name=False, queue=False, show_progress="hidden")
             counter, count_inputs = make_prompt_counter(limits), [model, prompt, chat]
             for trigger in (prompt.change, model.change, chat.change):
                 trigger(counter, count_inputs, prompt_size, api_name=False, trigger_mode="always_last")
