@@ -896,7 +896,7 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     """The table beside the comparison holds, per policy, what diagnostics.summary gives for the same run
     made alone by kvviz.run (a shared prefill changes nothing), n/a where the policy records no such score."""
     from kvviz import diagnostics
-    from kvviz.ui.app import _models, compare_diagnostics, make_compare_handler
+    from kvviz.ui.app import RAW_STEPS, _models, compare_diagnostics, make_compare_handler
 
     _models[TINY] = tiny
     model, tokenizer = tiny
@@ -906,6 +906,9 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     table = compare_diagnostics(last[-2])["value"]
     assert list(table.columns) == ["diagnostic", "inertia", "tova", "streaming"]  # a column per policy: no scrolling
     table = table.set_index("diagnostic")
+    # The steps the raw rows average over: every one of the 11 decode steps, but none for StreamingLLM.
+    assert table.loc[RAW_STEPS].tolist() == ["11 of 11", "11 of 11", "0 of 11"]
+    table = table.drop(RAW_STEPS)
     # StreamingLLM scores nothing: only its keep turnover has a value.
     assert (table["streaming"] == "n/a").tolist() == [key != "keep_turnover" for key in diagnostics.summary(
         kvviz.run(model, tokenizer, PROMPT, "streaming", chat=False, compression=0.5, max_new_tokens=2).trace)]
@@ -1684,6 +1687,10 @@ def test_the_diagnostics_table_explains_n_a_only_where_a_row_reads_n_a(tiny):
     assert "| n/a |" not in scored and "*n/a:" not in scored
     assert "| diagnostic | value |" in scored  # a short header: a long one wrapped "value" in the narrow column
     assert "| n/a |" in positional and "*n/a: this policy records no raw per-step score" in positional
+    # Lazy refresh (r = 4) scores steps 1 and 5 of its 5: the raw rows average over those two
+    lazy = kvviz.run(model, tokenizer, PROMPT, "inertia-lazy", chat=False, budget=20, max_new_tokens=6).trace
+    assert "| decode steps with a raw score | 2 of 5 |" in diagnostics_markdown(lazy)
+    assert "| decode steps with a raw score | 5 of 5 |" in scored
 
 
 def test_coming_back_to_the_live_tab_counts_the_prompt_once_another_tab_loaded_the_model(tiny):

@@ -466,9 +466,19 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
             + (f" · {elapsed:.1f} s" if elapsed is not None else ""))
 
 
+def raw_steps(trace: Trace) -> str:
+    """How many decode steps recorded a raw score: the steps the raw rows average over."""
+    steps = trace.decode_steps
+    return f"{sum(event.raw is not None for event in steps)} of {len(steps)}"
+
+
+RAW_STEPS = "decode steps with a raw score"
+
+
 def diagnostics_markdown(trace: Trace) -> str:
     values = diagnostics.summary(trace)
     rows = "\n".join(f"| {name.replace('_', ' ')} | {'n/a' if np.isnan(v) else f'{v:.4f}'} |" for name, v in values.items())
+    rows += f"\n| {RAW_STEPS} | {raw_steps(trace)} |"
     missing = any(np.isnan(v) for v in values.values())  # the n/a key only where a row reads n/a
     # What the values are goes above the table: in the header it took the narrow column's width and wrapped
     # "value" into "valu / e"
@@ -486,7 +496,10 @@ DIAGNOSTICS_NOTE = ("*Where the cache holds B, the top-B by utility is the keep 
                     "The rank stabilities measure how much each recomputation reorders the ranking: the Spearman "
                     "correlation of consecutive recomputations' raw scores, and of their utilities, over the "
                     "entries both scored (each policy on its own keep set; a step that changes no utility, as "
-                    "between Lazy refreshes or AvoKV-E checkpoints, is no recomputation).*")
+                    "between Lazy refreshes or AvoKV-E checkpoints, is no recomputation). "
+                    "The raw rows average over the steps with a raw score, counted in the last row: Lazy's "
+                    "refreshes, Score-Free's first step alone; policies whose counts differ are measured over "
+                    "different parts of the run.*")
 
 
 # ----------------------------------------------------------------------------------------- handlers
@@ -1134,7 +1147,8 @@ def compare_diagnostics(views: dict[str, RunView] | None):
     """InertiaKV Appendix I's stability diagnostics side by side, a column per compared policy: raw and utility
     top-B churn, keep turnover, raw/utility Jaccard, the share of each step's raw top-B that it evicted and
     the raw and utility rank stabilities (means over steps, k = the budget; n/a where a policy records no raw
-    score or no utility), as the Live tab lists them: a row per diagnostic, a column per policy."""
+    score or no utility), as the Live tab lists them: a row per diagnostic, a column per policy, and a last
+    row counting the steps the raw rows average over."""
     if not views:
         return gr.update(value=None, visible=False)
     columns = {}
@@ -1142,8 +1156,9 @@ def compare_diagnostics(views: dict[str, RunView] | None):
         # the diagnostics read the budget and the decode events only; the prompt's ids are not kept here
         trace = Trace([0] * view.prompt_len, view.budget, name, events=view.events)
         summary = diagnostics.summary(trace)
-        columns.setdefault("diagnostic", [key.replace("_", " ") for key in summary])
-        columns[name] = ["n/a" if np.isnan(value) else f"{value:.4f}" for value in summary.values()]
+        columns.setdefault("diagnostic", [key.replace("_", " ") for key in summary] + [RAW_STEPS])
+        columns[name] = ["n/a" if np.isnan(value) else f"{value:.4f}" for value in summary.values()] \
+            + [raw_steps(trace)]
     # a column per policy (at most four), a row per diagnostic: the eight diagnostics as columns scrolled sideways
     return gr.update(value=pd.DataFrame(columns), visible=True)
 
