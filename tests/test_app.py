@@ -740,7 +740,7 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     lines = {trace.name: trace for trace in figure.data if trace.showlegend is not False}
     # Position 5: kept at step 1 with utility .3, 4th of 5 kept (.9, .8, .5 above it); raw .05 is 6th of
     # 7 present; evicted at step 2 (a cross, just past B = 4).  Position 1: evicted at step 1, raw 0 (7th).
-    five = lines["#5 ' cd' · raw crossed B 0×"]
+    five = lines["#5 ' cd' · evicted at step 2 · raw crossed B 0×"]
     assert list(five.x) == [0, 1, 2] and list(five.y)[1] == 4 and np.isnan(list(five.y)[2])
     raw = [t for t in figure.data if t.name == "#5 ' cd' raw"][0]
     assert list(raw.x) == [1] and list(raw.y) == [6]  # only the steps that scored
@@ -748,6 +748,11 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     assert sorted((t.legendgroup, list(t.x)[0], list(t.y)[0]) for t in crosses) == [
         ("#1 ' 73'", 1, 5), ("#5 ' cd'", 2, 5)]
     assert "test" in figure.layout.title.text and "dotted: rank by the step's raw score" in figure.layout.title.text
+    # the fates above the key: crosses on one step overlap, and lines leave through the bottom
+    assert "<sup>0 of 2 kept through step 2, 2 evicted at steps 1 to 2</sup>" in figure.layout.title.text
+    assert "<sup>1 of 2 kept through step 2, 1 evicted at step 1</sup>" in view.history_figure([2, 1]).layout.title.text
+    assert "<sup>2 of 2 kept through step 2</sup>" in view.history_figure([2, 0]).layout.title.text
+    assert view.history_figure([2]).data[0].name == "#2 '42' · kept · raw crossed B 0×"
     assert "no token" in view.history_figure([], "").layout.annotations[0].text
     # a policy that records no raw score (AvoKV-E, R-KV) draws no dotted lines, and its key promises none
     assert "dotted" not in follow_view(raw=False).history_figure([5, 1], "test").layout.title.text

@@ -378,10 +378,14 @@ class RunView:
         crossings = boundary_crossings(history, self.budget)
         fig = go.Figure()
         crosses = []  # (steps, decision ranks, name, colour) of each followed token's eviction
+        evicted_at = {}  # position -> the step that evicted it, for the followed tokens that were
         for index, (position, rows) in enumerate(history.groupby("position", sort=False)):
             color, name = FOLLOW_COLORS[index % len(FOLLOW_COLORS)], f"#{position} {self.token(position)!r}"
             gone = rows[rows["evicted"]]
-            legend = name + (f" · raw crossed B {crossings[position]}×" if rows["raw_rank"].notna().any() else "")
+            if len(gone):
+                evicted_at[position] = int(gone["step"].iloc[0])
+            legend = name + (f" · evicted at step {evicted_at[position]}" if len(gone) else " · kept") + \
+                (f" · raw crossed B {crossings[position]}×" if rows["raw_rank"].notna().any() else "")
             hover = [f"{name} · step {s}<br>utility {u:.4g} · rank {r:g}" for s, u, r in
                      zip(rows["step"], rows["utility"], rows["utility_rank"])]
             fig.add_scatter(x=rows["step"], y=rows["utility_rank"], mode="lines+markers", name=legend,
@@ -429,10 +433,15 @@ class RunView:
         # The dotted lines only where the policy records a raw score (AvoKV-E and R-KV decide at checkpoints
         # and record none: the key promised lines that never came)
         dotted = " · dotted: rank by the step's raw score" if history["raw_rank"].notna().any() else ""
-        fig.update_layout(title=f"Token history: {note}<br><sup>solid: rank by the policy's utility{dotted} · "
+        # The fates first: where many crosses fall on one step they overlap, and lines leave the plot
+        steps = sorted(set(evicted_at.values()))
+        fates = f"{len(positions) - len(evicted_at)} of {len(positions)} kept through step {self.steps - 1}" + (
+            f", {len(evicted_at)} evicted at " + (f"step {steps[0]}" if len(steps) == 1 else
+                                                    f"steps {steps[0]} to {steps[-1]}") if steps else "")
+        fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's utility{dotted} · "
                           "×: evicted · below the dashed line: out of the top B</sup>",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
-                          margin=dict(l=50, r=20, t=60, b=60 + 30 * rows),
+                          margin=dict(l=50, r=20, t=80, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
         return fig
 
