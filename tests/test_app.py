@@ -1563,6 +1563,16 @@ def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(
     assert "**0.027**" in _describe("inertia", TINY, *widgets)
 
 
+def test_an_empty_seed_is_refused_when_sampling_and_ignored_when_greedy():
+    """The emptied seed box ran as seed 0 while it stayed blank; greedy decoding reads no seed."""
+    from kvviz.ui.app import check_sampling
+
+    with pytest.raises(ValueError, match="the seed is empty; type a whole number"):
+        check_sampling(0.7, 0.9, None)
+    assert check_sampling(0.7, 0.9, 0) == {"temperature": 0.7, "top_p": 0.9, "seed": 0}
+    assert check_sampling(0.0, 0.9, None) == {}
+
+
 def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
     """Temperature > 0 in the Sampling widgets: the Live run is kvviz.run's sampled run with that seed, its trace
     says how it was generated, and Compare gives every policy the same random stream."""

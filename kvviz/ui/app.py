@@ -206,7 +206,8 @@ def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
         raise ValueError(f"top-p must be above 0 and at most 1, got {top_p:g}")
     if temperature == 0:
         return {}
-    return engine.Sampler(temperature, top_p, whole_number("the seed", seed or 0, 0, 2**63 - 1)).settings()
+    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank
+    return engine.Sampler(temperature, top_p, whole_number("the seed", seed, 0, 2**63 - 1)).settings()
 
 
 def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
