@@ -909,6 +909,14 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
     suite = reference = None
     for title in SECTIONS:
         with gr.Accordion(title, open=title in ("Quality vs compression", "Measured vs paper")):
+            if title == "Quality vs compression":
+                # A reader of the papers takes a near-zero row for a broken implementation: say where it comes from
+                gr.Markdown("Measured rows are SmolLM2-135M on short synthetic tasks, not the papers' 8B models. "
+                            "A row can be low by design rather than by fault: AvoKV-E near 0 on the needle tasks "
+                            "comes from its first checkpoint compressing an over-budget prompt, where key "
+                            "redundancy (weight 0.9) drops a number's mutually similar digit tokens "
+                            "(`benchmarks/avokv_needle_digits.py`); the paper applies it to generated reasoning, "
+                            "where the prompt fits the budget. `results_db/README.md` discusses each such row.")
             if title == "Measured vs paper":
                 gr.Markdown("Paper rows are each benchmark's printed aggregate; measured rows are the tasks that "
                             "stand in for it here (e.g. the RULER-style generators): their mean score divided by "
