@@ -758,6 +758,27 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     assert "dotted" not in follow_view(raw=False).history_figure([5, 1], "test").layout.title.text
 
 
+def test_the_step_detail_is_on_a_log_scale_where_a_few_entries_dwarf_the_rest():
+    """A sink at 0.6 against utilities near 0.002 put every other entry on the axis: the axis is logarithmic
+    where every drawn value is positive and the largest is ten times the median or more, and says so."""
+    from kvviz.trace import StepEvent
+
+    def detail(utility):
+        view = RunView(6, 3, 5, list("abcdef"))
+        view.add(StepEvent(0, 0, 0, "!", np.arange(6), np.empty(0, np.int64), np.zeros(6, np.float32)), "!")
+        view.add(StepEvent(1, 0, 0, "?", np.array([0, 1, 2, 4, 6]), np.array([3, 5]),
+                           np.array(utility, np.float32)), "?")
+        return view.step_detail_figure(1)
+
+    skewed = detail([0.6, 0.001, 0.002, 0.003, 0.004])
+    assert skewed.layout.yaxis.type == "log" and "log scale" in skewed.layout.title.text
+    # evicted entries: larger crosses, so that they show among the kept
+    assert list(skewed.data[0].marker.size) == [6, 6, 6, 11, 6, 11, 6]
+    for utility in ([0.5, 0.4, 0.3, 0.2, 0.1], [0.6, 0.0, 0.002, 0.003, 0.004]):  # close, or a zero to draw
+        figure = detail(utility)
+        assert figure.layout.yaxis.type is None and "log scale" not in figure.layout.title.text
+
+
 def test_tokens_one_checkpoint_evicts_together_are_crossed_at_their_rank_in_that_decision():
     """AvoKV-E's and R-KV's checkpoints evict many entries at once, and their crosses all sat at (step, B + 1),
     one over another.  A cross now sits at the entry's rank by the checkpoint's score among the entries it

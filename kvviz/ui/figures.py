@@ -249,10 +249,19 @@ class RunView:
                 + (f"utility {utility[int(p)]:.4g} · rank {rank.get(int(p), '-')}<br>" if int(p) in utility else "")
                 + "".join(f"{name} {values[i]:.3g} · " for name, values in terms.items() if not np.isnan(values[i]))
                 + ("evicted now" if p in evicted else "kept") for i, p in enumerate(present)]
+        drawn = np.asarray([value for value in y if math.isfinite(value)], dtype=float)
+        # Attention-based utilities are skewed: a sink near 0.6 put every other entry on the axis, the
+        # boundary between kept and evicted out of sight.  Log where every value is positive and far apart.
+        log = bool(label and drawn.size and drawn.min() > 0 and drawn.max() >= 10 * np.median(drawn))
+        if log:
+            notes.append("log scale: a few entries (e.g. the sinks) score far above the rest")
         fig = go.Figure(go.Scattergl(
             x=present, y=y, mode="markers", hovertext=text, hoverinfo="text",
-            marker=dict(color=[EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present], size=6,
+            marker=dict(color=[EVICTED_COLOR if p in evicted else KEPT_COLOR for p in present],
+                        size=[11 if p in evicted else 6 for p in present],
                         symbol=["x" if p in evicted else "circle" for p in present])))
+        if log:  # decades only, as powers of ten ("100μ" read as a unit)
+            fig.update_yaxes(type="log", dtick=1, exponentformat="power")
         if label is None:  # a strip of what is present and what goes: there is no score to put on an axis
             fig.update_layout(title=f"Step {event.step}: the entries present (● kept, × evicted now)<br><sup>this "
                                     "policy keeps no per-entry score: it decides by position</sup>",
