@@ -1296,6 +1296,7 @@ def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
     # the whole run's evictions (the first decode step's cut included), then the last step's
     total, last = sum(e.evicted.size for e in expected.events), expected.events[-1]
     assert f"**evicted** {total} in all, {last.evicted.size} at step {last.step} ·" in stats and total > 9
+    assert re.search(r" · \*\*prefill\*\* \d+\.\d\d s · \*\*decode\*\* ", stats)  # not in the time row
     loaded = kvviz.Trace.load(trace_file["value"] if isinstance(trace_file, dict) else trace_file)
     assert [e.kept.tolist() for e in loaded.events] == [e.kept.tolist() for e in expected.events]
     assert "raw utility jaccard" in diag

@@ -459,10 +459,13 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
                 else " (over B: this policy does not evict at every step)")
     speed = f"{rate:.1f} tok/s" if steps else "– (no decode step)"
     evicted = sum(event.evicted.size for event in events)  # the whole run's: the line is not the scrubbed step's
+    # The per-step plot's time row starts at step 1 (the prefill would flatten it): its time is said here
+    first = events[0]
+    prefill = f"**prefill** {first.t_forward + first.t_score + first.t_evict:.2f} s · " if first.t_forward else ""
     # Allocated, not live: a checkpointed policy holds room for every entry it may take before its next eviction.
     return (f"**tokens** {last.step + 1} / {tokens} · **prompt** {view.prompt_len} tokens · **budget** "
             f"{view.budget} · **cache** {last.cache_size} entries{over}, {last.cache_bytes / 2**20:.2f} MiB "
-            f"allocated · **evicted** {evicted} in all, {last.evicted.size} at step {last.step} · **decode** {speed}"
+            f"allocated · **evicted** {evicted} in all, {last.evicted.size} at step {last.step} · {prefill}**decode** {speed}"
             f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)}"
             + (f" · {elapsed:.1f} s" if elapsed is not None else ""))
 
