@@ -879,9 +879,9 @@ def test_whitespace_tokens_show_in_table_cells_not_as_blanks():
         view.add(StepEvent(1, 0, 0, "?", np.array([p for p in range(8) if p != evicted]), np.array([evicted])), "?")
         views[name] = view
     frame = compare_fates(views, "")[1]["value"]  # what they disagree on: the newline and the space
-    assert frame["position"].tolist() == [1, 2] and frame["token"].tolist() == ["⏎", "␣"]
+    assert frame["#"].tolist() == [1, 2] and frame["token"].tolist() == ["⏎", "␣"]
     assert compare_fates(views, "#3-4")[1]["value"]["token"].tolist() == ["⇥", "␣␣"]
-    assert compare_fates(views, "a\r")[1]["value"]["position"].tolist() == [6]  # found by its own text
+    assert compare_fates(views, "a\r")[1]["value"]["#"].tolist() == [6]  # found by its own text
     nan = float("nan")
     terms = {"S": np.array([0.3, -0.1, 0.2, 0.1, 0.5, 0.6, nan, nan], np.float32)}
     view = views["a"]
@@ -909,11 +909,11 @@ def test_compare_follows_prompt_tokens_through_each_policy():
     note, table = compare_fates(views, "42")
     frame = table["value"]
     # Each column says how far its run went: runs that diverge end at different steps.
-    assert frame["position"].tolist() == [3] and frame["a (to step 1)"].tolist() == ["kept"]
+    assert frame["#"].tolist() == [3] and frame["a (to step 1)"].tolist() == ["kept"]
     assert frame["b (to step 1)"].tolist() == ["evicted at step 1"]
     assert "**a** 1, **b** 0" in note
     note, table = compare_fates(views, "")  # what they disagree on: " key" (a drops it) and " 42" (b does)
-    assert table["value"]["position"].tolist() == [1, 3] and "2 prompt tokens" in note
+    assert table["value"]["#"].tolist() == [1, 3] and "2 prompt tokens" in note
     assert compare_fates(views, "?")[1]["visible"] is False  # generated text differs per policy: prompt only
     assert "Run a comparison first" in compare_fates(None, "42")[0]
 
@@ -1391,6 +1391,23 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     assert [layout["title"]["text"].split("<br>")[0] for layout in layouts] == ["inertia", "streaming"]
     assert ["green protected" in layout["title"]["text"] for layout in layouts] == [False, True]
     assert not [a for layout in layouts for a in layout.get("annotations", []) if a["text"].startswith("green:")]
+
+
+def test_a_long_settings_label_wraps_in_its_panels_title():
+    """Cut at a quarter-width panel's edge, 'avokv interval=16 lambda_b=0' lost the part that told it from
+    'avokv interval=16': a label wraps at its spaces, and the panel grows by the lines it takes."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.app import _compare_outputs
+
+    views = {}
+    for name in ("tova", "avokv interval=16 normalise=false"):
+        view = views[name] = RunView(6, 3, 4, list("abcdef"))
+        view.add(StepEvent(0, 0, 0, "!", np.arange(6), np.empty(0, np.int64), np.zeros(6, np.float32)), "!")
+    outputs = _compare_outputs(list(views), {name: "" for name in views}, views, figures=True, final=False)
+    short, long = (outputs[4 + i]["value"].layout for i in range(2))
+    assert short.title.text.split("<br>")[0] == "tova"
+    assert long.title.text.split("<br>")[:2] == ["avokv interval=16", "normalise=false"]
+    assert long.height - short.height == long.margin.t - short.margin.t == 20
 
 
 def test_every_comparison_from_the_papers_runs_at_the_tabs_defaults(tiny):

@@ -18,6 +18,7 @@ import re
 import shutil
 from collections.abc import Iterator
 import tempfile
+import textwrap
 import threading
 import time
 import uuid
@@ -1086,6 +1087,9 @@ def save_comparison(run: Progress) -> Path:
     return archive
 
 
+PANEL_TITLE_CHARS = 20  # what a quarter-width panel's title holds on a line
+
+
 def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None, note: str = ""):
     slots = 4
     out = []
@@ -1099,8 +1103,12 @@ def _compare_outputs(names, texts, views, figures: bool, final: bool, download=N
             # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
             # long title, which ran past the panel's edge).
             key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
-            figure.update_layout(title=dict(text=f"{names[i]}<br><span style='font-size:10px'>{key}</span>"),
-                                 height=340, margin=dict(l=40, r=10, t=60, b=35),
+            # A setting's label wrapped at its spaces: cut at the panel's edge, the part that tells two
+            # settings apart ("... lambda_b=0", "... normalise=false") was the part lost
+            lines = textwrap.wrap(names[i], PANEL_TITLE_CHARS) or [names[i]]
+            title = "<br>".join(lines) + f"<br><span style='font-size:10px'>{key}</span>"
+            figure.update_layout(title=dict(text=title), height=320 + 20 * len(lines),
+                                 margin=dict(l=40, r=10, t=40 + 20 * len(lines), b=35),
                                  xaxis_title="position", yaxis_title="step")
             out.append(gr.update(value=figure, visible=True))
         else:
@@ -1188,7 +1196,8 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
         return f"*{note}*", gr.update(value=None, visible=False)
     fates = {name: [views[name].evicted_at(p) for p in positions] for name in names}
     # Runs that diverge end at different steps: each column says how far its "kept" reaches.
-    frame = pd.DataFrame({"position": positions, "token": [first.token_cell(p) for p in positions],
+    # "#", as positions are typed (#12): a word header broke mid-word in a column as wide as its values
+    frame = pd.DataFrame({"#": positions, "token": [first.token_cell(p) for p in positions],
                           **{f"{name} (to step {views[name].steps - 1})":
                              ["kept" if step is None else f"evicted at step {step}" for step in steps]
                              for name, steps in fates.items()}})
@@ -1685,8 +1694,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                           placeholder="text to find (e.g. 9074615) or positions (#12, #40-45); "
                                           "empty: the prompt tokens the policies disagree on")
                     c_fates_note = gr.Markdown()
-                    c_fates = gr.Dataframe(label=FATES_LABEL, visible=False, interactive=False, max_height=360)
-                    c_diagnostics = gr.Dataframe(label=STABILITY_LABEL, visible=False, interactive=False)
+                    # wrap: four long settings as headers otherwise ran the last column off the panel
+                    c_fates = gr.Dataframe(label=FATES_LABEL, visible=False, interactive=False, max_height=360,
+                                           wrap=True)
+                    c_diagnostics = gr.Dataframe(label=STABILITY_LABEL, visible=False, interactive=False, wrap=True)
                     with gr.Accordion("Oracle damage probe", open=False):
                         gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
                                     "of the full-cache continuation, and ranks each policy's utility against the damage. "
