@@ -576,7 +576,8 @@ def test_a_checkpointed_run_that_ends_before_its_first_checkpoint_says_so(tiny, 
     assert main([*args, "--max-new-tokens", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["note"] == note
     assert main(["trace", str(tmp_path / "short.parquet")]) == 0
-    assert capsys.readouterr().out.splitlines()[1] == note
+    lines = capsys.readouterr().out.splitlines()  # the run, the prompt it ran from, then why
+    assert lines[1].startswith("prompt (as is): 'The quick") and lines[2] == note
     assert kvviz.Trace.load(tmp_path / "short.parquet").compression is None  # the budget was given in tokens
     # A run past its first checkpoint has no note (its cache may still be over B, as between any checkpoints).
     assert main([*args, "--max-new-tokens", "20", "--json"]) == 0
