@@ -326,7 +326,8 @@ def test_install_refuses_another_attention_before_changing_anything():
 
 def attach_and_generate(model, tokenizer, prompt_ids):
     with kvviz.attach(model, "inertia", budget=20) as cache:
-        model.generate(torch.tensor([prompt_ids]), cache=cache, max_new_tokens=4, do_sample=False)
+        model.generate(torch.tensor([prompt_ids]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=4,
+                       do_sample=False)
 
 
 def run_snapkv_and_inertia(model, tokenizer, prompt_ids):
