@@ -480,11 +480,16 @@ def raw_steps(trace: Trace) -> str:
 RAW_STEPS = "decode steps with a raw score"
 
 
+def diagnostic_rows(trace: Trace) -> dict[str, str]:
+    """The diagnostics as the tables show them (n/a where NaN), then the steps the raw rows average over."""
+    return {**{name.replace("_", " "): "n/a" if np.isnan(value) else f"{value:.4f}"
+               for name, value in diagnostics.summary(trace).items()}, RAW_STEPS: raw_steps(trace)}
+
+
 def diagnostics_markdown(trace: Trace) -> str:
-    values = diagnostics.summary(trace)
-    rows = "\n".join(f"| {name.replace('_', ' ')} | {'n/a' if np.isnan(v) else f'{v:.4f}'} |" for name, v in values.items())
-    rows += f"\n| {RAW_STEPS} | {raw_steps(trace)} |"
-    missing = any(np.isnan(v) for v in values.values())  # the n/a key only where a row reads n/a
+    values = diagnostic_rows(trace)
+    rows = "\n".join(f"| {name} | {value} |" for name, value in values.items())
+    missing = "n/a" in values.values()  # the n/a key only where a row reads n/a
     # What the values are goes above the table: in the header it took the narrow column's width and wrapped
     # "value" into "valu / e"
     return ("Means over the run's steps (k = the budget B):\n\n| diagnostic | value |\n|---|---:|\n" + rows +
@@ -896,11 +901,7 @@ def make_reuse_handler(limits: Limits):
         asked = trace.max_new_tokens or len(trace.events)  # 0: saved before it was recorded
         if asked > limits.max_new_tokens:
             gr.Warning(f"{name} asked for {asked} new tokens; {limits.max_new_tokens} is the most allowed here")
-        own = {p["name"]: p for p in spec.parameters()}
-        unused = _unused_parameters(spec, trace.params) or {}
-        widgets = [gr.update(**{**_parameter_update(own[key], visible=key not in unused),
-                                "value": trace.params.get(key, own[key]["default"])})
-                   if key in own else gr.update(visible=False) for key in PARAM_NAMES]
+        widgets = _parameter_updates(spec, trace.params)
         by_ratio = trace.compression is not None
         sampling = trace.sampling or {"temperature": 0.0, "top_p": 0.95, "seed": 0}  # greedy: the widgets' start
         return (trace.model, prompt, bool(chat), trace.policy, "compression" if by_ratio else "budget",
@@ -1167,10 +1168,9 @@ def compare_diagnostics(views: dict[str, RunView] | None):
     for name, view in views.items():
         # the diagnostics read the budget and the decode events only; the prompt's ids are not kept here
         trace = Trace([0] * view.prompt_len, view.budget, name, events=view.events)
-        summary = diagnostics.summary(trace)
-        columns.setdefault("diagnostic", [key.replace("_", " ") for key in summary] + [RAW_STEPS])
-        columns[name] = ["n/a" if np.isnan(value) else f"{value:.4f}" for value in summary.values()] \
-            + [raw_steps(trace)]
+        values = diagnostic_rows(trace)
+        columns.setdefault("diagnostic", list(values))
+        columns[name] = list(values.values())
     # a column per policy (at most four), a row per diagnostic: the eight diagnostics as columns scrolled sideways
     return gr.update(value=pd.DataFrame(columns), visible=True)
 
@@ -1415,11 +1415,18 @@ def make_prompt_counter(limits: Limits):
 
 def _show_parameters(policy_name: str, model_name: str | None = None):
     spec = REGISTRY.get(policy_name)
-    own = {p["name"]: p for p in spec.parameters()} if spec else {}
-    unused = (_unused_parameters(spec, {}) or {}) if spec else {}  # at the entry's defaults
-    return [_describe(policy_name, model_name)] + [
-        _parameter_update(own[name], visible=name not in unused) if name in own else gr.update(visible=False)
-        for name in PARAM_NAMES]
+    return [_describe(policy_name, model_name)] + \
+        (_parameter_updates(spec) if spec else [gr.update(visible=False)] * len(PARAM_NAMES))
+
+
+def _parameter_updates(spec, values: dict | None = None) -> list:
+    """Every shared parameter widget set for ``spec``: its own shown at ``values`` (its defaults where absent),
+    less those the values leave unused, and the others hidden."""
+    values = values or {}
+    own = {p["name"]: p for p in spec.parameters()}
+    unused = _unused_parameters(spec, values) or {}
+    return [_parameter_update(own[name], visible=name not in unused, value=values.get(name, own[name]["default"]))
+            if name in own else gr.update(visible=False) for name in PARAM_NAMES]
 
 
 def _show_parameters_in_use(policy_name: str, *param_values):
@@ -1467,9 +1474,11 @@ def _describe(policy_name: str, model_name: str | None = None, *param_values) ->
     return description
 
 
-def _parameter_update(p: dict, visible: bool = True):
-    """Show a shared widget with this policy's default, help text and range (or set it so, hidden)."""
-    update = {"visible": visible, "value": p["default"], "label": f"{p['name']}: {p.get('help', '')}"}
+def _parameter_update(p: dict, visible: bool = True, value=None):
+    """Show a shared widget with this policy's help text, range and ``value`` (its default where None), or
+    set it so, hidden."""
+    update = {"visible": visible, "value": p["default"] if value is None else value,
+              "label": f"{p['name']}: {p.get('help', '')}"}
     if p.get("choices"):
         update["choices"] = list(p["choices"])
     elif p.get("low") is not None and not isinstance(p["default"], bool):

@@ -387,14 +387,13 @@ class RunView:
         crossings = boundary_crossings(history, self.budget)
         fig = go.Figure()
         crosses = []  # (steps, decision ranks, name, colour) of each followed token's eviction
-        evicted_at = {}  # position -> the step that evicted it, for the followed tokens that were
+        evicted_at = {position: step for position in positions if (step := self.evicted_at(position)) is not None}
         for index, (position, rows) in enumerate(history.groupby("position", sort=False)):
             color, name = FOLLOW_COLORS[index % len(FOLLOW_COLORS)], f"#{position} {self.token(position)!r}"
             gone = rows[rows["evicted"]]
-            if len(gone):
-                evicted_at[position] = int(gone["step"].iloc[0])
-            legend = name + (f" · evicted at step {evicted_at[position]}" if len(gone) else " · kept") + \
-                (f" · raw crossed B {crossings[position]}×" if rows["raw_rank"].notna().any() else "")
+            fate = f"evicted at step {evicted_at[position]}" if position in evicted_at else "kept"
+            legend = f"{name} · {fate}" + (f" · raw crossed B {crossings[position]}×"
+                                           if rows["raw_rank"].notna().any() else "")
             hover = [f"{name} · step {s}<br>utility {u:.4g} · rank {r:g}" for s, u, r in
                      zip(rows["step"], rows["utility"], rows["utility_rank"])]
             fig.add_scatter(x=rows["step"], y=rows["utility_rank"], mode="lines+markers", name=legend,
@@ -447,8 +446,8 @@ class RunView:
         fates = f"{len(positions) - len(evicted_at)} of {len(positions)} kept through step {self.steps - 1}" + (
             f", {len(evicted_at)} evicted at " + (f"step {steps[0]}" if len(steps) == 1 else
                                                     f"steps {steps[0]} to {steps[-1]}") if steps else "")
-        fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's utility{dotted} · "
-                          "×: evicted · below the dashed line: out of the top B</sup>",
+        fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's "
+                          f"utility{dotted} · ×: evicted · below the dashed line: out of the top B</sup>",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
                           margin=dict(l=50, r=20, t=80, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
