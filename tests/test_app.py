@@ -449,6 +449,24 @@ def test_rank_rows_rank_only_finite_utilities_and_share_ties():
     assert "1 kept entries with no finite score" in detail.layout.title.text
 
 
+def test_rank_matrix_tells_kept_unscored_from_evicted_and_not_yet_generated():
+    """Prompt 0..3, B = 3.  Step 0 keeps 0, 1, 2 with utilities (inf, .5, .2) and evicts 3: 1 is rank 1
+    (0 % of B), 2 is rank 2 ((2 - 1) / 3 = 33 %), 0 is kept with no score, 3 is evicted and 4 (the first
+    generated token) does not exist yet.  Step 1 keeps 0, 1, 4 with no finite utility and evicts 2."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.figures import GONE, UNSCORED
+
+    view = RunView(4, 2, 3)
+    view.add(StepEvent(0, 0, 0, "a", np.array([0, 1, 2]), np.array([3]), np.array([np.inf, .5, .2], np.float32)))
+    view.add(StepEvent(1, 0, 0, "b", np.array([0, 1, 4]), np.array([2]), np.full(3, np.inf, np.float32)))
+    z, col, row = view.rank_matrix()
+    assert (col, row) == (1, 1)
+    assert z.tolist() == [[UNSCORED, 0, 33, GONE, EMPTY], [UNSCORED, UNSCORED, GONE, GONE, UNSCORED]]
+    colorbar = view.rank_figure().data[0].colorbar
+    assert list(colorbar.tickvals)[-3:] == [UNSCORED, GONE, EMPTY]
+    assert list(colorbar.ticktext)[-3:] == ["kept, no score", "evicted", "not yet"]
+
+
 def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_say_why_over_budget(tiny):
     from kvviz.ui.app import stats_markdown
 

@@ -24,8 +24,11 @@ MAX_COLUMNS, MAX_ROWS = 512, 256
 # uint8 code for "not generated yet" / "not in cache".  Not 255: base64 of 0xFF is "////", and Plotly's JSON
 # escapes every "/" as six characters, which tripled the payload of mostly-empty heatmaps.
 EMPTY = 200
+# The rank heatmap's other non-rank cells: kept but without a finite score (protected, or before scoring
+# starts), and evicted.  Blank alone used to mean all three.
+UNSCORED, GONE = 150, 175
 NEVER = np.iinfo(np.int32).max
-KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR = "#1f3b73", "#f1c9a5", "#ffffff"
+KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR, UNSCORED_COLOR = "#1f3b73", "#f1c9a5", "#ffffff", "#c8c8c8"
 MAX_FOLLOWED = 16  # lines in the token-history figure: two 7-digit passkeys fit, more is unreadable
 # Sixteen that stay apart (the last was a second mid-blue, beside the first)
 FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
@@ -86,11 +89,19 @@ class RunView:
         return _binned_share(kept, exists, col, row), col, row
 
     def rank_matrix(self) -> tuple[np.ndarray, int, int]:
-        """uint8 matrix: mean utility rank / budget x 100 of the kept positions of each bin, EMPTY = none ranked."""
+        """uint8 matrix: mean utility rank / budget x 100 of the ranked positions of each bin; a bin with none
+        ranked is UNSCORED if it holds a kept entry, GONE if it holds only evicted ones, else EMPTY."""
         width, col, row = self._bins()
         ranks = np.stack(self.ranks)[:, :width] if self.ranks else np.zeros((0, width), np.float32)
         present = ~np.isnan(ranks)
-        return _binned_share(np.nan_to_num(ranks), present, col, row), col, row
+        out = _binned_share(np.nan_to_num(ranks), present, col, row)
+        steps = np.arange(self.steps)[:, None]
+        exists = self.entered[None, :width] <= steps
+        kept = exists & (self.left[None, :width] > steps)
+        unranked = out == EMPTY
+        out[unranked & (_binned_share(exists, exists, col, row) != EMPTY)] = GONE
+        out[unranked & (_binned_share(kept, kept, col, row) != EMPTY)] = UNSCORED
+        return out, col, row
 
     # -- figures ---------------------------------------------------------------------------------------
     def _reuse(self, name: str, z: np.ndarray, col: int, row: int, marker_step: int | None,
@@ -167,12 +178,14 @@ class RunView:
                                  "(e.g. StreamingLLM, Recency), so there is nothing to rank.")
         z, col, row = self.rank_matrix()
         binned = "" if col == row == 1 else f" · cell = {col} pos × {row} steps"
-        title = f"Utility rank of kept tokens (yellow = most useful, blank = unscored){binned}"
+        title = f"Utility rank of kept tokens (yellow = most useful){binned}"
         if (fig := self._reuse("rank", z, col, row, marker_step, title)) is not None:
             return fig
-        scale = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"], [101 / EMPTY, EMPTY_COLOR],
-                 [1, EMPTY_COLOR]]
-        fig = _heatmap(z, col, row, scale, "rank: %{z}% of the budget (200 = no score)", self.steps)
+        fig = _heatmap(z, col, row, RANK_SCALE, f"rank: %{{z}}% of B ({UNSCORED} kept with no score, {GONE} evicted, "
+                       f"{EMPTY} not generated yet)", self.steps)
+        fig.update_traces(showscale=True, colorbar=dict(
+            tickvals=[0, 50, 100, UNSCORED, GONE, EMPTY], thickness=12, len=1, x=1.01, outlinewidth=1,
+            ticktext=["rank 1", "B/2", "B", "kept, no score", "evicted", "not yet"]))
         fig.update_layout(title=title)
         _marker(fig, marker_step)
         if marker_step is None:
@@ -504,6 +517,22 @@ class RunView:
 
 
 SHOWN_WHITESPACE = str.maketrans({"\n": "⏎", "\r": "␍", "\t": "⇥"})
+
+
+def _rank_scale() -> list:
+    """The rank heatmap's colours: ranks 0..100 (of B) from yellow to purple, then a flat band for each of
+    UNSCORED, GONE and EMPTY, split halfway between the codes."""
+    scale = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"]]
+    codes = [(UNSCORED, UNSCORED_COLOR), (GONE, EVICTED_COLOR), (EMPTY, EMPTY_COLOR)]
+    lower = 100
+    for index, (code, color) in enumerate(codes):
+        upper = (code + codes[index + 1][0]) / 2 if index + 1 < len(codes) else EMPTY
+        scale += [[(lower + 0.5 if index == 0 else lower) / EMPTY + 1e-6, color], [upper / EMPTY, color]]
+        lower = upper
+    return scale
+
+
+RANK_SCALE = _rank_scale()
 
 
 def visible_whitespace(token: str) -> str:
