@@ -936,6 +936,39 @@ def test_compare_follows_prompt_tokens_through_each_policy():
     assert "Run a comparison first" in compare_fates(None, "42")[0]
 
 
+def test_compare_marks_the_followed_tokens_on_each_retention_panel():
+    """The same two runs: " 42" (#3) is kept to the end by a (a line down its column through the last step,
+    no cross) and evicted at step 1 by b (a line through step 0, a cross on step 1)."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.app import compare_follow
+
+    views = {}
+    for name, evicted in (("a", 1), ("b", 3)):
+        view = RunView(4, 2, 4, ["The", " key", " is", " 42"])
+        view.add(StepEvent(0, 0, 0, "!", np.arange(4), np.empty(0, np.int64)), "!")
+        view.add(StepEvent(1, 0, 0, "?", np.array([p for p in range(5) if p != evicted]), np.array([evicted])), "?")
+        views[name] = view
+    note, table, *panels = compare_follow(views, "42")
+    assert len(panels) == 4 and panels[2] == panels[3] == gr.skip()
+    kept, evicted = panels[0]["value"], panels[1]["value"]
+    line, top = kept.data[1], kept.data[2]
+    assert list(line.x) == [3, 3, None] and list(line.y) == [-0.5, 1.5, None]
+    assert list(top.x) == [3] and top.hovertext == ("#3  42: kept to the end",)
+    assert len(kept.data) == 3 and "red followed" in kept.layout.title.text
+    assert list(evicted.data[1].y) == [-0.5, 0.5, None]
+    cross = evicted.data[3]
+    assert list(cross.x) == [3] and list(cross.y) == [1] and cross.marker.symbol == "x"
+    assert "Marked in red" in note and table["visible"]
+    assert len(views["a"].retention_figure().data) == 1  # the figure a run streams into stays unmarked
+    assert list(kept.layout.yaxis.range) == [1.5, -0.5]  # the heatmap's rows, the triangles on its top edge
+    # With nothing typed, the table lists the disputed tokens and the panels go back to unmarked.
+    note, table, *panels = compare_follow(views, "")
+    assert table["value"]["#"].tolist() == [1, 3] and "Marked" not in note
+    assert [len(panel["value"].data) for panel in panels[:2]] == [1, 1]
+    # Before any comparison has ended, the panels (a run may be drawing them) are left alone.
+    assert compare_follow(None, "42")[2:] == (gr.skip(),) * 4
+
+
 def test_compare_lists_each_policys_stability_diagnostics(tiny):
     """The table beside the comparison holds, per policy, what diagnostics.summary gives for the same run
     made alone by kvviz.run (a shared prefill changes nothing), n/a where the policy records no such score."""

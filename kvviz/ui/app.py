@@ -1091,6 +1091,26 @@ def save_comparison(run: Progress) -> Path:
 PANEL_TITLE_CHARS = 20  # what a quarter-width panel's title holds on a line
 
 
+def compare_panel(name: str, view: RunView, followed: list[int] | None = None) -> go.Figure:
+    """One policy's retention panel in the Compare tab, with the ``followed`` prompt positions drawn on a
+    copy (the streaming figure that ``view`` reuses stays unmarked)."""
+    figure = view.retention_figure()
+    if followed:
+        figure = view.mark_positions(go.Figure(figure), followed)
+    # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
+    # long title, which ran past the panel's edge).
+    key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
+    key += " · red followed" if followed else ""
+    # A setting's label wrapped at its spaces: cut at the panel's edge, the part that tells two
+    # settings apart ("... lambda_b=0", "... normalise=false") was the part lost
+    lines = textwrap.wrap(name, PANEL_TITLE_CHARS) or [name]
+    title = "<br>".join(lines) + f"<br><span style='font-size:10px'>{key}</span>"
+    figure.update_layout(title=dict(text=title), height=320 + 20 * len(lines),
+                         margin=dict(l=40, r=10, t=40 + 20 * len(lines), b=35),
+                         xaxis_title="position", yaxis_title="step")
+    return figure
+
+
 def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None, note: str = ""):
     slots = 4
     out = []
@@ -1099,19 +1119,7 @@ def _compare_outputs(names, texts, views, figures: bool, final: bool, download=N
                    else gr.update(value="", visible=False))
     for i in range(slots):
         if i < len(names) and figures:
-            view = views[names[i]]
-            figure = view.retention_figure()
-            # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
-            # long title, which ran past the panel's edge).
-            key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
-            # A setting's label wrapped at its spaces: cut at the panel's edge, the part that tells two
-            # settings apart ("... lambda_b=0", "... normalise=false") was the part lost
-            lines = textwrap.wrap(names[i], PANEL_TITLE_CHARS) or [names[i]]
-            title = "<br>".join(lines) + f"<br><span style='font-size:10px'>{key}</span>"
-            figure.update_layout(title=dict(text=title), height=320 + 20 * len(lines),
-                                 margin=dict(l=40, r=10, t=40 + 20 * len(lines), b=35),
-                                 xaxis_title="position", yaxis_title="step")
-            out.append(gr.update(value=figure, visible=True))
+            out.append(gr.update(value=compare_panel(names[i], views[names[i]]), visible=True))
         else:
             out.append(gr.skip() if i < len(names) else gr.update(visible=False))
     if figures or final:
@@ -1175,25 +1183,32 @@ def compare_diagnostics(views: dict[str, RunView] | None):
     return gr.update(value=pd.DataFrame(columns), visible=True)
 
 
+def followed_prompt_tokens(views: dict[str, RunView], query: str) -> tuple[list[int], str]:
+    """The prompt positions a comparison follows, and how they were found: those ``query`` names, or with
+    nothing typed those some policies keep to the end and others evict (the first MAX_FOLLOWED)."""
+    names = list(views)
+    first = views[names[0]]
+    if (query or "").strip():
+        return first.follow(query, first.steps - 1, prompt_only=True)
+    cached = np.array([views[name].left[:first.prompt_len] == NEVER for name in names])  # kept to the end
+    disputed = np.flatnonzero(cached.any(0) & ~cached.all(0)).tolist()
+    note = (f"{len(disputed)} prompt tokens some policies keep to the end and others evict"
+            + (f" (the first {MAX_FOLLOWED})" if len(disputed) > MAX_FOLLOWED else "")
+            if disputed else "the policies keep the same prompt tokens to the end")
+    return disputed[:MAX_FOLLOWED], note
+
+
 def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
     """For each followed prompt token, what each compared policy did with it: kept to the end, or the step
     that evicted it.  With nothing typed: the prompt tokens the policies disagree on at the end."""
     if not views:
         return "*Run a comparison first, then follow the prompt tokens that matter (e.g. the needle).*", \
             gr.update(value=None, visible=False)
-    names = list(views)
-    first = views[names[0]]
-    if (query or "").strip():
-        positions, note = first.follow(query, first.steps - 1, prompt_only=True)
-    else:
-        cached = np.array([views[name].left[:first.prompt_len] == NEVER for name in names])  # kept to the end
-        disputed = np.flatnonzero(cached.any(0) & ~cached.all(0)).tolist()
-        positions = disputed[:MAX_FOLLOWED]
-        note = (f"{len(disputed)} prompt tokens some policies keep to the end and others evict"
-                + (f" (the first {MAX_FOLLOWED})" if len(disputed) > MAX_FOLLOWED else "")
-                if disputed else "the policies keep the same prompt tokens to the end")
+    positions, note = followed_prompt_tokens(views, query)
     if not positions:
         return f"*{note}*", gr.update(value=None, visible=False)
+    names = list(views)
+    first = views[names[0]]
     fates = {name: [views[name].evicted_at(p) for p in positions] for name in names}
     # Runs that diverge end at different steps: each column says how far its "kept" reaches.
     # "#", as positions are typed (#12): a word header broke mid-word in a column as wide as its values
@@ -1202,8 +1217,21 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
                              ["kept" if step is None else f"evicted at step {step}" for step in steps]
                              for name, steps in fates.items()}})
     kept_counts = ", ".join(f"**{name}** {sum(step is None for step in steps)}" for name, steps in fates.items())
-    return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.", \
+    marked = " Marked in red on the retention panels." if (query or "").strip() else ""
+    return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.{marked}", \
         gr.update(value=frame, visible=True)
+
+
+def compare_follow(views: dict[str, RunView] | None, query: str) -> tuple:
+    """The fates table (:func:`compare_fates`) and the four retention panels with the same tokens marked;
+    the panels are left alone while no comparison has ended (one decoding draws them)."""
+    if not views:
+        return (*compare_fates(views, query), *[gr.skip()] * 4)
+    # Only what was typed: the disputed tokens listed when nothing is are mostly the chat template's, in a
+    # clump at the start that hid the panels' left edge.
+    positions = followed_prompt_tokens(views, query)[0] if (query or "").strip() else []
+    panels = [gr.update(value=compare_panel(name, view, positions)) for name, view in views.items()]
+    return (*compare_fates(views, query), *panels, *[gr.skip()] * (4 - len(panels)))
 
 
 def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
@@ -1760,9 +1788,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                               None, [c_fates_note, c_fates], api_name=False, queue=False)
             c_checked.success(lambda: gr.update(value=None, visible=False, label=STABILITY_LABEL), None,
                               c_diagnostics, api_name=False, queue=False)
-            compare.then(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False)
+            compare.then(compare_follow, [c_state, c_follow], [c_fates_note, c_fates, *c_figs], api_name=False)
             compare.then(compare_diagnostics, c_state, c_diagnostics, api_name=False)
-            c_follow.change(compare_fates, [c_state, c_follow], [c_fates_note, c_fates], api_name=False,
+            c_follow.change(compare_follow, [c_state, c_follow], [c_fates_note, c_fates, *c_figs], api_name=False,
                             trigger_mode="always_last")
             # Each is checked first (no outputs), so that a refusal leaves the last result unmarked.
             probe_inputs = [c_model, c_prompt, c_policies, c_chat, p_step, p_sample]

@@ -29,6 +29,7 @@ EMPTY = 200
 UNSCORED, GONE = 150, 175
 NEVER = np.iinfo(np.int32).max
 KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR, UNSCORED_COLOR = "#1f3b73", "#f1c9a5", "#ffffff", "#c8c8c8"
+FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: apart from its navy and its pale
 MAX_FOLLOWED = 16  # lines in the token-history figure: two 7-digit passkeys fit, more is unreadable
 # Sixteen that stay apart (the last was a second mid-blue, beside the first)
 FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
@@ -142,6 +143,33 @@ class RunView:
         _marker(fig, marker_step)
         if marker_step is None:
             self._live["retention"] = fig
+        return fig
+
+    def mark_positions(self, fig: go.Figure, positions: list[int]) -> go.Figure:
+        """Draw followed ``positions`` on a retention figure: a line down each one's column while it is
+        cached, ending in a cross at the step that evicted it (none for one kept to the end), and a triangle
+        above it to find it by among a thousand columns; hovering either names the token and its fate."""
+        last = max(self.steps - 1, 0)
+        line_x, line_y, top, cross = [], [], [], []
+        for position in positions:
+            step = self.evicted_at(position)
+            line_x += [position, position, None]
+            line_y += [-0.5, last + 0.5 if step is None else step - 0.5, None]
+            fate = "kept to the end" if step is None else f"evicted at step {step}"
+            top.append(f"#{position} {self.token_cell(position)}: {fate}")
+            if step is not None:
+                cross.append((position, step, top[-1]))
+        fig.add_scatter(x=line_x, y=line_y, mode="lines", line=dict(color=FOLLOWED_COLOR, width=1),
+                        hoverinfo="skip", showlegend=False)
+        fig.add_scatter(x=positions, y=[-0.5] * len(positions), mode="markers", hovertext=top,
+                        hoverinfo="text", showlegend=False, cliponaxis=False,
+                        marker=dict(symbol="triangle-down", size=9, color=FOLLOWED_COLOR))
+        if cross:
+            x, y, text = zip(*cross)
+            fig.add_scatter(x=x, y=y, mode="markers", hovertext=text, hoverinfo="text", showlegend=False,
+                            marker=dict(symbol="x", size=8, color=FOLLOWED_COLOR))
+        # the heatmap's own extent: autorange would pad it to fit the triangles, which sit on its top edge
+        fig.update_yaxes(range=[last + 0.5, -0.5], autorange=False)
         return fig
 
     def _pinned_bands(self, fig: go.Figure) -> None:
