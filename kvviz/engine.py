@@ -281,6 +281,24 @@ class _QueryRecorder:
         self.rope[view.layer] = view.rope
 
 
+# What a shared prefill may spend on recording prompt queries for the prefill-time policies that share it.
+# Expected Attention reads every prompt query: at 64k on a Llama-3.1-8B shape, all of them are 17 GB (heads x
+# head_dim x L per layer), where a prefill of its own reduces each layer's queries to statistics as it goes.
+SHARED_QUERIES_BYTES = 1 << 30
+
+
+def shared_window(policies, model, prompt_len: int) -> int:
+    """The query window a prefill of ``prompt_len`` tokens shared by ``policies`` records: the widest one
+    whose queries fit SHARED_QUERIES_BYTES over all layers.  A policy whose window does not fit runs its
+    own prefill (:func:`decode` does that by itself when the shared window is too short)."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_query = config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+    windows = [min(policy.prefill_window, prompt_len) for policy in policies]
+    return max((window for window in windows if window * per_query <= SHARED_QUERIES_BYTES), default=0)
+
+
 @torch.inference_mode()
 def prefill(model, prompt_ids: list[int], window: int = 0) -> Prefill:
     """Run the prompt once into a full cache; ``window`` > 0 also keeps the last ``window`` queries per layer
@@ -330,7 +348,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
 
     start = time.perf_counter()
-    use_shared = shared is not None and (not prefill_scores or shared.window >= policy.prefill_window)
+    use_shared = shared is not None and (not prefill_scores or shared.window >= min(policy.prefill_window, prompt_len))
     if use_shared:
         if shared.prompt_ids != list(prompt_ids):
             raise ValueError("the shared prefill was made for another prompt")
@@ -439,12 +457,13 @@ def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Pol
     """Run several policies on one prompt with one shared prefill, interleaved step by step.
 
     Yields ``(policy name, event)``; a policy that reaches EOS drops out while the others go on.
-    Prefill-time policies (SnapKV) score the same prefill through the queries it recorded.
+    Prefill-time policies (SnapKV) score the same prefill through the queries it recorded; one whose queries
+    would pass SHARED_QUERIES_BYTES (Expected Attention on a long prompt: it reads them all) runs its own.
     """
     for policy in policies.values():  # all refused before the shared prefill, not one by one as they start
         check_policy(model, tokenizer, prompt_ids, policy)
     with scoring.installed(model):  # one hold over the prefill and every stream; restored after the last
-        shared = prefill(model, prompt_ids, window=max(p.prefill_window for p in policies.values()))
+        shared = prefill(model, prompt_ids, window=shared_window(policies.values(), model, len(prompt_ids)))
         streams = {name: decode(model, tokenizer, prompt_ids, policy, shared=shared,
                                 sampler=Sampler(**(sampler_args or {})), **kwargs)
                    for name, policy in policies.items()}

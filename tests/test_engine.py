@@ -641,6 +641,35 @@ def test_shared_prefill_gives_the_same_runs_as_separate_prefills(tiny, tiny_prom
         assert [e.kept.tolist() for e in together[name]] == [e.kept.tolist() for e in alone]
 
 
+def test_a_shared_prefill_records_queries_up_to_its_byte_limit_and_a_policy_past_it_prefills_itself(
+        tiny, tiny_prompt, monkeypatch):
+    """Expected Attention reads every prompt query.  While they fit SHARED_QUERIES_BYTES the shared prefill
+    records all of them (the window clipped to the prompt) and serves it; past the limit only SnapKV's 8 are
+    recorded and Expected Attention runs its own prefill.  Its keep sets are the same either way."""
+    model, tokenizer = tiny
+    config = model.config
+    per_query = config.num_hidden_layers * config.num_attention_heads * config.head_dim * 4  # float32 queries
+    assert model.dtype == torch.float32
+    windows = []
+    original = kvviz.engine.prefill
+    monkeypatch.setattr(kvviz.engine, "prefill", lambda *args, window=0: windows.append(window) or
+                        original(*args, window=window))
+    runs = []
+    for limit in (per_query * len(tiny_prompt), per_query * len(tiny_prompt) - 1):
+        monkeypatch.setattr(kvviz.engine, "SHARED_QUERIES_BYTES", limit)
+        policies = {"snapkv": kvviz.make_policy("snapkv", window=8), "ea": kvviz.make_policy("expected-attention")}
+        events = {}
+        for name, event in kvviz.engine.decode_many(model, tokenizer, tiny_prompt, policies, budget=24,
+                                                    max_new_tokens=3):
+            events.setdefault(name, []).append(event)
+        runs.append(events)
+    assert windows == [len(tiny_prompt), 8]
+    fits, past = runs
+    assert fits["ea"][0].t_forward == 0.0 < past["ea"][0].t_forward and past["snapkv"][0].t_forward == 0.0
+    assert [e.kept.tolist() for e in fits["ea"]] == [e.kept.tolist() for e in past["ea"]]
+    assert kvviz.engine.shared_window([kvviz.make_policy("inertia")], model, len(tiny_prompt)) == 0
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_prefill_time_policy_scores_a_shared_prefill_exactly(family, tiny_prompt):
     model, tokenizer = kvviz.models.tiny_model(family)

@@ -8,8 +8,9 @@ a GPU machine, which cannot download weights.
 Every figure is measured in the same process and reported next to the ``generate`` baseline as a ratio.
 Each configuration runs ``--repeats`` times, interleaved, and the best run is kept (least disturbed).
 The prompt is prefilled once (the ``prefill`` row) and every engine and static run starts from a copy of
-it; ``generate`` prefills on its own.  ``first_token_s`` is a run's time to its first token from that
-copy, ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill (model weights included);
+it; ``generate`` prefills on its own, and so does Expected Attention where its reading of every prompt query
+would make the shared prefill record more than ``engine.SHARED_QUERIES_BYTES`` of queries.
+``first_token_s`` is a run's time to its first token from that copy (from its own prefill for those), ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill (model weights included);
 for the static path ``decode_peak_memory_gb`` is the same once its B + 1 slots have replaced the
 prompt-sized cache of step 1 (which alone sets ``peak_memory_gb`` at long contexts).
 Rows come out as their configurations finish -- ``generate``, the static path, then the engine policies --
@@ -273,7 +274,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     Past ``deadline`` (``time.perf_counter()``), configurations not yet started are ``skipped`` rows.
     """
     import torch
-    from ..engine import prefill, resolve_budget
+    from ..engine import prefill, resolve_budget, shared_window
     from ..policies import make_policy
 
     policies = policy_names(args.policies)
@@ -292,7 +293,8 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _sync(device)
-    window = max(make_policy(name).prefill_window for name in policies)
+    # past SHARED_QUERIES_BYTES (64k on an 8B shape) Expected Attention prefills on its own
+    window = shared_window([make_policy(name) for name in policies], model, len(prompt_ids))
     fallback = None
     try:  # prefill-time policies score this same prefill through the queries it records (as in Compare)
         shared = prefill(model, prompt_ids, window=window)

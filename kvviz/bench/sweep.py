@@ -814,8 +814,9 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     budgets = [None if cell.policy == "full" else
                engine.resolve_budget(len(prompt_ids), compression=cell.compression, budget=cell.budget)
                for cell in group]
-    # One prefill per sample, also for policies that read prompt queries: it records them.
-    shared = engine.prefill(model, prompt_ids, window=max(p.prefill_window for p in policies))
+    # One prefill per sample, also for policies that read prompt queries: it records them (up to
+    # engine.SHARED_QUERIES_BYTES; past it, Expected Attention, which reads them all, prefills on its own).
+    shared = engine.prefill(model, prompt_ids, window=engine.shared_window(policies, model, len(prompt_ids)))
     eos = engine.eos_ids(model, tokenizer)  # the ids decode() stops at
     temperature, top_p = float(config.get("temperature", 0.0)), float(config.get("top_p", 1.0))
     for cell, policy, budget in zip(group, policies, budgets):
