@@ -465,6 +465,9 @@ def test_rank_matrix_tells_kept_unscored_from_evicted_and_not_yet_generated():
     colorbar = view.rank_figure().data[0].colorbar
     assert list(colorbar.tickvals)[-3:] == [UNSCORED, GONE, EMPTY]
     assert list(colorbar.ticktext)[-3:] == ["kept, no score", "evicted", "not yet"]
+    # stacked one above the other, their position axes line up: both keys sit in one fixed right margin
+    margins = [figure.layout.margin for figure in (view.retention_figure(), view.rank_figure())]
+    assert margins[0].r == margins[1].r and margins[0].autoexpand is margins[1].autoexpand is False
 
 
 def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_say_why_over_budget(tiny):
@@ -955,6 +958,7 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     assert list(line.x) == [3, 3, None] and list(line.y) == [-0.5, 1.5, None]
     assert list(top.x) == [3] and top.hovertext == ("#3  42: kept to the end",)
     assert len(kept.data) == 3 and "red followed" in kept.layout.title.text
+    assert kept.data[0].showscale is False  # a quarter-width panel: its title is the key
     assert list(evicted.data[1].y) == [-0.5, 0.5, None]
     cross = evicted.data[3]
     assert list(cross.x) == [3] and list(cross.y) == [1] and cross.marker.symbol == "x"

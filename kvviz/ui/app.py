@@ -1095,6 +1095,7 @@ def compare_panel(name: str, view: RunView, followed: list[int] | None = None) -
     """One policy's retention panel in the Compare tab, with the ``followed`` prompt positions drawn on a
     copy (the streaming figure that ``view`` reuses stays unmarked)."""
     figure = view.retention_figure()
+    figure.update_traces(showscale=False, selector=dict(type="heatmap"))  # a narrow panel: its title is the key
     if followed:
         figure = view.mark_positions(go.Figure(figure), followed)
     # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
@@ -1106,7 +1107,7 @@ def compare_panel(name: str, view: RunView, followed: list[int] | None = None) -
     lines = textwrap.wrap(name, PANEL_TITLE_CHARS) or [name]
     title = "<br>".join(lines) + f"<br><span style='font-size:10px'>{key}</span>"
     figure.update_layout(title=dict(text=title), height=320 + 20 * len(lines),
-                         margin=dict(l=40, r=10, t=40 + 20 * len(lines), b=35),
+                         margin=dict(l=40, r=10, t=40 + 20 * len(lines), b=35, autoexpand=True),
                          xaxis_title="position", yaxis_title="step")
     return figure
 

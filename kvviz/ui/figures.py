@@ -29,6 +29,10 @@ EMPTY = 200
 UNSCORED, GONE = 150, 175
 NEVER = np.iinfo(np.int32).max
 KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR, UNSCORED_COLOR = "#1f3b73", "#f1c9a5", "#ffffff", "#c8c8c8"
+# The heatmaps' keys, in a right margin of one fixed width (not grown to fit each key's labels), so that the
+# stacked retention and rank plots' position axes line up
+COLORBAR = dict(thickness=12, len=1, x=1.01, outlinewidth=1, tickfont=dict(size=11))
+KEY_MARGIN = 105
 FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: apart from its navy and its pale
 MAX_FOLLOWED = 16  # lines in the token-history figure: two 7-digit passkeys fit, more is unreadable
 # Sixteen that stay apart (the last was a second mid-blue, beside the first)
@@ -135,6 +139,10 @@ class RunView:
             return fig
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
         fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)", self.steps)
+        # a key as wide as the rank heatmap's, so that the two stacked plots' position axes line up
+        fig.update_traces(showscale=True, colorbar=dict(tickvals=[0, 100, EMPTY], ticktext=["evicted", "kept",
+                                                                                            "not yet"], **COLORBAR))
+        fig.update_layout(margin=dict(r=KEY_MARGIN, autoexpand=False))
         # the label above the plot, where it hides no cell
         fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888", annotation_text="prompt end",
                       annotation_position="top", annotation_font=dict(size=9, color="#555"))
@@ -212,8 +220,9 @@ class RunView:
         fig = _heatmap(z, col, row, RANK_SCALE, f"rank: %{{z}}% of B ({UNSCORED} kept with no score, {GONE} evicted, "
                        f"{EMPTY} not generated yet)", self.steps)
         fig.update_traces(showscale=True, colorbar=dict(
-            tickvals=[0, 50, 100, UNSCORED, GONE, EMPTY], thickness=12, len=1, x=1.01, outlinewidth=1,
+            tickvals=[0, 50, 100, UNSCORED, GONE, EMPTY], **COLORBAR,
             ticktext=["rank 1", "B/2", "B", "kept, no score", "evicted", "not yet"]))
+        fig.update_layout(margin=dict(r=KEY_MARGIN, autoexpand=False))
         fig.update_layout(title=title)
         _marker(fig, marker_step)
         if marker_step is None:
