@@ -766,8 +766,12 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     raw = [t for t in figure.data if t.name == "#5 ' cd' raw"][0]
     assert list(raw.x) == [1] and list(raw.y) == [6]  # only the steps that scored
     crosses = [t for t in figure.data if t.mode == "markers"]
+    # #1's cross at its rank by step 1's raw score (7th), where the step recorded no decision score; #5's
+    # step 2 recorded no score at all: just past B
     assert sorted((t.legendgroup, list(t.x)[0], list(t.y)[0]) for t in crosses) == [
-        ("#1 ' 73'", 1, 5), ("#5 ' cd'", 2, 5)]
+        ("#1 ' 73'", 1, 7), ("#5 ' cd'", 2, 5)]
+    assert crosses[0].hovertext == ("#1 ' 73' evicted at step 1, rank 7 by the step's raw score",) or \
+        crosses[1].hovertext == ("#1 ' 73' evicted at step 1, rank 7 by the step's raw score",)
     assert "test" in figure.layout.title.text and "dotted: rank by the step's raw score" in figure.layout.title.text
     # the fates above the key: crosses on one step overlap, and lines leave through the bottom
     assert "<sup>0 of 2 kept through step 2, 2 evicted at steps 1 to 2</sup>" in figure.layout.title.text
@@ -819,6 +823,24 @@ def test_tokens_one_checkpoint_evicts_together_are_crossed_at_their_rank_in_that
     # a step that recorded no score (a per-step policy): just past B, as before
     del view.events[1].components["S"]
     assert [list(t.y) for t in view.history_figure([1, 3], "test").data if t.mode == "markers"] == [[4], [4]]
+
+
+def test_a_cross_deeper_than_the_plot_is_a_triangle_on_its_floor_that_gives_the_rank():
+    """B = 2, a prompt of 8 cut to 2 at step 1 by raw scores 8..1 (position p ranks p + 1): the plot reaches
+    2B = 4, so #6 (rank 7) and #7 (rank 8) sit on that floor as triangles, #2 (rank 3) is a cross."""
+    from kvviz.trace import StepEvent
+
+    view = RunView(8, 2, 2, list("abcdefgh"))
+    view.add(StepEvent(0, 0, 0, "!", np.arange(8), np.empty(0, np.int64)), "!")
+    raw = np.array([8, 7, 6, 5, 4, 3, 2, 1, 0.5], np.float32)  # positions 0..8, the new token 8 last
+    view.add(StepEvent(1, 0, 0, "?", np.array([0, 1, 8]), np.arange(2, 8), np.array([8, 7, 9], np.float32), raw), "?")
+    figure = view.history_figure([2, 6, 7], "test")
+    crosses = {t.legendgroup: t for t in figure.data if t.mode == "markers"}
+    assert [(list(t.y), t.marker.symbol) for t in crosses.values()] == [
+        ([3], ("x",)), ([4], ("triangle-down",)), ([4], ("triangle-down",))]
+    assert crosses["#7 'h'"].hovertext == ("#7 'h' evicted at step 1, rank 8 by the step's raw score (below the plot)",)
+    assert "▼: evicted ranked below 4" in figure.layout.title.text
+    assert "▼" not in view.history_figure([2], "test").layout.title.text
 
 
 def test_the_history_figure_leaves_room_under_the_budget_line_for_its_label():

@@ -456,8 +456,11 @@ class RunView:
                 fig.add_scatter(x=scored["step"], y=scored["raw_rank"], mode="lines+markers", name=name + " raw",
                                 legendgroup=name, showlegend=False, line=dict(color=color, dash="dot", width=1.5),
                                 marker=dict(size=3), hovertext=hover, hoverinfo="text")
-            if len(gone):  # at its rank in the decision where the step recorded one, else just past B
-                ranks = [self._decision_rank(s, position) for s in gone["step"]]
+            if len(gone):  # at its rank in the decision where the step recorded one, else by the step's raw
+                # score (a mass eviction's tokens then spread out, not all on one point), else just past B
+                ranks = [(rank, "that decision's score") if (rank := self._decision_rank(s, position)) is not None
+                         else (float(raw), "the step's raw score") if np.isfinite(raw) else (None, "")
+                         for s, raw in zip(gone["step"], gone["raw_rank"])]
                 crosses.append((gone["step"].tolist(), ranks, name, color))
         fig.add_hline(y=self.budget + 0.5, line_dash="dash", line_color="#888",
                       annotation_text=f"budget B = {self.budget}", annotation_position="bottom left",
@@ -475,14 +478,18 @@ class RunView:
         # line that leaves through the bottom fell further than twice the budget.
         decoding = history[history["step"] >= 1]
         deepest = np.nanmax(decoding[["raw_rank", "utility_rank"]].to_numpy(), initial=0.0)
-        deepest = max([deepest, *(rank for _, ranks, _, _ in crosses for rank in ranks if rank is not None)])
+        deepest = max([deepest, *(rank for _, ranks, _, _ in crosses for rank, _ in ranks if rank is not None)])
         bottom = max(self.budget + 1, min(deepest, 2 * self.budget))
-        for steps, ranks, name, color in crosses:  # a cross deeper than the plot sits on its floor
-            fig.add_scatter(x=steps, y=[self.budget + 1 if rank is None else min(rank, bottom) for rank in ranks],
-                            mode="markers", legendgroup=name, showlegend=False,
-                            marker=dict(color=color, symbol="x", size=10), hoverinfo="text",
-                            hovertext=[f"{name} evicted at step {s}" + ("" if rank is None else
-                                       f", rank {rank:g} by that decision's score") for s, rank in zip(steps, ranks)])
+        below = False  # a cross deeper than the plot sits on its floor as a triangle pointing down
+        for steps, ranks, name, color in crosses:
+            deeper = [rank is not None and rank > bottom for rank, _ in ranks]
+            below |= any(deeper)
+            fig.add_scatter(x=steps, y=[self.budget + 1 if rank is None else min(rank, bottom) for rank, _ in ranks],
+                            mode="markers", legendgroup=name, showlegend=False, hoverinfo="text",
+                            marker=dict(color=color, size=10, symbol=["triangle-down" if d else "x" for d in deeper]),
+                            hovertext=[f"{name} evicted at step {s}" + ("" if rank is None else f", rank {rank:g} by "
+                                       f"{by}" + (" (below the plot)" if d else "")) for s, (rank, by), d
+                                       in zip(steps, ranks, deeper)])
         # Room under the budget line for its label and the crosses, a fixed share of the plot's height.
         fig.update_yaxes(range=[bottom + max(0.7, 0.08 * bottom), 0.3], title="rank (1 = most useful)")
         # Below the plot, a legend row per three followed tokens: the figure grows with them rather than
@@ -497,7 +504,8 @@ class RunView:
             f", {len(evicted_at)} evicted at " + (f"step {steps[0]}" if len(steps) == 1 else
                                                     f"steps {steps[0]} to {steps[-1]}") if steps else "")
         fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's "
-                          f"utility{dotted} · ×: evicted · below the dashed line: out of the top B</sup>",
+                          f"utility{dotted} · ×: evicted" + (f" · ▼: evicted ranked below {bottom:g}" if below
+                                                            else "") + " · below the dashed line: out of the top B</sup>",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
                           margin=dict(l=50, r=20, t=80, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
