@@ -466,8 +466,11 @@ def test_rank_matrix_tells_kept_unscored_from_evicted_and_not_yet_generated():
     assert list(colorbar.tickvals)[-3:] == [UNSCORED, GONE, EMPTY]
     assert list(colorbar.ticktext)[-3:] == ["kept, no score", "evicted", "not yet"]
     # stacked one above the other, their position axes line up: both keys sit in one fixed right margin
-    margins = [figure.layout.margin for figure in (view.retention_figure(), view.rank_figure())]
+    figures = (view.retention_figure(), view.rank_figure())
+    margins = [figure.layout.margin for figure in figures]
     assert margins[0].r == margins[1].r and margins[0].autoexpand is margins[1].autoexpand is False
+    assert [list(figure.layout.xaxis.range) for figure in figures] == [[-0.5, 4.5]] * 2  # positions 0..4
+    assert all(figure.layout.shapes[0].x0 == 3.5 for figure in figures)  # both mark the prompt's end
 
 
 def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_say_why_over_budget(tiny):

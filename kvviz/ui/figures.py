@@ -117,12 +117,13 @@ class RunView:
             return None
         with fig.batch_update():
             fig.data[0].update(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row)
+            fig.update_xaxes(range=_position_range(z, col))
             fig.layout.title.text = title  # binning can change as the run grows
             fig.update_yaxes(dtick=step_dtick(self.steps))
         return fig
 
     def _retention_title(self, col: int, row: int) -> str:
-        binned = "" if col == row == 1 else f" · cell = {col} pos × {row} steps"  # mixed cells shade in between
+        binned = _cell_note(col, row)  # mixed cells shade in between
         return (f"Retention (B = {self.budget}): dark kept, pale evicted, blank not yet generated{binned}"
                 + self._protected_note())
 
@@ -138,14 +139,12 @@ class RunView:
                     shape.y1 = last + 0.5
             return fig
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
-        fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)", self.steps)
+        fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)", self.steps,
+                       self.prompt_len)
         # a key as wide as the rank heatmap's, so that the two stacked plots' position axes line up
         fig.update_traces(showscale=True, colorbar=dict(tickvals=[0, 100, EMPTY], ticktext=["evicted", "kept",
                                                                                             "not yet"], **COLORBAR))
         fig.update_layout(margin=dict(r=KEY_MARGIN, autoexpand=False))
-        # the label above the plot, where it hides no cell
-        fig.add_vline(x=self.prompt_len - 0.5, line_dash="dot", line_color="#888", annotation_text="prompt end",
-                      annotation_position="top", annotation_font=dict(size=9, color="#555"))
         self._pinned_bands(fig)
         fig.update_layout(title=title)
         _marker(fig, marker_step)
@@ -213,15 +212,15 @@ class RunView:
             return _empty_figure("This policy keeps no per-entry utility: it decides by position alone "
                                  "(e.g. StreamingLLM, Recency), so there is nothing to rank.")
         z, col, row = self.rank_matrix()
-        binned = "" if col == row == 1 else f" · cell = {col} pos × {row} steps"
+        binned = _cell_note(col, row)
         title = f"Utility rank of kept tokens (yellow = most useful){binned}"
         if (fig := self._reuse("rank", z, col, row, marker_step, title)) is not None:
             return fig
         fig = _heatmap(z, col, row, RANK_SCALE, f"rank: %{{z}}% of B ({UNSCORED} kept with no score, {GONE} evicted, "
-                       f"{EMPTY} not generated yet)", self.steps)
+                       f"{EMPTY} not generated yet)", self.steps, self.prompt_len)
         fig.update_traces(showscale=True, colorbar=dict(
             tickvals=[0, 50, 100, UNSCORED, GONE, EMPTY], **COLORBAR,
-            ticktext=["rank 1", "B/2", "B", "kept, no score", "evicted", "not yet"]))
+            ticktext=["rank 1", "B/2", "B or below", "kept, no score", "evicted", "not yet"]))
         fig.update_layout(margin=dict(r=KEY_MARGIN, autoexpand=False))
         fig.update_layout(title=title)
         _marker(fig, marker_step)
@@ -620,14 +619,29 @@ def _time_mode(steps: int) -> str:
     return "lines+markers" if steps <= 10 else "lines"
 
 
-def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: int) -> go.Figure:
+def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: int, prompt_len: int) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row, zmin=0, zmax=EMPTY,
                                colorscale=colorscale, showscale=False,
                                hovertemplate="position %{x}<br>step %{y}<br>" + hover + "<extra></extra>"))
     fig.update_layout(xaxis_title="absolute position", yaxis_title="decode step", height=360,
                       margin=dict(l=50, r=20, t=40, b=40))
+    fig.update_xaxes(range=_position_range(z, col))
     fig.update_yaxes(autorange="reversed", dtick=step_dtick(steps))
+    # the label above the plot, where it hides no cell
+    fig.add_vline(x=prompt_len - 0.5, line_dash="dot", line_color="#888", annotation_text="prompt end",
+                  annotation_position="top", annotation_font=dict(size=9, color="#555"))
     return fig
+
+
+def _cell_note(col: int, row: int) -> str:
+    """What one cell of a binned heatmap holds, for its title ("" unbinned)."""
+    return "" if col == row == 1 else f" · cell = {col} pos × {row} step{'s' * (row > 1)}"
+
+
+def _position_range(z: np.ndarray, col: int) -> list[float]:
+    """The heatmap's own columns, set rather than autoranged: a shape past them (the protected tail's band)
+    widened one heatmap's axis, and the stacked retention and rank plots no longer lined up."""
+    return [-0.5, z.shape[1] * col - 0.5]
 
 
 def _empty_figure(text: str) -> go.Figure:
