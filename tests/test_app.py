@@ -487,6 +487,16 @@ def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_s
     assert detail.layout.yaxis.visible is False and "it decides by position" in detail.layout.title.text
     assert sorted(detail.data[0].x) == sorted(streaming.events[3].present.tolist())
     assert "**tokens** 6 / 6" in stats_markdown(view, 1.0) and "over B" not in stats_markdown(view, 1.0)
+    # The token history has no rank to plot either: each token's time in the cache, a cross where it went.
+    # StreamingLLM at B = 20 keeps 4 sinks and the newest 16: step 1 evicts every prompt position in between.
+    gone, sink = streaming.events[1].evicted[0], 0
+    history = view.history_figure([int(gone), sink], "two")
+    lines = [t for t in history.data if t.mode == "lines"]
+    assert [list(t.x) for t in lines] == [[0, 1], [0, 5]]  # evicted at step 1; a sink kept to step 5
+    assert [t.name.split(" · ")[1] for t in lines] == ["evicted at step 1", "kept"]
+    assert [list(t.x) for t in history.data if t.mode == "markers"] == [[1]]
+    assert "no per-entry score" in history.layout.title.text and "rank" not in str(history.layout.yaxis.title.text)
+    assert "decides by position alone" in view.terms_frame(3)[1]
     snapkv = kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("snapkv", window=4), chat=False, budget=20,
                        max_new_tokens=6).trace
     view = RunView(snapkv.prompt_len, 6, 20)

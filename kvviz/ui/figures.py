@@ -330,7 +330,10 @@ class RunView:
         decided = [event for event in upto if event.components]
         if not decided:
             later = [event.step for event in self.events[len(upto):] if event.components][:3]
-            return None, ("This policy records no terms per entry: its utility is the whole story."
+            scored = any(event.utility is not None for event in self.events)
+            whole = ("its utility is the whole story (the step detail and the rank heatmap show it)" if scored
+                     else "it keeps no per-entry score either, and decides by position alone")
+            return None, (f"This policy records no terms per entry: {whole}."
                           if not any(event.components for event in self.events) else
                           f"No decision by step {upto[-1].step} yet; the next at step{'s' if len(later) > 1 else ''} "
                           + ", ".join(map(str, later)) + ".")
@@ -432,6 +435,8 @@ class RunView:
         """
         if not positions:
             return _empty_figure(note or "no token to follow")
+        if all(event.utility is None and event.raw is None for event in self.events):
+            return self._lifelines(positions, note, marker_step)
         history = self._history(positions)
         crossings = boundary_crossings(history, self.budget)
         fig = go.Figure()
@@ -508,6 +513,30 @@ class RunView:
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
                           margin=dict(l=50, r=20, t=80, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
+        return fig
+
+    def _lifelines(self, positions: list[int], note: str, marker_step: int | None) -> go.Figure:
+        """The token history of a policy with no per-entry score (StreamingLLM, Recency): no rank to plot,
+        so a line per followed token over the steps it was cached, and a cross at the step that evicted it."""
+        fig = go.Figure()
+        last = self.steps - 1
+        for index, position in enumerate(positions):
+            color, name = FOLLOW_COLORS[index % len(FOLLOW_COLORS)], f"#{position} {self.token(position)!r}"
+            start, step = int(self.entered[position]), self.evicted_at(position)
+            fate = "kept" if step is None else f"evicted at step {step}"
+            fig.add_scatter(x=[start, last if step is None else step], y=[name, name], mode="lines",
+                            line=dict(color=color, width=3), name=f"{name} · {fate}", hoverinfo="text",
+                            hovertext=f"{name}: cached from step {start}, {fate}")
+            if step is not None:
+                fig.add_scatter(x=[step], y=[name], mode="markers", showlegend=False, hoverinfo="skip",
+                                marker=dict(color=color, symbol="x", size=10))
+        _marker_x(fig, marker_step)
+        fig.update_yaxes(autorange="reversed", type="category")
+        fig.update_xaxes(range=[-0.5, last + 0.5])  # the whole run, so that a line's length reads against it
+        fig.update_layout(title=f"Token history: {note}<br><sup>this policy keeps no per-entry score (it decides "
+                          "by position): each line is a token's time in the cache, × where it was evicted</sup>",
+                          xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), showlegend=False,
+                          height=160 + 22 * len(positions), margin=dict(l=120, r=20, t=70, b=50))
         return fig
 
     def _decision_rank(self, step: int, position: int) -> float | None:
