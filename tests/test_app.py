@@ -971,7 +971,7 @@ def test_compare_follows_prompt_tokens_through_each_policy():
     note, table = compare_fates(views, "")  # what they disagree on: " key" (a drops it) and " 42" (b does)
     assert table["value"]["#"].tolist() == [1, 3] and "2 prompt tokens" in note
     assert compare_fates(views, "?")[1]["visible"] is False  # generated text differs per policy: prompt only
-    assert "Run a comparison first" in compare_fates(None, "42")[0]
+    assert "once a comparison has ended" in compare_fates(None, "42")[0]
 
 
 def test_compare_marks_the_followed_tokens_on_each_retention_panel():
@@ -994,6 +994,18 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     assert list(top.x) == [3] and top.hovertext == ("#3  42: kept to the end",)
     assert len(kept.data) == 3 and "red followed" in kept.layout.title.text
     assert kept.data[0].showscale is False  # a quarter-width panel: its title is the key
+    from kvviz.ui.app import divergence_markdown
+    assert "identical for the 2 tokens both produced" in divergence_markdown(["a", "b"], views)
+    for view in views.values():
+        del view.events[1:]  # stopped at the prefill: one token each
+    assert "identical for the 1 token both produced" in divergence_markdown(["a", "b"], views)
+    # the key wraps at its dots, not inside an item, where a quarter-width panel would cut it
+    from kvviz.ui.app import compare_panel
+    view = views["b"]
+    view.pinned = (4, 0)
+    title = compare_panel("b", view, [3]).layout.title.text
+    assert title.endswith("dark kept · pale evicted</span><br><span style='font-size:10px'>"
+                          "green protected · red followed</span>")
     assert list(evicted.data[1].y) == [-0.5, 0.5, None]
     cross = evicted.data[3]
     assert list(cross.x) == [3] and list(cross.y) == [1] and cross.marker.symbol == "x"

@@ -1103,11 +1103,17 @@ def compare_panel(name: str, view: RunView, followed: list[int] | None = None) -
     key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
     key += " · red followed" if followed else ""
     # A setting's label wrapped at its spaces: cut at the panel's edge, the part that tells two
-    # settings apart ("... lambda_b=0", "... normalise=false") was the part lost
+    # settings apart ("... lambda_b=0", "... normalise=false") was the part lost.  The key in small print
+    # holds about twice the characters, and wraps at its dots (four panels cut it at "· r").
     lines = textwrap.wrap(name, PANEL_TITLE_CHARS) or [name]
-    title = "<br>".join(lines) + f"<br><span style='font-size:10px'>{key}</span>"
-    figure.update_layout(title=dict(text=title), height=320 + 20 * len(lines),
-                         margin=dict(l=40, r=10, t=40 + 20 * len(lines), b=35, autoexpand=True),
+    keys = [""]
+    for item in key.split(" · "):
+        joined = f"{keys[-1]} · {item}" if keys[-1] else item
+        keys[-1:] = [joined] if len(joined) <= 2 * PANEL_TITLE_CHARS or not keys[-1] else [keys[-1], item]
+    title = "<br>".join(lines) + "".join(f"<br><span style='font-size:10px'>{line}</span>" for line in keys)
+    rows = len(lines) + len(keys) - 1
+    figure.update_layout(title=dict(text=title), height=320 + 20 * rows,
+                         margin=dict(l=40, r=10, t=40 + 20 * rows, b=35, autoexpand=True),
                          xaxis_title="position", yaxis_title="step")
     return figure
 
@@ -1148,7 +1154,8 @@ def divergence_markdown(names, views) -> str:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         lines.append(f"- **{name}** vs **{reference}**: " + (
             f"first different token at step {first}" if first is not None else
-            f"identical for the {min(len(a), len(b))} tokens both produced"))
+            f"identical for the {count} token{'s' * (count != 1)} both produced"
+            if (count := min(len(a), len(b))) else "no token from both yet"))
     return "\n".join(lines)
 
 
@@ -1203,7 +1210,9 @@ def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
     """For each followed prompt token, what each compared policy did with it: kept to the end, or the step
     that evicted it.  With nothing typed: the prompt tokens the policies disagree on at the end."""
     if not views:
-        return "*Run a comparison first, then follow the prompt tokens that matter (e.g. the needle).*", \
+        # also while one runs (its state is set as it ends)
+        return "*The fates show once a comparison has ended: follow the prompt tokens that matter (e.g. the " \
+            "needle).*", \
             gr.update(value=None, visible=False)
     positions, note = followed_prompt_tokens(views, query)
     if not positions:
