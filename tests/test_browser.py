@@ -400,6 +400,9 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     page.get_by_role("button", name="Compare", exact=True).click()
     message.wait_for(state="hidden", timeout=30_000)
     page.locator("a[download='comparison.zip']").wait_for(timeout=120_000)  # and the comparison runs
+    # and has ended: the fates table follows the run's completion, which re-sends its last output (a click
+    # refused before that had its marks overwritten by it)
+    page.get_by_text("Fate per policy", exact=True).wait_for(timeout=60_000)
     assert page.get_by_test_id("toast-text").count() == 0
     # Refused now, the comparison that ran stays, marked as the previous one (not these inputs' results).
     page.get_by_label("Prompt").nth(1).fill(PROMPT * 40)
