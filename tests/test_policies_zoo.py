@@ -593,3 +593,21 @@ def test_every_setting_s_unused_parameters_are_its_own():
         assert set(spec.build().unused()) <= names, spec.name
     assert make_policy("inertia").unused() == {} and make_policy("inertia-decoupled", layer_weighting="last",
                                                                  last_k=4).unused().keys() == {"layers"}
+
+
+def test_each_parameter_a_registry_description_names_is_one_of_the_policys_with_that_default():
+    """A description states a parameter as `name` (default): the user changes that parameter and the text
+    still holds (StreamingLLM said "4 attention-sink tokens" after sinks was set to 64)."""
+    import re
+
+    from kvviz.policies import REGISTRY
+
+    named = 0
+    for spec in REGISTRY.values():
+        params = {p["name"]: p["default"] for p in spec.parameters()}
+        for name, default in re.findall(r"`(\w+)` \(([^)]+)\)", spec.description):
+            assert name in params, f"{spec.name}'s description names {name}, which it does not have"
+            assert str(params[name]) == default, f"{spec.name}: {name} defaults to {params[name]}, not {default}"
+            named += 1
+    assert named >= 6
+    assert re.search(r"^\d", REGISTRY["streaming"].description) is None  # the sinks are named, not counted

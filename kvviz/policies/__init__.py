@@ -173,10 +173,12 @@ REGISTRY: dict[str, PolicySpec] = by_name(
                    "Layers averaged first (all, or the last k), then one EMA per step: previous-step weight alpha.",
                    "kvviz; addresses the coupling InertiaKV names in §3.1 and its Limitations"),
         PolicySpec("avokv", AvoKVE, "AvoKV-E", "AvoKV-E",
-                   "Delayed eligibility + payload-aware, rank-normalised risk at checkpoints every 128 tokens.",
+                   "Delayed eligibility + payload-aware, rank-normalised risk at checkpoints every `interval` (128) "
+                   "tokens. The paper decodes by sampling, at T = 0.6 and top-p 0.95.",
                    f"{AVOKV} §4"),
         PolicySpec("rkv", RKV, "R-KV", "baseline",
-                   "Pooled attention of the last 8 queries minus key redundancy, at checkpoints every 128 tokens.",
+                   "Pooled attention of the last `observe_window` (8) queries minus key redundancy, at checkpoints "
+                   "every `interval` (128) tokens.",
                    f"Cai et al. 2025, as compared in {AVOKV}"),
         PolicySpec("tova", TOVA, "TOVA", "baseline",
                    "Every step, keep the top B by the current last-query attention (decode-time only).",
@@ -184,12 +186,13 @@ REGISTRY: dict[str, PolicySpec] = by_name(
         PolicySpec("h2o", H2O, "H2O", "baseline", "Accumulated attention (heavy hitters) plus a recent window.",
                    "Zhang et al. 2023"),
         PolicySpec("streaming", StreamingLLM, "StreamingLLM", "baseline",
-                   "4 attention-sink tokens plus the most recent B - 4.", "Xiao et al. 2024"),
+                   "`sinks` (4) attention-sink tokens plus the most recent B - sinks.", "Xiao et al. 2024"),
         PolicySpec("snapkv", SnapKV, "SnapKV", "baseline",
-                   "Prefill-time: prompt positions voted by the last 32 prompt queries; no decode-time eviction.",
+                   "Prefill-time: prompt positions voted by the last `window` (32) prompt queries; no decode-time "
+                   "eviction.",
                    f"Li et al. 2024, as compared in {INERTIA}"),
         PolicySpec("expected-attention", ExpectedAttention, "Expected Attention", "baseline",
-                   "Prefill-time: keep what future queries (Gaussian, RoPE averaged over 512 positions) are "
+                   "Prefill-time: keep what future queries (Gaussian, RoPE averaged over `future` (512) positions) are "
                    "expected to attend to, times the value norm.",
                    f"Devoto et al. 2025, as compared in {INERTIA} (with AdaKV)"),
         PolicySpec("expected-attention-decode", ExpectedAttention, "Expected Attention (decode)", "baseline",
