@@ -1862,6 +1862,24 @@ def test_coming_back_to_the_live_tab_counts_the_prompt_once_another_tab_loaded_t
     assert str(len(tiny[1](PROMPT, add_special_tokens=False)["input_ids"])) in note
 
 
+def test_the_compare_tab_counts_its_prompt_like_the_live_tab(tiny):
+    """Compare's B is a share of its prompt too: its prompt's token count shows under it, as the prompt, the
+    model or the chat template change, and when the tab is opened."""
+    from kvviz.ui.app import EXAMPLES, _models, build_app
+
+    app = build_app(Limits(models=(TINY,)))
+    compare = next(block for block in app.blocks.values() if isinstance(block, gr.Tab) and block.label == "Compare")
+    prompt = next(block for block in app.blocks.values() if isinstance(block, gr.Textbox) and block.label == "Prompt"
+                  and block.value.startswith(EXAMPLES["Four-key needle"][:40]))
+    selected = [fn for fn in app.fns.values() if (compare._id, "select") in [tuple(t) for t in fn.targets]]
+    edited = [fn for fn in app.fns.values() if (prompt._id, "change") in [tuple(t) for t in fn.targets]]
+    assert len(selected) == 1 and any(fn.outputs == selected[0].outputs for fn in edited)
+    assert [type(block).__name__ for block in selected[0].outputs] == ["Markdown"]
+    _models[TINY] = tiny
+    tokens = len(tiny[1](PROMPT, add_special_tokens=False)["input_ids"])
+    assert selected[0].fn(TINY, PROMPT, False) == f"*{tokens} tokens (limit {Limits().max_prompt_tokens})*"
+
+
 def test_the_tokens_by_fate_carry_their_colour_key():
     view = follow_view()  # step 1 evicts 1 and 3, step 2 evicts 5
     page = view.fate_html()

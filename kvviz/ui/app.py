@@ -1711,10 +1711,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             checked.failure(mark_previous_run, [view_state, stats], stats, api_name=False, queue=False)
             app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
-        with gr.Tab("Compare"):
+        with gr.Tab("Compare") as compare_tab:
             with gr.Row():
                 with gr.Column(scale=1):
                     c_prompt = gr.Textbox(label="Prompt", lines=6, value=EXAMPLES["Four-key needle"])
+                    c_prompt_size = gr.Markdown()
                     c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
                     c_preset = gr.Dropdown(list(COMPARISONS), value=list(COMPARISONS)[0],
                                            label="Comparisons from the papers")
@@ -1787,6 +1788,12 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state], "compare",
                 progress_on=c_divergence,
                 announce=(compare_check.announce, [*c_inputs, c_state], [c_divergence, *c_texts, *c_figs]))
+            # the prompt's token count, as in the Live tab (B is a share of it)
+            c_count_inputs = [c_model, c_prompt, c_chat]
+            for trigger in (c_prompt.change, c_model.change, c_chat.change):
+                trigger(counter, c_count_inputs, c_prompt_size, api_name=False, trigger_mode="always_last")
+            for loaded in (app.load, compare_tab.select, c_checked.success, c_checked.failure):
+                loaded(counter, c_count_inputs, c_prompt_size, api_name=False, show_progress="hidden")
             c_checked.failure(compare_check.refused_marks, [*c_inputs, c_state],
                               [c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False)
             for component in c_inputs:
