@@ -220,7 +220,7 @@ class RunView:
                        f"{EMPTY} not generated yet)", self.steps, self.prompt_len)
         fig.update_traces(showscale=True, colorbar=dict(
             tickvals=[0, 50, 100, UNSCORED, GONE, EMPTY], **COLORBAR,
-            ticktext=["rank 1", "B/2", "B or below", "kept, no score", "evicted", "not yet"]))
+            ticktext=["rank 1", "B/2", "rank B+", "kept, no score", "evicted", "not yet"]))
         fig.update_layout(margin=dict(r=KEY_MARGIN, autoexpand=False))
         fig.update_layout(title=title)
         _marker(fig, marker_step)
@@ -656,9 +656,10 @@ def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: i
                       margin=dict(l=50, r=20, t=40, b=40))
     fig.update_xaxes(range=_position_range(z, col))
     fig.update_yaxes(autorange="reversed", dtick=step_dtick(steps))
-    # the label above the plot, where it hides no cell
+    # the label above the plot, where it hides no cell, and left of the line: the axis ends a few generated
+    # columns past it, where a centred label was cut at the plot's edge
     fig.add_vline(x=prompt_len - 0.5, line_dash="dot", line_color="#888", annotation_text="prompt end",
-                  annotation_position="top", annotation_font=dict(size=9, color="#555"))
+                  annotation_position="top", annotation_xanchor="right", annotation_font=dict(size=9, color="#555"))
     return fig
 
 
