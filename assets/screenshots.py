@@ -4,7 +4,7 @@
 
 It starts the app on a free loopback port and drives Debian's chromium through Playwright, as the browser
 test does: a Live run of the passkey example under InertiaKV, a comparison of the default four-key-needle
-example, and the Results tab's paired differences.
+example with the asked-for key's digits followed, and the Results tab's paired differences.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def main() -> int:
             page.get_by_role("button", name="Compare", exact=True).click()
             # Case-sensitive: the Live tab's hidden fate key says "kept to the end" too
             page.get_by_text(re.compile("Kept to the end, of")).wait_for(timeout=WAIT_MS)
+            # the asked-for key's digits, followed: marked in red on every retention panel
+            page.locator("#compare-follow textarea").fill("9074615")
+            page.get_by_text(re.compile("Marked in red")).wait_for(timeout=WAIT_MS)
             time.sleep(3)
             page.evaluate("window.scrollTo(0, 0)")
             time.sleep(1)
