@@ -951,10 +951,9 @@ def test_whitespace_tokens_show_in_table_cells_not_as_blanks():
     assert [text.split("<br>")[0] for text in hover[:4]] == ["pos 0 · system", "pos 1 · ⏎", "pos 2 · ␣", "pos 3 · ⇥"]
 
 
-def test_compare_follows_prompt_tokens_through_each_policy():
+def two_compared_views() -> dict[str, RunView]:
     """Prompt [The][ key][ is][ 42], budget 4: at step 1 policy a evicts 1 (" key"), b evicts 3 (" 42")."""
     from kvviz.trace import StepEvent
-    from kvviz.ui.app import compare_fates
 
     views = {}
     for name, evicted in (("a", 1), ("b", 3)):
@@ -962,6 +961,14 @@ def test_compare_follows_prompt_tokens_through_each_policy():
         view.add(StepEvent(0, 0, 0, "!", np.arange(4), np.empty(0, np.int64)), "!")
         view.add(StepEvent(1, 0, 0, "?", np.array([p for p in range(5) if p != evicted]), np.array([evicted])), "?")
         views[name] = view
+    return views
+
+
+def test_compare_follows_prompt_tokens_through_each_policy():
+    """The two runs of two_compared_views: each column the fate of the followed token under one policy."""
+    from kvviz.ui.app import compare_fates
+
+    views = two_compared_views()
     note, table = compare_fates(views, "42")
     frame = table["value"]
     # Each column says how far its run went: runs that diverge end at different steps.
@@ -977,15 +984,9 @@ def test_compare_follows_prompt_tokens_through_each_policy():
 def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     """The same two runs: " 42" (#3) is kept to the end by a (a line down its column through the last step,
     no cross) and evicted at step 1 by b (a line through step 0, a cross on step 1)."""
-    from kvviz.trace import StepEvent
     from kvviz.ui.app import compare_follow
 
-    views = {}
-    for name, evicted in (("a", 1), ("b", 3)):
-        view = RunView(4, 2, 4, ["The", " key", " is", " 42"])
-        view.add(StepEvent(0, 0, 0, "!", np.arange(4), np.empty(0, np.int64)), "!")
-        view.add(StepEvent(1, 0, 0, "?", np.array([p for p in range(5) if p != evicted]), np.array([evicted])), "?")
-        views[name] = view
+    views = two_compared_views()
     note, table, *panels = compare_follow(views, "42")
     assert len(panels) == 4 and panels[2] == panels[3] == gr.skip()
     kept, evicted = panels[0]["value"], panels[1]["value"]
