@@ -462,7 +462,11 @@ def test_rank_matrix_tells_kept_unscored_from_evicted_and_not_yet_generated():
     z, col, row = view.rank_matrix()
     assert (col, row) == (1, 1)
     assert z.tolist() == [[UNSCORED, 0, 33, GONE, EMPTY], [UNSCORED, UNSCORED, GONE, GONE, UNSCORED]]
-    colorbar = view.rank_figure().data[0].colorbar
+    heatmap = view.rank_figure().data[0]
+    colorbar = heatmap.colorbar
+    colour_at = lambda code: [colour for stop, colour in heatmap.colorscale if stop <= code / EMPTY][-1]  # noqa: E731
+    assert [colour_at(code) for code in (0, 100, UNSCORED, GONE, EMPTY)] == [
+        "#fde725", "#440154", "#c8c8c8", "#f1c9a5", "#ffffff"]  # yellow rank 1, purple B, grey, pale, blank
     assert list(colorbar.tickvals)[-3:] == [UNSCORED, GONE, EMPTY]
     assert list(colorbar.ticktext)[-3:] == ["kept, no score", "evicted", "not yet"]
     # stacked one above the other, their position axes line up: both keys sit in one fixed right margin

@@ -10,7 +10,8 @@ Each configuration runs ``--repeats`` times, interleaved, and the best run is ke
 The prompt is prefilled once (the ``prefill`` row) and every engine and static run starts from a copy of
 it; ``generate`` prefills on its own, and so does Expected Attention where its reading of every prompt query
 would make the shared prefill record more than ``engine.SHARED_QUERIES_BYTES`` of queries.
-``first_token_s`` is a run's time to its first token from that copy (from its own prefill for those), ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill (model weights included);
+``first_token_s`` is a run's time to its first token from that copy (from its own prefill for those),
+``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill (model weights included);
 for the static path ``decode_peak_memory_gb`` is the same once its B + 1 slots have replaced the
 prompt-sized cache of step 1 (which alone sets ``peak_memory_gb`` at long contexts).
 Rows come out as their configurations finish -- ``generate``, the static path, then the engine policies --

@@ -508,8 +508,8 @@ class RunView:
             f", {len(evicted_at)} evicted at " + (f"step {steps[0]}" if len(steps) == 1 else
                                                     f"steps {steps[0]} to {steps[-1]}") if steps else "")
         fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's "
-                          f"utility{dotted} · ×: evicted" + (f" · ▼: evicted ranked below {bottom:g}" if below
-                                                            else "") + " · below the dashed line: out of the top B</sup>",
+                          f"utility{dotted} · ×: evicted" + (f" · ▼: evicted ranked below {bottom:g}" * below)
+                          + " · below the dashed line: out of the top B</sup>",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
                           margin=dict(l=50, r=20, t=80, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
@@ -592,20 +592,17 @@ class RunView:
 SHOWN_WHITESPACE = str.maketrans({"\n": "⏎", "\r": "␍", "\t": "⇥"})
 
 
-def _rank_scale() -> list:
-    """The rank heatmap's colours: ranks 0..100 (of B) from yellow to purple, then a flat band for each of
-    UNSCORED, GONE and EMPTY, split halfway between the codes."""
-    scale = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"]]
-    codes = [(UNSCORED, UNSCORED_COLOR), (GONE, EVICTED_COLOR), (EMPTY, EMPTY_COLOR)]
-    lower = 100
-    for index, (code, color) in enumerate(codes):
-        upper = (code + codes[index + 1][0]) / 2 if index + 1 < len(codes) else EMPTY
-        scale += [[(lower + 0.5 if index == 0 else lower) / EMPTY + 1e-6, color], [upper / EMPTY, color]]
-        lower = upper
-    return scale
+def _band(low: float, high: float, color: str) -> list:
+    """A flat stretch of a colourscale over the uint8 codes ``low`` to ``high``."""
+    return [[low / EMPTY, color], [high / EMPTY, color]]
 
 
-RANK_SCALE = _rank_scale()
+# The rank heatmap's colours: ranks 0..100 (% of B) from yellow to purple, then a flat band for each of
+# UNSCORED, GONE and EMPTY, split halfway between their codes.
+RANK_SCALE = [[0, "#fde725"], [50 / EMPTY, "#21918c"], [100 / EMPTY, "#440154"],
+              *_band(100.5, (UNSCORED + GONE) / 2, UNSCORED_COLOR),
+              *_band((UNSCORED + GONE) / 2 + 0.01, (GONE + EMPTY) / 2, EVICTED_COLOR),
+              *_band((GONE + EMPTY) / 2 + 0.01, EMPTY, EMPTY_COLOR)]
 
 
 def visible_whitespace(token: str) -> str:
