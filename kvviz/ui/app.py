@@ -1206,15 +1206,16 @@ def followed_prompt_tokens(views: dict[str, RunView], query: str) -> tuple[list[
     return disputed[:MAX_FOLLOWED], note
 
 
-def compare_fates(views: dict[str, RunView] | None, query: str) -> tuple:
+def compare_fates(views: dict[str, RunView] | None, query: str, followed: tuple | None = None) -> tuple:
     """For each followed prompt token, what each compared policy did with it: kept to the end, or the step
-    that evicted it.  With nothing typed: the prompt tokens the policies disagree on at the end."""
+    that evicted it.  With nothing typed: the prompt tokens the policies disagree on at the end.
+    ``followed``: :func:`followed_prompt_tokens` of ``query``, where the caller has it already."""
     if not views:
         # also while one runs (its state is set as it ends)
         return "*The fates show once a comparison has ended: follow the prompt tokens that matter (e.g. the " \
             "needle).*", \
             gr.update(value=None, visible=False)
-    positions, note = followed_prompt_tokens(views, query)
+    positions, note = followed or followed_prompt_tokens(views, query)
     if not positions:
         return f"*{note}*", gr.update(value=None, visible=False)
     names = list(views)
@@ -1237,11 +1238,12 @@ def compare_follow(views: dict[str, RunView] | None, query: str) -> tuple:
     the panels are left alone while no comparison has ended (one decoding draws them)."""
     if not views:
         return (*compare_fates(views, query), *[gr.skip()] * 4)
+    followed = followed_prompt_tokens(views, query)
     # Only what was typed: the disputed tokens listed when nothing is are mostly the chat template's, in a
     # clump at the start that hid the panels' left edge.
-    positions = followed_prompt_tokens(views, query)[0] if (query or "").strip() else []
-    panels = [gr.update(value=compare_panel(name, view, positions)) for name, view in views.items()]
-    return (*compare_fates(views, query), *panels, *[gr.skip()] * (4 - len(panels)))
+    marked = followed[0] if (query or "").strip() else []
+    panels = [gr.update(value=compare_panel(name, view, marked)) for name, view in views.items()]
+    return (*compare_fates(views, query, followed), *panels, *[gr.skip()] * (4 - len(panels)))
 
 
 def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):

@@ -85,12 +85,16 @@ class RunView:
         row = max(1, math.ceil(self.steps / MAX_ROWS))
         return width, col, row
 
+    def _presence(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(steps x width) bool: which positions exist after each step, and which of them are still cached."""
+        steps = np.arange(self.steps)[:, None]
+        exists = self.entered[None, :width] <= steps
+        return exists, exists & (self.left[None, :width] > steps)
+
     def retention(self) -> tuple[np.ndarray, int, int]:
         """uint8 matrix (steps x positions, binned): 0-100 = % of the bin kept after that step, EMPTY = none exist."""
         width, col, row = self._bins()
-        steps = np.arange(self.steps)[:, None]
-        exists = self.entered[None, :width] <= steps
-        kept = exists & (self.left[None, :width] > steps)
+        exists, kept = self._presence(width)
         return _binned_share(kept, exists, col, row), col, row
 
     def rank_matrix(self) -> tuple[np.ndarray, int, int]:
@@ -100,9 +104,7 @@ class RunView:
         ranks = np.stack(self.ranks)[:, :width] if self.ranks else np.zeros((0, width), np.float32)
         present = ~np.isnan(ranks)
         out = _binned_share(np.nan_to_num(ranks), present, col, row)
-        steps = np.arange(self.steps)[:, None]
-        exists = self.entered[None, :width] <= steps
-        kept = exists & (self.left[None, :width] > steps)
+        exists, kept = self._presence(width)
         unranked = out == EMPTY
         out[unranked & (_binned_share(exists, exists, col, row) != EMPTY)] = GONE
         out[unranked & (_binned_share(kept, kept, col, row) != EMPTY)] = UNSCORED
@@ -140,11 +142,7 @@ class RunView:
             return fig
         scale = [[0, EVICTED_COLOR], [100 / EMPTY, KEPT_COLOR], [101 / EMPTY, EMPTY_COLOR], [1, EMPTY_COLOR]]
         fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)", self.steps,
-                       self.prompt_len)
-        # a key as wide as the rank heatmap's, so that the two stacked plots' position axes line up
-        fig.update_traces(showscale=True, colorbar=dict(tickvals=[0, 100, EMPTY], ticktext=["evicted", "kept",
-                                                                                            "not yet"], **COLORBAR))
-        fig.update_layout(margin=dict(r=KEY_MARGIN, autoexpand=False))
+                       self.prompt_len, {0: "evicted", 100: "kept", EMPTY: "not yet"})
         self._pinned_bands(fig)
         fig.update_layout(title=title)
         _marker(fig, marker_step)
@@ -217,11 +215,9 @@ class RunView:
         if (fig := self._reuse("rank", z, col, row, marker_step, title)) is not None:
             return fig
         fig = _heatmap(z, col, row, RANK_SCALE, f"rank: %{{z}}% of B ({UNSCORED} kept with no score, {GONE} evicted, "
-                       f"{EMPTY} not generated yet)", self.steps, self.prompt_len)
-        fig.update_traces(showscale=True, colorbar=dict(
-            tickvals=[0, 50, 100, UNSCORED, GONE, EMPTY], **COLORBAR,
-            ticktext=["rank 1", "B/2", "rank B+", "kept, no score", "evicted", "not yet"]))
-        fig.update_layout(margin=dict(r=KEY_MARGIN, autoexpand=False))
+                       f"{EMPTY} not generated yet)", self.steps, self.prompt_len,
+                       {0: "rank 1", 50: "B/2", 100: "rank B+", UNSCORED: "kept, no score", GONE: "evicted",
+                        EMPTY: "not yet"})
         fig.update_layout(title=title)
         _marker(fig, marker_step)
         if marker_step is None:
@@ -645,12 +641,16 @@ def _time_mode(steps: int) -> str:
     return "lines+markers" if steps <= 10 else "lines"
 
 
-def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: int, prompt_len: int) -> go.Figure:
+def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: int, prompt_len: int,
+             key: dict[int, str]) -> go.Figure:
+    """A (steps x positions) heatmap of uint8 codes, with ``key`` (code: label) as its colour bar, in the right
+    margin that every heatmap shares so that stacked ones line up."""
     fig = go.Figure(go.Heatmap(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row, zmin=0, zmax=EMPTY,
-                               colorscale=colorscale, showscale=False,
+                               colorscale=colorscale, colorbar=dict(tickvals=list(key), ticktext=list(key.values()),
+                                                                    **COLORBAR),
                                hovertemplate="position %{x}<br>step %{y}<br>" + hover + "<extra></extra>"))
     fig.update_layout(xaxis_title="absolute position", yaxis_title="decode step", height=360,
-                      margin=dict(l=50, r=20, t=40, b=40))
+                      margin=dict(l=50, r=KEY_MARGIN, t=40, b=40, autoexpand=False))
     fig.update_xaxes(range=_position_range(z, col))
     fig.update_yaxes(autorange="reversed", dtick=step_dtick(steps))
     # the label above the plot, where it hides no cell, and left of the line: the axis ends a few generated
