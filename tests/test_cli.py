@@ -49,16 +49,17 @@ def test_generate_json_contract(tmp_path):
     assert (kvviz.Trace.load(trace_file).prompt, kvviz.Trace.load(trace_file).chat) == (TEXT, False)
 
 
-def test_no_chat_tokenises_the_prompt_as_is():
-    proc = kvviz_cli("generate", *TINY, "--prompt", TEXT, "--no-chat", "--policy", "full",
-                     "--max-new-tokens", "2", "--json")
-    import kvviz
+def test_no_chat_tokenises_the_prompt_as_is(capsys):
+    from kvviz.cli import main
 
+    common = ["generate", *TINY, "--prompt", TEXT, "--policy", "full", "--max-new-tokens", "2", "--json"]
+    assert main([*common, "--no-chat"]) == 0
+    plain = json.loads(capsys.readouterr().out)
     _, tokenizer = kvviz.load_model("tiny-random-llama")
-    assert json.loads(proc.stdout)["prompt_len"] == len(tokenizer(TEXT, add_special_tokens=False)["input_ids"])
-    chat = json.loads(kvviz_cli("generate", *TINY, "--prompt", TEXT, "--policy", "full", "--max-new-tokens", "2",
-                                "--json").stdout)
-    assert chat["prompt_len"] > json.loads(proc.stdout)["prompt_len"]  # the template adds role markers
+    assert plain["prompt_len"] == len(tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+    assert main(common) == 0
+    chat = json.loads(capsys.readouterr().out)
+    assert chat["prompt_len"] > plain["prompt_len"]  # the template adds role markers
     # the full cache holds no budget: none reported beside a final cache past the default compression's
     assert chat["budget"] is None and chat["final_cache_size"] == chat["prompt_len"] + 1
 
@@ -205,8 +206,9 @@ def test_the_model_dtype_is_chosen_on_the_command_line_and_recorded_in_the_trace
     expected = kvviz.run(model, tokenizer, TEXT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
     assert out["token_ids"] == expected.token_ids
     assert [step["kept"] for step in out["steps"]] == [e.kept.tolist() for e in expected.trace.decode_steps]
-    proc = kvviz_cli("generate", *TINY, "--dtype", "float64", *args)
-    assert proc.returncode == 2 and "invalid choice: 'float64'" in proc.stderr
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal: usage and one error line, exit 2
+        main(["generate", *TINY, "--dtype", "float64", *args])
+    assert refused.value.code == 2 and "invalid choice: 'float64'" in capsys.readouterr().err
 
 
 def test_refresh_zero_is_score_free(capsys):
@@ -404,15 +406,17 @@ def test_the_readmes_command_lines_parse_and_make_every_file_they_read(tmp_path)
     assert followed and all(text in (tmp_path / "haystack.txt").read_text() for text in followed)
 
 
-def test_policies_lists_the_registry():
-    proc = kvviz_cli("policies", "--json")
-    listed = {p["name"]: p for p in json.loads(proc.stdout)}
+def test_policies_lists_the_registry(capsys):
+    from kvviz.cli import main
     from kvviz.policies import REGISTRY
 
+    assert main(["policies", "--json"]) == 0
+    listed = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
     assert set(listed) == set(REGISTRY)
     lazy = {p["name"]: p for p in listed["inertia-lazy"]["parameters"]}
     assert lazy["refresh"]["default"] == 4 and lazy["alpha"]["low"] == 0.0 and lazy["alpha"]["high"] == 1.0
-    printed = kvviz_cli("policies").stdout
+    assert main(["policies"]) == 0
+    printed = capsys.readouterr().out
     # 'layers' has no range: its help followed after four spaces, as if a column were missing
     assert "--param layers=all  eligible layers" in printed and "--param layers=all    " not in printed
 

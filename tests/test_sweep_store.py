@@ -837,7 +837,8 @@ def test_refresh_figure_has_a_panel_per_task_with_speed_on_a_shared_right_axis()
 
 def test_the_results_folder_can_be_moved_with_an_environment_variable(tmp_path):
     """An installed copy has no repository results_db/ beside it: KVVIZ_RESULTS names the folder."""
-    script = "import kvviz.store as s, kvviz.cli as c; print(s.ROOT); print(s.Store().root)"
+    # defaults and kinds given: read from the registry, they would import torch (seconds) for nothing here
+    script = "import kvviz.store as s, kvviz.cli as c; print(s.ROOT); print(s.Store(defaults={}, kinds={}).root)"
     env = {**os.environ, "KVVIZ_RESULTS": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(tmp_path), str(tmp_path)]

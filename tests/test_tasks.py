@@ -222,11 +222,15 @@ def test_the_benchmarks_read_the_apps_example_prompts_without_loading_the_ui():
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import rank_stability; "
-            "from kvviz.ui.app import EXAMPLES; "  # the app still offers the same ones
-            "print(rank_stability.EXAMPLES is EXAMPLES)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
-    assert proc.stdout.split() == ["True"], proc.stderr
+    # a fresh interpreter for what reading them loads; the app (seconds to import) is compared in this one
     code = "import sys; sys.path.insert(0, 'benchmarks'); import rank_stability; print('gradio' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.stdout.split() == ["False"], proc.stderr
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import rank_stability
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    from kvviz.ui.app import EXAMPLES
+
+    assert rank_stability.EXAMPLES is EXAMPLES  # the app still offers the same ones
