@@ -1025,6 +1025,38 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     assert compare_follow(None, "42")[2:] == (gr.skip(),) * 4
 
 
+def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
+    """Live's Follow marks what is typed on the retention heatmap as Compare's panels do, a generated token
+    from the step it entered the cache; an empty field (the boundary entries, which change per step) marks
+    nothing, and the figure a run streams into stays unmarked."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.app import followed_views, scrub, step_views
+
+    # prompt [a][b][c][d], budget 4: step 1 adds #4 ("x") and evicts #1; step 2 adds #5 and evicts #4
+    view = RunView(4, 3, 4, ["a", "b", "c", "d"])
+    view.add(StepEvent(0, 0, 0, "x", np.arange(4), np.empty(0, np.int64)), "x")
+    view.add(StepEvent(1, 0, 0, "y", np.array([0, 2, 3, 4]), np.array([1])), "y")
+    view.add(StepEvent(2, 0, 0, "z", np.array([0, 2, 3, 5]), np.array([4])), "z")
+    history, retention = followed_views(view, "#1, #4", 2)
+    line, top, cross = retention.data[1:]
+    # #1: cached from the prefill until step 1 evicts it; #4: from step 1, when it entered, until step 2
+    assert list(line.x) == [1, 1, None, 4, 4, None] and list(line.y) == [-0.5, 0.5, None, 0.5, 1.5, None]
+    assert list(top.x) == [1, 4] and list(cross.x) == [1, 4] and list(cross.y) == [1, 2]
+    assert top.hovertext == ("#1 b: evicted at step 1", "#4 x: evicted at step 2")
+    assert "red followed" in retention.layout.title.text and history is not None
+    assert [shape.y0 for shape in retention.layout.shapes if shape.line.color == "#d62728"] == [2]  # the step
+    # scrubbing keeps the marks, at the step scrubbed to; nothing typed, nothing marked
+    scrubbed = scrub(view, 1, "#1")[0]
+    assert list(scrubbed.data[1].x) == [1, 1, None]
+    assert [shape.y0 for shape in scrubbed.layout.shapes if shape.line.color == "#d62728"] == [1]
+    assert len(scrub(view, 1, "")[0].data) == 1 and len(followed_views(view, "", 2)[1].data) == 1
+    assert "red followed" not in scrub(view, 1, "")[0].layout.title.text
+    # at a run's end the views after it mark what was typed, and leave the heatmap alone without it
+    assert len(step_views(view, "#1", 2)[3].data) == 4 and step_views(view, "", 2)[3] == gr.skip()
+    assert len(view.retention_figure().data) == 1
+    assert followed_views(None, "#1", 0) == (gr.skip(), gr.skip())
+
+
 def test_compare_lists_each_policys_stability_diagnostics(tiny):
     """The table beside the comparison holds, per policy, what diagnostics.summary gives for the same run
     made alone by kvviz.run (a shared prefill changes nothing), n/a where the policy records no such score."""

@@ -923,12 +923,18 @@ def scrubbed_step(view: RunView, step) -> int:
     return min(max(number, 0), view.steps - 1)
 
 
-def scrub(view: RunView | None, step):
-    """The views of one step: heatmaps, step detail, prompt fates and the last decision's terms, and the
-    scrubber set to that step where it was typed as another value (3.5, or past an end), so that the box says
-    which step is shown.  The token history is not among them: it follows in a second event, which reads the
-    Follow field as it is then (a field typed while this ran would otherwise be overwritten by a history of
-    what it held before)."""
+def typed_positions(view: RunView, follow: str, step: int) -> list[int]:
+    """The positions typed in Follow, which the retention heatmap marks; none while it is empty (the entries
+    at the eviction boundary that the token history then follows change with every step scrubbed)."""
+    return view.follow(follow, step)[0] if (follow or "").strip() else []
+
+
+def scrub(view: RunView | None, step, follow: str = ""):
+    """The views of one step: heatmaps (the tokens typed in Follow marked on the retention), step detail,
+    prompt fates and the last decision's terms, and the scrubber set to that step where it was typed as
+    another value (3.5, or past an end), so that the box says which step is shown.  The token history is not
+    among them: it follows in a second event, which reads the Follow field as it is then (a field typed while
+    this ran would otherwise be overwritten by a history of what it held before)."""
     if view is None or not view.events:
         return (gr.skip(),) * 8
     typed, step = step, scrubbed_step(view, step)
@@ -936,7 +942,8 @@ def scrub(view: RunView | None, step):
         as_shown = float(typed) == step
     except (TypeError, ValueError):
         as_shown = False
-    return (view.retention_figure(step), view.rank_figure(step), view.timeline_figure(step),
+    return (view.retention_figure(step, typed_positions(view, follow, step)), view.rank_figure(step),
+            view.timeline_figure(step),
             view.step_detail_figure(step), view.fate_html(step, prompt_only=False), *decision_views(view, step),
             gr.skip() if as_shown else gr.update(value=step))
 
@@ -949,11 +956,24 @@ def history_view(view: RunView | None, follow: str, step) -> go.Figure | None:
     return view.history_figure(*view.follow(follow, step), marker_step=step)
 
 
-def step_views(view: RunView | None, follow: str, step) -> tuple:
-    """What follows the scrubbed step besides the heatmaps: the token history and the last decision's terms."""
+def followed_views(view: RunView | None, follow: str, step) -> tuple:
+    """What Follow changes: the token history, and the retention heatmap with the typed tokens marked (at the
+    scrubbed step)."""
     if view is None or not view.events:
-        return None, "", gr.update(value=None, visible=False)
-    return history_view(view, follow, step), *decision_views(view, step)
+        return gr.skip(), gr.skip()
+    step = scrubbed_step(view, step)
+    return history_view(view, follow, step), view.retention_figure(step, typed_positions(view, follow, step))
+
+
+def step_views(view: RunView | None, follow: str, step) -> tuple:
+    """What follows the scrubbed step besides the heatmaps: the token history, the last decision's terms,
+    and the retention heatmap again where Follow has tokens typed to mark on it."""
+    if view is None or not view.events:
+        return None, "", gr.update(value=None, visible=False), gr.skip()
+    step = scrubbed_step(view, step)
+    marked = typed_positions(view, follow, step)
+    return (history_view(view, follow, step), *decision_views(view, step),
+            view.retention_figure(step, marked) if marked else gr.skip())
 
 
 def decision_views(view: RunView, step) -> tuple:
@@ -1094,10 +1114,8 @@ PANEL_TITLE_CHARS = 20  # what a quarter-width panel's title holds on a line
 def compare_panel(name: str, view: RunView, followed: list[int] | None = None) -> go.Figure:
     """One policy's retention panel in the Compare tab, with the ``followed`` prompt positions drawn on a
     copy (the streaming figure that ``view`` reuses stays unmarked)."""
-    figure = view.retention_figure()
+    figure = view.retention_figure(followed=followed)
     figure.update_traces(showscale=False, selector=dict(type="heatmap"))  # a narrow panel: its title is the key
-    if followed:
-        figure = view.mark_positions(go.Figure(figure), followed)
     # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
     # long title, which ran past the panel's edge).
     key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
@@ -1668,12 +1686,12 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                          seed, description, *widgets], api_name=False, concurrency_limit=limits.runs_per_model,
                         concurrency_id="model")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
-            after = [history, terms_note, terms]
-            step_slider.input(scrub, [view_state, step_slider], [retention, ranks, timeline, detail, fate, terms_note,
-                                                                  terms, step_slider],
+            after = [history, terms_note, terms, retention]
+            step_slider.input(scrub, [view_state, step_slider, follow],
+                              [retention, ranks, timeline, detail, fate, terms_note, terms, step_slider],
                               api_name=False, trigger_mode="always_last").then(
                 history_view, [view_state, follow, step_slider], history, api_name=False)
-            follow.change(history_view, [view_state, follow, step_slider], history, api_name=False,
+            follow.change(followed_views, [view_state, follow, step_slider], [history, retention], api_name=False,
                           trigger_mode="always_last")
             # The last run's views would otherwise stay up, beside the new run, until it ends.
             checked.success(lambda: step_views(None, "", 0), None, after, api_name=False, queue=False)

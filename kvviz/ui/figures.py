@@ -124,15 +124,17 @@ class RunView:
             fig.update_yaxes(dtick=step_dtick(self.steps))
         return fig
 
-    def _retention_title(self, col: int, row: int) -> str:
+    def _retention_title(self, col: int, row: int, followed: bool = False) -> str:
         binned = _cell_note(col, row)  # mixed cells shade in between
-        return (f"Retention (B = {self.budget}): dark kept, pale evicted, blank not yet generated{binned}"
-                + self._protected_note())
+        return (f"Retention (B = {self.budget}): dark kept, pale evicted, blank not yet generated"
+                f"{', red followed' * followed}{binned}" + self._protected_note())
 
-    def retention_figure(self, marker_step: int | None = None) -> go.Figure:
+    def retention_figure(self, marker_step: int | None = None, followed: list[int] | None = None) -> go.Figure:
+        """Which positions the cache holds after each step, with ``followed`` positions drawn over it in red
+        (:meth:`mark_positions`) on a figure of its own: the one a run streams into stays unmarked."""
         z, col, row = self.retention()
-        title = self._retention_title(col, row)
-        if (fig := self._reuse("retention", z, col, row, marker_step, title)) is not None:
+        title = self._retention_title(col, row, bool(followed))
+        if not followed and (fig := self._reuse("retention", z, col, row, marker_step, title)) is not None:
             last = max(self.steps - 1, 0)
             for shape in fig.layout.shapes:  # the pinned bands grow down (sinks) and right (tail) per step
                 if shape.type == "path":
@@ -146,6 +148,8 @@ class RunView:
         self._pinned_bands(fig)
         fig.update_layout(title=title)
         _marker(fig, marker_step)
+        if followed:
+            return self.mark_positions(fig, followed)
         if marker_step is None:
             self._live["retention"] = fig
         return fig
@@ -158,8 +162,8 @@ class RunView:
         line_x, line_y, top, cross = [], [], [], []
         for position in positions:
             step = self.evicted_at(position)
-            line_x += [position, position, None]
-            line_y += [-0.5, last + 0.5 if step is None else step - 0.5, None]
+            line_x += [position, position, None]  # from the step it entered: 0 for the prompt
+            line_y += [int(self.entered[position]) - 0.5, last + 0.5 if step is None else step - 0.5, None]
             fate = "kept to the end" if step is None else f"evicted at step {step}"
             top.append(f"#{position} {self.token_cell(position)}: {fate}")
             if step is not None:
