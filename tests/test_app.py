@@ -1004,6 +1004,10 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     for view in views.values():
         del view.events[1:]  # stopped at the prefill: one token each
     assert "identical for the 1 token both produced" in divergence_markdown(["a", "b"], views)
+    from kvviz.ui.app import jaccard_figure
+    jaccard = jaccard_figure(["a", "b"], views)  # one point: the prefill's keep sets, both the whole prompt
+    assert list(jaccard.data[0].x) == [0] and list(jaccard.data[0].y) == [1.0]
+    assert list(jaccard.layout.xaxis.range) == [-0.5, 0.5]  # the step there is, not an axis from -1 to 1
     # the key wraps at its dots, not inside an item, where a quarter-width panel would cut it
     from kvviz.ui.app import compare_panel
     view = views["b"]

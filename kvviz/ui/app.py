@@ -1184,9 +1184,12 @@ def jaccard_figure(names, views) -> go.Figure:
         pairs = diagnostics.keep_set_jaccard_over_time(
             Trace([], 0, reference, events=views[reference].events), Trace([], 0, name, events=views[name].events))
         fig.add_scatter(x=[s for s, _ in pairs], y=[j for _, j in pairs], name=f"{name} vs {reference}")
+    steps = max(view.steps for view in views.values())
     fig.update_layout(title="Jaccard of the keep sets over time", xaxis_title="decode step", yaxis_title="Jaccard",
-                      xaxis_dtick=step_dtick(max(view.steps for view in views.values())),
-                      yaxis_range=[0, 1.02], height=300, margin=dict(l=50, r=20, t=40, b=40))
+                      xaxis_dtick=step_dtick(steps), yaxis_range=[0, 1.02], height=300,
+                      margin=dict(l=50, r=20, t=40, b=40))
+    if steps <= 10:  # the steps there are: a comparison stopped at the prefill autoranged to steps -1 to 1
+        fig.update_xaxes(range=[-0.5, max(steps - 1, 0) + 0.5])
     return fig
 
 
