@@ -1687,6 +1687,41 @@ def test_a_budget_never_filled_is_refused_with_a_remedy_that_works(tiny):
         check(size + 15, 4)
 
 
+def test_a_checkpointed_policy_that_would_reach_no_checkpoint_is_refused_with_remedies_that_work(tiny):
+    """AvoKV-E evicts only at its checkpoints: with B = L + 4 the cache is over B from step 5, and at the
+    default interval (128) the first checkpoint is step 128, so 12 new tokens (last step 11) evict nothing.
+    Both remedies offered evict: 129 new tokens, or an interval of 11 - 5 + 1 = 7 or less."""
+    from kvviz.ui.app import _models, validate
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=200)
+    size = len(kvviz.engine.encode_prompt(tiny[1], PROMPT, chat=False))
+
+    def check(new_tokens, **params):
+        return validate(limits, TINY, PROMPT, "budget", 0.5, size + 4, new_tokens, False,
+                        [kvviz.make_policy("avokv", **params)])
+
+    with pytest.raises(ValueError, match=r"^avokv evicts only at its checkpoints, every 128 generated tokens once the "
+                                         rf"cache is over B = {size + 4}: the first here would be at step 128, after "
+                                         r"this run's last step \(11\), so nothing would be evicted; allow at least "
+                                         r"129 new tokens or set interval to 7 or less$"):
+        check(12)
+    with pytest.raises(ValueError, match="evicted; set interval to 7 or less$"):  # 129: past a limit of 100
+        validate(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=100), TINY, PROMPT, "budget", 0.5,
+                 size + 4, 12, False, [kvviz.make_policy("avokv")])
+    model, tokenizer = tiny
+    # 7 or less is sure to; 8 happens to (its step 8 is past step 5)
+    for new_tokens, params in ((129, {}), (12, {"interval": 7}), (12, {"interval": 1}), (12, {"interval": 8})):
+        check(new_tokens, **params)  # accepted, and it does evict
+        run = kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("avokv", **params), chat=False, budget=size + 4,
+                        max_new_tokens=new_tokens)
+        assert any(event.evicted.size for event in run.trace.events), params
+    # R-KV checkpoints on the same schedule; the other policies are left to the budget check
+    with pytest.raises(ValueError, match="^rkv evicts only at its checkpoints"):
+        validate(limits, TINY, PROMPT, "budget", 0.5, size + 4, 12, False, [kvviz.make_policy("rkv")])
+    assert validate(limits, TINY, PROMPT, "budget", 0.5, size + 4, 12, False, [kvviz.make_policy("tova")])
+
+
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):
     """The long-generation regime: B = L0 + 5 with 20 new tokens evicts from step 6 on.  A budget the run
     never fills is refused."""
@@ -1815,9 +1850,11 @@ def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeyp
     assert outputs[-1][2].data[0].type == "heatmap"
 
 
-def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_stats(tiny):
+def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_stats(tiny, tmp_path):
     """AvoKV-E at interval 16 over a prompt two tokens over B: its first checkpoint is at step 14, so an
-    8-token run ends over B with nothing cut (and says why), a 24-token run is cut (and says nothing)."""
+    8-token run ends over B with nothing cut.  Live refuses to start one (saying what would reach a
+    checkpoint); a trace of one, opened (e.g. from `kvviz generate`), says why its cache was not cut.  A
+    24-token run is cut, and says nothing."""
     from kvviz import engine
     from kvviz.ui import app
 
@@ -1825,14 +1862,20 @@ def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_st
     prompt_len = len(engine.encode_prompt(tiny[1], PROMPT, chat=False))
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30)
     widgets = {name: app.PARAMETERS[name]["default"] for name in app.PARAM_NAMES} | {"interval": 16, "delay": 8}
-    stats = {}
-    for new_tokens in (8, 24):
-        *_, last = app.make_live_handler(limits)(TINY, PROMPT, "avokv", "budget", 0.9, prompt_len - 2, new_tokens,
-                                                 False, *GREEDY, *widgets.values(), "", None)
-        stats[new_tokens] = last[1]
-    assert stats[8].endswith("*no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 "
-                             "here, and this run ended at step 7; the cache was not cut*")
-    assert "no checkpoint" not in stats[24]
+
+    def live(new_tokens):
+        return app.make_live_handler(limits)(TINY, PROMPT, "avokv", "budget", 0.9, prompt_len - 2, new_tokens,
+                                             False, *GREEDY, *widgets.values(), "", None)
+
+    with pytest.raises(gr.Error, match="the first here would be at step 14, after this run's last step \\(7\\)"):
+        list(live(8))
+    assert "no checkpoint" not in [*live(24)][-1][1]
+    run = kvviz.run(*tiny, PROMPT, kvviz.make_policy("avokv", interval=16, delay=8), chat=False,
+                    budget=prompt_len - 2, max_new_tokens=8)
+    run.trace.save(tmp_path / "short.parquet")
+    stats = app.make_open_handler(limits)(str(tmp_path / "short.parquet"))[1]
+    assert stats.endswith("*no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 "
+                          "here, and this run ended at step 7; the cache was not cut*")
 
 
 def test_the_retention_heatmap_labels_where_the_prompt_ends():

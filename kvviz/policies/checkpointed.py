@@ -219,3 +219,9 @@ class CheckpointPolicy(Policy):
         """The decode step of a run's first checkpoint (never the prefill): until then nothing is evicted, so
         step k's cache holds prompt_len + k entries.  At the latest the step that would pass B + interval - 1."""
         return next(step for step in itertools.count(1) if self.checkpoint_at(step, prompt_len + step, budget))
+
+    def widest_interval(self, prompt_len: int, budget: int, last_step: int) -> int:
+        """The largest ``interval`` sure to bring a first checkpoint by decode step ``last_step`` (0: none
+        does): from the first step with the cache over B, one falls within ``interval - 1`` steps."""
+        over = max(1, budget - prompt_len + 1)  # nothing is evicted before: step k holds prompt_len + k
+        return max(0, last_step - over + 1)

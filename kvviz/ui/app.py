@@ -36,6 +36,7 @@ import torch
 from .. import diagnostics, engine
 from ..models import load_model
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
+from ..policies.checkpointed import CheckpointPolicy
 from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
 from ..tasks.examples import EXAMPLES
 from .config import Limits
@@ -254,7 +255,27 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     for policy in policies:
         policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
         engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
+        check_checkpoint_reached(limits, policy, len(prompt_ids), resolved, max_new)
     return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
+
+
+def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, budget: int, max_new: int) -> None:
+    """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV) would reach no checkpoint, and so evict
+    nothing, saying what would bring one: more new tokens, or a shorter interval.  A budget the run fills was
+    advice enough for the others, and led such a policy to a run that cut nothing."""
+    if not isinstance(policy, CheckpointPolicy):
+        return
+    last = max_new - 1  # the last decode step: the last token is generated, never fed back
+    first = policy.first_checkpoint(prompt_len, budget)
+    if first <= last:
+        return
+    options = [f"allow at least {first + 1} new tokens"] if first + 1 <= limits.max_new_tokens else []
+    if (widest := policy.widest_interval(prompt_len, budget, last)) >= 1:
+        options.append(f"set interval to {widest} or less")
+    advice = " or ".join(options) or "choose a smaller budget and a shorter interval"
+    raise ValueError(f"{setting_label(policy)} evicts only at its checkpoints, every {policy.interval} generated tokens "
+                     f"once the cache is over B = {budget}: the first here would be at step {first}, after this run's "
+                     f"last step ({last}), so nothing would be evicted; {advice}")
 
 
 @dataclass
