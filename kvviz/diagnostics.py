@@ -4,6 +4,7 @@
   "top-B Jaccard churn" of InertiaKV §5.3);
 * raw/EMA Jaccard: agreement of this step's raw top-k (``event.raw``) with the policy's top-k utility;
 * raw-top evicted rate: share of this step's raw top-k that the step evicted;
+* first keep set retained: the share of the first evicting step's keep set still kept (InertiaKV §3.1);
 * keep-set turnover: ``1 - Jaccard`` of consecutive keep sets.  With k = B and the cache held at B, the
   utility top-k *is* the keep set, so utility churn equals this turnover (``2 / (B + 1)`` a step when the new
   entry displaces an old one) for every policy that evicts by its utility, InertiaKV or not; both count only
@@ -129,6 +130,19 @@ def keep_turnover(trace: Trace) -> list[tuple[int, float]]:
             for a, b in zip(steps, steps[1:]) if b.step == a.step + 1 and b.evicted.size]
 
 
+def first_keep_set_retained(trace: Trace) -> list[tuple[int, float]]:
+    """(step, share of the first evicting decode step's keep set still kept), from that step on.  InertiaKV
+    §3.1 saw the top-B set stay its first-step set through a 79-step run (1.0 throughout): every later step
+    then evicted only what arrived after it.  It can only fall, as an evicted entry never returns."""
+    steps = trace.decode_steps
+    first = next((event for event in steps if event.evicted.size), None)
+    if first is None:
+        return []
+    base = set(first.kept.tolist())
+    return [(event.step, len(base & set(event.kept.tolist())) / len(base)) for event in steps
+            if event.step >= first.step]
+
+
 def _common_values(positions_a, values_a, positions_b, values_b) -> tuple[np.ndarray, np.ndarray]:
     """Two steps' scores of the positions present at both, aligned."""
     _, in_a, in_b = np.intersect1d(positions_a, positions_b, assume_unique=True, return_indices=True)
@@ -190,10 +204,13 @@ def keep_set_jaccard_over_time(a: Trace, b: Trace) -> list[tuple[int, float]]:
 
 def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
     """Means of each diagnostic over the run (NaN where the policy records no raw scores or utility, or where
-    nothing pairs: no two consecutive scored steps for a churn, no two recomputations for a rank stability)."""
+    nothing pairs: no two consecutive scored steps for a churn, no two recomputations for a rank stability),
+    but the first keep set's share retained, which is at the run's end (NaN where no decode step evicted)."""
     def mean(pairs):
         values = [v for _, v in pairs if not np.isnan(v)]  # a rank stability is NaN on a constant step
         return float(np.mean(values)) if values else float("nan")
+
+    retained = first_keep_set_retained(trace)
 
     return {
         "raw_churn": mean(raw_churn(trace, k)),
@@ -203,6 +220,7 @@ def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
         "raw_top_evicted_rate": mean(raw_top_evicted_rate(trace, k)),
         "raw_rank_stability": mean(raw_rank_stability(trace)),
         "utility_rank_stability": mean(utility_rank_stability(trace)),
+        "first_keep_set_retained": retained[-1][1] if retained else float("nan"),
     }
 
 

@@ -1078,8 +1078,9 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     # The steps the raw rows average over: every one of the 11 decode steps, but none for StreamingLLM.
     assert table.loc[RAW_STEPS].tolist() == ["11 of 11", "11 of 11", "0 of 11"]
     table = table.drop(RAW_STEPS)
-    # StreamingLLM scores nothing: only its keep turnover has a value.
-    assert (table["streaming"] == "n/a").tolist() == [key != "keep_turnover" for key in diagnostics.summary(
+    # StreamingLLM scores nothing: only what its keep sets give has a value.
+    assert (table["streaming"] == "n/a").tolist() == [key not in ("keep_turnover", "first_keep_set_retained")
+                                                      for key in diagnostics.summary(
         kvviz.run(model, tokenizer, PROMPT, "streaming", chat=False, compression=0.5, max_new_tokens=2).trace)]
     # Utility churn at k = B is only each keep set's turnover (the rank stabilities: tests/test_diagnostics_probe).
     for name in ("inertia", "tova"):

@@ -75,6 +75,21 @@ def test_keep_turnover_and_rank_stability_on_a_hand_trace():
     assert np.isnan(dx.summary(hand_trace())["utility_rank_stability"])
 
 
+def test_first_keep_set_retained_on_a_hand_trace():
+    """The share of the first evicting step's keep set still kept: step 1 keeps {0, 1} (evicting 2), step 2
+    evicts 0 -> 1/2; a step that evicts the newcomer only keeps it whole (InertiaKV §3.1's 79 steps)."""
+    assert dx.first_keep_set_retained(hand_trace()) == [(1, 1.0), (2, 0.5)]
+    assert dx.summary(hand_trace())["first_keep_set_retained"] == 0.5  # at the end, not a mean over steps
+    # Budget 2 from a 3-token prompt; steps 2 and 3 evict the entry each brought in: the set stays {0, 1}.
+    events = [event(0, [0, 1, 2], []), event(1, [0, 1], [2]), event(2, [0, 1], [3]), event(3, [0, 1], [4])]
+    assert dx.first_keep_set_retained(Trace([7, 8, 9], 2, "test", events=events)) == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    # The long-generation regime: the first eviction comes at step 2, once generation has filled B = 3.
+    events = [event(0, [0, 1], []), event(1, [0, 1, 2], []), event(2, [0, 2, 3], [1]), event(3, [2, 3, 4], [0])]
+    assert dx.first_keep_set_retained(Trace([7, 8], 3, "test", events=events)) == [(2, 1.0), (3, pytest.approx(2 / 3))]
+    full = Trace([7, 8], 2, "full", events=[event(0, [0, 1], []), event(1, [0, 1, 2], [])])
+    assert dx.first_keep_set_retained(full) == [] and np.isnan(dx.summary(full)["first_keep_set_retained"])
+
+
 def test_token_history_on_a_hand_trace():
     history = dx.token_history(hand_trace().events, [0, 2, 3]).set_index(["step", "position"])
     # Step 0: only the prompt {0, 1}; 2 and 3 do not exist yet, and nothing was scored.

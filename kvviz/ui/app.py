@@ -513,7 +513,8 @@ def diagnostics_markdown(trace: Trace) -> str:
     missing = "n/a" in values.values()  # the n/a key only where a row reads n/a
     # What the values are goes above the table: in the header it took the narrow column's width and wrapped
     # "value" into "valu / e"
-    return ("Means over the run's steps (k = the budget B):\n\n| diagnostic | value |\n|---|---:|\n" + rows +
+    return ("Means over the run's steps (k = the budget B), but the first keep set's share retained, at the run's "
+            "end:\n\n| diagnostic | value |\n|---|---:|\n" + rows +
             "\n\n" + DIAGNOSTICS_NOTE + ("\n\n*n/a: this policy records no raw per-step score (or no utility) to "
             "compare, or no two consecutive steps have one (for utility churn and keep turnover: no two of which "
             "the later evicted).*" if missing else ""))
@@ -643,7 +644,8 @@ STABILITY_LABEL = ("Stability, a column per policy (InertiaKV App. I; means over
                    "raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
                    "scores, and of their utilities, over the entries both scored (the ranking inertia); n/a "
                    "where a policy records no such score or never rescores (churn and turnover: where it evicted "
-                   "at no step after its first, as AvoKV-E with one checkpoint)")
+                   "at no step after its first, as AvoKV-E with one checkpoint); last, the share of the keep set "
+                   "after the first step that evicted still kept at the end (InertiaKV §3.1 saw all of it kept)")
 
 
 def make_compare_check(limits: Limits):
