@@ -565,6 +565,21 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
     assert "no token text contains 'zzz'" in capsys.readouterr().err
 
 
+def test_generate_and_trace_say_which_rate_includes_the_prefill(tiny, tmp_path, capsys):
+    """generate printed "24 new tokens at 4.4 tok/s" (the prefill's time in it) and trace, on the same run,
+    "decode 9.5 tok/s" (without it): each now says which, in the same words."""
+    from kvviz.cli import main
+
+    assert main(["generate", *TINY, "--prompt", TEXT, "--policy", "inertia", "--budget", "20", "--max-new-tokens",
+                 "4", "--trace", str(tmp_path / "run.parquet")]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"new tokens at \d+\.\d tok/s including the prefill "
+                     r"\(decode \d+\.\d tok/s without the prefill\)$", summary), summary
+    assert main(["trace", str(tmp_path / "run.parquet")]) == 0
+    assert any(re.match(r"decode \d+\.\d tok/s without the prefill: forward \d+%", line)
+               for line in capsys.readouterr().out.splitlines())
+
+
 def test_a_checkpointed_run_that_ends_before_its_first_checkpoint_says_so(tiny, tmp_path, capsys):
     """generate (text and --json) and trace say why AvoKV-E's cache ended over B with nothing evicted."""
     from kvviz.cli import main
@@ -576,7 +591,7 @@ def test_a_checkpointed_run_that_ends_before_its_first_checkpoint_says_so(tiny, 
     note = ("no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 here, and this run "
             "ended at step 7; the cache was not cut")
     assert main([*args, "--max-new-tokens", "8", "--trace", str(tmp_path / "short.parquet")]) == 0
-    assert capsys.readouterr().err.endswith(f" tok/s\n-- {note}\n")
+    assert capsys.readouterr().err.endswith(f" tok/s without the prefill)\n-- {note}\n")
     assert main([*args, "--max-new-tokens", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["note"] == note
     assert main(["trace", str(tmp_path / "short.parquet")]) == 0
