@@ -579,7 +579,7 @@ def cmd_results(args) -> int:
     budget) for each task."""
     import pandas as pd
 
-    from .store import ROOT, Store
+    from .store import ROOT, Store, setting_names, suite_notes
 
     root = Path(args.root) if args.root else ROOT
     store = Store(root)
@@ -616,11 +616,14 @@ def cmd_results(args) -> int:
         table = frame.pivot_table(index=["origin", "model", "policy"], columns="compression", values="relative")
         print(f"{args.paper}: score / full-cache score (paper: printed aggregate; measured: mean over tasks)")
         print(table.round(3).to_string())
+        for note in suite_notes(frame, store.left_out_of_suite(args.paper, policies), args.paper):
+            print(note)
         return 0
     if args.vs:
         return _print_paired(store, root, args, policies)
     frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings)
     others = store.other_settings(args.task, args.model, policies, args.source)
+    others_here = store.other_settings(args.task, args.model, policies, args.source, per_table=True)
     if frame.empty and len(others):  # e.g. AvoKV-E run only at interval=16
         raise ValueError("these filters match only rows with non-default parameters (" + _settings_listed(others)
                          + "): add --settings to list them")
@@ -633,9 +636,10 @@ def cmd_results(args) -> int:
     speed = measured.groupby(["model", "task", "policy"]).decode_tok_s.mean()
     for (source, model, task), part in frame.groupby(["source", "model", "task"]):
         draws = int(part.draws.max())
+        digits = _score_digits(part.score)
         full = part[part.policy == "full"]
         part = part[part.policy != "full"]
-        cells = part.assign(cell=[f"{s:.2f} ({n})" for s, n in zip(part.score, part.samples)])
+        cells = part.assign(cell=[f"{s:.{digits}f} ({n})" for s, n in zip(part.score, part.samples)])
         table = _by_cut(cells, "cell")
         if source == "measured":
             table["tok/s"] = [f"{speed.get((model, task, p), float('nan')):.2f}" for p in table.index]
@@ -643,20 +647,32 @@ def cmd_results(args) -> int:
         # number can be printed in several tables): said once per table, not guessed.
         counted = "mean score (samples)" if source == "measured" else "mean printed score (figures)"
         print(f"\n{task} · {model} · {source} · {counted}"
-              + (f" · full cache {full.score.iloc[0]:.2f} ({full.samples.iloc[0]})" if len(full) else "")
+              + (f" · full cache {full.score.iloc[0]:.{digits}f} ({full.samples.iloc[0]})" if len(full) else "")
               + (f" · each sample the mean of up to {draws} sampled draws" if draws > 1 else ""))
         with pd.option_context("display.width", 200):
             print(table.to_string())
         if source == "measured":
             _print_cache_over_budget(measured[(measured.model == model) & (measured.task == task)])
+        # Without --settings each table is every policy at its defaults: say, under it, what it hides.
+        hidden = others_here[(others_here.model == model) & (others_here.task == task)
+                             & (others_here.source == source)] if not args.settings else others_here.iloc[0:0]
+        if len(hidden):
+            print(f"{len(hidden)} other setting{'s' * (len(hidden) > 1)} hidden "
+                  f"({', '.join(setting_names(hidden.policy, hidden.setting))}): use --settings")
     if args.source != "paper":  # papers print no per-run max-length hits
         _print_max_length_hits(store.max_length_hits(args.task, args.model, policies, settings=args.settings))
-    # Without --settings these tables are each policy at its defaults: say what they leave out, not hide it.
+    # The whole list, and where else the settings are shown, once under all the tables.
     if len(others) and not args.settings:
         print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
               f"rows): {_settings_listed(others)}; --settings lists each setting as its own row, --vs POLICY "
               "--settings pairs them, and the app's Results tab plots the α and refresh sweeps")
     return 0
+
+
+def _score_digits(scores) -> int:
+    """Decimals to print scores with: 3 for 0-1 metrics (a paper's 0.288 and 0.294 are not both 0.29), 2 on
+    a 0-100 scale."""
+    return 3 if scores.dropna().abs().max() <= 1 else 2
 
 
 def _settings_listed(others) -> str:
@@ -695,6 +711,8 @@ def _print_paired(store, root: Path, args, policies) -> int:
         return 0
     print(f"paired difference policy − {args.vs} on the same samples: mean Δ [95% paired-bootstrap interval] "
           f"wins/ties/losses; * the exact sign test says they differ (p < {ALPHA})")
+    # The reference's cache counts as much as the policies': every name of the table, the reference's too
+    held = store.speed_vs_quality(args.task, args.model, settings=args.settings)
     for (model, task), part in table.groupby(["model", "task"], sort=False):
         cells = part.assign(cell=[
             f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/{row.losses}"
@@ -702,24 +720,19 @@ def _print_paired(store, root: Path, args, policies) -> int:
         print(f"\n{task} · {model} · vs {args.vs}")
         with pd.option_context("display.width", 250):
             print(_by_cut(cells, "cell").to_string())
+        _print_cache_over_budget(held[(held.model == model) & (held.task == task)
+                                      & held.policy.isin([*part.policy, args.vs])])
     return 0
 
 
 def _print_cache_over_budget(frame) -> None:
-    """Name the cells whose policy held well over its nominal budget (checkpointed policies run up to
-    B + interval - 1, prefill-time ones grow by the tokens generated): one B is not one memory size."""
-    import pandas as pd
+    """Name the cells whose policy held well over its nominal budget (:func:`kvviz.store.held_over_note`):
+    one B is not one memory size, and AvoKV-E compares at matched measured cache sizes."""
+    from .store import held_over_note
 
-    # The largest cache while decoding (the store's decode_cache): the prefill's is left out, where at a
-    # compression every decode-time policy "held" its whole prompt once.
-    over = frame[(frame.policy != "full") & frame.decode_cache.notna()
-                 & (frame.decode_cache > 1.1 * frame.budget.astype(float))]
-    if len(over):
-        cells = ", ".join((f"{row.policy} B={int(row.absolute_budget)} {row.decode_cache:.0f}"
-                           if not pd.isna(row.absolute_budget) else
-                           f"{row.policy} ρ={row.compression:g} {row.decode_cache:.0f} (B={row.budget:.0f})")
-                          for row in over.itertuples())
-        print(f"held over 1.1x the budget (mean largest cache while decoding, entries): {cells}")
+    note = held_over_note(frame)
+    if note:
+        print(note)
 
 
 def _by_cut(part, values: str):

@@ -68,6 +68,13 @@ SUITES = {"single_needle": "RULER", "multi_key_needle": "RULER", "multi_value": 
           "variable_tracking": "RULER", "common_words": "RULER", "needle_grid": "NIAH", "longbench_v2": "LongBench-v2",
           "math500": "MATH-500", "aime25": "AIME25"}
 PREFIXES = {"ruler/": "RULER", "longbench/": "LongBench"}
+# A measured task counts towards a benchmark's aggregate only where the full cache itself scores at least this:
+# SmolLM2-135M's full cache scores 0.12 on variable tracking, so a policy's score there is mostly noise, and a
+# mean over tasks that includes it says little about eviction.  The papers' 8B full caches pass it on every task.
+FULL_CACHE_FLOOR = 0.5
+# A cell is said to have held over its budget past this factor (one B is not one memory size: a checkpointed
+# policy runs up to B + interval - 1, a prefill-time one grows by the tokens generated).
+HELD_OVER = 1.1
 
 
 def suite_of(task: str | None) -> str | None:
@@ -115,6 +122,63 @@ def setting_names(policies, settings) -> list[str]:
 def named_by_setting(frame: pd.DataFrame) -> pd.DataFrame:
     """A frame with ``policy`` and ``setting`` columns, each policy named by its setting, ``setting`` dropped."""
     return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
+
+
+def held_over_budget(frame: pd.DataFrame) -> pd.DataFrame:
+    """The cells of :meth:`Store.speed_vs_quality` whose policy held over HELD_OVER times its nominal budget
+    while decoding, one per (policy, compression or absolute budget): where several tasks or models have the
+    cell, the one that held the most over its budget.  The full cache and cells whose decode-time cache is not
+    known (``decode_cache`` NULL) are left out."""
+    # The largest cache while decoding (the store's decode_cache): the prefill's is left out, where at a
+    # compression every decode-time policy "held" its whole prompt once.
+    over = frame[(frame.policy != "full") & frame.decode_cache.notna()].assign(
+        ratio=lambda cells: cells.decode_cache / cells.budget.astype(float))
+    over = over[over.ratio > HELD_OVER]
+    cut = ["policy", "compression", "absolute_budget"]
+    return (over.sort_values("ratio", ascending=False).drop_duplicates(cut)
+            .sort_values(cut, na_position="first").reset_index(drop=True))
+
+
+def held_over_note(frame: pd.DataFrame) -> str:
+    """One line naming each policy's cells in ``frame`` (:meth:`Store.speed_vs_quality` rows) that held over
+    HELD_OVER times the budget, grouped per policy (``"avokv B=80: 184, B=112: 184; snapkv ρ=0.9: 219 of
+    B=199"``); empty where none did."""
+    over = held_over_budget(frame)
+    if over.empty:
+        return ""
+    several = len(frame.groupby(["model", "task"])) > 1
+
+    def held(row) -> str:
+        if not pd.isna(row.absolute_budget):
+            return f"B={int(row.absolute_budget)}: {row.decode_cache:.0f}"
+        return f"ρ={row.compression:g}: {row.decode_cache:.0f} of B={row.budget:.0f}"
+
+    cells = "; ".join(f"{policy} " + ", ".join(held(row) for row in part.itertuples())
+                      for policy, part in over.groupby("policy", sort=True))
+    return (f"held over {HELD_OVER:g}x the budget (mean largest cache while decoding, entries"
+            + (", on the task that held the most" if several else "") + f"): {cells}")
+
+
+def suite_notes(frame: pd.DataFrame, left_out: pd.DataFrame, suite: str) -> list[str]:
+    """What :meth:`Store.paper_comparison`'s ``frame`` averages: per model, the measured tasks, and those
+    :meth:`Store.left_out_of_suite` names (``left_out``), with why; the paper side as printed."""
+    measured = frame[frame.origin == "measured"]
+    notes = [f"measured {model}: mean over {tasks}" for model, tasks in
+             measured.groupby("model").task_names.agg(lambda names: max(names, key=len)).items()]
+    for model, part in left_out.groupby("model"):
+        below = [f"{row.task} (full cache {row.full_score:.3f})" for row in part.itertuples()
+                 if row.reason != "no full-cache row"]
+        missing = [row.task for row in part.itertuples() if row.reason == "no full-cache row"]
+        if below:
+            notes.append(f"measured {model}: left out {', '.join(below)}: under {FULL_CACHE_FLOOR:g} with the "
+                         "full cache, a policy's score there is mostly noise")
+        if missing:
+            notes.append(f"measured {model}: left out {', '.join(missing)}: no full-cache row to be relative to")
+    if (frame.origin != "measured").any():
+        notes.append("paper: the aggregate as printed" + (", the mean over RULER's 13 subtasks, on which the papers' "
+                                                          "full caches score well" if suite == "RULER" else ""))
+    return notes
+
 
 
 class Store:
@@ -399,14 +463,15 @@ class Store:
         """Score and decode speed against the refresh interval r (0 = score-free) for the InertiaKV family,
         from rows that change nothing but r.  The family is every registered name whose defaults differ from
         ``inertia``'s in r alone (inertia r = 1, inertia-lazy r = 4, score-free r = 0), at its own default r;
-        per compression or absolute budget."""
+        per compression or absolute budget.  ``sweeps`` names the sweeps each point's rows come from: speeds
+        compare within one run only."""
         where, params = self._filters(task, model, source, None, sweeps)
         family = self._family("refresh")
         return self.frame(
             f"""
             SELECT source, model, task, compression, absolute_budget, refresh, avg(score) AS score,
                    stddev_samp(score) / sqrt(count(*)) AS stderr, avg(decode_tok_s) AS decode_tok_s,
-                   count(*) AS samples FROM (
+                   count(*) AS samples, string_agg(DISTINCT sweep, ', ' ORDER BY sweep) AS sweeps FROM (
                 SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.refresh') AS INTEGER),
                                    default_refresh) AS refresh
                 FROM results JOIN (SELECT unnest(?::VARCHAR[]) AS policy, unnest(?::INTEGER[]) AS default_refresh)
@@ -462,8 +527,9 @@ class Store:
         return named_by_setting(frame)
 
     # Per task, each policy's mean score next to the full cache's on the same task and model (a task whose
-    # full cache scores 0 cannot be normalised and is left out).  Paper rows: the printed aggregate only.
-    # Compression cells only: the papers' tables compared here are per compression ratio.
+    # full cache scores 0 cannot be normalised and is left out, and a measured task whose full cache scores
+    # under the floor, the second parameter, says little about eviction).  Paper rows: the printed aggregate
+    # only.  Compression cells only: the papers' tables compared here are per compression ratio.
     _RELATIVE = """
         WITH rows AS (
             SELECT suite, CASE source WHEN 'paper' THEN 'paper: ' || paper ELSE 'measured' END AS origin,
@@ -475,7 +541,7 @@ class Store:
         per_task AS (SELECT suite, origin, model, task, policy, compression, avg(score) AS score,
                             count(*) AS samples FROM rows GROUP BY ALL),
         full_cache AS (SELECT suite, origin, model, task, score AS full_score FROM per_task
-                       WHERE policy = 'full' AND score > 0),
+                       WHERE policy = 'full' AND score > 0 AND (origin <> 'measured' OR score >= ?)),
         relative AS (SELECT p.*, f.full_score, p.score / f.full_score AS relative
                      FROM per_task p JOIN full_cache f USING (suite, origin, model, task)
                      WHERE policy <> 'full' AND compression IS NOT NULL)
@@ -484,19 +550,41 @@ class Store:
     def paper_comparison(self, suite: str = "RULER", policies: list[str] | None = None) -> pd.DataFrame:
         """Paper-reported and measured quality on one benchmark, each relative to its own full cache.
 
-        Paper rows are the benchmark's aggregate as printed (task = suite); measured rows are every task of
-        the suite (e.g. the RULER-style generators), paired with the full cache's score on the same task of
-        the same model.  ``relative`` is the mean score over tasks divided by the mean full-cache score, as a
-        paper's aggregate would be (a mean of per-task ratios lets a task the model fails even with the full
-        cache dominate: 0.2 / 0.12 is 1.7).  ``relative`` = 1 is full-cache quality.
+        Paper rows are the benchmark's aggregate as printed (task = suite: InertiaKV's RULER is the mean over
+        its 13 subtasks, on each of which its 8B full caches score well); measured rows are the tasks of the
+        suite (e.g. the RULER-style generators) on which the full cache of the same model scores at least
+        FULL_CACHE_FLOOR (:meth:`left_out_of_suite` names the others), each paired with that full-cache
+        score.  ``relative`` is the mean score over tasks divided by the mean full-cache score, as a paper's
+        aggregate would be (a mean of per-task ratios lets a task the model fails even with the full cache
+        dominate: 0.2 / 0.12 is 1.7).  ``relative`` = 1 is full-cache quality; ``task_names`` lists the tasks.
         """
         return self.frame(
             self._RELATIVE + """
             SELECT origin, model, policy, compression, avg(score) AS score, avg(full_score) AS full_score,
-                   avg(score) / nullif(avg(full_score), 0) AS relative, count(*) AS tasks, sum(samples) AS samples
+                   avg(score) / nullif(avg(full_score), 0) AS relative, count(*) AS tasks, sum(samples) AS samples,
+                   string_agg(task, ', ' ORDER BY task) AS task_names
             FROM relative WHERE suite = ? AND (? IS NULL OR list_contains(?, policy))
             GROUP BY ALL ORDER BY origin DESC, model, policy, compression
-            """, [list(QUALITY_METRICS), suite, policies, policies])
+            """, [list(QUALITY_METRICS), FULL_CACHE_FLOOR, suite, policies, policies])
+
+    def left_out_of_suite(self, suite: str = "RULER", policies: list[str] | None = None) -> pd.DataFrame:
+        """The measured tasks of ``suite`` that :meth:`paper_comparison` leaves out of its aggregate, and why:
+        per model and task with compression cells of an evicting policy (of ``policies``), ``full_score`` (the
+        full cache's mean score there, NULL where it has no row) and ``reason`` -- ``"no full-cache row"``, or
+        ``"full cache below the floor"`` (under FULL_CACHE_FLOOR, or 0: nothing to be relative to)."""
+        return self.frame(
+            self._RELATIVE + """
+            SELECT model, task, max(cached.score) AS full_score,
+                   CASE WHEN max(cached.score) IS NULL THEN 'no full-cache row' ELSE 'full cache below the floor'
+                   END AS reason
+            FROM per_task AS evicting
+            LEFT JOIN (SELECT origin, model, task, score FROM per_task WHERE policy = 'full') AS cached
+                 USING (origin, model, task)
+            WHERE evicting.origin = 'measured' AND evicting.suite = ? AND evicting.policy <> 'full'
+              AND evicting.compression IS NOT NULL AND (? IS NULL OR list_contains(?, evicting.policy))
+            GROUP BY model, task HAVING max(cached.score) IS NULL OR max(cached.score) < greatest(?, 1e-12)
+            ORDER BY model, task
+            """, [list(QUALITY_METRICS), FULL_CACHE_FLOOR, suite, policies, policies, FULL_CACHE_FLOOR])
 
     def comparable_suites(self) -> list[str]:
         """Benchmarks on which both a paper and a measurement have quality relative to a full cache."""
@@ -504,7 +592,7 @@ class Store:
             self._RELATIVE + """
             SELECT suite FROM relative GROUP BY suite
             HAVING count(DISTINCT origin = 'measured') = 2 ORDER BY suite
-            """, [list(QUALITY_METRICS)]).fetchall()]
+            """, [list(QUALITY_METRICS), FULL_CACHE_FLOOR]).fetchall()]
 
     def needle_grid(self, model=None, policies=None, source=None, sweeps=None) -> pd.DataFrame:
         """Mean score per (policy, compression or absolute budget, context length, needle depth) of the
@@ -553,14 +641,17 @@ class Store:
             """, [settings, *params, reference, policies, policies])
         return frame.assign(policy=setting_names(frame.policy, frame.setting))
 
-    def other_settings(self, task=None, model=None, policies=None, source=None, sweeps=None) -> pd.DataFrame:
+    def other_settings(self, task=None, model=None, policies=None, source=None, sweeps=None,
+                       per_table: bool = False) -> pd.DataFrame:
         """Rows that the per-policy queries leave out because they change a parameter from its default (α and
-        refresh sweeps, ablations): how many per (policy, setting), so that a table can say what it omits."""
+        refresh sweeps, ablations): how many per (policy, setting), so that a table can say what it omits;
+        ``per_table``: per (source, model, task, policy, setting), a table's own."""
         where, params = self._filters(task, model, source, policies, sweeps)
+        table = "source, model, task, " if per_table else ""
         return self.frame(
             f"""
-            SELECT policy, setting, count(*) AS rows FROM results WHERE setting <> '{{}}' AND {where}
-            GROUP BY ALL ORDER BY policy, setting
+            SELECT {table}policy, setting, count(*) AS rows FROM results WHERE setting <> '{{}}' AND {where}
+            GROUP BY ALL ORDER BY {table}policy, setting
             """, params)
 
     def options(self, column: str, source: str | None = None) -> list[str]:

@@ -220,6 +220,48 @@ def test_paper_comparison_is_relative_to_each_sources_full_cache(tmp_path):
     assert store.paper_comparison("RULER", policies=["inertia"]).empty
 
 
+def test_a_task_the_full_cache_fails_is_left_out_of_the_measured_aggregate_and_named(tmp_path, capsys):
+    """Variable tracking, at 0.12 with the full cache on the small model, made the measured "RULER" mostly that
+    task's noise (here tova scores 0.3 there, over the full cache).  Tasks under the floor, and a task without a
+    full-cache row, are left out of the mean, and the CLI and the figure say which and why."""
+    from kvviz.cli import main
+    from kvviz.ui.results import SECTIONS, query
+
+    measured = [{"source": "measured", "model": "m", "task": task, "policy": policy, "compression": rho,
+                 "params": {}, "metric": "string_match", "score": score, "sample": 0, "decode_tok_s": 1.0}
+                for task, policy, rho, score in [
+                    ("single_needle", "full", 0.5, 1.0), ("single_needle", "tova", 0.9, 0.5),
+                    ("multi_key_needle", "full", 0.5, 0.8), ("multi_key_needle", "tova", 0.9, 0.4),
+                    ("variable_tracking", "full", 0.5, 0.12), ("variable_tracking", "tova", 0.9, 0.3),
+                    ("multi_value", "tova", 0.9, 0.9)]]  # no full-cache row
+    paper = [{"source": "paper", "paper": "InertiaKV", "table": "Table 4", "model": "P", "task": "RULER",
+              "policy": policy, "compression": rho, "params": {}, "metric": "score", "score": score}
+             for policy, rho, score in [("full", None, 90.0), ("tova", 0.9, 45.0)]]
+    write_rows(tmp_path / "sweep", measured)
+    write_rows(tmp_path / "paper", paper)
+    store = Store(tmp_path)
+    table = store.paper_comparison("RULER")
+    # (0.5 + 0.4) / (1.0 + 0.8) = 0.5; with variable tracking it would be (0.5 + 0.4 + 0.3) / 1.92 = 0.625
+    assert table[["origin", "relative", "tasks", "task_names"]].values.tolist() == [
+        ["paper: InertiaKV", 0.5, 1, "RULER"], ["measured", pytest.approx(0.5), 2, "multi_key_needle, single_needle"]]
+    left_out = store.left_out_of_suite("RULER")
+    assert left_out[["task", "reason"]].values.tolist() == [["multi_value", "no full-cache row"],
+                                                            ["variable_tracking", "full cache below the floor"]]
+    assert left_out.full_score.iloc[1] == pytest.approx(0.12)
+    assert main(["results", "--root", str(tmp_path), "--paper", "RULER"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-4:] == [
+        "measured m: mean over multi_key_needle, single_needle",
+        "measured m: left out variable_tracking (full cache 0.120): under 0.5 with the full cache, a policy's "
+        "score there is mostly noise",
+        "measured m: left out multi_value: no full-cache row to be relative to",
+        "paper: the aggregate as printed, the mean over RULER's 13 subtasks, on which the papers' full caches "
+        "score well"]
+    title = query(store, "(all)", "(all)", [], "measured", "RULER")[3 * SECTIONS.index("Measured vs paper")] \
+        .layout.title.text
+    assert "left out variable_tracking (full cache 0.120)" in title and "left out multi_value" in title
+
+
 def test_results_paper_prints_csv_and_refuses_filters_it_would_not_apply(tmp_path, capsys):
     """`kvviz results --paper RULER --csv` printed the table, not CSV; --task, --model and --source were
     checked against the store and then silently not applied."""
@@ -501,9 +543,55 @@ def test_results_command_says_what_each_tables_count_in_brackets_counts(tmp_path
     write_rows(tmp_path / "paper2", [{**row, "table": "Table 1"}, {**row, "table": "Table 7"}])
     assert main(["results", "--root", str(tmp_path), "--task", "t"]) == 0
     measured, paper = capsys.readouterr().out.split("\nt · m · paper")
-    assert "t · m · measured · mean score (samples) · full cache 1.00 (1)" in measured
+    assert "t · m · measured · mean score (samples) · full cache 1.000 (1)" in measured
     assert paper.startswith(" · mean printed score (figures) · full cache 84.00 (1)\n")
     assert any(line.split()[:3] == ["tova", "30.00", "(2)"] for line in paper.splitlines())
+
+
+def test_a_table_that_hides_other_settings_says_so_under_it(tmp_path, capsys):
+    """The sampled reasoning sweep ran AvoKV-E and R-KV at interval 16 only: the default table of that task
+    showed inertia and tova alone.  Under it: how many settings it hides and how to see them (the CLI's flag,
+    the app's box)."""
+    from kvviz.cli import main
+    from kvviz.ui.results import SECTIONS, SETTINGS_BOX, query
+
+    row = {"source": "measured", "model": "m", "seed": 0, "prompt_len": 70, "metric": "math", "sample": 0,
+           "decode_tok_s": 9.0, "compression": None, "absolute_budget": 80, "budget": 80, "score": 0.0}
+    write_rows(tmp_path / "s", [{**row, "task": "r", "policy": policy, "params": params}
+                                for policy, params in (("inertia", {}), ("tova", {}), ("avokv", {"interval": 16}),
+                                                       ("rkv", {"interval": 16}))]
+               + [{**row, "task": "other", "policy": "tova", "params": {}}])  # hides nothing
+    assert main(["results", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    tables = out.split("\nother · m · measured")[1], out.split("\nr · m · measured")[1]
+    assert "hidden" not in tables[0].split("\n\n")[0]
+    assert tables[1].split("\n\n")[0].splitlines()[-1] == \
+        "2 other settings hidden (avokv interval=16, rkv interval=16): use --settings"
+    assert main(["results", "--root", str(tmp_path), "--settings"]) == 0
+    assert "hidden" not in capsys.readouterr().out
+    quality = SECTIONS.index("Quality vs compression") * 3
+    title = query(Store(tmp_path), "(all)", "r", [], "measured")[quality].layout.title.text
+    assert f"2 other settings hidden (avokv interval=16, rkv interval=16): tick '{SETTINGS_BOX}'" in title
+    assert "hidden" not in query(Store(tmp_path), "(all)", "r", [], "measured", settings=True)[quality].layout.title.text
+
+
+def test_scores_on_a_0_1_scale_print_with_three_decimals(tmp_path, capsys):
+    """LongBench-v2's 0.288 (full) and 0.294 (InertiaKV) both printed as 0.29; a 0-100 table keeps two."""
+    from kvviz.cli import main
+
+    row = {"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 4", "model": "L",
+           "params": {}, "metric": "accuracy"}
+    write_rows(tmp_path / "paper", [{**row, "task": "LongBench-v2", "policy": "full", "compression": None, "score": 0.288},
+                                    {**row, "task": "LongBench-v2", "policy": "inertia", "compression": 0.9,
+                                     "score": 0.294},
+                                    {**row, "task": "RULER", "policy": "full", "compression": None, "score": 94.59},
+                                    {**row, "task": "RULER", "policy": "inertia", "compression": 0.9, "score": 75.6}])
+    assert main(["results", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "LongBench-v2 · L · paper · mean printed score (figures) · full cache 0.288 (1)" in out
+    assert "RULER · L · paper · mean printed score (figures) · full cache 94.59 (1)" in out
+    assert [line.split() for line in out.splitlines() if line.startswith("inertia")] == [
+        ["inertia", "0.294", "(1)"], ["inertia", "75.60", "(1)"]]
 
 
 def test_results_command_prints_the_stored_tables(tmp_path, capsys):
@@ -513,18 +601,18 @@ def test_results_command_prints_the_stored_tables(tmp_path, capsys):
     assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured"]) == 0
     out = capsys.readouterr().out
     # inertia at 0.9: mean of 0.5 and 1.0 over 2 samples; the full cache is the reference line
-    assert "t · m · measured · mean score (samples) · full cache 1.00 (1)" in out
-    assert any(line.split()[:3] == ["inertia", "0.75", "(2)"] for line in out.splitlines())
-    assert any(line.split()[:2] == ["inertia", "0.75"] for line in out.splitlines())
+    assert "t · m · measured · mean score (samples) · full cache 1.000 (1)" in out
+    assert any(line.split()[:3] == ["inertia", "0.750", "(2)"] for line in out.splitlines())
     # inertia-lazy's row sets refresh = 8, which is InertiaKV at r = 8 (as the Compare tab names it): a refresh point
-    assert "refresh=8" not in out.split("not in these tables")[0] and "inertia-lazy" not in out
+    assert "refresh=8" not in out.split("2 other settings hidden (inertia alpha=0.3, inertia refresh=8): use "
+                                        "--settings")[0] and "inertia-lazy" not in out
     assert 'not in these tables: 2 rows with non-default parameters (policy, setting, rows): inertia ' \
            'alpha=0.3 (1), inertia refresh=8 (1); --settings lists each setting' in out  # ... said to be left out
     assert main(["results", "--root", str(tmp_path), "--task", "t", "--source", "measured", "--settings"]) == 0
     out = capsys.readouterr().out
     assert "not in these tables" not in out
     assert [line.split()[:2] for line in out.splitlines() if line.startswith("inertia")] == [
-        ["inertia", "0.75"], ["inertia", "alpha=0.3"], ["inertia", "refresh=8"]]
+        ["inertia", "0.750"], ["inertia", "alpha=0.3"], ["inertia", "refresh=8"]]
     # A policy run only at other settings is not "no rows": what there is, and how to see it, is said.
     only = tmp_path / "only-other"
     write_rows(only / "sweep", [{"source": "measured", "model": "m", "task": "t", "policy": "avokv",
@@ -725,7 +813,7 @@ def test_malformed_rows_are_skipped_and_reported_and_the_rest_loads(tmp_path, ca
     assert main(["results", "--root", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "warning: sweep-a/rows.jsonl: skipped 6 of 8 rows" in captured.err
-    assert any(line.split()[:2] == ["tova", "0.75"] for line in captured.out.splitlines())
+    assert any(line.split()[:2] == ["tova", "0.750"] for line in captured.out.splitlines())
 
 
 def test_results_tab_draws_more_models_than_marker_symbols(tmp_path):
@@ -824,8 +912,8 @@ def test_refresh_figure_has_a_panel_per_task_with_speed_on_a_shared_right_axis()
     from kvviz.ui.results import _refresh_figure
 
     frame = pd.DataFrame([{"source": "measured", "model": "m", "task": t, "compression": 0.9, "refresh": r,
-                           "score": score, "decode_tok_s": speed}
-                          for t, r, score, speed in (("a", 0, 0.5, 9.0), ("a", 4, 0.6, 8.0), ("b", 0, 0.1, 9.5),
+                           "score": score, "decode_tok_s": speed, "sweeps": "s"}
+                          for t, r, score, speed in (("a", 1, 0.5, 9.0), ("a", 4, 0.6, 8.0), ("b", 1, 0.1, 9.5),
                                                      ("b", 4, 0.2, 8.5))])
     fig = _refresh_figure(frame)
     assert [(trace.name, trace.yaxis, list(trace.y)) for trace in fig.data] == [
@@ -833,6 +921,34 @@ def test_refresh_figure_has_a_panel_per_task_with_speed_on_a_shared_right_axis()
         ("ρ=0.9 score", "y3", [0.1, 0.2]), ("ρ=0.9 tok/s", "y4", [9.5, 8.5])]
     assert (fig.layout.yaxis3.matches, fig.layout.yaxis4.matches) == ("y", "y2")
     assert fig.layout.yaxis4.title.text == "decode tok/s (measured)" and fig.layout.yaxis2.title.text is None
+
+
+def test_refresh_figure_draws_score_free_apart_and_joins_speeds_within_one_sweep_only():
+    """Score-Free (r = 0 in the store) never refreshes after step 1: InertiaKV's separate operating point, so it
+    is a flat line of its own, not a point at r = 0 joined to r = 1.  The r = 1 / 4 speeds come from one sweep
+    and r = 2 / 8 from another: a line across them would show the machines' load as the cost of refreshing."""
+    import pandas as pd
+
+    from kvviz.ui.results import _refresh_figure
+
+    frame = pd.DataFrame([{"source": "measured", "model": "m", "task": "a", "compression": 0.9, "refresh": r,
+                           "score": score, "stderr": 0.0, "decode_tok_s": speed, "sweeps": run}
+                          for r, score, speed, run in ((0, 0.4, 12.0, "s1"), (1, 0.5, 10.0, "s1"), (2, 0.5, 13.0, "s2"),
+                                                       (4, 0.6, 11.0, "s1"), (8, 0.6, 14.0, "s2"))])
+    fig = _refresh_figure(frame)
+    traces = {trace.name: trace for trace in fig.data}
+    assert sorted(traces) == ["ρ=0.9 score", "ρ=0.9 score-free score", "ρ=0.9 score-free tok/s",
+                              "ρ=0.9 tok/s · s1", "ρ=0.9 tok/s · s2"]
+    assert all(0 not in list(trace.x) for trace in fig.data)  # nothing sits at r = 0
+    assert list(traces["ρ=0.9 score"].x) == [1, 2, 4, 8]  # one score line over r (the scores do not depend on load)
+    assert (list(traces["ρ=0.9 tok/s · s1"].x), list(traces["ρ=0.9 tok/s · s2"].x)) == ([1, 4], [2, 8])
+    assert traces["ρ=0.9 tok/s · s1"].marker.symbol != traces["ρ=0.9 tok/s · s2"].marker.symbol
+    # Score-Free: flat across the panel's r range, its score on the left axis and its speed on the right
+    free, free_speed = traces["ρ=0.9 score-free score"], traces["ρ=0.9 score-free tok/s"]
+    assert (list(free.x), list(free.y), free.yaxis) == ([1, 8], [0.4, 0.4], "y")
+    assert (list(free_speed.y), free_speed.yaxis) == ([12.0, 12.0], "y2")
+    title = fig.layout.title.text
+    assert "score-free" in title and "not r → ∞" in title and "one line per sweep" in title and "s2" in title
 
 
 def test_the_results_folder_can_be_moved_with_an_environment_variable(tmp_path):
@@ -1035,7 +1151,7 @@ def test_results_command_labels_budget_columns(tmp_path, capsys):
     header = next(line for line in out.splitlines() if line.startswith("compression / budget"))
     assert header.split()[3:] == ["0.5", "B=64", "B=128", "tok/s"]
     tova = [line.split() for line in out.splitlines() if line.startswith("tova")]
-    assert tova[0][:7] == ["tova", "0.25", "(1)", "0.00", "(1)", "1.00", "(1)"]  # quality
+    assert tova[0][:7] == ["tova", "0.250", "(1)", "0.000", "(1)", "1.000", "(1)"]  # quality
     assert tova[1] == ["tova", "1.00", "(1/1)", "1.00", "(1/1)", "0.00", "(0/1)"]  # max-length hits
 
 
@@ -1128,7 +1244,7 @@ def test_results_command_says_when_a_sample_is_the_mean_of_sampled_draws(tmp_pat
     assert main(["results", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "t · m · measured · mean score (samples) · each sample the mean of up to 4 sampled draws" in out
-    assert any(line.split()[:3] == ["tova", "0.50", "(2)"] for line in out.splitlines())
+    assert any(line.split()[:3] == ["tova", "0.500", "(2)"] for line in out.splitlines())
     # the Results tab's quality figure says the same in its title, and plots the per-sample mean
     from kvviz.ui.results import query
 
@@ -1243,7 +1359,19 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
     out = capsys.readouterr().out
     # avokv: 95 > 1.1 x 80; inertia held exactly B; tova's compression cell is not judged: its row records no
     # decode-time cache, and its largest cache is the prompt's 70, which the prefill held
-    assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80 95\n" in out
+    assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95\n" in out
+    # The paired table compares the same cells, so it says the same under its own table ...
+    assert main(["results", "--root", str(tmp_path), "--vs", "inertia"]) == 0
+    paired = capsys.readouterr().out.split("t · m · vs inertia")[1]
+    assert "avokv" in paired and paired.endswith(
+        "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95\n")
+    # ... and so do the app's quality and paired figures, under their titles
+    from kvviz.ui.results import SECTIONS, query
+
+    figures = query(Store(tmp_path), "(all)", "t", [], "measured", reference="inertia")
+    for section in ("Quality vs compression", "Paired differences"):
+        assert "<sup>held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95</sup>" \
+            in figures[3 * SECTIONS.index(section)].layout.title.text
     # a row that records the decode-time cache is judged at a compression too: snapkv compressed the prompt to
     # B = 35 at prefill and grew by its 24 generated tokens; tova held B at every decode step
     write_rows(tmp_path / "c", [{**row, "sample": 0, "task": "u", "compression": 0.5, "absolute_budget": None,
@@ -1253,8 +1381,15 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
                + [{**row, "sample": 0, "task": "u", "compression": 0.5, "absolute_budget": None, "budget": 35,
                    "policy": "rkv", "max_cache": 80}])
     assert main(["results", "--root", str(tmp_path), "--task", "u"]) == 0
-    assert "held over 1.1x the budget (mean largest cache while decoding, entries): rkv ρ=0.5 80 (B=35), " \
-        "snapkv ρ=0.5 59 (B=35)\n" in capsys.readouterr().out
+    assert "held over 1.1x the budget (mean largest cache while decoding, entries): rkv ρ=0.5: 80 of B=35; " \
+        "snapkv ρ=0.5: 59 of B=35\n" in capsys.readouterr().out
+    # Over both tasks (the app's figures with no task chosen): each policy's cell once, the task that held
+    # the most over its budget
+    from kvviz.store import held_over_note
+
+    assert held_over_note(Store(tmp_path).speed_vs_quality()) == (
+        "held over 1.1x the budget (mean largest cache while decoding, entries, on the task that held the most): "
+        "avokv B=80: 95; rkv ρ=0.5: 80 of B=35; snapkv ρ=0.5: 59 of B=35")
 
 
 def test_the_results_tab_shows_other_settings_as_their_own_policies_when_asked(tmp_path):
