@@ -1723,6 +1723,39 @@ def test_a_checkpointed_policy_that_would_reach_no_checkpoint_is_refused_with_re
     assert validate(limits, TINY, PROMPT, "budget", 0.5, size + 4, 12, False, [kvviz.make_policy("tova")])
 
 
+def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_sampling(tiny):
+    """Chosen, an AvoKV-E comparison sets B = L0 + 32 over the reasoning example (an example prompt was
+    shown), 160 new tokens and T = 0.6, top-p 0.95: the comparison is accepted, and AvoKV-E evicts nothing
+    until generation fills B, then cuts at its checkpoints.  Other presets set their policies alone."""
+    from kvviz.policies import build_setting
+    from kvviz.ui.app import COMPARISONS, EXAMPLES, REASONING_PRESETS, _models, make_preset_handler, validate
+
+    _models[TINY] = tiny
+    model, tokenizer = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=300)
+    chosen = make_preset_handler(limits)
+    assert len(REASONING_PRESETS) == 2
+    name = REASONING_PRESETS[0]
+    policies, prompt, mode, budget, new_tokens, temperature, top_p, note = chosen(name, TINY, EXAMPLES["Four-key needle"],
+                                                                                   True)
+    prompt_len = len(kvviz.engine.encode_prompt(tokenizer, EXAMPLES["Short reasoning"], chat=True))
+    assert (policies, prompt, mode, budget) == (COMPARISONS[name], EXAMPLES["Short reasoning"], "budget", prompt_len + 32)
+    assert (new_tokens, temperature, top_p) == (160, 0.6, 0.95) and f"B = {prompt_len + 32}" in note
+    request = validate(limits, TINY, prompt, mode, 0.75, budget, new_tokens, True,
+                       [build_setting(entry)[1] for entry in policies], temperature, top_p, 0)
+    assert request.budget == prompt_len + 32
+    run = kvviz.run(model, tokenizer, prompt, build_setting("avokv interval=16")[1], budget=budget,
+                    max_new_tokens=new_tokens, temperature=temperature, top_p=top_p, seed=0)
+    cut = [event.step for event in run.trace.events if event.evicted.size]
+    assert cut and cut[0] > 32 and max(event.cache_size for event in run.trace.events) <= budget + 15
+    # the user's own prompt stays, and B is sized to it; a preset of InertiaKV's sets its policies alone
+    own = "Explain, step by step, why the sky is blue."
+    assert chosen(name, TINY, own, False)[1:4] == (
+        own, "budget", len(kvviz.engine.encode_prompt(tokenizer, own, chat=False)) + 32)
+    inertia = list(COMPARISONS)[0]
+    assert chosen(inertia, TINY, own, False) == (COMPARISONS[inertia], *(gr.skip(),) * 6, "")
+
+
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):
     """The long-generation regime: B = L0 + 5 with 20 new tokens evicts from step 6 on.  A budget the run
     never fills is refused."""

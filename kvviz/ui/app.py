@@ -34,7 +34,7 @@ import plotly.graph_objects as go
 import torch
 
 from .. import diagnostics, engine
-from ..models import load_model
+from ..models import load_model, load_tokenizer
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
 from ..policies.checkpointed import CheckpointPolicy
 from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
@@ -70,6 +70,15 @@ COMPARISONS = {
     "AvoKV-E against R-KV, its redundancy-aware baseline, and the full cache (AvoKV-E §5)": [
         "avokv interval=16", "rkv interval=16", "full"],
 }
+
+# The presets of AvoKV-E's variants run in its regime, long generation under a budget above the prompt (its
+# Table 4: a 512-token budget, sampled at T = 0.6, top-p 0.95).  Chosen, they set B = L0 + REASONING_HEADROOM,
+# so that eviction starts once the trace has filled it, REASONING_NEW_TOKENS new tokens (several checkpoints
+# after that at interval 16) and the paper's sampling; over an example prompt, the reasoning one.  Left at
+# compression 0.75, their first checkpoint cut the prompt, a regime the paper never runs.
+REASONING_PRESETS = [name for name in COMPARISONS if name.startswith("AvoKV-E")]
+REASONING_HEADROOM, REASONING_NEW_TOKENS = 32, 160
+REASONING_SAMPLING = {"temperature": 0.6, "top_p": 0.95}
 
 _models: dict[str, tuple] = {}
 _models_lock = threading.Lock()
@@ -1481,6 +1490,36 @@ def pick_example(choice: gr.SelectData) -> str:
     return EXAMPLES.get(choice.value, gr.skip())
 
 
+def make_preset_handler(limits: Limits):
+    def preset_chosen(name: str, model_name: str, prompt: str, chat: bool) -> tuple:
+        """A comparison from the papers chosen: its policies and, for AvoKV-E's, the settings of its regime
+        (:data:`REASONING_PRESETS`), with a line saying what was set.  Returns the Policies box, the prompt,
+        the cache-size mode, B, max new tokens, temperature, top-p and the line."""
+        if name not in COMPARISONS:
+            return (gr.skip(),) * 8
+        if name not in REASONING_PRESETS:
+            return COMPARISONS[name], *(gr.skip(),) * 6, ""
+        if prompt in EXAMPLES.values():  # an example, not the user's own text: the reasoning one
+            prompt = EXAMPLES["Short reasoning"]
+        try:
+            loaded = _models.get(model_name)
+            tokenizer = loaded[1] if loaded else load_tokenizer(model_name)
+            prompt_len = len(engine.encode_prompt(tokenizer, prompt, chat=bool(chat)))
+        except Exception as error:  # noqa: BLE001 -- the policies are still set; the rest is said to be left
+            log.warning("sizing the %s preset for %s", name, model_name, exc_info=True)
+            return COMPARISONS[name], *(gr.skip(),) * 6, (
+                f"*Could not count the prompt's tokens ({type(error).__name__}), so the cache was left as it was: "
+                "AvoKV-E's regime is a budget above the prompt.*")
+        budget, new_tokens = prompt_len + REASONING_HEADROOM, min(REASONING_NEW_TOKENS, limits.max_new_tokens)
+        note = (f"*Set to AvoKV-E's regime: budget B = {budget} ({prompt_len}-token prompt + {REASONING_HEADROOM}), "
+                f"so eviction starts once generation fills it; {new_tokens} new tokens; sampled at temperature "
+                f"{REASONING_SAMPLING['temperature']}, top-p {REASONING_SAMPLING['top_p']}, as the paper does.*")
+        return (COMPARISONS[name], prompt, "budget", budget, new_tokens, REASONING_SAMPLING["temperature"],
+                REASONING_SAMPLING["top_p"], note)
+
+    return preset_chosen
+
+
 def make_prompt_counter(limits: Limits):
     def count_tokens(model_name: str, prompt: str, chat: bool) -> str:
         """The prompt's length in the model's tokens, before Run (once the model is loaded: no load here)."""
@@ -1765,6 +1804,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
                     c_preset = gr.Dropdown(list(COMPARISONS), value=list(COMPARISONS)[0],
                                            label="Comparisons from the papers")
+                    c_preset_note = gr.Markdown()
                     # Typed entries are settings: one policy at two parameter values, side by side.
                     c_policies = gr.Dropdown([c for c in policy_choices], value=COMPARISONS[c_preset.value],
                                              multiselect=True, allow_custom_value=True, max_choices=4,
@@ -1822,7 +1862,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         s_layers = gr.Plot(label="By layer")
                         s_table = gr.Dataframe(label="Mean over steps", interactive=False)
                         s_note = gr.Markdown()
-            c_preset.input(lambda name: COMPARISONS.get(name, gr.skip()), c_preset, c_policies, api_name=False)
+            c_preset.input(make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat],
+                           [c_policies, c_prompt, c_mode, c_budget, c_max_new, c_temperature, c_top_p, c_preset_note],
+                           api_name=False)
             c_policies.change(policies_edited, [c_preset, c_policies], c_preset, api_name=False,
                              show_progress="hidden")
             c_state = gr.State(None)
