@@ -71,8 +71,8 @@ COMPARISONS = {
         "avokv interval=16", "rkv interval=16", "full"],
 }
 
-# The presets of AvoKV-E's variants run in its regime, long generation under a budget above the prompt (its
-# Table 4: a 512-token budget, sampled at T = 0.6, top-p 0.95).  Chosen, they set B = L0 + REASONING_HEADROOM,
+# The presets of AvoKV-E's variants run in its regime, long generation under an active-KV budget that the
+# reasoning trace fills (§5.1: sampled at T = 0.6, top-p 0.95).  Chosen, they set B = L0 + REASONING_HEADROOM,
 # so that eviction starts once the trace has filled it, REASONING_NEW_TOKENS new tokens (several checkpoints
 # after that at interval 16) and the paper's sampling; over an example prompt, the reasoning one.  Left at
 # compression 0.75, their first checkpoint cut the prompt, a regime the paper never runs.
