@@ -236,5 +236,5 @@ def test_parameter_settings_pair_with_the_reference_at_its_defaults(tmp_path, ca
     assert cli.main(["results", "--root", str(tmp_path), "--settings"]) == 0  # the plain table lists them too
     rows = {line.split()[0] + (" " + line.split()[1] if line.split()[1].startswith("alpha") else ""): line.split()
             for line in capsys.readouterr().out.splitlines() if line.startswith(("inertia", "tova"))}
-    assert rows["inertia alpha=0.95"][2:4] == ["1.00", "(6)"] and rows["inertia"][1:3] == ["0.00", "(6)"]  # alpha=0.8 spells the defaults: one experiment
-    assert rows["tova"][1:3] == ["0.50", "(6)"]
+    assert rows["inertia alpha=0.95"][2:4] == ["1.000", "(6)"] and rows["inertia"][1:3] == ["0.000", "(6)"]  # alpha=0.8 spells the defaults: one experiment
+    assert rows["tova"][1:3] == ["0.500", "(6)"]
