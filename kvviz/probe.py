@@ -11,7 +11,8 @@ batches: the prefix cache is prefilled once, repeated over the batch, and row ``
 its candidate with the attention mask -- the same tokens a physically evicted cache would see.
 
 :func:`ranking_quality` then asks how well a policy's utility at that step ranks the damage: AUROC and
-average precision against the top-decile-damage label, top-k recall and Spearman correlation;
+average precision against the top-decile-damage label, top-k recall, the false-safe rate and Spearman
+correlation;
 :func:`aligned_quality` asks it of several policies over the entries all of them judged.
 """
 
@@ -247,14 +248,22 @@ def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray)
 
 
 def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str, float]:
-    """How well a utility (higher = keep) ranks the probe's damage."""
+    """How well a utility (higher = keep) ranks the probe's damage: AUROC and average precision against the
+    top-decile label, top-k recall (the share of the k high-damage entries among the k highest utilities),
+    the false-safe rate and Spearman.
+
+    AvoKV-E's Table 3 reports a false-safe rate, "damaging entries assigned to the apparently safe-to-evict
+    region", without a formula.  Here it is the mirror of top-k recall: the share of high-damage entries
+    among the k lowest utilities, the first k a policy would evict (a random ranking: about 0.1).
+    """
     labels = top_decile(damage_values)
     k = int(labels.sum())
-    top = np.argsort(-utility, kind="stable")[:k]
+    order = np.argsort(-utility, kind="stable")  # highest utility first
     return {
         "auroc": auroc(utility, labels),
         "average_precision": average_precision(utility, labels),
-        "topk_recall": float(labels[top].sum() / k) if k else float("nan"),
+        "topk_recall": float(labels[order[:k]].sum() / k) if k else float("nan"),
+        "false_safe_rate": float(labels[order[len(order) - k:]].sum() / k) if k else float("nan"),
         "spearman": spearman(utility, damage_values),
     }
 

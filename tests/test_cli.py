@@ -754,6 +754,11 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     ranked = np.array(report["damage"])[report["ranked"]]
     k = int((ranked >= np.quantile(ranked, 0.9)).sum())
     assert f"(label: the top decile of damage, k = {k} of {newest - 35} entries; top-k rec:" in out
+    # each row is the JSON's ranking, false-safe rate included (the share of the k in its k lowest utilities)
+    for name, quality in report["ranking"].items():
+        row = next(line for line in out.splitlines() if line.startswith(name + " ")).split()
+        assert row[1:] == [f"{quality[key]:.3f}" for key in ("auroc", "average_precision", "topk_recall",
+                                                              "false_safe_rate", "spearman")]
     assert main([*args[:-1], "tova", "--json"]) == 0  # one policy that judges everything: nothing left out
     assert json.loads(capsys.readouterr().out)["ranked"] == list(range(newest))
 

@@ -237,7 +237,14 @@ def test_auroc_and_average_precision_by_hand():
     assert average_precision(scores, labels) == pytest.approx(5 / 6)
     quality = ranking_quality(np.array([4.0, 3, 2, 1, 0, -1, -2, -3, -4, -5]),
                               np.array([9.0, 1, 1, 1, 1, 1, 1, 1, 1, 1]))
-    assert quality["auroc"] == 1.0 and quality["topk_recall"] == 1.0
+    assert quality["auroc"] == 1.0 and quality["topk_recall"] == 1.0 and quality["false_safe_rate"] == 0.0
+    # Twenty entries, k = 2 high-damage (#0 and #1).  This utility ranks #0 first and #1 last: top-k recall
+    # 1/2 (its two highest are #0 and #2), false-safe 1/2 (its two lowest, the first it would evict: #19, #1).
+    damage_values = np.array([9.0, 8] + [1.0] * 18)
+    utility = np.array([20.0, -1] + [19.0 - i for i in range(18)])
+    quality = ranking_quality(utility, damage_values)
+    assert quality["topk_recall"] == 0.5 and quality["false_safe_rate"] == 0.5
+    assert ranking_quality(-damage_values, damage_values)["false_safe_rate"] == 1.0  # evicts the damaging first
 
 
 def test_aligned_quality_ranks_every_policy_on_the_entries_all_of_them_judged():
