@@ -246,7 +246,7 @@ def _read_prompt(args) -> str:
 def cmd_probe(args) -> int:
     from . import engine, probe
     from .models import load_model
-    from .policies import REGISTRY, make_policy
+    from .policies import REGISTRY, build_setting
 
     if args.step < 1:
         raise ValueError(f"--step must be >= 1, got {args.step}")
@@ -258,7 +258,7 @@ def cmd_probe(args) -> int:
     names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
     if not names:  # otherwise the whole probe runs and prints an empty ranking
         raise ValueError("--policies names no policy; give registry names, e.g. --policies inertia,tova, or 'all'")
-    policies = {name: make_policy(name) for name in names}
+    policies = dict(build_setting(name) for name in names)  # a name, or a setting such as 'avokv delay=32'
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
@@ -278,6 +278,9 @@ def cmd_probe(args) -> int:
         return 0
     print(f"probe at step {args.step}: {len(result.candidates)} candidates, {args.future} future tokens, "
           f"{result.candidates_per_second:.1f} candidates/s")
+    protected = probe.protection_note(policies, len(prompt_ids), args.step)
+    if protected:
+        print(protected)
     if aligned is not None and not aligned.all():
         print(f"ranked over the {int(aligned.sum())} entries every policy judged "
               f"({int((~aligned).sum())} left out: a protected tail, sinks or a window some policy never judges)")
@@ -857,7 +860,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="W_fut: teacher-forced tokens replayed (default: %(default)s)")
     probe.add_argument("--batch", type=int, default=16, help="candidates per forward pass (default: %(default)s)")
     probe.add_argument("--policies", default="inertia,inertia-lazy,tova,h2o,rkv,avokv,keydiff,knorm,recency",
-                       help="comma-separated registry names, or 'all' (default: %(default)s)")
+                       help="comma-separated registry names or settings ('avokv delay=32'), or 'all' "
+                       "(default: %(default)s)")
     _chat_argument(probe)
     probe.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     probe.add_argument("--blindspot", action="store_true", help="also AvoKV-E's blindspot test (Fig. 1a): "

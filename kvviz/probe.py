@@ -96,6 +96,31 @@ def damage(model, sequence: list[int], prefix_len: int, candidates: list[int], *
     return torch.cat(out).numpy() if out else np.empty(0)
 
 
+def scoring_budget(policy: Policy, prompt_len: int, step: int) -> int:
+    """The budget :func:`policy_utility_at` scores ``policy`` under at decode step ``step``: the cache there,
+    ``P + 1`` entries, so that nothing is evicted before; one less for a checkpointed policy, which scores
+    only at a checkpoint over budget."""
+    prefix_len = prompt_len + step - 1
+    return prefix_len if isinstance(policy, CheckpointPolicy) else prefix_len + 1
+
+
+def protection_note(policies: dict[str, Policy], prompt_len: int, step: int) -> str:
+    """What each policy never judges at the probe's step, by the budget it is scored under there
+    (:func:`scoring_budget`): settings that follow B, as AvoKV-E's W_delay (32 below B = 768, 8 from it) or
+    H2O's window, differ from a run at a tight budget; "" when none protects anything."""
+    parts = []
+    for name, policy in policies.items():
+        budget = scoring_budget(policy, prompt_len, step)
+        sinks, tail = policy.pinned(budget)
+        kept = [f"the first {sinks}"] * bool(sinks) + [f"the newest {tail}"] * bool(tail)
+        if kept:
+            parts.append(f"{name} {' and '.join(kept)} (B = {budget})")
+    if not parts:
+        return ""
+    return ("scored with the cache whole, so settings that follow B are those of a B that large; never judged: "
+            + "; ".join(parts) + " (set one as a parameter, e.g. 'avokv delay=32', to probe another)")
+
+
 def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy,
                       step: int) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
     """A policy's utility for positions ``0 .. P-1`` at decode step ``step`` of the full-cache run, and the
@@ -106,9 +131,9 @@ def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy,
     are read before anything it evicts could matter.
     """
     prefix_len = len(prompt_ids) + step - 1
-    budget = prefix_len + 1
+    budget = scoring_budget(policy, len(prompt_ids), step)
     if isinstance(policy, CheckpointPolicy):
-        policy, budget = replace(policy, interval=step), prefix_len
+        policy = replace(policy, interval=step)
     terms = {}
     for event in decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=step + 1,
                         ignore_eos=True):

@@ -1210,6 +1210,12 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
     table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
     assert "AUROC below 0.5 (tova): worse than chance" in note and table.set_index("policy").auroc["tova"] == 0.24
+    assert "Scored with" not in note and "false_safe_rate" in table.columns  # neither protects anything
+    monkeypatch.undo()
+    table, note, _ = handler(TINY, PROMPT * 2, ["tova", "h2o"], False, 3, 0)
+    budget = len(kvviz.engine.encode_prompt(kvviz.load_model(TINY)[1], PROMPT * 2, chat=False)) + 3  # P + 1
+    assert f"Scored with the cache whole, so settings that follow B are those of a B that large; never judged: " \
+           f"h2o the newest {int(0.5 * budget)} (B = {budget})" in note
 
 
 def test_the_prompt_size_shows_before_a_run(tiny):

@@ -750,6 +750,8 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"ranked over the {newest - 35} entries every policy judged (35 left out" in out
+    # why 32: AvoKV-E is scored at a checkpoint with B = the cache less one, under 768, and says so
+    assert f"never judged: avokv the first 4 and the newest 32 (B = {newest}) (set one as a parameter" in out
     # k is the top damage decile of those ranked entries (np.quantile's 90th percentile, ties included)
     ranked = np.array(report["damage"])[report["ranked"]]
     k = int((ranked >= np.quantile(ranked, 0.9)).sum())
@@ -761,6 +763,10 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
                                                               "false_safe_rate", "spearman")]
     assert main([*args[:-1], "tova", "--json"]) == 0  # one policy that judges everything: nothing left out
     assert json.loads(capsys.readouterr().out)["ranked"] == list(range(newest))
+    # a setting, as the note offers: AvoKV-E with the delay of a large budget judges all but its 8 newest
+    assert main([*args[:-1], "tova,avokv delay=8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ranked"] == list(range(4, newest - 7)) and set(report["ranking"]) == {"tova", "avokv delay=8"}
 
 
 def test_a_sampled_runs_trace_says_how_it_decoded(tmp_path, capsys):

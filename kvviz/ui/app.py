@@ -1370,7 +1370,7 @@ def make_spectrum_handler(limits: Limits):
 
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import aligned_quality, blindspot_at, check_fits, probe
+        from ..probe import aligned_quality, blindspot_at, check_fits, probe, protection_note
 
         try:
             settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
@@ -1379,8 +1379,9 @@ def make_probe_handler(limits: Limits):
             step = whole_number("the probe step", step, 1)
             sample = whole_number("entries sampled (0 = all)", sample, 0)  # empty is refused: 0 means all
             check_fits(model, prompt_ids, step, 8)
-            result = probe(model, tokenizer, prompt_ids, step, policies=build_policies(settings),
-                           sample=sample or None, future=8)
+            policies = build_policies(settings)
+            result = probe(model, tokenizer, prompt_ids, step, policies=policies, sample=sample or None, future=8)
+            protected = protection_note(policies, len(prompt_ids), step)
             quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
             rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in q.items()}} for n, q in quality.items()])
             try:
@@ -1403,6 +1404,7 @@ def make_probe_handler(limits: Limits):
                 + (f" Ranked over the {int(aligned.sum())} entries every policy judged ({int((~aligned).sum())} left"
                    " out: a protected tail, sinks or a window some policy never judges)."
                    if aligned is not None and not aligned.all() else "")
+                + (f" {protected[0].upper()}{protected[1:]}." if protected else "")
                 + (f" AUROC below 0.5 ({', '.join(inverted)}): worse than chance, that ranking puts the entries "
                    "whose removal hurt most among the least useful." if inverted else "")
                 + f" Blindspot: {spot_note}.")
