@@ -1759,7 +1759,16 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     assert chosen(name, TINY, own, False)[1:4] == (
         own, "budget", len(kvviz.engine.encode_prompt(tokenizer, own, chat=False)) + 32)
     inertia = list(COMPARISONS)[0]
-    assert chosen(inertia, TINY, own, False) == (COMPARISONS[inertia], *(gr.skip(),) * 6, "")
+    assert chosen(inertia, TINY, own, False) == (COMPARISONS[inertia], gr.skip(), "compression", *(gr.skip(),) * 4,
+                                                 "")
+    # after an AvoKV-E preset, InertiaKV's undoes what that set (and only that: 3000 tokens the user chose stay)
+    undone = chosen(inertia, TINY, prompt, True, mode, new_tokens, temperature, top_p)
+    assert undone[:7] == (COMPARISONS[inertia], EXAMPLES["Four-key needle"], "compression", gr.skip(), 48, 0.0,
+                          gr.skip())
+    assert undone[7] == ("*Back to the prompt-compression regime InertiaKV runs: the cache sized by compression ρ, "
+                         "the four-key needle prompt, 48 new tokens, greedy decoding, as the tab starts.*")
+    assert chosen(inertia, TINY, own, False, "budget", 3000, 0.6, 0.95)[1:7] == (
+        gr.skip(), "compression", gr.skip(), gr.skip(), 0.0, gr.skip())
 
 
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):

@@ -79,6 +79,9 @@ COMPARISONS = {
 REASONING_PRESETS = [name for name in COMPARISONS if name.startswith("AvoKV-E")]
 REASONING_HEADROOM, REASONING_NEW_TOKENS = 32, 160
 REASONING_SAMPLING = {"temperature": 0.6, "top_p": 0.95}
+# The Compare tab's own start, which the other presets (InertiaKV's prompt-compression regime) go back to
+# where an AvoKV-E preset had changed it
+COMPARE_EXAMPLE, COMPARE_NEW_TOKENS = "Four-key needle", 48
 
 _models: dict[str, tuple] = {}
 _models_lock = threading.Lock()
@@ -1493,14 +1496,16 @@ def pick_example(choice: gr.SelectData) -> str:
 
 
 def make_preset_handler(limits: Limits):
-    def preset_chosen(name: str, model_name: str, prompt: str, chat: bool) -> tuple:
+    def preset_chosen(name: str, model_name: str, prompt: str, chat: bool, mode: str = "compression",
+                      new_tokens=None, temperature=None, top_p=None) -> tuple:
         """A comparison from the papers chosen: its policies and, for AvoKV-E's, the settings of its regime
-        (:data:`REASONING_PRESETS`), with a line saying what was set.  Returns the Policies box, the prompt,
+        (:data:`REASONING_PRESETS`), with a line saying what was set; the others undo what an AvoKV-E preset
+        set (each value still as it left it) and leave the user's own.  Returns the Policies box, the prompt,
         the cache-size mode, B, max new tokens, temperature, top-p and the line."""
         if name not in COMPARISONS:
             return (gr.skip(),) * 8
         if name not in REASONING_PRESETS:
-            return COMPARISONS[name], *(gr.skip(),) * 6, ""
+            return compression_regime(name, prompt, mode, new_tokens, temperature, top_p)
         if prompt in EXAMPLES.values():  # an example, not the user's own text: the reasoning one
             prompt = EXAMPLES["Short reasoning"]
         try:
@@ -1518,6 +1523,20 @@ def make_preset_handler(limits: Limits):
                 f"{REASONING_SAMPLING['temperature']}, top-p {REASONING_SAMPLING['top_p']}, as the paper does.*")
         return (COMPARISONS[name], prompt, "budget", budget, new_tokens, REASONING_SAMPLING["temperature"],
                 REASONING_SAMPLING["top_p"], note)
+
+    def compression_regime(name: str, prompt: str, mode: str, new_tokens, temperature, top_p) -> tuple:
+        sampled = (temperature, top_p) == tuple(REASONING_SAMPLING.values())
+        prompt_back = prompt == EXAMPLES["Short reasoning"]
+        tokens_back = new_tokens == min(REASONING_NEW_TOKENS, limits.max_new_tokens)
+        undone = {"the cache sized by compression ρ": mode != "compression",
+                  f"the {COMPARE_EXAMPLE.lower()} prompt": prompt_back,
+                  f"{COMPARE_NEW_TOKENS} new tokens": tokens_back, "greedy decoding": sampled}
+        said = [what for what, back in undone.items() if back]
+        note = f"*Back to the prompt-compression regime InertiaKV runs: {', '.join(said)}, as the tab starts.*" \
+            if said else ""
+        return (COMPARISONS[name], EXAMPLES[COMPARE_EXAMPLE] if prompt_back else gr.skip(), "compression",
+                gr.skip(), COMPARE_NEW_TOKENS if tokens_back else gr.skip(), 0.0 if sampled else gr.skip(),
+                gr.skip(), note)
 
     return preset_chosen
 
@@ -1801,7 +1820,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
         with gr.Tab("Compare") as compare_tab:
             with gr.Row():
                 with gr.Column(scale=1):
-                    c_prompt = gr.Textbox(label="Prompt", lines=6, value=EXAMPLES["Four-key needle"])
+                    c_prompt = gr.Textbox(label="Prompt", lines=6, value=EXAMPLES[COMPARE_EXAMPLE])
                     c_prompt_size = gr.Markdown()
                     c_model = gr.Dropdown(list(limits.models), value=limits.models[0], label="Model")
                     c_preset = gr.Dropdown(list(COMPARISONS), value=list(COMPARISONS)[0],
@@ -1813,7 +1832,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                              label="Policies (2 to 4): pick, or type a setting such as "
                                                    "'inertia alpha=0.5' and press Enter")
                     c_mode, c_compression, c_budget, c_max_new, c_chat, c_temperature, c_top_p, c_seed = \
-                        _run_settings(limits, 0.75, 48)
+                        _run_settings(limits, 0.75, COMPARE_NEW_TOKENS)
                     with gr.Row():
                         c_run = gr.Button("Compare", variant="primary", elem_id="compare-run")
                         c_stop = gr.Button("Stop", elem_id="compare-stop")
@@ -1864,7 +1883,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         s_layers = gr.Plot(label="By layer")
                         s_table = gr.Dataframe(label="Mean over steps", interactive=False)
                         s_note = gr.Markdown()
-            c_preset.input(make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat],
+            c_preset.input(make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat, c_mode, c_max_new,
+                                                         c_temperature, c_top_p],
                            [c_policies, c_prompt, c_mode, c_budget, c_max_new, c_temperature, c_top_p, c_preset_note],
                            api_name=False)
             c_policies.change(policies_edited, [c_preset, c_policies], c_preset, api_name=False,
