@@ -1696,34 +1696,40 @@ def test_a_budget_never_filled_is_refused_with_a_remedy_that_works(tiny):
 
 def test_a_checkpointed_policy_that_would_reach_no_checkpoint_is_refused_with_remedies_that_work(tiny):
     """AvoKV-E evicts only at its checkpoints: with B = L + 4 the cache is over B from step 5, and at the
-    default interval (128) the first checkpoint is step 128, so 12 new tokens (last step 11) evict nothing.
-    Both remedies offered evict: 129 new tokens, or an interval of 11 - 5 + 1 = 7 or less."""
+    default interval (128) the first checkpoint is step 128, so 12 new tokens (last step 11) decode nothing
+    from a cut cache.  Each remedy offered does: 128 + 128 + 1 new tokens (a whole interval after the first
+    cut; 130, one step after it, where that is past the limit), or an interval of 10 - 5 + 1 = 6 or less.  A
+    checkpoint at the last step cuts after the last forward pass, which nothing reads: refused too."""
     from kvviz.ui.app import _models, validate
 
     _models[TINY] = tiny
-    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=200)
     size = len(kvviz.engine.encode_prompt(tiny[1], PROMPT, chat=False))
 
-    def check(new_tokens, **params):
-        return validate(limits, TINY, PROMPT, "budget", 0.5, size + 4, new_tokens, False,
-                        [kvviz.make_policy("avokv", **params)])
+    def check(new_tokens, limit=300, **params):
+        return validate(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=limit), TINY, PROMPT, "budget",
+                        0.5, size + 4, new_tokens, False, [kvviz.make_policy("avokv", **params)])
 
     with pytest.raises(ValueError, match=r"^avokv evicts only at its checkpoints, every 128 generated tokens once the "
                                          rf"cache is over B = {size + 4}: the first here would be at step 128, after "
-                                         r"this run's last step \(11\), so nothing would be evicted; allow at least "
-                                         r"129 new tokens or set interval to 7 or less$"):
+                                         r"this run's last step \(11\), so no token would be decoded from a cache it "
+                                         r"cut; allow at least 257 new tokens or set interval to 6 or less$"):
         check(12)
-    with pytest.raises(ValueError, match="evicted; set interval to 7 or less$"):  # 129: past a limit of 100
-        validate(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=100), TINY, PROMPT, "budget", 0.5,
-                 size + 4, 12, False, [kvviz.make_policy("avokv")])
+    with pytest.raises(ValueError, match="allow at least 130 new tokens or set interval to 6 or less$"):
+        check(12, limit=200)
+    with pytest.raises(ValueError, match="cut; set interval to 6 or less$"):  # 130: past a limit of 100
+        check(12, limit=100)
+    with pytest.raises(ValueError, match=r"at step 11, at this run's last step, after its last forward, so no token"):
+        check(12, interval=11)
     model, tokenizer = tiny
-    # 7 or less is sure to; 8 happens to (its step 8 is past step 5)
-    for new_tokens, params in ((129, {}), (12, {"interval": 7}), (12, {"interval": 1}), (12, {"interval": 8})):
-        check(new_tokens, **params)  # accepted, and it does evict
+    # 6 or less is sure to; 8 happens to (its step 8 is past step 5)
+    for new_tokens, params in ((257, {}), (12, {"interval": 6}), (12, {"interval": 1}), (12, {"interval": 8})):
+        check(new_tokens, **params)  # accepted, and a token is decoded from the cut cache
         run = kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("avokv", **params), chat=False, budget=size + 4,
                         max_new_tokens=new_tokens)
-        assert any(event.evicted.size for event in run.trace.events), params
+        cuts = [event.step for event in run.trace.events if event.evicted.size]
+        assert cuts and cuts[0] < run.trace.events[-1].step, params
     # R-KV checkpoints on the same schedule; the other policies are left to the budget check
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=200)
     with pytest.raises(ValueError, match="^rkv evicts only at its checkpoints"):
         validate(limits, TINY, PROMPT, "budget", 0.5, size + 4, 12, False, [kvviz.make_policy("rkv")])
     assert validate(limits, TINY, PROMPT, "budget", 0.5, size + 4, 12, False, [kvviz.make_policy("tova")])
@@ -1747,6 +1753,9 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     prompt_len = len(kvviz.engine.encode_prompt(tokenizer, EXAMPLES["Short reasoning"], chat=True))
     assert (policies, prompt, mode, budget) == (COMPARISONS[name], EXAMPLES["Short reasoning"], "budget", prompt_len + 32)
     assert (new_tokens, temperature, top_p) == (160, 0.6, 0.95) and f"B = {prompt_len + 32}" in note
+    from kvviz.ui.app import preset_note_after_edit  # the prompt edited afterwards: the B it names may not hold
+    assert preset_note_after_edit(note).startswith("*The prompt changed after the AvoKV-E preset sized B to it")
+    assert preset_note_after_edit("") == gr.skip() and preset_note_after_edit("*Back to the ...*") == gr.skip()
     request = validate(limits, TINY, prompt, mode, 0.75, budget, new_tokens, True,
                        [build_setting(entry)[1] for entry in policies], temperature, top_p, 0)
     assert request.budget == prompt_len + 32

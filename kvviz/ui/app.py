@@ -272,22 +272,26 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
 
 
 def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, budget: int, max_new: int) -> None:
-    """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV) would reach no checkpoint, and so evict
-    nothing, saying what would bring one: more new tokens, or a shorter interval.  A budget the run fills was
-    advice enough for the others, and led such a policy to a run that cut nothing."""
+    """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV) would decode no token from a cache it cut,
+    saying what would: more new tokens, or a shorter interval.  A budget the run fills was advice enough for
+    the others, and led such a policy to a run that cut nothing; a checkpoint at the last step cuts after the
+    last forward pass, which nothing then reads."""
     if not isinstance(policy, CheckpointPolicy):
         return
     last = max_new - 1  # the last decode step: the last token is generated, never fed back
     first = policy.first_checkpoint(prompt_len, budget)
-    if first <= last:
+    if first < last:
         return
-    options = [f"allow at least {first + 1} new tokens"] if first + 1 <= limits.max_new_tokens else []
-    if (widest := policy.widest_interval(prompt_len, budget, last)) >= 1:
+    # Enough for the next checkpoint too, so that a whole interval decodes from the first cut; at least one step.
+    wanted = [tokens for tokens in (first + policy.interval + 1, first + 2) if tokens <= limits.max_new_tokens]
+    options = [f"allow at least {wanted[0]} new tokens"] if wanted else []
+    if (widest := policy.widest_interval(prompt_len, budget, last - 1)) >= 1:
         options.append(f"set interval to {widest} or less")
     advice = " or ".join(options) or "choose a smaller budget and a shorter interval"
+    when = f"after this run's last step ({last})" if first > last else "at this run's last step, after its last forward"
     raise ValueError(f"{setting_label(policy)} evicts only at its checkpoints, every {policy.interval} generated tokens "
-                     f"once the cache is over B = {budget}: the first here would be at step {first}, after this run's "
-                     f"last step ({last}), so nothing would be evicted; {advice}")
+                     f"once the cache is over B = {budget}: the first here would be at step {first}, {when}, so no "
+                     f"token would be decoded from a cache it cut; {advice}")
 
 
 @dataclass
@@ -1518,7 +1522,7 @@ def make_preset_handler(limits: Limits):
                 f"*Could not count the prompt's tokens ({type(error).__name__}), so the cache was left as it was: "
                 "AvoKV-E's regime is a budget above the prompt.*")
         budget, new_tokens = prompt_len + REASONING_HEADROOM, min(REASONING_NEW_TOKENS, limits.max_new_tokens)
-        note = (f"*Set to AvoKV-E's regime: budget B = {budget} ({prompt_len}-token prompt + {REASONING_HEADROOM}), "
+        note = (f"{REGIME_SET}: budget B = {budget} ({prompt_len}-token prompt + {REASONING_HEADROOM}), "
                 f"so eviction starts once generation fills it; {new_tokens} new tokens; sampled at temperature "
                 f"{REASONING_SAMPLING['temperature']}, top-p {REASONING_SAMPLING['top_p']}, as the paper does.*")
         return (COMPARISONS[name], prompt, "budget", budget, new_tokens, REASONING_SAMPLING["temperature"],
@@ -1539,6 +1543,18 @@ def make_preset_handler(limits: Limits):
                 gr.skip(), note)
 
     return preset_chosen
+
+
+REGIME_SET = "*Set to AvoKV-E's regime"  # how an AvoKV-E preset's note begins
+
+
+def preset_note_after_edit(note):
+    """The prompt, model or chat template changed by hand after an AvoKV-E preset sized B to the prompt: its
+    note no longer holds (a longer prompt over B is the regime the preset left), so it says what to check."""
+    if not isinstance(note, str) or not note.startswith(REGIME_SET):
+        return gr.skip()
+    return ("*The prompt changed after the AvoKV-E preset sized B to it: for AvoKV-E's regime keep B above the "
+            "prompt's tokens (counted under the prompt), or choose the preset again to size it.*")
 
 
 def make_prompt_counter(limits: Limits):
@@ -1904,6 +1920,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 trigger(counter, c_count_inputs, c_prompt_size, api_name=False, trigger_mode="always_last")
             for loaded in (app.load, compare_tab.select, c_checked.success, c_checked.failure):
                 loaded(counter, c_count_inputs, c_prompt_size, api_name=False, show_progress="hidden")
+            for edited in (c_prompt.input, c_model.input, c_chat.input):  # by hand, not by the preset itself
+                edited(preset_note_after_edit, c_preset_note, c_preset_note, api_name=False, queue=False,
+                       show_progress="hidden")
             c_checked.failure(compare_check.refused_marks, [*c_inputs, c_state],
                               [c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False)
             for component in c_inputs:
