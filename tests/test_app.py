@@ -978,7 +978,12 @@ def test_compare_follows_prompt_tokens_through_each_policy():
     # Each column says how far its run went: runs that diverge end at different steps.
     assert frame["#"].tolist() == [3] and frame["a (to step 1)"].tolist() == ["kept"]
     assert frame["b (to step 1)"].tolist() == ["evicted at step 1"]
-    assert "**a** 1, **b** 0" in note
+    assert "**a** 1, **b** 0" in note and "ended at different steps" not in note  # both ran to step 1
+    del views["b"].events[1:]  # b ended at the prefill (its end-of-sequence): its 'kept' reaches step 0 only
+    note, _ = compare_fates(views, "42")
+    assert note.endswith("The runs ended at different steps (a 1, b 0): each policy's count here, and its stability "
+                         "column, cover its own run only.")
+    views = two_compared_views()
     note, table = compare_fates(views, "")  # what they disagree on: " key" (a drops it) and " 42" (b does)
     assert table["value"]["#"].tolist() == [1, 3] and "2 prompt tokens" in note
     assert compare_fates(views, "?")[1]["visible"] is False  # generated text differs per policy: prompt only

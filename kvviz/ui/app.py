@@ -1289,7 +1289,12 @@ def compare_fates(views: dict[str, RunView] | None, query: str, followed: tuple 
                              for name, steps in fates.items()}})
     kept_counts = ", ".join(f"**{name}** {sum(step is None for step in steps)}" for name, steps in fates.items())
     marked = " Marked in red on the retention panels." if (query or "").strip() else ""
-    return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.{marked}", \
+    ends = {name: views[name].steps - 1 for name in names}
+    # A run that ended early (its end-of-sequence, as sampling often draws) had fewer steps in which to evict
+    uneven = ("" if len(set(ends.values())) == 1 else " The runs ended at different steps ("
+              + ", ".join(f"{name} {end}" for name, end in ends.items())
+              + "): each policy's count here, and its stability column, cover its own run only.")
+    return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.{marked}{uneven}", \
         gr.update(value=frame, visible=True)
 
 
