@@ -995,13 +995,21 @@ def history_view(view: RunView | None, follow: str, step) -> go.Figure | None:
     return view.history_figure(*view.follow(follow, step), marker_step=step)
 
 
+def _history_and_marks(view: RunView, follow: str, step: int) -> tuple[go.Figure, list[int]]:
+    """The token history at the scrubbed ``step`` and the positions to mark on the retention heatmap (those
+    typed; none while Follow is empty), from one search of the tokens."""
+    positions, note = view.follow(follow, step)
+    return view.history_figure(positions, note, marker_step=step), positions if (follow or "").strip() else []
+
+
 def followed_views(view: RunView | None, follow: str, step) -> tuple:
     """What Follow changes: the token history, and the retention heatmap with the typed tokens marked (at the
     scrubbed step)."""
     if view is None or not view.events:
         return gr.skip(), gr.skip()
     step = scrubbed_step(view, step)
-    return history_view(view, follow, step), view.retention_figure(step, typed_positions(view, follow, step))
+    history, marked = _history_and_marks(view, follow, step)
+    return history, view.retention_figure(step, marked)
 
 
 def step_views(view: RunView | None, follow: str, step) -> tuple:
@@ -1010,9 +1018,8 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
     if view is None or not view.events:
         return None, "", gr.update(value=None, visible=False), gr.skip()
     step = scrubbed_step(view, step)
-    marked = typed_positions(view, follow, step)
-    return (history_view(view, follow, step), *decision_views(view, step),
-            view.retention_figure(step, marked) if marked else gr.skip())
+    history, marked = _history_and_marks(view, follow, step)
+    return history, *decision_views(view, step), view.retention_figure(step, marked) if marked else gr.skip()
 
 
 def decision_views(view: RunView, step) -> tuple:
