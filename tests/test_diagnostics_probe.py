@@ -189,8 +189,8 @@ def test_diagnostics_run_on_a_real_trace(tiny, tiny_prompt):
     assert dx.utility_rank_stability(frozen) == [] and np.isnan(dx.summary(frozen)["utility_rank_stability"])
     # A policy that rescores every step is paired at every step after the first.
     assert [step for step, _ in dx.utility_rank_stability(trace)] == [e.step for e in steps[1:]]
-    # AvoKV-E and R-KV rescore at their checkpoints only: paired checkpoint to checkpoint.
-    for name in ("avokv", "rkv"):
+    # AvoKV-E, R-KV and LazyEviction rescore at their checkpoints only: paired checkpoint to checkpoint.
+    for name in ("avokv", "rkv", "lazyeviction"):
         checkpointed = kvviz.run(model, tokenizer, tiny_prompt, name, budget=60, max_new_tokens=30, interval=8).trace
         decisions = [e.step for e in checkpointed.decode_steps if e.components]
         assert decisions == [1, 8, 16, 24]
@@ -500,7 +500,8 @@ def test_which_policies_record_attention_comes_from_the_policy_not_a_list_of_nam
     from kvviz.policies.tova import TOVA
 
     assert [name for name in REGISTRY if dx.scores_attention(name, {})] == [
-        "inertia", "inertia-lazy", "score-free", "single-step", "cumulative", "inertia-decoupled", "tova", "h2o"]
+        "inertia", "inertia-lazy", "score-free", "single-step", "cumulative", "inertia-decoupled", "lazyeviction",
+        "tova", "h2o"]
     assert not dx.scores_attention("nonexistent", {}) and not dx.scores_attention("tova", {"no_such": 1})
     monkeypatch.setitem(REGISTRY, "my-tova", PolicySpec("my-tova", TOVA, "My TOVA", "baseline", "TOVA again.", ""))
     assert dx.scores_attention("my-tova", {})

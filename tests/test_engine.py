@@ -13,6 +13,7 @@ import kvviz
 from kvviz.cache import SlotCache
 from kvviz.engine import resolve_budget
 from kvviz.policies import REGISTRY
+from kvviz.policies.checkpointed import CheckpointPolicy
 from kvviz.trace import budget_note
 
 
@@ -86,6 +87,7 @@ def test_physical_eviction_equals_masked_full_cache_on_every_family(family, tiny
 
 
 PREFILL_ONLY = ("snapkv", "expected-attention", "kvzip")  # evict once, right after the prefill
+CHECKPOINTED = tuple(name for name, spec in REGISTRY.items() if issubclass(spec.cls, CheckpointPolicy))
 COMPRESSES_PREFILL = (*PREFILL_ONLY, "expected-attention-decode")  # evict at the prefill (and maybe later)
 
 
@@ -104,7 +106,7 @@ def test_every_policy_runs_within_its_bound_on_every_family(family, tiny_prompt)
 def check_policy_run(model, tokenizer, tiny_prompt, name, max_new_tokens):
     """Run ``name`` at B = 40 and check every event's sets and cache size against the policy's rule."""
     budget = 40  # above SnapKV's window (32) and AvoKV-E's protected tail + sinks (32 + 4)
-    policy = kvviz.make_policy(name, **({"interval": 16} if name in ("avokv", "rkv") else {}))
+    policy = kvviz.make_policy(name, **({"interval": 16} if name in CHECKPOINTED else {}))
     result = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=max_new_tokens)
     events = result.trace.events
     assert len(events) == max_new_tokens
@@ -126,7 +128,7 @@ def check_policy_run(model, tokenizer, tiny_prompt, name, max_new_tokens):
             assert event.cache_size == prompt_len + max(event.step, 0)
         elif name in PREFILL_ONLY:  # cut to B at prefill, then every generated token stays
             assert event.cache_size == budget + max(event.step, 0)
-        elif name in ("avokv", "rkv"):  # cut to B at checkpoints (every 16th token), growing in between
+        elif name in CHECKPOINTED:  # cut to B at checkpoints (every 16th token), growing in between
             if event.step >= 16:
                 assert event.cache_size == budget + event.step % 16
         elif event.step >= 1:  # per-step policies: exactly B after every decode step
@@ -532,7 +534,7 @@ def test_every_policys_trace_loads_back_as_one_consistent_run(tiny, tiny_prompt,
     one utility per kept entry (budget below the prompt, and above it: eviction once generation fills it)."""
     model, tokenizer = tiny
     # checkpoints every 4 tokens and a short SnapKV window, so that 10 steps evict under every policy
-    params = {"avokv": {"interval": 4}, "rkv": {"interval": 4}, "snapkv": {"window": 8}}.get(name, {})
+    params = {**{checkpointed: {"interval": 4} for checkpointed in CHECKPOINTED}, "snapkv": {"window": 8}}.get(name, {})
     for budget in (40, len(tiny_prompt) + 4):
         policy = kvviz.make_policy(name, **params)
         trace = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=10).trace

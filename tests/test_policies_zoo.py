@@ -245,9 +245,59 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
     assert terms["redundancy"][2] == terms["redundancy"][3] > terms["redundancy"][0] > terms["redundancy"][4]
 
 
+# -------------------------------------------------------------------------------------------- LazyEviction
+
+
+def test_lazyeviction_tracks_recurrence_and_keeps_what_is_due_back():
+    """Prompt 0..3, B = 4, window 1, a checkpoint every 3 tokens; an entry is active at attention >= 1/n.
+    Step 1 (n = 5, 1/n = .2): 0 and 2 active -> MRI(0) = 4 - 0 = 4, MRI(2) = 4 - 2 = 2, TS = 4.
+    Step 2 (n = 6, 1/n = .167): 0, 1, 5 active -> MRI(0) = max(4, 5 - 4) = 4, MRI(1) = 5 - 1 = 4, 5 read at
+    birth stays 0; TS = 5.  Step 3 (n = 7, 1/n = .143): 3 and 6 active -> MRI(3) = 6 - 3 = 3, TS = 6.
+    Checkpoint at step 3 (t = 6), 6 protected, keep 3 of candidates 0..5:
+      0, 1: idle 1, MRI 4 -> 2 sig(-1/4) + 2 sig(-5) = 0.8756 + 0.0134 = 0.8890
+      2:    idle 2, MRI 2 -> 2 sig(-1)   + 2 sig(-3) = 0.5379 + 0.0949 = 0.6327
+      3:    idle 0, MRI 3 -> 1           + 2 sig(-4) = 1.0360
+      4, 5: never read after birth (MRI 0), idle 2 and 1 -> 0
+    so {0, 1, 3} stay with 6: entry 2 was read more recently than 0 and 1 were first, but is further past its
+    recurrence interval; TOVA, by step 3's attention alone, would keep 3 and three tied at 0.1."""
+    policy = make_policy("lazyeviction", interval=3, window=1)
+    steps = [[[[0.5, 0.1, 0.3, 0.05, 0.05]]],  # step k: one layer of one head over positions 0 .. 3 + k
+             [[[0.3, 0.2, 0.1, 0.1, 0.1, 0.2]]],
+             [[[0.1, 0.1, 0.1, 0.3, 0.1, 0.1, 0.2]]]]
+    kept, _ = drive(policy, 4, 4, steps)
+    assert kept == [{0, 1, 2, 3, 4}, {0, 1, 2, 3, 4, 5}, {0, 1, 3, 6}]
+    assert policy.mri[:7].tolist() == [4, 4, 2, 3, 0, 0, 0]
+    assert policy.last_active[:7].tolist() == [5, 5, 4, 6, 4, 5, 6]
+    positions = torch.arange(7)
+    terms = {name: np.array(values.tolist()) for name, values in policy.components(positions).items()}
+    assert set(terms) == {"idle", "MRI", "H1", "H2", "score"} and np.isnan(terms["score"][6])
+    assert terms["idle"][:6].tolist() == [1, 1, 2, 0, 2, 1] and terms["MRI"][:6].tolist() == [4, 4, 2, 3, 0, 0]
+    assert terms["score"][:6] == pytest.approx([0.88903, 0.88903, 0.63274, 1.03597, 0.0, 0.0], abs=1e-5)
+    assert terms["H1"][:6] + terms["H2"][:6] == pytest.approx(terms["score"][:6])
+
+
+def test_lazyevictions_threshold_is_relative_to_the_uniform_share():
+    # One step over five entries, 1/n = .2: at threshold 1 the 0.2 entries are active; at 2 only the 0.5 one.
+    row = [[[[0.5, 0.2, 0.2, 0.05, 0.05]]]]
+    for threshold, active in ((1.0, [0, 1, 2]), (2.0, [0])):
+        policy = make_policy("lazyeviction", threshold=threshold, window=1)
+        drive(policy, 4, 8, row)
+        assert [p for p in range(4) if policy.last_active[p] == 4] == active
+        assert policy.mri[:4].tolist() == [4 - p if p in active else 0 for p in range(4)]
+
+
+def test_lazyeviction_refuses_the_window_parameters_it_never_reads():
+    with pytest.raises(ValueError, match="observe_window does nothing when LazyEviction reads every decode step"):
+        make_policy("lazyeviction", observe_window=4)
+    assert make_policy("lazyeviction").prefill_window == 0  # no prompt queries recorded at prefill
+    assert make_policy("lazyeviction").pinned(100) == (0, 8)
+    with pytest.raises(ValueError, match="budget 8 must exceed the 8 entries LazyEviction"):
+        make_policy("lazyeviction").reset(20, 8)
+
+
 # -------------------------------------------------------------------------------------------- checkpoints
 
-@pytest.mark.parametrize("name", ["avokv", "rkv"])
+@pytest.mark.parametrize("name", ["avokv", "rkv", "lazyeviction"])
 @pytest.mark.parametrize("over, first", [
     (3, 5),     # the prompt 3 over B: the cache would pass B + 7 at step 5, before the scheduled step 8
     (20, 1),    # 20 over (>= interval): cut at step 1

@@ -20,6 +20,7 @@ from .inertia_decoupled import DecoupledInertiaKV
 from .keydiff import KeyDiff
 from .knorm import KNorm
 from .kvzip import KVzip
+from .lazyeviction import LazyEviction
 from .random_keep import RandomEviction
 from .recency import Recency
 from .rkv import RKV
@@ -180,6 +181,10 @@ REGISTRY: dict[str, PolicySpec] = by_name(
                    "Pooled attention of the last `observe_window` (8) queries minus key redundancy, at checkpoints "
                    "every `interval` (128) tokens.",
                    f"Cai et al. 2025, as compared in {AVOKV}"),
+        PolicySpec("lazyeviction", LazyEviction, "LazyEviction", "baseline",
+                   "Tracks when each entry was last read and its longest gap between reads; at checkpoints every "
+                   "`interval` (128) tokens, keeps the entries due to be read again (the last `window` (8) always).",
+                   f"Zhang et al. 2025 (our reading), as compared in {AVOKV}"),
         PolicySpec("tova", TOVA, "TOVA", "baseline",
                    "Every step, keep the top B by the current last-query attention (decode-time only).",
                    f"Oren et al. 2024, as compared in {INERTIA}"),

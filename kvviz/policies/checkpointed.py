@@ -1,4 +1,5 @@
-"""Shared machinery of checkpointed policies (R-KV, AvoKV-E): a buffer of recent queries and a schedule.
+"""Shared machinery of checkpointed policies (R-KV, AvoKV-E, LazyEviction): a buffer of recent queries and a
+schedule.
 
 Between checkpoints nothing is evicted; the newest query of every layer is buffered each step (a copy of
 ``num_heads x head_dim`` floats, no attention computed); with ``prompt_queries`` the prompt's last
@@ -179,10 +180,15 @@ class CheckpointPolicy(Policy):
         """The terms to show for each candidate at a checkpoint: the layer-mean features and the score."""
         return {**features, "score": score}
 
+    def checkpoint_features(self) -> dict[str, torch.Tensor]:
+        """The features :meth:`risk` reads at this checkpoint: by default the layer means of the
+        :meth:`layer_features` summed while the step's layers were observed."""
+        return {name: total / self.layers_seen for name, total in self.features.items()}
+
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
         if not self.checkpoint or not self.layers_seen:
             return NO_SLOTS
-        features = {name: total / self.layers_seen for name, total in self.features.items()}
+        features = self.checkpoint_features()
         candidates = self.candidates
         score = self.risk(features, positions[candidates])
         self.last_score = dict(zip(positions[candidates].tolist(), score.tolist()))
