@@ -14,7 +14,7 @@ import pytest
 
 import kvviz
 from kvviz.ui.config import Limits
-from kvviz.ui.figures import EMPTY, RunView
+from kvviz.ui.figures import EMPTY, STEP_MARKER_COLOR, RunView
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "tiny-random-llama"
@@ -914,8 +914,8 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert outputs[7] == gr.skip() and scrub(view, 1.0)[7] == gr.skip()
     assert [scrub(view, typed)[7]["value"] for typed in (1.5, 99, -3, None)] == [1, 2, 0, 0]
     # the per-step plot marks the scrubbed step on each of its three rows; the streaming figure stays unmarked
-    assert [shape.x0 for shape in outputs[2].layout.shapes if shape.line.color == "#d62728"] == [2, 2, 2]
-    assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == "#d62728"]
+    assert [shape.x0 for shape in outputs[2].layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2, 2, 2]
+    assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == STEP_MARKER_COLOR]
     table = outputs[6]["value"]
     assert table["position"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
     detail = view.step_detail_figure(1)
@@ -1053,11 +1053,12 @@ def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
     assert list(top.x) == [1, 4] and list(cross.x) == [1, 4] and list(cross.y) == [1, 2]
     assert top.hovertext == ("#1 b: evicted at step 1", "#4 x: evicted at step 2")
     assert "red followed" in retention.layout.title.text and history is not None
-    assert [shape.y0 for shape in retention.layout.shapes if shape.line.color == "#d62728"] == [2]  # the step
+    assert [shape.y0 for shape in retention.layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2]  # the step
+    assert STEP_MARKER_COLOR != line.line.color  # the step's line is not mistaken for a followed token's
     # scrubbing keeps the marks, at the step scrubbed to; nothing typed, nothing marked
     scrubbed = scrub(view, 1, "#1")[0]
     assert list(scrubbed.data[1].x) == [1, 1, None]
-    assert [shape.y0 for shape in scrubbed.layout.shapes if shape.line.color == "#d62728"] == [1]
+    assert [shape.y0 for shape in scrubbed.layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [1]
     assert len(scrub(view, 1, "")[0].data) == 1 and len(followed_views(view, "", 2)[1].data) == 1
     assert "red followed" not in scrub(view, 1, "")[0].layout.title.text
     # at a run's end the views after it mark what was typed, and leave the heatmap alone without it
