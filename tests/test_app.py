@@ -1209,13 +1209,21 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     assert ("AUROC below 0.5" in note) == bool(below) and all(policy in note for policy in below)
     real = kvviz.probe.aligned_quality
 
-    def one_inverted(utilities, damage):
+    def one_inverted(utilities, damage, high=0.43):
         quality, aligned = real(utilities, damage)
-        return {"inertia": {**quality["inertia"], "auroc": 0.9}, "tova": {**quality["tova"], "auroc": 0.24}}, aligned
+        return {"inertia": {**quality["inertia"], "auroc": 0.9},
+                "tova": {**quality["tova"], "auroc": 0.24, "auroc_low": 0.05, "auroc_high": high}}, aligned
 
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
     table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
-    assert "AUROC below 0.5 (tova): worse than chance" in note and table.set_index("policy").auroc["tova"] == 0.24
+    assert "AUROC below 0.5 (tova 0.24, 95% 0.05-0.43): worse than chance" in note
+    assert table.set_index("policy").auroc["tova"] == 0.24 and "auroc_high" in table.columns
+    # an interval that reaches 0.5 is not called worse than chance: a handful of high-damage entries
+    monkeypatch.setattr(kvviz.probe, "aligned_quality", lambda u, d: one_inverted(u, d, high=0.61))
+    _, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    assert "worse than chance," not in note
+    assert "AUROC below 0.5 (tova 0.24, 95% 0.05-0.61), but its 95% interval reaches 0.5" in note
+    monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
     assert "Scored with" not in note and "false_safe_rate" in table.columns  # neither protects anything
     monkeypatch.undo()
     table, note, _ = handler(TINY, PROMPT * 2, ["tova", "h2o"], False, 3, 0)

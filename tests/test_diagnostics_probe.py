@@ -247,6 +247,23 @@ def test_auroc_and_average_precision_by_hand():
     assert ranking_quality(-damage_values, damage_values)["false_safe_rate"] == 1.0  # evicts the damaging first
 
 
+def test_auroc_interval_by_hand():
+    """Hanley and McNeil's standard error: Q1 = A / (2 - A), Q2 = 2A^2 / (1 + A),
+    SE^2 = (A(1 - A) + (P - 1)(Q1 - A^2) + (N - 1)(Q2 - A^2)) / (P N).
+    A = 0.8, P = 5, N = 45: Q1 = 2/3, Q2 = 0.71111; SE^2 = (0.16 + 4 x 0.026667 + 44 x 0.071111) / 225
+    = 3.395556 / 225 = 0.015091, SE = 0.122847, 1.96 SE = 0.240780 -> [0.559220, 1.040780], clipped at 1.
+    A = 0.5, P = 1, N = 9: Q1 = Q2 = 1/3; SE^2 = (0.25 + 8/12) / 9 = 0.101852, SE = 0.319142 -> [0, 1]."""
+    from kvviz.probe import auroc_interval
+
+    assert auroc_interval(0.8, 5, 45) == pytest.approx((0.559220, 1.0), abs=1e-6)
+    assert auroc_interval(0.5, 1, 9) == pytest.approx((0.0, 1.0))
+    assert auroc_interval(0.3, 50, 450)[1] < 0.5  # many high-damage entries: 0.3 is clearly below chance
+    assert auroc_interval(0.3, 3, 27)[1] > 0.5  # three of them: it is not
+    assert all(np.isnan(auroc_interval(float("nan"), 0, 10)))
+    quality = ranking_quality(np.arange(50.0), np.arange(50.0))  # perfect: k = 5 at the top, A = 1
+    assert quality["auroc"] == 1.0 and (quality["auroc_low"], quality["auroc_high"]) == (1.0, 1.0)
+
+
 def test_aligned_quality_ranks_every_policy_on_the_entries_all_of_them_judged():
     # Eleven entries; the last is a protected tail entry one policy never judged (+inf) and the most damaging.
     damage_values = np.array([1.0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50])
