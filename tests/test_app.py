@@ -982,7 +982,12 @@ def test_compare_follows_prompt_tokens_through_each_policy():
     del views["b"].events[1:]  # b ended at the prefill (its end-of-sequence): its 'kept' reaches step 0 only
     note, _ = compare_fates(views, "42")
     assert note.endswith("The runs ended at different steps (a 1, b 0): each policy's count here, and its stability "
-                         "column, cover its own run only.")
+                         "column, cover its own run only. Still kept at step 0, where the shortest ended: **a** 1, "
+                         "**b** 1.")
+    # " key": a evicted it at step 1, after b had ended; at b's last step both still held it
+    note, _ = compare_fates(views, "key")
+    assert "Kept to the end, of 1: **a** 0, **b** 1." in note
+    assert note.endswith("Still kept at step 0, where the shortest ended: **a** 1, **b** 1.")
     views = two_compared_views()
     note, table = compare_fates(views, "")  # what they disagree on: " key" (a drops it) and " 42" (b does)
     assert table["value"]["#"].tolist() == [1, 3] and "2 prompt tokens" in note

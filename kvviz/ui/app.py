@@ -1298,9 +1298,13 @@ def compare_fates(views: dict[str, RunView] | None, query: str, followed: tuple 
     marked = " Marked in red on the retention panels." if (query or "").strip() else ""
     ends = {name: views[name].steps - 1 for name in names}
     # A run that ended early (its end-of-sequence, as sampling often draws) had fewer steps in which to evict
+    horizon = min(ends.values())  # where every run was still going: the counts that compare like with like
     uneven = ("" if len(set(ends.values())) == 1 else " The runs ended at different steps ("
               + ", ".join(f"{name} {end}" for name, end in ends.items())
-              + "): each policy's count here, and its stability column, cover its own run only.")
+              + "): each policy's count here, and its stability column, cover its own run only. Still kept at "
+              f"step {horizon}, where the shortest ended: "
+              + ", ".join(f"**{name}** {sum(step is None or step > horizon for step in steps)}"
+                          for name, steps in fates.items()) + ".")
     return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.{marked}{uneven}", \
         gr.update(value=frame, visible=True)
 
