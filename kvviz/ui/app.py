@@ -67,8 +67,8 @@ COMPARISONS = {
         "avokv interval=16", "avokv interval=16 lambda_b=0", "avokv interval=16 delay=8",
         "avokv interval=16 normalise=false"],
     # AvoKV-E first: every keep set's Jaccard against the full cache's is only B / (L0 + t), whatever kept it
-    "AvoKV-E against R-KV, its redundancy-aware baseline, and the full cache (AvoKV-E §5)": [
-        "avokv interval=16", "rkv interval=16", "full"],
+    "AvoKV-E against R-KV and LazyEviction, its redundancy- and recurrence-based baselines, and the full cache "
+    "(AvoKV-E §5)": ["avokv interval=16", "rkv interval=16", "lazyeviction interval=16", "full"],
 }
 
 # The presets of AvoKV-E's variants run in its regime, long generation under an active-KV budget that the
