@@ -968,6 +968,21 @@ def two_compared_views() -> dict[str, RunView]:
     return views
 
 
+def test_compares_panels_follow_the_number_of_settings_chosen_before_any_run():
+    """The page starts with three panels; a four-policy preset showed three until it ran.  Before a run the
+    panels follow the box, labelled with each setting; after one they keep showing it."""
+    from kvviz.ui.app import COMPARISONS, placeholder_panels
+
+    four = next(entries for entries in COMPARISONS.values() if len(entries) == 4)
+    updates = placeholder_panels(four, None)
+    assert [u["visible"] for u in updates] == [True] * 8
+    assert [u["label"] for u in updates[:4]] == four
+    two = placeholder_panels(["inertia", "tova"], None)
+    assert [u["visible"] for u in two] == [True, True, False, False] * 2
+    assert placeholder_panels(four, {"a": None}) == (gr.skip(),) * 8  # a comparison is on show
+    assert placeholder_panels(["inertia"] * 5, None) == (gr.skip(),) * 8  # refused by the run's check
+
+
 def test_compare_follows_prompt_tokens_through_each_policy():
     """The two runs of two_compared_views: each column the fate of the followed token under one policy."""
     from kvviz.ui.app import compare_fates

@@ -1114,6 +1114,19 @@ def starting_panels(labels) -> list:
     return [*texts, *(gr.update(value=None, visible=i < len(labels)) for i in range(4))]
 
 
+def placeholder_panels(entries, state) -> tuple:
+    """Before any comparison, one empty panel per chosen setting, labelled with it (the page starts with
+    three, which a four-policy preset left at three); once one has run, its panels stay until the next, and
+    entries the run's check would refuse leave the panels as they are."""
+    if state is not None:
+        return (gr.skip(),) * 8
+    try:
+        labels = list(compare_settings(entries))
+    except Exception:  # noqa: BLE001 -- the run's check says what is wrong with the entries
+        return (gr.skip(),) * 8
+    return tuple(starting_panels(labels))
+
+
 def comparison_result(run: Progress, stopped: bool = False, note: str = "") -> tuple:
     """The Compare tab once its comparison has ended or been stopped: every panel, the divergence and
     Jaccard lines (after ``note``, :func:`repeats_note`'s) and the zip of its traces (shown whether or not
@@ -1932,6 +1945,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_policies.change(policies_edited, [c_preset, c_policies], c_preset, api_name=False,
                              show_progress="hidden")
             c_state = gr.State(None)
+            c_policies.change(placeholder_panels, [c_policies, c_state], [*c_texts, *c_figs], api_name=False,
+                              show_progress="hidden")
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
                         c_temperature, c_top_p, c_seed]
             compare_check = make_compare_check(limits)
