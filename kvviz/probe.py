@@ -287,8 +287,8 @@ def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray)
 
 def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str, float]:
     """How well a utility (higher = keep) ranks the probe's damage: AUROC (with its approximate 95% interval,
-    :func:`auroc_interval`) and average precision against the top-decile label, top-k recall (the share of the k high-damage entries among the k highest utilities),
-    the false-safe rate and Spearman.
+    :func:`auroc_interval`) and average precision against the top-decile label, top-k recall (the share of
+    the k high-damage entries among the k highest utilities), the false-safe rate and Spearman.
 
     AvoKV-E's Table 3 reports a false-safe rate, "damaging entries assigned to the apparently safe-to-evict
     region", without a formula.  Here it is the mirror of top-k recall: the share of high-damage entries
