@@ -168,9 +168,9 @@ def raw_rank_stability(trace: Trace) -> list[tuple[int, float]]:
 def utility_rank_stability(trace: Trace) -> list[tuple[int, float]]:
     """(step, Spearman of this step's utilities and those they replaced, over the entries kept at both), for
     each step whose utilities changed: step to step for a policy that rescores every step, refresh to
-    refresh (Lazy) or checkpoint to checkpoint (AvoKV-E, R-KV) otherwise.  A step that leaves every kept
-    entry's utility as it was is no new ranking, so it is not paired: counted, it would read as a perfectly
-    stable one (Score-Free, which never rescores, has no pair at all).
+    refresh (Lazy) or checkpoint to checkpoint (AvoKV-E, R-KV, LazyEviction) otherwise.  A step that leaves
+    every kept entry's utility as it was is no new ranking, so it is not paired: counted, it would read as a
+    perfectly stable one (Score-Free, which never rescores, has no pair at all).
 
     Within one policy this is how much each recomputation reorders what it keeps.  Across policies, mind
     that each is measured on its own keep set, without the entry it evicts."""

@@ -126,9 +126,9 @@ def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy,
     """A policy's utility for positions ``0 .. P-1`` at decode step ``step`` of the full-cache run, and the
     terms of its decision there (``{}`` for a policy that records none), each of length ``P``.
 
-    The budget leaves the cache whole up to that step.  Checkpointed policies (R-KV, AvoKV-E) only score at
-    a checkpoint, so one is placed at ``step`` with a budget one below the cache size there: the scores
-    are read before anything it evicts could matter.
+    The budget leaves the cache whole up to that step.  Checkpointed policies (R-KV, AvoKV-E, LazyEviction)
+    only score at a checkpoint, so one is placed at ``step`` with a budget one below the cache size there:
+    the scores are read before anything it evicts could matter.
     """
     prefix_len = len(prompt_ids) + step - 1
     budget = scoring_budget(policy, len(prompt_ids), step)
@@ -263,8 +263,8 @@ def top_decile(damage_values: np.ndarray) -> np.ndarray:
 def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray) -> tuple[dict[str, dict], np.ndarray]:
     """Ranking quality of several policies over the same entries: those every one of them judged.
 
-    A checkpointed policy (AvoKV-E, R-KV) never judges its protected tail and gives it utility +inf; ranked
-    as is, those recent entries -- often the most damaging -- would count as its correct calls and the
+    A checkpointed policy (AvoKV-E, R-KV, LazyEviction) never judges its protected tail and gives it utility
+    +inf; ranked as is, those recent entries -- often the most damaging -- would count as its correct calls and the
     policies would be scored on different questions.  As AvoKV-E's Table 3 aligns candidates, each policy
     is ranked on the entries that every one of them judged (utility neither +inf nor NaN), the top-decile
     label taken there.

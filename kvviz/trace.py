@@ -32,8 +32,9 @@ def budget_note(trace) -> str:
 
 
 def checkpoint_note(trace) -> str:
-    """Why a checkpointed policy's (AvoKV-E's, R-KV's) cache ended over budget with nothing evicted, or "":
-    those evict only at a checkpoint, and a run that ended before its first one kept every entry."""
+    """Why a checkpointed policy's (AvoKV-E's, R-KV's, LazyEviction's) cache ended over budget with nothing
+    evicted, or "": those evict only at a checkpoint, and a run that ended before its first one kept every
+    entry."""
     from .policies import REGISTRY
     from .policies.checkpointed import CheckpointPolicy
 
@@ -82,8 +83,9 @@ class StepEvent:
         before eviction, i.e. ``union(kept, evicted)`` in position order; ``None`` if it computed none.
     scored : bool
         Whether the policy was handed this step's per-layer views (its ``wants_scores``; at the prefill, its
-        ``prefill_window``): InertiaKV on its refresh steps, a checkpointed policy (AvoKV-E, R-KV) at every
-        step, as it keeps a window of queries between checkpoints.  Whether it made a score of them is
+        ``prefill_window``): InertiaKV on its refresh steps, a checkpointed policy (AvoKV-E, R-KV,
+        LazyEviction) at every step, as it keeps a window of queries (LazyEviction: its read times) between
+        checkpoints.  Whether it made a score of them is
         ``raw is not None``.
     t_forward, t_score, t_evict : float
         Seconds in the model forward (scoring excluded), in scoring, and in choosing and applying evictions.

@@ -272,10 +272,10 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
 
 
 def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, budget: int, max_new: int) -> None:
-    """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV) would decode no token from a cache it cut,
-    saying what would: more new tokens, or a shorter interval.  A budget the run fills was advice enough for
-    the others, and led such a policy to a run that cut nothing; a checkpoint at the last step cuts after the
-    last forward pass, which nothing then reads."""
+    """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV, LazyEviction) would decode no token from a
+    cache it cut, saying what would: more new tokens, or a shorter interval.  A budget the run fills was
+    advice enough for the others, and led such a policy to a run that cut nothing; a checkpoint at the last
+    step cuts after the last forward pass, which nothing then reads."""
     if not isinstance(policy, CheckpointPolicy):
         return
     last = max_new - 1  # the last decode step: the last token is generated, never fed back
@@ -485,7 +485,8 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
     rate = len(steps) / decode_time if decode_time else 0.0
     share = (lambda x: f"{x / decode_time:.0%}") if decode_time else (lambda x: "-")
     tokens = view.total - view.prompt_len
-    # Some policies evict only at checkpoints (AvoKV-E, R-KV) or at prefill (SnapKV): say why the cache is over B.
+    # Some policies evict only at checkpoints (AvoKV-E, R-KV, LazyEviction) or at prefill (SnapKV): say why the
+    # cache is over B.
     over = ""
     if last.cache_size > view.budget:
         # Decode-time policies never evict at the prefill: one that did, and not since, is prefill-time
@@ -539,8 +540,8 @@ def diagnostics_markdown(trace: Trace) -> str:
 # Why two policies' utility churn can match while their rankings do not (README, "How it works").
 DIAGNOSTICS_NOTE = ("*Where the cache holds B, the top-B by utility is the keep set itself, so utility churn is "
                     "the keep turnover, 2/(B+1) a step when a new entry displaces an old one, for any policy; "
-                    "both count only steps that evicted (AvoKV-E and R-KV: into each checkpoint from the step "
-                    "before it). "
+                    "both count only steps that evicted (AvoKV-E, R-KV, LazyEviction: into each checkpoint from "
+                    "the step before it). "
                     "The rank stabilities measure how much each recomputation reorders the ranking: the Spearman "
                     "correlation of consecutive recomputations' raw scores, and of their utilities, over the "
                     "entries both scored (each policy on its own keep set; a step that changes no utility, as "
@@ -1023,7 +1024,8 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
 
 
 def decision_views(view: RunView, step) -> tuple:
-    """The caption and the table of the last eviction decision's terms (AvoKV-E, R-KV) at ``step``."""
+    """The caption and the table of the last eviction decision's terms (AvoKV-E, R-KV, LazyEviction) at
+    ``step``."""
     frame, caption = view.terms_frame(scrubbed_step(view, step))
     if frame is not None:  # four significant digits: attention probabilities are often below 1e-4
         numbers = frame.select_dtypes("number").columns.drop("position")
@@ -1789,7 +1791,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     ranks = gr.Plot(label="Utility rank")
                     step_slider = TypedSlider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
                     detail = gr.Plot(label="Step detail")
-                    with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV)", open=False):
+                    with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV, LazyEviction)",
+                                      open=False):
                         terms_note = gr.Markdown()
                         terms = gr.Dataframe(label="Terms per judged entry", visible=False, interactive=False,
                                              max_height=360)

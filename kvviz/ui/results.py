@@ -774,9 +774,9 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     """Quality against the cache each policy really held: one point per (policy, compression or budget), at
     the mean over samples of the largest cache any decode step held, averaged over the tasks every point
     has (:func:`_comparable`), with the full cache's score over the same tasks as a dotted line.  The same
-    nominal B is not the same memory: a checkpointed policy (AvoKV-E, R-KV) runs up to B + interval - 1, a
-    prefill-time one grows by the tokens generated; AvoKV-E compares policies at matched active-KV sizes,
-    which this axis shows."""
+    nominal B is not the same memory: a checkpointed policy (AvoKV-E, R-KV, LazyEviction) runs up to
+    B + interval - 1, a prefill-time one grows by the tokens generated; AvoKV-E compares policies at matched
+    active-KV sizes, which this axis shows."""
     fig = go.Figure()
     evicting = frame[frame.policy != "full"]
     if evicting.empty:
