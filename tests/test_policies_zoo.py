@@ -48,11 +48,13 @@ def test_avokv_ranks_its_sinks_among_the_candidates_as_its_docstring_says():
 def test_checkpointed_hooks_and_helpers_document_their_shapes():
     from kvviz.policies.avokv import AvoKVE
     from kvviz.policies.base import StepMean, grown
-    from kvviz.policies.checkpointed import CheckpointPolicy
+    from kvviz.policies.checkpointed import CheckpointPolicy, QueryWindowPolicy
+    from kvviz.policies.lazyeviction import LazyEviction, recurrence_score
     from kvviz.policies.rkv import RKV
 
-    documented = [percentile_rank, eviction_risk, StepMean.add, grown, CheckpointPolicy.layer_features,
-                  CheckpointPolicy.risk, AvoKVE.layer_features, AvoKVE.risk, RKV.layer_features, RKV.risk]
+    documented = [percentile_rank, eviction_risk, StepMean.add, grown, QueryWindowPolicy.layer_features,
+                  CheckpointPolicy.risk, AvoKVE.layer_features, AvoKVE.risk, RKV.layer_features, RKV.risk,
+                  recurrence_score, LazyEviction.risk]
     for function in documented:
         doc = function.__doc__ or ""
         assert any(f"``({size},)``" in doc for size in "cnm"), function.__qualname__
@@ -249,50 +251,55 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
 
 
 def test_lazyeviction_tracks_recurrence_and_keeps_what_is_due_back():
-    """Prompt 0..3, B = 4, window 1, a checkpoint every 3 tokens; an entry is active at attention >= 1/n.
-    Step 1 (n = 5, 1/n = .2): 0 and 2 active -> MRI(0) = 4 - 0 = 4, MRI(2) = 4 - 2 = 2, TS = 4.
-    Step 2 (n = 6, 1/n = .167): 0, 1, 5 active -> MRI(0) = max(4, 5 - 4) = 4, MRI(1) = 5 - 1 = 4, 5 read at
-    birth stays 0; TS = 5.  Step 3 (n = 7, 1/n = .143): 3 and 6 active -> MRI(3) = 6 - 3 = 3, TS = 6.
+    """Prompt 0..3, written at the prefill (TS = 3), B = 4, window 1, a checkpoint every 3 tokens; an entry is
+    active at attention >= 1/n.
+    Step 1 (t = 4, n = 5, 1/n = .2): 0 and 2 active -> MRI = 4 - 3 = 1 each, TS = 4.
+    Step 2 (t = 5, n = 6, 1/n = .167): 0, 1, 5 active -> MRI(0) = max(1, 5 - 4) = 1, MRI(1) = 5 - 3 = 2; 5,
+    read as it is written, stays 0; TS = 5.  Step 3 (t = 6, 1/n = .143): 3 and 6 active -> MRI(3) = 6 - 3 = 3.
     Checkpoint at step 3 (t = 6), 6 protected, keep 3 of candidates 0..5:
-      0, 1: idle 1, MRI 4 -> 2 sig(-1/4) + 2 sig(-5) = 0.8756 + 0.0134 = 0.8890
-      2:    idle 2, MRI 2 -> 2 sig(-1)   + 2 sig(-3) = 0.5379 + 0.0949 = 0.6327
-      3:    idle 0, MRI 3 -> 1           + 2 sig(-4) = 1.0360
-      4, 5: never read after birth (MRI 0), idle 2 and 1 -> 0
-    so {0, 1, 3} stay with 6: entry 2 was read more recently than 0 and 1 were first, but is further past its
-    recurrence interval; TOVA, by step 3's attention alone, would keep 3 and three tied at 0.1."""
+      0: idle 1, MRI 1 -> 2 sig(-1)   + 2 sig(-2) = 0.5379 + 0.2384 = 0.7763
+      1: idle 1, MRI 2 -> 2 sig(-1/2) + 2 sig(-3) = 0.7551 + 0.0949 = 0.8499
+      2: idle 2, MRI 1 -> 2 sig(-2)   + 2 sig(-2) = 0.2384 + 0.2384 = 0.4768
+      3: idle 0, MRI 3 -> 1           + 2 sig(-4) = 1.0360
+      4, 5: never read since written (MRI 0), idle 2 and 1 -> 0
+    so {0, 1, 3} stay with 6: entry 2 recurred as often as 0 but has been idle twice its MRI; TOVA, by step
+    3's attention alone, would keep 3 and three of the entries tied at 0.1."""
     policy = make_policy("lazyeviction", interval=3, window=1)
     steps = [[[[0.5, 0.1, 0.3, 0.05, 0.05]]],  # step k: one layer of one head over positions 0 .. 3 + k
              [[[0.3, 0.2, 0.1, 0.1, 0.1, 0.2]]],
              [[[0.1, 0.1, 0.1, 0.3, 0.1, 0.1, 0.2]]]]
     kept, _ = drive(policy, 4, 4, steps)
     assert kept == [{0, 1, 2, 3, 4}, {0, 1, 2, 3, 4, 5}, {0, 1, 3, 6}]
-    assert policy.mri[:7].tolist() == [4, 4, 2, 3, 0, 0, 0]
+    assert policy.mri[:7].tolist() == [1, 2, 1, 3, 0, 0, 0]
     assert policy.last_active[:7].tolist() == [5, 5, 4, 6, 4, 5, 6]
     positions = torch.arange(7)
     terms = {name: np.array(values.tolist()) for name, values in policy.components(positions).items()}
     assert set(terms) == {"idle", "MRI", "H1", "H2", "score"} and np.isnan(terms["score"][6])
-    assert terms["idle"][:6].tolist() == [1, 1, 2, 0, 2, 1] and terms["MRI"][:6].tolist() == [4, 4, 2, 3, 0, 0]
-    assert terms["score"][:6] == pytest.approx([0.88903, 0.88903, 0.63274, 1.03597, 0.0, 0.0], abs=1e-5)
+    assert terms["idle"][:6].tolist() == [1, 1, 2, 0, 2, 1] and terms["MRI"][:6].tolist() == [1, 2, 1, 3, 0, 0]
+    assert terms["score"][:6] == pytest.approx([0.77629, 0.84993, 0.47681, 1.03597, 0.0, 0.0], abs=1e-5)
     assert terms["H1"][:6] + terms["H2"][:6] == pytest.approx(terms["score"][:6])
 
 
 def test_lazyevictions_threshold_is_relative_to_the_uniform_share():
     # One step over five entries, 1/n = .2: at threshold 1 the 0.2 entries are active; at 2 only the 0.5 one.
+    # The prompt (0..3) was written at the prefill, position 3: a first read at t = 4 is a gap of 1.
     row = [[[[0.5, 0.2, 0.2, 0.05, 0.05]]]]
     for threshold, active in ((1.0, [0, 1, 2]), (2.0, [0])):
         policy = make_policy("lazyeviction", threshold=threshold, window=1)
         drive(policy, 4, 8, row)
         assert [p for p in range(4) if policy.last_active[p] == 4] == active
-        assert policy.mri[:4].tolist() == [4 - p if p in active else 0 for p in range(4)]
+        assert policy.mri[:4].tolist() == [1 if p in active else 0 for p in range(4)]
 
 
-def test_lazyeviction_refuses_the_window_parameters_it_never_reads():
-    with pytest.raises(ValueError, match="observe_window does nothing when LazyEviction reads every decode step"):
+def test_lazyeviction_has_no_query_window_and_says_what_to_lower():
+    with pytest.raises(ValueError, match="has no parameter.s. observe_window; it takes: interval, threshold, window"):
         make_policy("lazyeviction", observe_window=4)
     assert make_policy("lazyeviction").prefill_window == 0  # no prompt queries recorded at prefill
     assert make_policy("lazyeviction").pinned(100) == (0, 8)
-    with pytest.raises(ValueError, match="budget 8 must exceed the 8 entries LazyEviction"):
+    with pytest.raises(ValueError, match="budget 8 must exceed the 8 entries LazyEviction .* lower window"):
         make_policy("lazyeviction").reset(20, 8)
+    with pytest.raises(ValueError, match="lower delay or sinks"):
+        make_policy("avokv").reset(20, 36)
 
 
 # -------------------------------------------------------------------------------------------- checkpoints

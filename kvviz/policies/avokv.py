@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import param
-from .checkpointed import CheckpointPolicy, percentile_rank, window_attention
+from .checkpointed import QueryWindowPolicy, percentile_rank, window_attention
 
 PAYLOAD_EPS = 1e-6
 
@@ -66,7 +66,7 @@ def max_cosine_to_others(keys: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class AvoKVE(CheckpointPolicy):
+class AvoKVE(QueryWindowPolicy):
     """AvoKV-E (avokv-e.txt §4); ablations: lambda_b=0, delay=observe_window, normalise=False, lambda_r=0."""
 
     prompt_queries: bool = param(True, help="the prompt's last queries count among the W_obs while fewer decode "
@@ -94,7 +94,8 @@ class AvoKVE(CheckpointPolicy):
             raise ValueError(f"W_delay ({self.protected(budget)} at budget {budget}) must be >= observe_window "
                              f"(W_obs = {self.observe_window}): set delay >= {self.observe_window} or lower "
                              "observe_window")
-        self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)")
+        self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)",
+                                "delay or sinks")
 
     def pinned(self, budget: int) -> tuple[int, int]:
         return self.sinks, self.protected(budget)
@@ -103,7 +104,7 @@ class AvoKVE(CheckpointPolicy):
         """``p``, ``r`` and ``b`` of the ``c`` candidates at this layer, each ``(c,)`` (head means).
 
         ``view`` holds keys and values ``(num_kv_heads, n, head_dim)``, ``positions`` is ``(n,)``, ``queries``
-        ``(w, num_heads, head_dim)`` at ``query_positions`` ``(w,)``; see :meth:`CheckpointPolicy.layer_features`.
+        ``(w, num_heads, head_dim)`` at ``query_positions`` ``(w,)``; see :meth:`QueryWindowPolicy.layer_features`.
         """
         cand = self.candidates
         attn = window_attention(queries, query_positions, view, positions)  # (heads, w, n)

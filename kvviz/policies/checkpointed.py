@@ -1,11 +1,10 @@
-"""Shared machinery of checkpointed policies (R-KV, AvoKV-E, LazyEviction): a buffer of recent queries and a
-schedule.
+"""Shared machinery of checkpointed policies (R-KV, AvoKV-E, LazyEviction): a schedule of checkpoints and,
+for those that score from recent queries (R-KV, AvoKV-E: :class:`QueryWindowPolicy`), a buffer of them.
 
-Between checkpoints nothing is evicted; the newest query of every layer is buffered each step (a copy of
-``num_heads x head_dim`` floats, no attention computed); with ``prompt_queries`` the prompt's last
-queries start the buffer at prefill.  At a checkpoint the subclass scores candidates
-from the buffered queries and the cache as it is then -- only what the prefix provides, so every
-quantity is causal.
+Between checkpoints nothing is evicted.  A query-window policy buffers the newest query of every layer each
+step (a copy of ``num_heads x head_dim`` floats, no attention computed); with ``prompt_queries`` the
+prompt's last queries start the buffer at prefill.  At a checkpoint the subclass scores candidates from
+what it kept and the cache as it is then -- only what the prefix provides, so every quantity is causal.
 """
 
 from __future__ import annotations
@@ -72,20 +71,16 @@ def percentile_rank(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class CheckpointPolicy(Policy):
-    """Base of checkpointed policies; subclasses implement ``protected``, ``layer_features`` and ``risk``."""
+    """Base of checkpointed policies: every ``interval`` generated tokens while over B, the candidates (all but
+    the ``protected`` newest) are scored and the top ``B - protected`` stay.  Subclasses implement
+    ``protected``, ``observe`` (which, at a checkpoint, sets ``self.candidates`` and counts
+    ``self.layers_seen``) and ``risk``; :class:`QueryWindowPolicy` is the one that scores from buffered queries."""
 
     interval: int = param(128, low=1, high=4096, help="generated tokens between compression checkpoints")
-    observe_window: int = param(8, low=1, high=128, help="W_obs: the most recent queries that measure attention")
-    prompt_queries: bool = param(False, help="the prompt's last queries count among the W_obs while fewer decode "
-                                 "queries exist (recorded at prefill); False: decode queries only")
 
     def __post_init__(self):
-        if self.interval < 1 or self.observe_window < 1:
-            raise ValueError(f"interval and observe_window must be >= 1, got {self.interval} and {self.observe_window}")
-
-    @property
-    def prefill_window(self) -> int:  # the prompt queries to record at prefill (nothing is evicted there)
-        return self.observe_window if self.prompt_queries else 0
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {self.interval}")
 
     def protected(self, budget: int) -> int:
         """How many of the most recent entries are never candidates."""
@@ -93,13 +88,12 @@ class CheckpointPolicy(Policy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         super().reset(prompt_len, budget, num_layers)
-        self.queries: dict[int, deque] = {}
         self.checkpoint = False
         self.terms = None  # asked for after the prefill too, where prompt queries may be recorded
         self.last_score = None  # a reused policy must not report the last run's utility before a checkpoint
 
     def wants_scores(self, step: int) -> bool:
-        return True  # to buffer each step's queries; attention itself is only computed at checkpoints
+        return True  # every step: to buffer its queries or track its reads; scoring waits for a checkpoint
 
     def begin_step(self, step: int, cached: torch.Tensor, new_position: int) -> None:
         self.checkpoint = self.checkpoint_at(step, cached.numel() + 1, self.budget)
@@ -108,56 +102,14 @@ class CheckpointPolicy(Policy):
         self.layers_seen = 0
         self.terms = None  # (candidate positions, named terms over them) once this step's checkpoint is decided
 
-    def reset_budget_check(self, budget: int, reserved: int, name: str) -> None:
+    def reset_budget_check(self, budget: int, reserved: int, name: str, shrink: str) -> None:
+        """Refuse a budget within the ``reserved`` entries that are never evicted (``shrink``: the parameters
+        that set them, named in the message)."""
         # Whatever the prompt length, decoding grows the cache past any budget, and at that checkpoint a
         # budget within the reserve would evict everything else, the never-evicted sinks included.
         if budget <= reserved:
             raise ValueError(f"budget {budget} must exceed the {reserved} entries {name} always protects: "
-                             f"raise the budget above {reserved} (or shrink what is protected)")
-
-    def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
-        """Start the buffer with the prompt's last queries (``prompt_queries``): a checkpoint before
-        ``observe_window`` decode steps then reads the newest queries there are, the prompt's included,
-        instead of the few decode ones."""
-        buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
-        first = int(positions.max()) + 1 - view.queries.shape[1]  # the window is the prompt's last positions
-        for offset in range(view.queries.shape[1]):
-            buffer.append((first + offset, view.queries[:, offset].detach().clone()))
-
-    def observe(self, view: LayerView, positions: torch.Tensor) -> None:
-        buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
-        buffer.append((self.new_position, view.query.detach().clone()))
-        if not self.checkpoint:  # between checkpoints only the buffer moves; nothing is stacked or scored
-            return
-        queries = torch.stack([q for _, q in buffer])
-        query_positions = torch.tensor([p for p, _ in buffer])
-        newest = int(positions.max())
-        self.candidates = torch.nonzero(positions <= newest - self.protected(self.budget)).flatten()
-        for name, value in self.layer_features(view, positions, queries, query_positions).items():
-            self.features[name] = self.features.get(name, 0) + value.to("cpu", torch.float32)
-        self.layers_seen += 1
-
-    def layer_features(self, view, positions, queries, query_positions) -> dict[str, torch.Tensor]:
-        """One layer's features of the ``c`` candidates at a checkpoint (``self.candidates``, slot indices).
-
-        Parameters
-        ----------
-        view : LayerView
-            The layer's cache: keys and values ``(num_kv_heads, n, head_dim)``.
-        positions : torch.Tensor
-            ``(n,)`` absolute position of each cached slot.
-        queries : torch.Tensor
-            ``(w, num_heads, head_dim)`` the buffered post-RoPE queries, oldest first.
-        query_positions : torch.Tensor
-            ``(w,)`` their absolute positions.
-
-        Returns
-        -------
-        dict[str, torch.Tensor]
-            Feature name -> ``(c,)`` values in ``self.candidates``' order; summed over layers (on CPU, float32)
-            and averaged before :meth:`risk`.
-        """
-        raise NotImplementedError
+                             f"raise the budget above {reserved} (or lower {shrink})")
 
     def risk(self, features: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
         """Per-candidate score, higher = keep.
@@ -181,8 +133,8 @@ class CheckpointPolicy(Policy):
         return {**features, "score": score}
 
     def checkpoint_features(self) -> dict[str, torch.Tensor]:
-        """The features :meth:`risk` reads at this checkpoint: by default the layer means of the
-        :meth:`layer_features` summed while the step's layers were observed."""
+        """The features :meth:`risk` reads at this checkpoint: by default the layer means of what ``observe``
+        summed into ``self.features`` over the step's ``self.layers_seen`` layers."""
         return {name: total / self.layers_seen for name, total in self.features.items()}
 
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
@@ -231,3 +183,71 @@ class CheckpointPolicy(Policy):
         does): from the first step with the cache over B, one falls within ``interval - 1`` steps."""
         over = max(1, budget - prompt_len + 1)  # nothing is evicted before: step k holds prompt_len + k
         return max(0, last_step - over + 1)
+
+
+@dataclass
+class QueryWindowPolicy(CheckpointPolicy):
+    """A checkpointed policy that scores from the last ``observe_window`` queries (R-KV, AvoKV-E): each step
+    buffers every layer's newest query; at a checkpoint, subclasses turn the buffer and the cache into
+    per-candidate ``layer_features``, which are averaged over layers before ``risk``."""
+
+    observe_window: int = param(8, low=1, high=128, help="W_obs: the most recent queries that measure attention")
+    prompt_queries: bool = param(False, help="the prompt's last queries count among the W_obs while fewer decode "
+                                 "queries exist (recorded at prefill); False: decode queries only")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.observe_window < 1:
+            raise ValueError(f"observe_window must be >= 1, got {self.observe_window}")
+
+    @property
+    def prefill_window(self) -> int:  # the prompt queries to record at prefill (nothing is evicted there)
+        return self.observe_window if self.prompt_queries else 0
+
+    def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
+        super().reset(prompt_len, budget, num_layers)
+        self.queries: dict[int, deque] = {}
+
+    def observe_prefill(self, view: PrefillView, positions: torch.Tensor) -> None:
+        """Start the buffer with the prompt's last queries (``prompt_queries``): a checkpoint before
+        ``observe_window`` decode steps then reads the newest queries there are, the prompt's included,
+        instead of the few decode ones."""
+        buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
+        first = int(positions.max()) + 1 - view.queries.shape[1]  # the window is the prompt's last positions
+        for offset in range(view.queries.shape[1]):
+            buffer.append((first + offset, view.queries[:, offset].detach().clone()))
+
+    def observe(self, view: LayerView, positions: torch.Tensor) -> None:
+        buffer = self.queries.setdefault(view.layer, deque(maxlen=self.observe_window))
+        buffer.append((self.new_position, view.query.detach().clone()))
+        if not self.checkpoint:  # between checkpoints only the buffer moves; nothing is stacked or scored
+            return
+        queries = torch.stack([q for _, q in buffer])
+        query_positions = torch.tensor([p for p, _ in buffer])
+        newest = int(positions.max())
+        self.candidates = torch.nonzero(positions <= newest - self.protected(self.budget)).flatten()
+        for name, value in self.layer_features(view, positions, queries, query_positions).items():
+            self.features[name] = self.features.get(name, 0) + value.to("cpu", torch.float32)
+        self.layers_seen += 1
+
+    def layer_features(self, view, positions, queries, query_positions) -> dict[str, torch.Tensor]:
+        """One layer's features of the ``c`` candidates at a checkpoint (``self.candidates``, slot indices).
+
+        Parameters
+        ----------
+        view : LayerView
+            The layer's cache: keys and values ``(num_kv_heads, n, head_dim)``.
+        positions : torch.Tensor
+            ``(n,)`` absolute position of each cached slot.
+        queries : torch.Tensor
+            ``(w, num_heads, head_dim)`` the buffered post-RoPE queries, oldest first.
+        query_positions : torch.Tensor
+            ``(w,)`` their absolute positions.
+
+        Returns
+        -------
+        dict[str, torch.Tensor]
+            Feature name -> ``(c,)`` values in ``self.candidates``' order; summed over layers (on CPU, float32)
+            and averaged before :meth:`risk`.
+        """
+        raise NotImplementedError

@@ -2,19 +2,23 @@
 
 Every decode step, an entry is *active* when the newest query's attention to it (mean over heads and
 layers) is at least ``threshold`` times the uniform share ``1/n`` of the ``n`` cached entries.  For each
-entry the policy keeps the position of the query that last found it active (``TS``; its own position
-until then) and its maximum recurrence interval (``MRI``: the longest gap between two activations, its
-creation counting as the first; 0 while it has never been active after it was written).  At a checkpoint
-(every ``interval`` generated tokens while over B, as for R-KV and AvoKV-E), with ``t`` the newest
-query's position and ``idle = t - TS``::
+entry the policy keeps the position of the query that last found it active (``TS``) and its maximum
+recurrence interval (``MRI``: the longest gap between two activations, its writing counting as the first;
+0 while it has never been active since).  A generated entry is written at its own position; the prompt is
+written at once by the prefill, whose attention is not tracked, so its entries start at the prompt's last
+position (counted from their own positions, the first read of an early prompt entry would make a gap as
+long as the prompt and an MRI that no recurrence had shown).  At a checkpoint (every ``interval``
+generated tokens while over B, as for R-KV and AvoKV-E), with ``t`` the newest query's position and
+``idle = t - TS``::
 
     H1 = 2 sigmoid(-idle / MRI)     1 for an entry active now, falling as its idle time passes its MRI
-    H2 = 2 sigmoid(-(MRI + 1))      a small bonus for entries that recur often (short MRI)
+    H2 = 2 sigmoid(-(MRI + 1))      a bonus for entries that recur often: 0.24 at MRI 1, under 0.01 past 4
     score = H1 + H2                 for MRI > 0;  1 if idle = 0 else 0  for MRI = 0 (the limit of H1)
 
 The last ``window`` entries are never candidates; the top ``B - window`` candidates by score stay (ties:
-the older goes first).  Between checkpoints nothing is evicted, so the cache may exceed B by up to
-``interval - 1``.
+the older goes first).  Entries never read since they were written all score 0, so they go first, oldest
+first: early checkpoints, before most entries have been read twice, cut mostly by age.  Between
+checkpoints nothing is evicted, so the cache may exceed B by up to ``interval - 1``.
 
 Our reading of LazyEviction (Zhang et al. 2025, arXiv 2506.15969), which is not among the papers this
 project reproduces: recurrence-interval tracking and the two-term, MRI-centred score follow its published
@@ -71,10 +75,6 @@ class LazyEviction(CheckpointPolicy):
     def records_attention(self) -> bool:
         return True
 
-    def unused(self) -> dict[str, str]:
-        why = "LazyEviction reads every decode step's last-query attention, not a window of buffered queries"
-        return {"observe_window": why, "prompt_queries": why}
-
     def protected(self, budget: int) -> int:
         return self.window
 
@@ -83,8 +83,9 @@ class LazyEviction(CheckpointPolicy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         super().reset(prompt_len, budget, num_layers)
-        self.reset_budget_check(budget, self.window, "LazyEviction (recent window)")
-        self.last_active = torch.arange(prompt_len + 64, dtype=torch.long)  # TS: its own position until read
+        self.reset_budget_check(budget, self.window, "LazyEviction (recent window)", "window")
+        # TS: written at the prefill (the prompt's last position) or, generated, at its own position
+        self.last_active = torch.full((prompt_len + 64,), max(prompt_len - 1, 0), dtype=torch.long)
         self.mri = torch.zeros(prompt_len + 64, dtype=torch.long)
         self.step_mean = StepMean()
 

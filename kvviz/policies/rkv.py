@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from .base import param
-from .checkpointed import CheckpointPolicy, window_attention
+from .checkpointed import QueryWindowPolicy, window_attention
 
 
 @dataclass
-class RKV(CheckpointPolicy):
+class RKV(QueryWindowPolicy):
     """R-KV with lambda = 0.1, the setting AvoKV-E compares against."""
 
     lam: float = param(0.1, low=0.0, high=1.0, help="importance weight (1 - lam weighs redundancy)")
@@ -43,7 +43,7 @@ class RKV(CheckpointPolicy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         super().reset(prompt_len, budget, num_layers)
-        self.reset_budget_check(budget, self.window, "R-KV (recent window)")
+        self.reset_budget_check(budget, self.window, "R-KV (recent window)", "window")
 
     def pinned(self, budget: int) -> tuple[int, int]:
         return 0, self.window
@@ -52,7 +52,7 @@ class RKV(CheckpointPolicy):
         """``importance`` and ``redundancy`` of the ``c`` candidates at this layer, each ``(c,)`` (head means).
 
         ``view`` holds keys ``(num_kv_heads, n, head_dim)``, ``positions`` is ``(n,)``, ``queries``
-        ``(w, num_heads, head_dim)`` at ``query_positions`` ``(w,)``; see :meth:`CheckpointPolicy.layer_features`.
+        ``(w, num_heads, head_dim)`` at ``query_positions`` ``(w,)``; see :meth:`QueryWindowPolicy.layer_features`.
         """
         cand = self.candidates
         attn = window_attention(queries, query_positions, view, positions)[:, :, cand].mean((0, 1))
