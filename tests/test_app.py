@@ -14,7 +14,7 @@ import pytest
 
 import kvviz
 from kvviz.ui.config import Limits
-from kvviz.ui.figures import EMPTY, STEP_MARKER_COLOR, RunView
+from kvviz.ui.figures import EMPTY, FOLLOW_COLORS, STEP_MARKER_COLOR, RunView
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "tiny-random-llama"
@@ -1074,7 +1074,8 @@ def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
     assert top.hovertext == ("#1 b: evicted at step 1", "#4 x: evicted at step 2")
     assert "red followed" in retention.layout.title.text and history is not None
     assert [shape.y0 for shape in retention.layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2]  # the step
-    assert STEP_MARKER_COLOR != line.line.color  # the step's line is not mistaken for a followed token's
+    # the step's line is not mistaken for a followed token's, nor for the green of protected entries
+    assert STEP_MARKER_COLOR not in (line.line.color, "#2ca02c") and STEP_MARKER_COLOR not in FOLLOW_COLORS
     # scrubbing keeps the marks, at the step scrubbed to; nothing typed, nothing marked
     scrubbed = scrub(view, 1, "#1")[0]
     assert list(scrubbed.data[1].x) == [1, 1, None]

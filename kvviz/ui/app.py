@@ -660,8 +660,10 @@ STABILITY_LABEL = ("Stability, a column per policy (InertiaKV App. I; means over
                    "and of utility (the keep turnover wherever the cache holds B, for any policy), their Jaccard, "
                    "raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
                    "scores, and of their utilities, over the entries both scored (the ranking inertia); n/a "
-                   "where a policy records no such score or never rescores (churn and turnover: where it evicted "
-                   "at no step after its first, as AvoKV-E with one checkpoint); last, the share of the keep set "
+                   "where a policy records no such score or has not rescored (a checkpointed one that reached a "
+                   "single checkpoint; churn and turnover: where it evicted at no step after its first); a "
+                   "checkpointed policy's raw churn is its every-step attention, where it records one "
+                   "(LazyEviction), not its decisions; last, the share of the keep set "
                    "after the first step that evicted still kept at the end (InertiaKV §3.1 saw all of it kept)")
 
 

@@ -34,8 +34,9 @@ KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR, UNSCORED_COLOR = "#1f3b73", "#f1c9a5", "
 COLORBAR = dict(thickness=12, len=1, x=1.01, outlinewidth=1, tickfont=dict(size=11))
 KEY_MARGIN = 105
 FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: apart from its navy and its pale
-# The scrubbed step's line across a heatmap or the timeline: not the followed tokens' red, which crosses it
-STEP_MARKER_COLOR = "#2ca02c"
+# The scrubbed step's line across a heatmap or a per-step plot, dashed: none of the heatmaps' colours (navy,
+# peach, the protected bands' green, the followed tokens' red) nor a followed token's line colour
+STEP_MARKER_COLOR = "#ff00ff"
 MAX_FOLLOWED = 16  # lines in the token-history figure: two 7-digit passkeys fit, more is unreadable
 # Sixteen that stay apart (the last was a second mid-blue, beside the first)
 FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
@@ -263,7 +264,8 @@ class RunView:
         if marker_step is None:
             self._live["timeline"] = fig
         else:
-            fig.add_vline(x=marker_step, line_color=STEP_MARKER_COLOR, line_width=1, row="all", col=1)
+            fig.add_vline(x=marker_step, line_color=STEP_MARKER_COLOR, line_width=1.5, line_dash="dash", row="all",
+                          col=1)
         return fig
 
     def step_detail_figure(self, step: int) -> go.Figure:
@@ -686,12 +688,12 @@ def _empty_figure(text: str) -> go.Figure:
 
 def _marker(fig: go.Figure, step: int | None) -> None:
     if step is not None:
-        fig.add_hline(y=step, line_color=STEP_MARKER_COLOR, line_width=1)
+        fig.add_hline(y=step, line_color=STEP_MARKER_COLOR, line_width=1.5, line_dash="dash")
 
 
 def _marker_x(fig: go.Figure, step: int | None) -> None:
     if step is not None:
-        fig.add_vline(x=step, line_color=STEP_MARKER_COLOR, line_width=1)
+        fig.add_vline(x=step, line_color=STEP_MARKER_COLOR, line_width=1.5, line_dash="dash")
 
 
 def blindspot_figure(spot) -> go.Figure:
