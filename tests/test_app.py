@@ -968,6 +968,15 @@ def two_compared_views() -> dict[str, RunView]:
     return views
 
 
+def test_the_sampling_accordion_says_how_the_run_will_decode():
+    """Closed, its title said 'temperature 0: greedy' after a preset had set T = 0.6 inside it."""
+    from kvviz.ui.app import sampling_label
+
+    assert sampling_label(0, 0.95) == "Sampling (temperature 0: greedy)"
+    assert sampling_label(0.6, 0.95) == "Sampling (temperature 0.6, top-p 0.95)"
+    assert sampling_label("", 0.95) == "Sampling"
+
+
 def test_compares_panels_follow_the_number_of_settings_chosen_before_any_run():
     """The page starts with three panels; a four-policy preset showed three until it ran.  Before a run the
     panels follow the box, labelled with each setting; after one they keep showing it."""

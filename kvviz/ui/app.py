@@ -1689,6 +1689,16 @@ def _parameter_update(p: dict, visible: bool = True, value=None):
     return gr.update(**update)
 
 
+def sampling_label(temperature, top_p) -> str:
+    """The Sampling accordion's title: greedy at temperature 0, else the temperature and top-p."""
+    try:
+        temperature, top_p = float(temperature), float(top_p)
+    except (TypeError, ValueError):  # a value being typed: the run's check will say what is wrong
+        return "Sampling"
+    return ("Sampling (temperature 0: greedy)" if temperature == 0 else
+            f"Sampling (temperature {temperature:g}, top-p {top_p:g})")
+
+
 def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
     """Cache size (by compression or absolute budget), max new tokens and chat template, wired together."""
     mode = gr.Radio(["compression", "budget"], value="compression", label="Cache size by")
@@ -1698,10 +1708,14 @@ def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
     max_new = TypedSlider(1, limits.max_new_tokens, value=min(max_new_tokens, limits.max_new_tokens), step=1,
                           label="Max new tokens")
     chat = gr.Checkbox(value=True, label="Chat template")
-    with gr.Accordion("Sampling (temperature 0: greedy)", open=False):
+    with gr.Accordion(sampling_label(0.0, 0.95), open=False) as sampling:
         temperature = TypedSlider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (AvoKV-E samples at 0.6)")
         top_p = TypedSlider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
         seed = gr.Number(value=0, label="Seed (the same random stream for every policy)")
+    # The closed accordion's title says how the run will decode, however the values were set (a preset sets them)
+    for control in (temperature, top_p):
+        control.change(lambda t, p: gr.update(label=sampling_label(t, p)), [temperature, top_p], sampling,
+                       api_name=False, queue=False, show_progress="hidden")
     for slider, label in ((rho, "Compression ρ"), (max_new, "Max new tokens"), (temperature, "Temperature"),
                           (top_p, "Top-p")):
         # queued: an unqueued event cannot show a toast
