@@ -903,6 +903,11 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
                        "`S` first; the cut fell between `S` 0.1 (highest evicted) and 0.5 (lowest kept); 1 sinks "
                        "kept by rule; 2 in the protected tail, not judged.")
     assert view.terms_frame(0) == (None, "No decision by step 0 yet; the next at step 1.")
+    # two scores 1e-8 apart (LazyEviction's H1 near 0) are shown with the digits that tell them apart
+    from kvviz.ui.figures import _apart
+
+    assert _apart(0.1, 0.5) == ("0.1", "0.5") and _apart(0.2384000123, 0.2384) == ("0.23840001", "0.2384")
+    assert _apart(0.25, 0.25) == ("0.25", "0.25")
     assert view.follow("", 2) == ([3], "at step 2: nothing evicted; the next in line for eviction")  # lowest utility
     # a value typed past either end (the browser sets the box to the end only when it loses focus) reads as it
     title = lambda outputs: outputs[3].layout.title.text  # the step detail names its step
@@ -1049,6 +1054,11 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     title = compare_panel("b", view, [3]).layout.title.text
     assert title.endswith("dark kept · pale evicted</span><br><span style='font-size:10px'>"
                           "green protected · red followed</span>")
+    # a label that wraps ("lazyeviction interval=16") no longer makes its panel taller than the others
+    from kvviz.ui.app import compare_panels
+    long, short = compare_panels({"lazyeviction interval=16 threshold=2": view, "b": views["a"]}, [3])
+    assert long.layout.title.text.count("<br>") > short.layout.title.text.count("<br>")
+    assert long.layout.height == short.layout.height and long.layout.margin.t == short.layout.margin.t
     assert list(evicted.data[1].y) == [-0.5, 0.5, None]
     cross = evicted.data[3]
     assert list(cross.x) == [3] and list(cross.y) == [1] and cross.marker.symbol == "x"

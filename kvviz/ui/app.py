@@ -1174,11 +1174,11 @@ def save_comparison(run: Progress) -> Path:
 PANEL_TITLE_CHARS = 20  # what a quarter-width panel's title holds on a line
 
 
-def compare_panel(name: str, view: RunView, followed: list[int] | None = None) -> go.Figure:
-    """One policy's retention panel in the Compare tab, with the ``followed`` prompt positions drawn on a
-    copy (the streaming figure that ``view`` reuses stays unmarked)."""
-    figure = view.retention_figure(followed=followed)
-    figure.update_traces(showscale=False, selector=dict(type="heatmap"))  # a narrow panel: its title is the key
+PROMPT_END_GAP = 14  # pixels between a Compare panel's title and its plot, where "prompt end" is written
+
+
+def panel_title(name: str, view: RunView, followed: list[int] | None = None) -> list[str]:
+    """The lines of a Compare panel's title: the setting's label, then the key in small print."""
     # Narrow columns: the policy's name, and the key in small print below it (not the Live tab's
     # long title, which ran past the panel's edge).
     key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
@@ -1191,12 +1191,32 @@ def compare_panel(name: str, view: RunView, followed: list[int] | None = None) -
     for item in key.split(" · "):
         joined = f"{keys[-1]} · {item}" if keys[-1] else item
         keys[-1:] = [joined] if len(joined) <= 2 * PANEL_TITLE_CHARS or not keys[-1] else [keys[-1], item]
-    title = "<br>".join(lines) + "".join(f"<br><span style='font-size:10px'>{line}</span>" for line in keys)
-    rows = len(lines) + len(keys) - 1
-    figure.update_layout(title=dict(text=title), height=320 + 20 * rows,
-                         margin=dict(l=40, r=10, t=40 + 20 * rows, b=35, autoexpand=True),
+    return lines + [f"<span style='font-size:10px'>{line}</span>" for line in keys]
+
+
+def compare_panel(name: str, view: RunView, followed: list[int] | None = None, title_lines: int = 0) -> go.Figure:
+    """One policy's retention panel in the Compare tab, with the ``followed`` prompt positions drawn on a
+    copy (the streaming figure that ``view`` reuses stays unmarked).  ``title_lines``: the most title lines
+    of the panels shown beside it, so that every panel's plot starts at the same height (a label that
+    wraps made one panel taller, its axes out of line with the others')."""
+    figure = view.retention_figure(followed=followed)
+    figure.update_traces(showscale=False, selector=dict(type="heatmap"))  # a narrow panel: its title is the key
+    lines = panel_title(name, view, followed)
+    rows = max(len(lines), title_lines) - 1
+    # The title hangs from the top, with a gap above the plot for the "prompt end" label, which the key's
+    # last line overlapped in a narrow panel
+    height = 320 + 20 * rows + PROMPT_END_GAP
+    figure.update_layout(title=dict(text="<br>".join(lines), yref="container", yanchor="top", y=1 - 18 / height),
+                         height=height, margin=dict(l=40, r=10, t=40 + 20 * rows + PROMPT_END_GAP, b=35,
+                                                    autoexpand=True),
                          xaxis_title="position", yaxis_title="step")
     return figure
+
+
+def compare_panels(views: dict[str, RunView], followed: list[int] | None = None) -> list[go.Figure]:
+    """Every compared policy's panel (:func:`compare_panel`), their plots at one height."""
+    lines = max(len(panel_title(name, view, followed)) for name, view in views.items())
+    return [compare_panel(name, view, followed, lines) for name, view in views.items()]
 
 
 def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None, note: str = ""):
@@ -1205,9 +1225,10 @@ def _compare_outputs(names, texts, views, figures: bool, final: bool, download=N
     for i in range(slots):
         out.append(gr.update(value=texts[names[i]], label=names[i], visible=True) if i < len(names)
                    else gr.update(value="", visible=False))
+    panels = compare_panels({name: views[name] for name in names}) if figures and names else []
     for i in range(slots):
         if i < len(names) and figures:
-            out.append(gr.update(value=compare_panel(names[i], views[names[i]]), visible=True))
+            out.append(gr.update(value=panels[i], visible=True))
         else:
             out.append(gr.skip() if i < len(names) else gr.update(visible=False))
     if figures or final:
@@ -1335,7 +1356,7 @@ def compare_follow(views: dict[str, RunView] | None, query: str) -> tuple:
     # Only what was typed: the disputed tokens listed when nothing is are mostly the chat template's, in a
     # clump at the start that hid the panels' left edge.
     marked = followed[0] if (query or "").strip() else []
-    panels = [gr.update(value=compare_panel(name, view, marked)) for name, view in views.items()]
+    panels = [gr.update(value=panel) for panel in compare_panels(views, marked)]
     return (*compare_fates(views, query, followed), *panels, *[gr.skip()] * (4 - len(panels)))
 
 

@@ -356,8 +356,12 @@ class RunView:
         unjudged = event.present.size - int(judged.sum())
         kept = frame[frame["fate"] == "kept"][score]
         gone = frame[frame["fate"] == "evicted"][score]
-        margin = (f"; the cut fell between `{score}` {gone.max():.4g} (highest evicted) and {kept.min():.4g} "
-                  "(lowest kept)" if len(kept) and len(gone) else "")
+        margin = ""
+        if len(kept) and len(gone):
+            highest, lowest = _apart(gone.max(), kept.min())
+            margin = (f"; the cut fell between `{score}` {highest} (highest evicted) and {lowest} (lowest kept)"
+                      if highest != lowest else f"; the cut fell within a tie at `{score}` {highest}: the older "
+                      "entries went first")
         caption = (f"**Step {event.step}** (the decision behind step {upto[-1].step}'s cache): {int(judged.sum())} "
                    f"entries with terms, {event.evicted.size} evicted, lowest `{score}` first" + margin
                    + (f"; {int(sink.sum())} sinks kept by rule" if sink.any() else "")
@@ -677,6 +681,16 @@ def _position_range(z: np.ndarray, col: int) -> list[float]:
     """The heatmap's own columns, set rather than autoranged: a shape past them (the protected tail's band)
     widened one heatmap's axis, and the stacked retention and rank plots no longer lined up."""
     return [-0.5, z.shape[1] * col - 0.5]
+
+
+def _apart(first: float, second: float) -> tuple[str, str]:
+    """Two scores with the fewest significant digits (4 to 12) that tell them apart; the same text where
+    they are equal.  At 4 digits two LazyEviction scores 1e-8 apart both read 0.2384."""
+    for digits in range(4, 13):
+        shown = f"{first:.{digits}g}", f"{second:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return shown
 
 
 def _empty_figure(text: str) -> go.Figure:
