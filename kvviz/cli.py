@@ -285,15 +285,14 @@ def cmd_probe(args) -> int:
         print(f"ranked over the {int(aligned.sum())} entries every policy judged "
               f"({int((~aligned).sum())} left out: a protected tail, sinks or a window some policy never judges)")
     width = max([20, *(len(name) + 2 for name in quality)])  # expected-attention-decode is 25 characters
-    print(f"{'policy':<{width}}{'AUROC':>8}{'(95%)':>14}{'AP':>8}{'top-k rec':>11}{'false-safe':>12}{'Spearman':>10}")
+    print(f"{'policy':<{width}}{'AUROC':>8}{'p':>8}{'AP':>8}{'top-k rec':>11}{'false-safe':>12}{'Spearman':>10}")
     for name, q in sorted(quality.items(), key=lambda item: -np.nan_to_num(item[1]["auroc"])):
-        interval = f"{q['auroc_low']:.2f}-{q['auroc_high']:.2f}"
-        print(f"{name:<{width}}{q['auroc']:>8.3f}{interval:>14}{q['average_precision']:>8.3f}"
+        print(f"{name:<{width}}{q['auroc']:>8.3f}{q['auroc_p']:>8.3f}{q['average_precision']:>8.3f}"
               f"{q['topk_recall']:>11.3f}{q['false_safe_rate']:>12.3f}{q['spearman']:>10.3f}")
     if quality:  # what the columns measure, with this probe's own k
         k = int(probe.top_decile(result.damage[aligned]).sum())
-        print(f"(label: the top decile of damage, k = {k} of {int(aligned.sum())} entries; (95%): the AUROC's "
-              "approximate interval (Hanley-McNeil), wide with few high-damage entries; top-k rec: the share of "
+        print(f"(label: the top decile of damage, k = {k} of {int(aligned.sum())} entries; p: the AUROC against "
+              "chance (0.5), two-sided Mann-Whitney, large with few high-damage entries; top-k rec: the share of "
               "them in a policy's own k highest utilities; false-safe: the share of them in its k lowest, the "
               "first it would evict)")
     skipped = sorted(set(names) - set(quality))

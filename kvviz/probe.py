@@ -231,17 +231,18 @@ def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((rank_sum - positives * (positives + 1) / 2) / (positives * negatives))
 
 
-def auroc_interval(value: float, positives: int, negatives: int, z: float = 1.96) -> tuple[float, float]:
-    """Approximate 95% interval of an AUROC over ``positives`` and ``negatives`` entries, from Hanley and
-    McNeil's (1982) standard error, clipped to [0, 1]: with the few high-damage entries a probe labels
-    (the top decile: 5 of 50), an AUROC of 0.3 may still be chance.  NaN where the AUROC is."""
-    if np.isnan(value) or positives < 1 or negatives < 1:
-        return float("nan"), float("nan")
-    q1, q2 = value / (2 - value), 2 * value**2 / (1 + value)
-    variance = (value * (1 - value) + (positives - 1) * (q1 - value**2)
-                + (negatives - 1) * (q2 - value**2)) / (positives * negatives)
-    half = z * float(np.sqrt(max(variance, 0.0)))
-    return max(0.0, value - half), min(1.0, value + half)
+def auroc_p(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Two-sided p-value of the AUROC against chance (0.5): the Mann-Whitney U test of the positives' scores
+    against the negatives' (exact for small samples without ties).  With the few high-damage entries a
+    probe labels (the top decile: 5 of 50, or 1 of 6), even an AUROC of 1 or 0.2 can be chance: with one
+    positive among six entries, ranking it first has p = 2/6.  NaN without positives or negatives."""
+    from scipy import stats
+
+    labels = np.asarray(labels, dtype=bool)
+    scores = np.asarray(scores, dtype=np.float64)
+    if labels.all() or not labels.any():
+        return float("nan")
+    return float(stats.mannwhitneyu(scores[labels], scores[~labels], alternative="two-sided").pvalue)
 
 
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -286,8 +287,8 @@ def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray)
 
 
 def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str, float]:
-    """How well a utility (higher = keep) ranks the probe's damage: AUROC (with its approximate 95% interval,
-    :func:`auroc_interval`) and average precision against the top-decile label, top-k recall (the share of
+    """How well a utility (higher = keep) ranks the probe's damage: AUROC (with its p-value against chance,
+    :func:`auroc_p`) and average precision against the top-decile label, top-k recall (the share of
     the k high-damage entries among the k highest utilities), the false-safe rate and Spearman.
 
     AvoKV-E's Table 3 reports a false-safe rate, "damaging entries assigned to the apparently safe-to-evict
@@ -297,12 +298,9 @@ def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str,
     labels = top_decile(damage_values)
     k = int(labels.sum())
     order = np.argsort(-utility, kind="stable")  # highest utility first
-    area = auroc(utility, labels)
-    low, high = auroc_interval(area, k, labels.size - k)
     return {
-        "auroc": area,
-        "auroc_low": low,
-        "auroc_high": high,
+        "auroc": auroc(utility, labels),
+        "auroc_p": auroc_p(utility, labels),
         "average_precision": average_precision(utility, labels),
         "topk_recall": float(labels[order[:k]].sum() / k) if k else float("nan"),
         "false_safe_rate": float(labels[order[len(order) - k:]].sum() / k) if k else float("nan"),

@@ -1249,20 +1249,20 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     assert ("AUROC below 0.5" in note) == bool(below) and all(policy in note for policy in below)
     real = kvviz.probe.aligned_quality
 
-    def one_inverted(utilities, damage, high=0.43):
+    def one_inverted(utilities, damage, p=0.012):
         quality, aligned = real(utilities, damage)
         return {"inertia": {**quality["inertia"], "auroc": 0.9},
-                "tova": {**quality["tova"], "auroc": 0.24, "auroc_low": 0.05, "auroc_high": high}}, aligned
+                "tova": {**quality["tova"], "auroc": 0.24, "auroc_p": p}}, aligned
 
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
     table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
-    assert "AUROC below 0.5 (tova 0.24, 95% 0.05-0.43): worse than chance" in note
-    assert table.set_index("policy").auroc["tova"] == 0.24 and "auroc_high" in table.columns
-    # an interval that reaches 0.5 is not called worse than chance: a handful of high-damage entries
-    monkeypatch.setattr(kvviz.probe, "aligned_quality", lambda u, d: one_inverted(u, d, high=0.61))
+    assert "AUROC below 0.5 (tova 0.24, p = 0.012): worse than chance" in note
+    assert table.set_index("policy").auroc["tova"] == 0.24 and "auroc_p" in table.columns
+    # one that could be chance is not called worse than chance: a handful of high-damage entries
+    monkeypatch.setattr(kvviz.probe, "aligned_quality", lambda u, d: one_inverted(u, d, p=0.33))
     _, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
     assert "worse than chance," not in note
-    assert "AUROC below 0.5 (tova 0.24, 95% 0.05-0.61), but its 95% interval reaches 0.5" in note
+    assert "AUROC below 0.5 (tova 0.24, p = 0.330), but with this few high-damage entries not distinguishable" in note
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
     assert "Scored with" not in note and "false_safe_rate" in table.columns  # neither protects anything
     monkeypatch.undo()

@@ -755,14 +755,13 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     # k is the top damage decile of those ranked entries (np.quantile's 90th percentile, ties included)
     ranked = np.array(report["damage"])[report["ranked"]]
     k = int((ranked >= np.quantile(ranked, 0.9)).sum())
-    assert f"(label: the top decile of damage, k = {k} of {newest - 35} entries; (95%): the AUROC's" in out
+    assert f"(label: the top decile of damage, k = {k} of {newest - 35} entries; p: the AUROC against chance" in out
     # each row is the JSON's ranking, false-safe rate included (the share of the k in its k lowest utilities)
     for name, quality in report["ranking"].items():
         row = next(line for line in out.splitlines() if line.startswith(name + " ")).split()
-        assert row[1:] == [f"{quality['auroc']:.3f}", f"{quality['auroc_low']:.2f}-{quality['auroc_high']:.2f}",
-                           *[f"{quality[key]:.3f}" for key in ("average_precision", "topk_recall", "false_safe_rate",
-                                                                "spearman")]]
-        assert quality["auroc_low"] <= quality["auroc"] <= quality["auroc_high"]
+        assert row[1:] == [f"{quality[key]:.3f}" for key in ("auroc", "auroc_p", "average_precision", "topk_recall",
+                                                              "false_safe_rate", "spearman")]
+        assert 0 <= quality["auroc_p"] <= 1
     assert main([*args[:-1], "tova", "--json"]) == 0  # one policy that judges everything: nothing left out
     assert json.loads(capsys.readouterr().out)["ranked"] == list(range(newest))
     # a setting, as the note offers: AvoKV-E with the delay of a large budget judges all but its 8 newest

@@ -247,21 +247,21 @@ def test_auroc_and_average_precision_by_hand():
     assert ranking_quality(-damage_values, damage_values)["false_safe_rate"] == 1.0  # evicts the damaging first
 
 
-def test_auroc_interval_by_hand():
-    """Hanley and McNeil's standard error: Q1 = A / (2 - A), Q2 = 2A^2 / (1 + A),
-    SE^2 = (A(1 - A) + (P - 1)(Q1 - A^2) + (N - 1)(Q2 - A^2)) / (P N).
-    A = 0.8, P = 5, N = 45: Q1 = 2/3, Q2 = 0.71111; SE^2 = (0.16 + 4 x 0.026667 + 44 x 0.071111) / 225
-    = 3.395556 / 225 = 0.015091, SE = 0.122847, 1.96 SE = 0.240780 -> [0.559220, 1.040780], clipped at 1.
-    A = 0.5, P = 1, N = 9: Q1 = Q2 = 1/3; SE^2 = (0.25 + 8/12) / 9 = 0.101852, SE = 0.319142 -> [0, 1]."""
-    from kvviz.probe import auroc_interval
+def test_auroc_p_value_against_chance_by_hand():
+    """Exact Mann-Whitney, two-sided.  One positive among six, ranked first: U = 5 of 5; under chance U is
+    uniform on 0..5, so P(U = 5) = 1/6 and p = 2/6.  Two positives among five, both first: one of the
+    C(5, 2) = 10 equally likely placements, p = 2/10.  A perfect ranking of that few is no evidence."""
+    from kvviz.probe import auroc_p
 
-    assert auroc_interval(0.8, 5, 45) == pytest.approx((0.559220, 1.0), abs=1e-6)
-    assert auroc_interval(0.5, 1, 9) == pytest.approx((0.0, 1.0))
-    assert auroc_interval(0.3, 50, 450)[1] < 0.5  # many high-damage entries: 0.3 is clearly below chance
-    assert auroc_interval(0.3, 3, 27)[1] > 0.5  # three of them: it is not
-    assert all(np.isnan(auroc_interval(float("nan"), 0, 10)))
-    quality = ranking_quality(np.arange(50.0), np.arange(50.0))  # perfect: k = 5 at the top, A = 1
-    assert quality["auroc"] == 1.0 and (quality["auroc_low"], quality["auroc_high"]) == (1.0, 1.0)
+    assert auroc_p(np.array([10.0, 1, 2, 3, 4, 5]), np.array([1, 0, 0, 0, 0, 0])) == pytest.approx(1 / 3)
+    assert auroc_p(np.array([10.0, 9, 1, 2, 3]), np.array([1, 1, 0, 0, 0])) == pytest.approx(0.2)
+    assert auroc_p(np.array([-10.0, -9, 1, 2, 3]), np.array([1, 1, 0, 0, 0])) == pytest.approx(0.2)  # inverted
+    rng = np.random.default_rng(0)  # fifty positives ranked clearly low among 500: no chance result
+    scores = np.concatenate([rng.normal(-1, 1, 50), rng.normal(0, 1, 450)])
+    assert auroc_p(scores, np.arange(500) < 50) < 1e-6
+    assert np.isnan(auroc_p(np.arange(5.0), np.zeros(5)))
+    quality = ranking_quality(np.arange(50.0), np.arange(50.0))  # perfect, k = 5 of 50: not chance
+    assert quality["auroc"] == 1.0 and quality["auroc_p"] < 1e-5
 
 
 def test_aligned_quality_ranks_every_policy_on_the_entries_all_of_them_judged():

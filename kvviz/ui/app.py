@@ -1460,7 +1460,7 @@ def make_probe_handler(limits: Limits):
         # Below chance reads as a bug; it is a ranking that keeps the harmless entries and drops the damaging
         # ones (AvoKV-E on SmolLM2, whose 0.9-weighted key redundancy marks a needle's digits as replaceable)
         inverted = [name for name, q in quality.items() if q.get("auroc", 0.5) < 0.5]
-        below = [name for name in inverted if quality[name].get("auroc_high", 0.0) < 0.5]  # its interval too
+        below = [name for name in inverted if quality[name].get("auroc_p", 0.0) < 0.05]  # not chance either
         within = [name for name in inverted if name not in below]
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
@@ -1470,8 +1470,8 @@ def make_probe_handler(limits: Limits):
                 + (f" {protected[0].upper()}{protected[1:]}." if protected else "")
                 + (f" AUROC below 0.5 ({auroc_list(quality, below)}): worse than chance, that ranking puts the "
                    "entries whose removal hurt most among the least useful." if below else "")
-                + (f" AUROC below 0.5 ({auroc_list(quality, within)}), but its 95% interval reaches 0.5: with this "
-                   "few high-damage entries, not clearly worse than chance." if within else "")
+                + (f" AUROC below 0.5 ({auroc_list(quality, within)}), but with this few high-damage entries not "
+                   "distinguishable from chance (Mann-Whitney p >= 0.05)." if within else "")
                 + f" Blindspot: {spot_note}.")
         return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
 
@@ -1479,9 +1479,9 @@ def make_probe_handler(limits: Limits):
 
 
 def auroc_list(quality: dict[str, dict], names: list[str]) -> str:
-    """``"tova 0.24, 95% 0.05-0.43"`` for each of ``names``: the probe's AUROC and its approximate interval."""
-    return "; ".join(f"{name} {quality[name]['auroc']:.2f}, 95% {quality[name].get('auroc_low', float('nan')):.2f}-"
-                     f"{quality[name].get('auroc_high', float('nan')):.2f}" for name in names)
+    """``"tova 0.24, p = 0.012"`` for each of ``names``: the probe's AUROC and its p-value against chance."""
+    return "; ".join(f"{name} {quality[name]['auroc']:.2f}, p = {quality[name].get('auroc_p', float('nan')):.3f}"
+                     for name in names)
 
 
 def make_generate_api(limits: Limits):
