@@ -70,7 +70,8 @@ class LazyEviction(CheckpointPolicy):
 
     window: int = param(8, low=0, high=512, help="most recent entries always kept")
     threshold: float = param(1.0, low=0.0, high=1000.0,
-                             help="an entry is active when its attention is at least this many times 1/n")
+                             help="an entry counts as read (active) when the last query's attention to it is at "
+                             "least this many times 1/n")
 
     def records_attention(self) -> bool:
         return True
