@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from kvviz.bench import sweep
-from kvviz.store import Store
+from kvviz.store import HELD_OVER_WHY, Store
 
 CONFIG = Path(__file__).parent / "fixtures" / "sweep_tiny.toml"
 
@@ -1359,19 +1359,21 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
     out = capsys.readouterr().out
     # avokv: 95 > 1.1 x 80; inertia held exactly B; tova's compression cell is not judged: its row records no
     # decode-time cache, and its largest cache is the prompt's 70, which the prefill held
-    assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95\n" in out
+    assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95" + HELD_OVER_WHY + "\n" in out
     # The paired table compares the same cells, so it says the same under its own table ...
     assert main(["results", "--root", str(tmp_path), "--vs", "inertia"]) == 0
     paired = capsys.readouterr().out.split("t · m · vs inertia")[1]
     assert "avokv" in paired and paired.endswith(
-        "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95\n")
+        "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95" + HELD_OVER_WHY + "\n")
     # ... and so do the app's quality and paired figures, under their titles
     from kvviz.ui.results import SECTIONS, query
 
     figures = query(Store(tmp_path), "(all)", "t", [], "measured", reference="inertia")
     for section in ("Quality vs compression", "Paired differences"):
-        assert "<sup>held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95</sup>" \
-            in figures[3 * SECTIONS.index(section)].layout.title.text
+        title = figures[3 * SECTIONS.index(section)].layout.title.text  # the note wraps over several lines
+        plain = " ".join(part.strip() for part in re.split(r"</?sup>|<br>", title) if part.strip())
+        assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95" \
+            + HELD_OVER_WHY in plain
     # a row that records the decode-time cache is judged at a compression too: snapkv compressed the prompt to
     # B = 35 at prefill and grew by its 24 generated tokens; tova held B at every decode step
     write_rows(tmp_path / "c", [{**row, "sample": 0, "task": "u", "compression": 0.5, "absolute_budget": None,
@@ -1382,14 +1384,14 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
                    "policy": "rkv", "max_cache": 80}])
     assert main(["results", "--root", str(tmp_path), "--task", "u"]) == 0
     assert "held over 1.1x the budget (mean largest cache while decoding, entries): rkv ρ=0.5: 80 of B=35; " \
-        "snapkv ρ=0.5: 59 of B=35\n" in capsys.readouterr().out
+        "snapkv ρ=0.5: 59 of B=35" + HELD_OVER_WHY + "\n" in capsys.readouterr().out
     # Over both tasks (the app's figures with no task chosen): each policy's cell once, the task that held
     # the most over its budget
     from kvviz.store import held_over_note
 
     assert held_over_note(Store(tmp_path).speed_vs_quality()) == (
         "held over 1.1x the budget (mean largest cache while decoding, entries, on the task that held the most): "
-        "avokv B=80: 95; rkv ρ=0.5: 80 of B=35; snapkv ρ=0.5: 59 of B=35")
+        "avokv B=80: 95; rkv ρ=0.5: 80 of B=35; snapkv ρ=0.5: 59 of B=35" + HELD_OVER_WHY)
 
 
 def test_the_results_tab_shows_other_settings_as_their_own_policies_when_asked(tmp_path):

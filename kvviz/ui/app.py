@@ -1444,7 +1444,9 @@ def make_probe_handler(limits: Limits):
             result = probe(model, tokenizer, prompt_ids, step, policies=policies, sample=sample or None, future=8)
             protected = protection_note(policies, len(prompt_ids), step)
             quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
-            rows = pd.DataFrame([{"policy": n, **{k: round(v, 4) for k, v in q.items()}} for n, q in quality.items()])
+            # p-values to 2 significant digits: rounded to 4 decimals, 3e-7 read as 0
+            rows = pd.DataFrame([{"policy": n, **{k: float(f"{v:.2g}") if k == "auroc_p" else round(v, 4)
+                                                  for k, v in q.items()}} for n, q in quality.items()])
             try:
                 spot, spot_note = blindspot_at(model, tokenizer, prompt_ids, result)
             except Exception as error:  # the ranking above stands; only the blindspot is lost
@@ -1935,7 +1937,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     with gr.Row():
                         c_texts = [gr.Textbox(label=f"policy {i + 1}", lines=6, visible=i < 3) for i in range(4)]
                     with gr.Row():
-                        c_figs = [gr.Plot(label="Retention", visible=i < 3) for i in range(4)]
+                        c_figs = [gr.Plot(label="Retention", show_label=False, visible=i < 3) for i in range(4)]  # the tag hid titles
                     c_divergence = gr.Markdown()
                     c_jaccard = gr.Plot(label="Keep-set Jaccard")
                     c_download = gr.File(label="This comparison's traces (a zip of one parquet trace per policy; "
