@@ -1597,9 +1597,17 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
     assert not [a for layout in layouts for a in layout.get("annotations", []) if a["text"].startswith("green:")]
 
 
+def outputs_alone(view):
+    """The layout of ``view``'s Compare panel as the only panel, titled 'tova'."""
+    from kvviz.ui.app import compare_panels
+
+    return compare_panels({"tova": view})[0].layout
+
+
 def test_a_long_settings_label_wraps_in_its_panels_title():
     """Cut at a quarter-width panel's edge, 'avokv interval=16 lambda_b=0' lost the part that told it from
-    'avokv interval=16': a label wraps at its spaces, and the panel grows by the lines it takes."""
+    'avokv interval=16': a label wraps at its spaces, and every panel of the comparison grows by the lines the
+    longest title takes, so that their plots stay in line."""
     from kvviz.trace import StepEvent
     from kvviz.ui.app import _compare_outputs
 
@@ -1611,7 +1619,8 @@ def test_a_long_settings_label_wraps_in_its_panels_title():
     short, long = (outputs[4 + i]["value"].layout for i in range(2))
     assert short.title.text.split("<br>")[0] == "tova"
     assert long.title.text.split("<br>")[:2] == ["avokv interval=16", "normalise=false"]
-    assert long.height - short.height == long.margin.t - short.margin.t == 20
+    assert long.height == short.height and long.margin.t == short.margin.t  # in line with each other
+    assert long.margin.t - outputs_alone(views["tova"]).margin.t == 20  # one line more than tova's own title
 
 
 def test_every_comparison_from_the_papers_runs_at_the_tabs_defaults(tiny):
