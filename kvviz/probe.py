@@ -265,8 +265,8 @@ def aligned_quality(utilities: dict[str, np.ndarray], damage_values: np.ndarray)
     """Ranking quality of several policies over the same entries: those every one of them judged.
 
     A checkpointed policy (AvoKV-E, R-KV, LazyEviction) never judges its protected tail and gives it utility
-    +inf; ranked as is, those recent entries -- often the most damaging -- would count as its correct calls and the
-    policies would be scored on different questions.  As AvoKV-E's Table 3 aligns candidates, each policy
+    +inf; ranked as is, those recent entries -- often the most damaging -- would count as its correct calls
+    and the policies would be scored on different questions.  As AvoKV-E's Table 3 aligns candidates, each policy
     is ranked on the entries that every one of them judged (utility neither +inf nor NaN), the top-decile
     label taken there.
 

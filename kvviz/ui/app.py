@@ -1937,7 +1937,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     with gr.Row():
                         c_texts = [gr.Textbox(label=f"policy {i + 1}", lines=6, visible=i < 3) for i in range(4)]
                     with gr.Row():
-                        c_figs = [gr.Plot(label="Retention", show_label=False, visible=i < 3) for i in range(4)]  # the tag hid titles
+                        # no tag: it sat over the panel's own title
+                        c_figs = [gr.Plot(label="Retention", show_label=False, visible=i < 3) for i in range(4)]
                     c_divergence = gr.Markdown()
                     c_jaccard = gr.Plot(label="Keep-set Jaccard")
                     c_download = gr.File(label="This comparison's traces (a zip of one parquet trace per policy; "

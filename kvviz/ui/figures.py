@@ -37,6 +37,7 @@ FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: ap
 # The scrubbed step's line across a heatmap or a per-step plot, dashed: none of the heatmaps' colours (navy,
 # peach, the protected bands' green, the followed tokens' red) nor a followed token's line colour
 STEP_MARKER_COLOR = "#ff00ff"
+STEP_MARKER = dict(line_color=STEP_MARKER_COLOR, line_width=1.5, line_dash="dash")
 MAX_FOLLOWED = 16  # lines in the token-history figure: two 7-digit passkeys fit, more is unreadable
 # Sixteen that stay apart (the last was a second mid-blue, beside the first)
 FOLLOW_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2",
@@ -264,8 +265,7 @@ class RunView:
         if marker_step is None:
             self._live["timeline"] = fig
         else:
-            fig.add_vline(x=marker_step, line_color=STEP_MARKER_COLOR, line_width=1.5, line_dash="dash", row="all",
-                          col=1)
+            fig.add_vline(x=marker_step, row="all", col=1, **STEP_MARKER)
         return fig
 
     def step_detail_figure(self, step: int) -> go.Figure:
@@ -702,12 +702,12 @@ def _empty_figure(text: str) -> go.Figure:
 
 def _marker(fig: go.Figure, step: int | None) -> None:
     if step is not None:
-        fig.add_hline(y=step, line_color=STEP_MARKER_COLOR, line_width=1.5, line_dash="dash")
+        fig.add_hline(y=step, **STEP_MARKER)
 
 
 def _marker_x(fig: go.Figure, step: int | None) -> None:
     if step is not None:
-        fig.add_vline(x=step, line_color=STEP_MARKER_COLOR, line_width=1.5, line_dash="dash")
+        fig.add_vline(x=step, **STEP_MARKER)
 
 
 def blindspot_figure(spot) -> go.Figure:
