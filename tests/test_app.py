@@ -449,6 +449,25 @@ def test_rank_rows_rank_only_finite_utilities_and_share_ties():
     assert "1 kept entries with no finite score" in detail.layout.title.text
 
 
+def test_scrubbed_step_line_lies_inside_the_step_axes_at_the_last_step():
+    """The scrubbed-step line at the last step was drawn on the plot's right edge (the axis autoranged to
+    end there) and half of it was cut: every step axis that carries it ends half a step past the run."""
+    from kvviz.trace import StepEvent
+
+    view = RunView(4, 3, 4)
+    none = np.empty(0, np.int64)
+    view.add(StepEvent(0, 0, 0, "a", np.arange(4), none, np.array([.4, .3, .2, .1], np.float32)))
+    view.add(StepEvent(1, 0, 0, "b", np.array([0, 1, 2, 4]), np.array([3]), np.array([.4, .3, .2, .1], np.float32)))
+    view.add(StepEvent(2, 0, 0, "c", np.array([0, 1, 4, 5]), np.array([2]), np.array([.4, .3, .2, .1], np.float32)))
+    live = view.timeline_figure()
+    assert list(live.layout.xaxis.range) == [-0.5, 2.5]
+    for figure in (view.timeline_figure(marker_step=2), view.history_figure([1, 2], marker_step=2)):
+        lines = [shape for shape in figure.layout.shapes if shape.line.color == STEP_MARKER_COLOR]
+        assert lines and all(shape.x0 == 2 for shape in lines)
+        low, high = figure.layout.xaxis.range
+        assert low < 0 and high - 2 >= 0.5
+
+
 def test_rank_matrix_tells_kept_unscored_from_evicted_and_not_yet_generated():
     """Prompt 0..3, B = 3.  Step 0 keeps 0, 1, 2 with utilities (inf, .5, .2) and evicts 3: 1 is rank 1
     (0 % of B), 2 is rank 2 ((2 - 1) / 3 = 33 %), 0 is kept with no score, 3 is evicted and 4 (the first

@@ -42,7 +42,7 @@ from ..tasks.examples import EXAMPLES
 from .config import Limits
 from ..store import Store
 from .figures import (MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure,
-                      step_dtick)
+                      step_dtick, step_range)
 from .results import build_results_tab
 from .widgets import TypedSlider
 
@@ -1273,7 +1273,7 @@ def jaccard_figure(names, views) -> go.Figure:
                       xaxis_dtick=step_dtick(steps), yaxis_range=[0, 1.02], height=300,
                       margin=dict(l=50, r=20, t=40, b=40))
     if steps <= 10:  # the steps there are: a comparison stopped at the prefill autoranged to steps -1 to 1
-        fig.update_xaxes(range=[-0.5, max(steps - 1, 0) + 0.5])
+        fig.update_xaxes(range=step_range(steps))
     return fig
 
 

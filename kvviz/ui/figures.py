@@ -244,7 +244,7 @@ class RunView:
                     fig.data[index].update(x=steps if index < 2 else steps[1:], y=values)
                     if index >= 2:
                         fig.data[index].mode = _time_mode(len(steps))
-                fig.update_xaxes(dtick=step_dtick(len(steps)))
+                fig.update_xaxes(dtick=step_dtick(len(steps)), range=step_range(len(steps)))
                 fig.update_yaxes(range=_evicted_range(series[1]), row=2, col=1)
             return fig
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09,
@@ -259,7 +259,7 @@ class RunView:
         # log: the first step's mass eviction (L0 − B) would otherwise flatten every later single eviction
         fig.update_yaxes(type="log", dtick=1, range=_evicted_range(series[1]), row=2, col=1)
         fig.update_xaxes(title_text="decode step (0 = prefill)", row=3, col=1)
-        fig.update_xaxes(dtick=step_dtick(len(steps)))
+        fig.update_xaxes(dtick=step_dtick(len(steps)), range=step_range(len(steps)))
         fig.update_layout(height=440, margin=dict(l=50, r=20, t=30, b=40), showlegend=True,
                           legend=dict(orientation="h", y=-0.15, traceorder="normal"))
         if marker_step is None:
@@ -519,6 +519,7 @@ class RunView:
                           f"utility{dotted} · ×: evicted" + (f" · ▼: evicted ranked below {bottom:g}" * below)
                           + " · below the dashed line: out of the top B</sup>",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
+                          xaxis_range=step_range(self.steps),
                           margin=dict(l=50, r=20, t=80, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
         return fig
@@ -540,7 +541,7 @@ class RunView:
                                 marker=dict(color=color, symbol="x", size=10))
         _marker_x(fig, marker_step)
         fig.update_yaxes(autorange="reversed", type="category")
-        fig.update_xaxes(range=[-0.5, last + 0.5])  # the whole run, so that a line's length reads against it
+        fig.update_xaxes(range=step_range(self.steps))  # the whole run, so that a line's length reads against it
         fig.update_layout(title=f"Token history: {note}<br><sup>this policy keeps no per-entry score (it decides "
                           "by position): each line is a token's time in the cache, × where it was evicted</sup>",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), showlegend=False,
@@ -645,6 +646,12 @@ def step_dtick(steps: int) -> int | None:
     """The tick spacing of a decode-step axis over ``steps`` steps: every step while there are few (Plotly's
     own ticks fell on half steps, -0.5 and 0.5, in a run of one or two), else Plotly's choice (None)."""
     return 1 if steps <= 10 else None
+
+
+def step_range(steps: int) -> list[float]:
+    """A decode-step axis over ``steps`` steps, half a step past each end: autoranged, it ended on the last
+    step, and the scrubbed-step line drawn there was cut in half by the plot's edge."""
+    return [-0.5, max(steps - 1, 0) + 0.5]
 
 
 def _time_mode(steps: int) -> str:
