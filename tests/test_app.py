@@ -1052,10 +1052,10 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     note, table, *panels = compare_follow(views, "42")
     assert len(panels) == 4 and panels[2] == panels[3] == gr.skip()
     kept, evicted = panels[0]["value"], panels[1]["value"]
-    line, top = kept.data[1], kept.data[2]
+    line, top = kept.data[2], kept.data[3]  # data[1]: the line's white halo
     assert list(line.x) == [3, 3, None] and list(line.y) == [-0.5, 1.5, None]
     assert list(top.x) == [3] and top.hovertext == ("#3  42: kept to the end",)
-    assert len(kept.data) == 3 and "red followed" in kept.layout.title.text
+    assert len(kept.data) == 4 and "red followed" in kept.layout.title.text
     assert kept.data[0].showscale is False  # a quarter-width panel: its title is the key
     from kvviz.ui.app import divergence_markdown
     assert "identical for the 2 tokens both produced" in divergence_markdown(["a", "b"], views)
@@ -1078,8 +1078,8 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     long, short = compare_panels({"lazyeviction interval=16 threshold=2": view, "b": views["a"]}, [3])
     assert long.layout.title.text.count("<br>") > short.layout.title.text.count("<br>")
     assert long.layout.height == short.layout.height and long.layout.margin.t == short.layout.margin.t
-    assert list(evicted.data[1].y) == [-0.5, 0.5, None]
-    cross = evicted.data[3]
+    assert list(evicted.data[2].y) == [-0.5, 0.5, None]
+    cross = evicted.data[4]
     assert list(cross.x) == [3] and list(cross.y) == [1] and cross.marker.symbol == "x"
     assert "Marked in red" in note and table["visible"]
     assert len(views["a"].retention_figure().data) == 1  # the figure a run streams into stays unmarked
@@ -1105,7 +1105,9 @@ def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
     view.add(StepEvent(1, 0, 0, "y", np.array([0, 2, 3, 4]), np.array([1])), "y")
     view.add(StepEvent(2, 0, 0, "z", np.array([0, 2, 3, 5]), np.array([4])), "z")
     history, retention = followed_views(view, "#1, #4", 2)
-    line, top, cross = retention.data[1:]
+    halo, line, top, cross = retention.data[1:]
+    # a 1-px red line vanished on the kept cells' navy: it lies on a wider white one
+    assert list(halo.x) == list(line.x) and halo.line.width > line.line.width and "255,255,255" in halo.line.color
     # #1: cached from the prefill until step 1 evicts it; #4: from step 1, when it entered, until step 2
     assert list(line.x) == [1, 1, None, 4, 4, None] and list(line.y) == [-0.5, 0.5, None, 0.5, 1.5, None]
     assert list(top.x) == [1, 4] and list(cross.x) == [1, 4] and list(cross.y) == [1, 2]
@@ -1116,12 +1118,12 @@ def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
     assert STEP_MARKER_COLOR not in (line.line.color, "#2ca02c") and STEP_MARKER_COLOR not in FOLLOW_COLORS
     # scrubbing keeps the marks, at the step scrubbed to; nothing typed, nothing marked
     scrubbed = scrub(view, 1, "#1")[0]
-    assert list(scrubbed.data[1].x) == [1, 1, None]
+    assert list(scrubbed.data[2].x) == [1, 1, None]
     assert [shape.y0 for shape in scrubbed.layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [1]
     assert len(scrub(view, 1, "")[0].data) == 1 and len(followed_views(view, "", 2)[1].data) == 1
     assert "red followed" not in scrub(view, 1, "")[0].layout.title.text
     # at a run's end the views after it mark what was typed, and leave the heatmap alone without it
-    assert len(step_views(view, "#1", 2)[3].data) == 4 and step_views(view, "", 2)[3] == gr.skip()
+    assert len(step_views(view, "#1", 2)[3].data) == 5 and step_views(view, "", 2)[3] == gr.skip()
     assert len(view.retention_figure().data) == 1
     assert followed_views(None, "#1", 0) == (gr.skip(), gr.skip())
 

@@ -34,6 +34,8 @@ KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR, UNSCORED_COLOR = "#1f3b73", "#f1c9a5", "
 COLORBAR = dict(thickness=12, len=1, x=1.01, outlinewidth=1, tickfont=dict(size=11))
 KEY_MARGIN = 105
 FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: apart from its navy and its pale
+HALO_COLOR = "rgba(255,255,255,0.85)"
+HALO = dict(color=HALO_COLOR, width=1)
 # The scrubbed step's line across a heatmap or a per-step plot, dashed: none of the heatmaps' colours (navy,
 # peach, the protected bands' green, the followed tokens' red) nor a followed token's line colour
 STEP_MARKER_COLOR = "#ff00ff"
@@ -172,15 +174,19 @@ class RunView:
             top.append(f"#{position} {self.token_cell(position)}: {fate}")
             if step is not None:
                 cross.append((position, step, top[-1]))
-        fig.add_scatter(x=line_x, y=line_y, mode="lines", line=dict(color=FOLLOWED_COLOR, width=1),
+        # red alone, a 1-px line, all but vanished on the kept cells' navy: a white halo under it and round
+        # the markers keeps it apart from navy and peach alike
+        fig.add_scatter(x=line_x, y=line_y, mode="lines", line=dict(color=HALO_COLOR, width=4),
+                        hoverinfo="skip", showlegend=False)
+        fig.add_scatter(x=line_x, y=line_y, mode="lines", line=dict(color=FOLLOWED_COLOR, width=2),
                         hoverinfo="skip", showlegend=False)
         fig.add_scatter(x=positions, y=[-0.5] * len(positions), mode="markers", hovertext=top,
                         hoverinfo="text", showlegend=False, cliponaxis=False,
-                        marker=dict(symbol="triangle-down", size=9, color=FOLLOWED_COLOR))
+                        marker=dict(symbol="triangle-down", size=9, color=FOLLOWED_COLOR, line=HALO))
         if cross:
             x, y, text = zip(*cross)
             fig.add_scatter(x=x, y=y, mode="markers", hovertext=text, hoverinfo="text", showlegend=False,
-                            marker=dict(symbol="x", size=8, color=FOLLOWED_COLOR))
+                            marker=dict(symbol="x", size=10, color=FOLLOWED_COLOR, line=HALO))
         # the heatmap's own extent: autorange would pad it to fit the triangles, which sit on its top edge
         fig.update_yaxes(range=[last + 0.5, -0.5], autorange=False)
         return fig
