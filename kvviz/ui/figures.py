@@ -485,12 +485,15 @@ class RunView:
                       annotation_bgcolor="rgba(255,255,255,0.6)")
         # The slots left for judged entries, where the protected ones hold no finite utility and so are not
         # ranked (AvoKV-E's sinks and tail); not where they compete in the ranks (H2O's recent window).
+        # Its label is in the key: written on the line, it lay across the followed tokens' lines.
         judged = self.budget - sum(self.pinned)
         last = self.events[-1 if marker_step is None else min(marker_step, self.steps - 1)]
         unranked = 0 if last.utility is None else int((~np.isfinite(last.utility)).sum())
+        judged_key = ""
         if any(self.pinned) and judged > 0 and unranked >= sum(self.pinned):
-            fig.add_hline(y=judged + 0.5, line_dash="dot", line_color="#888", annotation_position="top left",
-                          annotation_text=f"{judged} slots for judged entries (B less {sum(self.pinned)} protected)")
+            fig.add_hline(y=judged + 0.5, line_dash="dashdot", line_color="#888")
+            judged_key = (f"<br><sup>dash-dot: the {judged} slots for judged entries (B less {sum(self.pinned)} "
+                          "protected, which hold no rank)</sup>")
         _marker_x(fig, marker_step)
         # Around the boundary: the prefill and the first cut rank the whole prompt, and would flatten it; a
         # line that leaves through the bottom fell further than twice the budget.
@@ -523,11 +526,13 @@ class RunView:
                                                     f"steps {steps[0]} to {steps[-1]}") if steps else "")
         fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's "
                           f"utility{dotted} · ×: evicted" + (f" · ▼: evicted ranked below {bottom:g}" * below)
-                          + " · below the dashed line: out of the top B</sup>",
-                          xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), height=340 + 30 * rows,
-                          xaxis_range=step_range(self.steps),
-                          margin=dict(l=50, r=20, t=80, b=60 + 30 * rows),
+                          + f" · below the dashed line: out of the top B</sup>{judged_key}",
+                          xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps),
+                          height=340 + 30 * rows + 24 * bool(judged_key), xaxis_range=step_range(self.steps),
+                          margin=dict(l=50, r=20, t=80 + 24 * bool(judged_key), b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
+        # hung from the top: centred in the margin (Plotly's default), the key's last line touched the plot
+        fig.update_layout(title=dict(yref="container", y=1, yanchor="top", pad_t=14))
         return fig
 
     def _lifelines(self, positions: list[int], note: str, marker_step: int | None) -> go.Figure:
