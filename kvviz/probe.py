@@ -415,9 +415,12 @@ def blindspot_at(model, tokenizer, prompt_ids: list[int], result: ProbeResult) -
         terms = {name: values[result.candidates] for name, values in terms.items()}
     if "N(p)" not in terms:
         return None, f"AvoKV-E recorded no ranks at step {result.step}"
+    # Its sinks are ranked (they count in every percentile rank) but never evicted (S = +inf): like the paper's
+    # candidate pool, the test leaves them out, where their large damage filled the high-read column.
+    evictable = np.where(np.isposinf(terms["S"]), np.nan, terms["N(p)"])
     try:
-        spot = blindspot([(terms["N(p)"], terms["N(b)"], result.damage)])
+        spot = blindspot([(evictable, terms["N(b)"], result.damage)])
     except ValueError as error:
         return None, str(error)
-    return spot, (f"{spot.entries_in + spot.entries_out} entries ranked by AvoKV-E (its protected tail is not "
-                  "judged); high damage = the top decile of those")
+    return spot, (f"{spot.entries_in + spot.entries_out} entries ranked by AvoKV-E (neither its sinks nor its "
+                  "protected tail, which it never evicts); high damage = the top decile of those")

@@ -1254,7 +1254,11 @@ def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     model, tokenizer = kvviz.load_model(TINY)
     prompt_ids = kvviz.encode_prompt(tokenizer, PROMPT * 2, chat=False)
     result = probe(model, tokenizer, prompt_ids, 3, policies={"avokv": kvviz.make_policy("avokv")}, future=8)
-    spot = blindspot([(result.terms["avokv"]["N(p)"], result.terms["avokv"]["N(b)"], result.damage)])
+    terms = result.terms["avokv"]
+    sinks = np.isposinf(terms["S"])
+    assert sinks.sum() == 4 and np.isfinite(terms["N(p)"][sinks]).all()  # ranked, but never evicted: left out
+    spot = blindspot([(np.where(sinks, np.nan, terms["N(p)"]), terms["N(b)"], result.damage)])
+    assert spot.entries_in + spot.entries_out == np.isfinite(terms["S"]).sum()
     assert cells == [[f"{spot.grid_high[r, c]}/{spot.grid_entries[r, c]}" for c in range(5)] for r in range(5)]
     _, note, plot = client.predict(TINY, "The passkey is 71432.", ["inertia"], False, 2, 0, api_name="/probe")
     assert "AvoKV-E judges nothing at step 2" in note and plot["visible"] is False
