@@ -925,6 +925,19 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
                        "`S` first; the cut fell between `S` 0.1 (highest evicted) and 0.5 (lowest kept); 1 sinks "
                        "kept by rule; 2 in the protected tail, not judged.")
     assert view.terms_frame(0) == (None, "No decision by step 0 yet; the next at step 1.")
+    # The same decision by a policy with checkpoints every 2 tokens came off that schedule (step 1): the prompt
+    # of 5 alone was over B + 1 = 3.  Every 4: the prompt is not over B + 3 = 5, the 6 entries of step 1 are.
+    # Every token: on schedule, nothing to explain.
+    def caption_at(interval):
+        other = RunView(5, 4, 2, ["a", "b", "c", "d", "e"], interval=interval)
+        for event in view.events:
+            other.add(event)
+        return other.terms_frame(2)[1]
+
+    assert caption_at(2).endswith(" A checkpoint off its every-2 schedule: the prompt alone was over B + 1 = 3 "
+                                  "entries, the most it holds between checkpoints.")
+    assert "the cache would have passed B + 3 = 5 entries" in caption_at(4)
+    assert caption_at(1) == caption
     # two scores 1e-8 apart (LazyEviction's H1 near 0) are shown with the digits that tell them apart
     from kvviz.ui.figures import _apart
 

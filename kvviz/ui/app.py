@@ -271,6 +271,11 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
 
 
+def checkpoint_interval(policy: Policy) -> int | None:
+    """A checkpointed policy's interval (AvoKV-E, R-KV, LazyEviction), None for one that decides every step."""
+    return policy.interval if isinstance(policy, CheckpointPolicy) else None
+
+
 def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, budget: int, max_new: int) -> None:
     """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV, LazyEviction) would decode no token from a
     cache it cut, saying what would: more new tokens, or a shorter interval.  A budget the run fills was
@@ -317,7 +322,8 @@ class Progress:
     @classmethod
     def start(cls, request: Request, model_name: str, policies: dict[str, Policy], tokens: list[str]) -> "Progress":
         views = {label: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens,
-                                policy.pinned(request.budget)) for label, policy in policies.items()}
+                                policy.pinned(request.budget), checkpoint_interval(policy))
+                 for label, policy in policies.items()}
         settings = {label: (label.split()[0], policy.params()) for label, policy in policies.items()}
         return cls(request.prompt_ids, request.budget, request.max_new_tokens, model_name, model_dtype(request.model),
                    request.sampling, settings, views, {label: "" for label in policies},
@@ -894,15 +900,16 @@ def make_open_handler(limits: Limits):
             if trace.model in limits.models:  # the prompt's own token texts; other models' tokens show as ids
                 tokens = token_texts(get_model(limits, trace.model)[1], trace.prompt_ids)
             spec = REGISTRY.get(trace.policy)
-            pinned = spec.build(**trace.params).pinned(trace.budget) if spec else (0, 0)
+            policy = spec.build(**trace.params) if spec else None
+            pinned, interval = (policy.pinned(trace.budget), checkpoint_interval(policy)) if policy else ((0, 0), None)
         except Exception:  # a model that fails to load, parameters this version refuses: the trace still shows
             log.warning("opening a trace of %s / %s: token texts or pinned bands left out", trace.model,
                         trace.policy, exc_info=True)
-            tokens, pinned = None, (0, 0)
+            tokens, pinned, interval = None, (0, 0), None
         try:  # Trace.load checked what the views rely on; anything it missed is still one line, not "Error"
             # max_new_tokens 0: a trace saved before it was recorded, read as ending where it asked to
             view = RunView(trace.prompt_len, max(trace.max_new_tokens, len(trace.events)), trace.budget,
-                           tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned)
+                           tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned, interval)
             for event in trace.events:
                 view.add(event, event.text)
             params = ", ".join(f"{key}={value}" for key, value in trace.params.items())

@@ -50,8 +50,9 @@ class RunView:
     """Retention and rank history of one run, updated one event at a time in O(cache size)."""
 
     def __init__(self, prompt_len: int, max_new_tokens: int, budget: int, tokens: list[str] | None = None,
-                 pinned: tuple[int, int] = (0, 0)):
+                 pinned: tuple[int, int] = (0, 0), interval: int | None = None):
         self.prompt_len, self.budget, self.pinned = prompt_len, budget, pinned
+        self.interval = interval  # a checkpointed policy's: every ``interval`` generated tokens it decides
         self.total = prompt_len + max_new_tokens
         self.entered = np.full(self.total, NEVER, dtype=np.int32)  # step a position entered the cache
         self.entered[:prompt_len] = 0
@@ -371,8 +372,20 @@ class RunView:
         caption = (f"**Step {event.step}** (the decision behind step {upto[-1].step}'s cache): {int(judged.sum())} "
                    f"entries with terms, {event.evicted.size} evicted, lowest `{score}` first" + margin
                    + (f"; {int(sink.sum())} sinks kept by rule" if sink.any() else "")
-                   + (f"; {unjudged} in the protected tail, not judged" if unjudged else "") + ".")
+                   + (f"; {unjudged} in the protected tail, not judged" if unjudged else "") + "."
+                   + self._off_schedule(event))
         return frame, caption
+
+    def _off_schedule(self, event: StepEvent) -> str:
+        """Why a checkpoint fell between the interval's multiples ("" on one): the cache would have passed
+        B + interval - 1, the most such a policy holds -- at step 1 where the prompt alone did."""
+        if not self.interval or event.step % self.interval == 0:
+            return ""
+        most = self.budget + self.interval - 1
+        why = ("the prompt alone was over" if event.step == 1 and self.prompt_len > most
+               else "the cache would have passed")
+        return (f" A checkpoint off its every-{self.interval} schedule: {why} B + {self.interval - 1} = {most} entries, "
+                "the most it holds between checkpoints.")
 
     # -- token history ---------------------------------------------------------------------------------
     def evicted_at(self, position: int) -> int | None:
