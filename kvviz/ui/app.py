@@ -1213,7 +1213,8 @@ def compare_panel(name: str, view: RunView, followed: list[int] | None = None, t
     # The title hangs from the top, with a gap above the plot for the "prompt end" label, which the key's
     # last line overlapped in a narrow panel
     height = 320 + 20 * rows + PROMPT_END_GAP
-    figure.update_layout(title=dict(text="<br>".join(lines), yref="container", yanchor="top", y=1 - 18 / height),
+    figure.update_layout(title=dict(text="<br>".join(lines), yref="container", yanchor="top", y=1 - 18 / height,
+                                    pad_t=0),
                          height=height, margin=dict(l=40, r=10, t=40 + 20 * rows + PROMPT_END_GAP, b=35,
                                                     autoexpand=True),
                          xaxis_title="position", yaxis_title="step")

@@ -33,6 +33,8 @@ KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR, UNSCORED_COLOR = "#1f3b73", "#f1c9a5", "
 # stacked retention and rank plots' position axes line up
 COLORBAR = dict(thickness=12, len=1, x=1.01, outlinewidth=1, tickfont=dict(size=11))
 KEY_MARGIN = 105
+HEATMAP_TOP = 70  # a heatmap's title and its key's line (one more for the protected bands' note)
+HEATMAP_TITLE_PAD = 26
 FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: apart from its navy and its pale
 HALO_COLOR = "rgba(255,255,255,0.85)"
 HALO = dict(color=HALO_COLOR, width=1)
@@ -133,8 +135,9 @@ class RunView:
 
     def _retention_title(self, col: int, row: int, followed: bool = False) -> str:
         binned = _cell_note(col, row)  # mixed cells shade in between
-        return (f"Retention (B = {self.budget}): dark kept, pale evicted, blank not yet generated"
-                f"{', red followed' * followed}{binned}" + self._protected_note())
+        # the key on a line of its own, in small type: one line of 17-px text was cut at a half-width plot's edge
+        return (f"Retention (B = {self.budget})<br><sup>dark kept · pale evicted · blank not yet generated"
+                f"{' · red followed' * followed}{binned}</sup>" + self._protected_note())
 
     def retention_figure(self, marker_step: int | None = None, followed: list[int] | None = None) -> go.Figure:
         """Which positions the cache holds after each step, with ``followed`` positions drawn over it in red
@@ -153,7 +156,7 @@ class RunView:
         fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)", self.steps,
                        self.prompt_len, {0: "evicted", 100: "kept", EMPTY: "not yet"})
         self._pinned_bands(fig)
-        fig.update_layout(title=title)
+        fig.update_layout(title_text=title, margin_t=HEATMAP_TOP + 16 * any(self.pinned))
         _marker(fig, marker_step)
         if followed:
             return self.mark_positions(fig, followed)
@@ -203,8 +206,6 @@ class RunView:
         if tail:
             fig.add_shape(type="path", path=self._tail_path(), line=dict(color="#2ca02c"),
                           fillcolor="rgba(44,160,44,0.15)")
-        if sinks or tail:
-            fig.update_layout(margin_t=60)  # the title's second line says what the green bands are
 
     def _protected_note(self) -> str:
         """What the green bands are, for the retention title ("" without any): a tail entry is protected only
@@ -226,14 +227,14 @@ class RunView:
                                  "(e.g. StreamingLLM, Recency), so there is nothing to rank.")
         z, col, row = self.rank_matrix()
         binned = _cell_note(col, row)
-        title = f"Utility rank of kept tokens (yellow = most useful){binned}"
+        title = f"Utility rank of kept tokens<br><sup>yellow = most useful{binned}</sup>"
         if (fig := self._reuse("rank", z, col, row, marker_step, title)) is not None:
             return fig
         fig = _heatmap(z, col, row, RANK_SCALE, f"rank: %{{z}}% of B ({UNSCORED} kept with no score, {GONE} evicted, "
                        f"{EMPTY} not generated yet)", self.steps, self.prompt_len,
                        {0: "rank 1", 50: "B/2", 100: "rank B+", UNSCORED: "kept, no score", GONE: "evicted",
                         EMPTY: "not yet"})
-        fig.update_layout(title=title)
+        fig.update_layout(title_text=title)
         _marker(fig, marker_step)
         if marker_step is None:
             self._live["rank"] = fig
@@ -693,7 +694,8 @@ def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: i
                                                                     **COLORBAR),
                                hovertemplate="position %{x}<br>step %{y}<br>" + hover + "<extra></extra>"))
     fig.update_layout(xaxis_title="absolute position", yaxis_title="decode step", height=360,
-                      margin=dict(l=50, r=KEY_MARGIN, t=40, b=40, autoexpand=False))
+                      margin=dict(l=50, r=KEY_MARGIN, t=HEATMAP_TOP, b=40, autoexpand=False),
+                      title=dict(yref="container", y=1, yanchor="top", pad_t=HEATMAP_TITLE_PAD))
     fig.update_xaxes(range=_position_range(z, col))
     fig.update_yaxes(autorange="reversed", dtick=step_dtick(steps))
     # the label above the plot, where it hides no cell, and left of the line: the axis ends a few generated
