@@ -1313,6 +1313,31 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
            f"h2o the newest {int(0.5 * budget)} (B = {budget})" in note
 
 
+def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypatch):
+    """LazyEviction scores every entry not yet read twice 0; a ranking of 40 ties and one 1 gets its AUROC
+    from ties' half credit.  The note names it, with the share, and its p-value is the exact one."""
+    import kvviz.probe
+    from kvviz.probe import auroc_p, top_decile
+    from kvviz.ui.app import _models, make_probe_handler
+
+    _models[TINY] = tiny
+    real, probed = kvviz.probe.probe, []
+
+    def tova_all_tied(*args, **kwargs):
+        result = real(*args, **kwargs)
+        probed.append(result)
+        result.utilities["tova"] = np.where(np.arange(len(result.candidates)) == 0, 1.0, 0.0)
+        return result
+
+    monkeypatch.setattr(kvviz.probe, "probe", tova_all_tied)
+    table, note, _ = make_probe_handler(Limits(models=(TINY,)))(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    entries = int(note.split(" entries probed")[0])
+    assert f"Mostly one tied score: tova ({(entries - 1) / entries:.0%}) of the ranked entries share it" in note
+    assert "inertia (" not in note  # attention weights are all distinct
+    exact = auroc_p(probed[0].utilities["tova"], top_decile(probed[0].damage))  # every entry is aligned here
+    assert table.set_index("policy").auroc_p["tova"] == float(f"{exact:.2g}")
+
+
 def test_the_prompt_size_shows_before_a_run(tiny):
     from kvviz.ui.app import _models, make_prompt_counter
 

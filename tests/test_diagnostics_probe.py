@@ -264,6 +264,25 @@ def test_auroc_p_value_against_chance_by_hand():
     assert quality["auroc"] == 1.0 and quality["auroc_p"] < 1e-5
 
 
+def test_auroc_p_counts_ties_exactly():
+    """A ranking that is almost all one tied score.  41 entries, 40 scored 0 and one scored 1; four
+    positives, the lone 1 among them: AUROC = (37 + 3 x 37 / 2) / (4 x 37) = 0.625 from half credit alone; under
+    chance the four positives are any 4 of 41 and the statistic takes two values: the set holds the 1 (rank
+    sum 41 + 3 x 20.5) or not (4 x 20.5).  Only the first is as far from the mean 4 x 21, so p = P(the 1 is
+    among the four) = 4/41 -- not the 0.003 the normal approximation gives."""
+    from kvviz.probe import auroc_p, largest_tie
+
+    scores = np.zeros(41)
+    scores[7] = 1.0
+    labels = np.isin(np.arange(41), [1, 2, 3, 7])
+    assert auroc_p(scores, labels) == pytest.approx(4 / 41)
+    assert auroc_p(-scores, labels) == pytest.approx(4 / 41)  # two-sided
+    # One positive of four scored 1 against three tied 0s (midrank 2): it is the 1 with probability 1/4
+    assert auroc_p(np.array([1.0, 0, 0, 0]), np.array([1, 0, 0, 0])) == pytest.approx(1 / 4)
+    assert auroc_p(np.zeros(6), np.arange(6) < 2) == pytest.approx(1.0)  # all tied: no evidence at all
+    assert largest_tie(scores) == pytest.approx(40 / 41) and largest_tie(np.arange(4.0)) == 0.25
+
+
 def test_aligned_quality_ranks_every_policy_on_the_entries_all_of_them_judged():
     # Eleven entries; the last is a protected tail entry one policy never judged (+inf) and the most damaging.
     damage_values = np.array([1.0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50])

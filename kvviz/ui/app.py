@@ -1439,7 +1439,7 @@ def make_spectrum_handler(limits: Limits):
 
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import aligned_quality, blindspot_at, check_fits, probe, protection_note
+        from ..probe import aligned_quality, blindspot_at, check_fits, largest_tie, probe, protection_note
 
         try:
             settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
@@ -1472,6 +1472,11 @@ def make_probe_handler(limits: Limits):
         inverted = [name for name, q in quality.items() if q.get("auroc", 0.5) < 0.5]
         below = [name for name in inverted if quality[name].get("auroc_p", 0.0) < 0.05]  # not chance either
         within = [name for name in inverted if name not in below]
+        # A ranking that is mostly one tied score (LazyEviction before entries recur: all 0) earns its AUROC
+        # from half-credit ties; the exact p-value allows for it, the reader should know too
+        ties = {name: largest_tie(utility[aligned] if aligned is not None else utility)
+                for name, utility in result.utilities.items() if name in quality}
+        tied = [f"{name} ({ties[name]:.0%})" for name in quality if ties[name] >= 0.8]
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
                 + (f" Ranked over the {int(aligned.sum())} entries every policy judged ({int((~aligned).sum())} left"
@@ -1482,6 +1487,8 @@ def make_probe_handler(limits: Limits):
                    "entries whose removal hurt most among the least useful." if below else "")
                 + (f" AUROC below 0.5 ({auroc_list(quality, within)}), but with this few high-damage entries not "
                    "distinguishable from chance (Mann-Whitney p >= 0.05)." if within else "")
+                + (f" Mostly one tied score: {', '.join(tied)} of the ranked entries share it, so that AUROC "
+                   "comes largely from ties' half credit (its p-value counts the ties)." if tied else "")
                 + f" Blindspot: {spot_note}.")
         return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
 
