@@ -1338,6 +1338,23 @@ def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypat
     assert table.set_index("policy").auroc_p["tova"] == float(f"{exact:.2g}")
 
 
+def test_an_analysis_of_earlier_inputs_names_what_changed():
+    """The probe's result after its prompt or policies changed: the note says which, the labels say so, and the
+    inputs it ran on restore both; before any run there is nothing to mark."""
+    from kvviz.ui.app import Staleness
+
+    staleness = Staleness("probe", ["model", "prompt", "policies"], ["Ranking", "Blindspot"])
+    assert all(update == gr.update() for update in staleness.mark(None, "m", "p", ["a", "b"]))
+    state = staleness.remember("m", "p", ["a", "b"], "40 entries probed")
+    note, table, plot = staleness.mark(state, "m", "p2", ["a", "c"])
+    assert note == ("**Earlier inputs: the prompt, policies changed since this probe ran; run it again for the "
+                    "current ones.** 40 entries probed")
+    assert table["label"] == "Ranking (earlier inputs)" and plot["label"] == "Blindspot (earlier inputs)"
+    assert "visible" not in plot  # the blindspot stays hidden where the probe had none
+    assert staleness.mark(state, "m", "p", ["a", "b"]) == ("40 entries probed", gr.update(label="Ranking"),
+                                                            gr.update(label="Blindspot"))
+
+
 def test_the_prompt_size_shows_before_a_run(tiny):
     from kvviz.ui.app import _models, make_prompt_counter
 

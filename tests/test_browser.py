@@ -465,6 +465,21 @@ def test_the_scorer_spectrum_runs_at_the_middle_layer_when_layer_is_left_empty(p
     page.screenshot(path=ARTIFACTS / "compare-spectrum.png", full_page=False)
 
 
+def test_a_spectrum_of_an_earlier_prompt_is_marked_until_the_prompt_is_back(page):
+    """Run after the spectrum above: a new prompt leaves its bars up, marked on their labels and in the note
+    as made from earlier inputs; the prompt it ran on, typed back, takes the marks off."""
+    from playwright.sync_api import expect
+
+    page.get_by_role("tab", name="Compare").click()
+    prompt = page.get_by_label("Prompt").nth(1)
+    prompt.fill(PROMPT + " Another line.")
+    page.get_by_text("Earlier inputs: the prompt changed since this spectrum ran", exact=False).wait_for(timeout=30_000)
+    expect(page.get_by_text("Scorer spectrum (earlier inputs)", exact=True)).to_have_count(1)  # the plot's label
+    prompt.fill(PROMPT)
+    page.get_by_text("Earlier inputs:", exact=False).wait_for(state="hidden", timeout=30_000)
+    expect(page.get_by_text("Scorer spectrum (earlier inputs)", exact=True)).to_have_count(0)
+
+
 def test_a_typed_setting_compares_one_policy_at_two_values(page):
     """The Policies box takes a typed setting: Enter adds it beside the picked names, and its run gets a
     panel of its own, labelled by what it changes."""

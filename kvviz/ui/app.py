@@ -662,6 +662,9 @@ def build_policies(settings: dict[str, str]) -> dict[str, Policy]:
 NOT_COMPARED = "*Not compared: "  # how the refusal note begins, where the comparison would have been
 PREVIOUS = "previous comparison"  # how a refusal marks what the last comparison left on the page
 FATES_LABEL = "Fate per policy"
+PROBE_LABEL = "Ranking quality (AUROC / AP vs top-decile damage)"
+BLINDSPOT_LABEL = "Attention-only blindspot (AvoKV-E Fig. 1a)"
+SPECTRUM_LABEL, SPECTRUM_LAYERS_LABEL, SPECTRUM_TABLE_LABEL = "Scorer spectrum", "By layer", "Mean over steps"
 STABILITY_LABEL = ("Stability, a column per policy (InertiaKV App. I; means over steps, k = B): top-B churn of raw scores "
                    "and of utility (the keep turnover wherever the cache holds B, for any policy), their Jaccard, "
                    "raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
@@ -1501,6 +1504,37 @@ def auroc_list(quality: dict[str, dict], names: list[str]) -> str:
                      for name in names)
 
 
+class Staleness:
+    """Marks an on-demand analysis (the probe, the spectrum) whose inputs have changed since it ran.
+
+    The probe and the spectrum read the Compare tab's model, prompt and policies but run on their own button;
+    after a new prompt or a new Compare their last result would otherwise sit under the new runs as if it were
+    theirs.  :meth:`remember` keeps the inputs a result was made from (and its note); :meth:`mark` compares
+    them with the current ones and, where any differ, names them in the note and on each output's label.
+    """
+
+    def __init__(self, what: str, fields: list[str], labels: list[str]):
+        self.what, self.fields, self.labels = what, fields, labels
+
+    @staticmethod
+    def _key(value):
+        return tuple(value) if isinstance(value, list) else value
+
+    def remember(self, *values) -> dict:
+        *inputs, note = values
+        return {"inputs": [self._key(v) for v in inputs], "note": note}
+
+    def mark(self, state: dict | None, *inputs) -> tuple:
+        if not state:  # nothing run yet: nothing to mark
+            return (gr.update(),) * (1 + len(self.labels))
+        changed = [field for field, then, now in zip(self.fields, state["inputs"], inputs) if then != self._key(now)]
+        if not changed:
+            return (state["note"], *(gr.update(label=label) for label in self.labels))
+        mark = (f"**Earlier inputs: the {', '.join(changed)} changed since this {self.what} ran; "
+                f"run it again for the current ones.** ")
+        return (mark + state["note"], *(gr.update(label=f"{label} (earlier inputs)") for label in self.labels))
+
+
 def make_generate_api(limits: Limits):
     def generate(prompt: str, policy: str = "inertia", compression: float = 0.9, max_new_tokens: int = 64,
                  chat: bool = True, model: str = "", params: str = "{}", budget: int = 0, temperature: float = 0.0,
@@ -1976,11 +2010,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             p_step = gr.Number(value=8, label="Step")
                             p_sample = gr.Number(value=128, label="Entries sampled (0 = all)")
                             p_run = gr.Button("Run probe")
-                        p_table = gr.Dataframe(label="Ranking quality (AUROC / AP vs top-decile damage)",
+                        p_table = gr.Dataframe(label=PROBE_LABEL,
                                                interactive=False)
                         p_note = gr.Markdown()
                         # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
-                        p_blindspot = gr.Plot(label="Attention-only blindspot (AvoKV-E Fig. 1a)", visible=False)
+                        p_blindspot = gr.Plot(label=BLINDSPOT_LABEL, visible=False)
                     with gr.Accordion("Scorer spectrum (InertiaKV §5.1)", open=False):
                         gr.Markdown("How far each scorer's ranking of the cache sits from last-query attention: "
                                     "Spearman and top-B Jaccard (B = 10% of the cache) at one layer, and through "
@@ -1992,9 +2026,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             # a Textbox: a Number widget cannot stay empty in the browser (it shows and sends 0)
                             s_layer = gr.Textbox(value="", label="Layer (empty: the middle one)", placeholder="middle")
                             s_run = gr.Button("Run spectrum")
-                        s_figure = gr.Plot(label="Scorer spectrum")
-                        s_layers = gr.Plot(label="By layer")
-                        s_table = gr.Dataframe(label="Mean over steps", interactive=False)
+                        s_figure = gr.Plot(label=SPECTRUM_LABEL)
+                        s_layers = gr.Plot(label=SPECTRUM_LAYERS_LABEL)
+                        s_table = gr.Dataframe(label=SPECTRUM_TABLE_LABEL, interactive=False)
                         s_note = gr.Markdown()
             c_preset.input(make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat, c_mode, c_max_new,
                                                          c_temperature, c_top_p],
@@ -2038,15 +2072,29 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             c_follow.change(compare_follow, [c_state, c_follow], [c_fates_note, c_fates, *c_figs], api_name=False,
                             trigger_mode="always_last")
             # Each is checked first (no outputs), so that a refusal leaves the last result unmarked.
+            p_state, s_state = gr.State(None), gr.State(None)
+            probe_staleness = Staleness("probe", ["model", "prompt", "policies", "chat template", "step",
+                                                  "entries sampled"], [PROBE_LABEL, BLINDSPOT_LABEL])
+            spectrum_staleness = Staleness("spectrum", ["model", "prompt", "chat template", "steps", "layer"],
+                                           [SPECTRUM_LABEL, SPECTRUM_LAYERS_LABEL, SPECTRUM_TABLE_LABEL])
             probe_inputs = [c_model, c_prompt, c_policies, c_chat, p_step, p_sample]
             p_run.click(make_probe_check(limits), probe_inputs, None, api_name=False).success(
                 make_probe_handler(limits), probe_inputs, [p_table, p_note, p_blindspot],
-                concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="probe")
+                concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="probe"
+            ).success(probe_staleness.remember, [*probe_inputs, p_note], p_state, api_name=False, queue=False)
 
             spectrum_inputs = [c_model, c_prompt, c_chat, s_steps, s_layer]
             s_run.click(make_spectrum_check(limits), spectrum_inputs, None, api_name=False).success(
                 make_spectrum_handler(limits), spectrum_inputs, [s_table, s_note, s_figure, s_layers],
-                concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="spectrum")
+                concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="spectrum"
+            ).success(spectrum_staleness.remember, [*spectrum_inputs, s_note], s_state, api_name=False, queue=False)
+            # a new prompt, policy list or Compare leaves the last probe and spectrum in place, marked
+            for staleness, state, inputs, outputs in (
+                    (probe_staleness, p_state, probe_inputs, [p_note, p_table, p_blindspot]),
+                    (spectrum_staleness, s_state, spectrum_inputs, [s_note, s_figure, s_layers, s_table])):
+                for trigger in (c_checked.success, *(component.change for component in inputs)):
+                    trigger(staleness.mark, [state, *inputs], outputs, api_name=False, queue=False,
+                            trigger_mode="always_last", show_progress="hidden")
 
         with gr.Tab("Results"):
             build_results_tab(app, store)
