@@ -139,8 +139,9 @@ def held_over_budget(frame: pd.DataFrame) -> pd.DataFrame:
             .sort_values(cut, na_position="first").reset_index(drop=True))
 
 
-# A reviewer read "held over the budget" as a fault; for these policies it is their rule
-HELD_OVER_WHY = (" (by design where a policy evicts only at checkpoints, up to B + interval - 1, or only at the "
+# A reviewer read "held over the budget" as a fault; for these policies it is their rule.  No-break spaces
+# keep "interval - 1" whole where a figure's note wraps (a line began "- 1, or only")
+HELD_OVER_WHY = (" (by design where a policy evicts only at checkpoints, up to B + interval\u00a0-\u00a01, or only at the "
                  "prefill, growing by the tokens generated)")
 
 

@@ -582,3 +582,41 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
     expected = "".join(event.text for event in run.trace.events).replace("\r\n", "\n").replace("\r", "\n")
     assert page.get_by_label("inertia", exact=True).input_value() == expected
     assert clicked[0]  # the click had come while the stopped comparison showed itself
+
+
+def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_px(tmp_path):
+    """Drawn by Plotly in Chromium at 900 px, as a narrow window shows the Results tab: each figure's title
+    and notes end above its first panel title, no two panel titles overlap, and nothing runs past the figure's
+    edges (seven notes reached the first panel titles; three models' names in a panel title ran off the left;
+    one-line panel titles ran into each other)."""
+    from playwright.sync_api import sync_playwright
+
+    from kvviz.store import Store
+    from kvviz.ui.results import ALL, SECTIONS, query
+
+    figures = dict(zip(SECTIONS, query(Store(), ALL, ALL, [], ALL)[0::3]))
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 900, "height": 800})
+        for section in ("Quality vs compression", "Paired differences", "Measured vs paper", "Refresh interval"):
+            path = tmp_path / "figure.html"
+            figures[section].update_layout(width=900).write_html(path, include_plotlyjs=True)
+            page.goto(path.as_uri())
+            page.wait_for_selector(".gtitle")
+            boxes = page.evaluate("""() => {
+                const box = e => { const r = e.getBoundingClientRect();
+                                   return {left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+                return {title: box(document.querySelector('.gtitle')),
+                        panels: [...document.querySelectorAll('.annotation')].map(box)}; }""")
+            title, panels = boxes["title"], boxes["panels"]
+            assert panels, section
+            assert title["bottom"] < min(p["top"] for p in panels), section
+            assert title["left"] >= 0 and title["right"] <= 900, section
+            for panel in panels:
+                assert panel["left"] >= 0 and panel["right"] <= 900, section
+            for i, first in enumerate(panels):
+                for second in panels[i + 1:]:
+                    apart = (first["right"] <= second["left"] or second["right"] <= first["left"]
+                             or first["bottom"] <= second["top"] or second["bottom"] <= first["top"])
+                    assert apart, (section, first, second)
+        browser.close()

@@ -830,7 +830,9 @@ def test_results_tab_draws_more_models_than_marker_symbols(tmp_path):
     # eight symbols, then round again
     assert [trace.marker.symbol for trace in figure.data] == [
         "circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon", "circle", "square"]
-    assert figure.layout.annotations[0].text == "measured: ● m0, ■ m1, ◆ m2, ▲ m3, ✕ m4, ★ m5, ✚ m6, ⬟ m7, ● m8, ■ m9"
+    # named in a note under the title, not the panel's title, where ten names ran past its edge
+    assert [a.text for a in figure.layout.annotations] == ["measured"]
+    assert "<sup>markers: ● m0, ■ m1, ◆ m2, ▲ m3, ✕ m4, ★ m5, ✚ m6, ⬟ m7, ● m8, ■ m9" in figure.layout.title.text
 
 
 def test_refresh_curve_follows_the_registry_presets(tmp_path):

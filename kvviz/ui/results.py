@@ -32,9 +32,12 @@ ALL = "(all)"
 # Dark24 hues closest to Plotly's (pink, red, violet, orange).
 PALETTE = qualitative.Plotly + [c for c in qualitative.Dark24 if c not in ("#E15F99", "#FB0D0D", "#DA16FF", "#EB663B")]
 MARGIN = dict(l=50, r=20, t=50, b=40)
-NOTE_HEIGHT = 18  # pixels of top margin per small note line under a figure's title
+NOTE_HEIGHT = 22  # pixels of top margin per small line under a figure's title (a browser draws them 21 apart)
+TITLE_PAD = 12  # pixels above a title hung from the top of its figure
+PANEL_TITLE_HEIGHT = 16  # pixels of top margin per line of the first row's panel titles
+LEGEND_ROW = 30  # pixels a browser gives each legend entry of a line-and-marker trace
 NOTE_WIDTH = 120  # characters on one note line: a longer one runs past a narrow figure's edge
-# Marker per model in the measured-vs-paper panels, named in the panel titles.
+# Marker per model in the measured-vs-paper panels, named in a note under the title.
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon")
 GLYPHS = {"circle": "●", "square": "■", "diamond": "◆", "triangle-up": "▲", "x": "✕", "star": "★", "cross": "✚",
           "pentagon": "⬟"}
@@ -348,8 +351,9 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
     groups = list(frame.groupby(varying, dropna=False, sort=True)) if varying else [((), frame)]
     columns = min(columns, len(groups))
     rows = math.ceil(len(groups) / columns)
-    titles = [" · ".join(_label(c, v) for c, v in zip(varying, keys if isinstance(keys, tuple) else (keys,))
-                         if c != "axis") for keys, _ in groups] if varying else None
+    titles = [_panel_title([_label(c, v) for c, v in zip(varying, keys if isinstance(keys, tuple) else (keys,))
+                            if c != "axis"]) for keys, _ in groups] if varying else None
+    title_lines = max((title.count("<br>") + 1 for title in titles), default=0) if titles else 0
     height = 120 + 260 * rows
     gap = 95 if "axis" in varying else 70  # room for ticks and a title (and an x title on every panel)
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.1 if y2label else 0.06,
@@ -383,14 +387,24 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
     head, paren, rest = title.partition(" (")
     text = head + (f" · {' · '.join(fixed)}" if fixed else "") + (f"<br><sup>({rest}</sup>" if paren else "")
     text += "".join(f"<br><sup>{note}</sup>" for note in notes)
-    extra = NOTE_HEIGHT * len(notes)
-    fig.update_layout(title=text, height=height + extra,
-                      margin={**MARGIN, "t": (75 if paren else MARGIN["t"]) + extra},
-                      legend=dict(font=dict(size=10)))
+    small = int(bool(paren)) + len(notes)  # lines under the title's own
+    top = MARGIN["t"] + NOTE_HEIGHT * small + PANEL_TITLE_HEIGHT * title_lines
+    # Hung from the top: centred in the margin (Plotly's default), seven notes reached the panel titles
+    fig.update_layout(title=dict(text=text, yref="container", y=1, yanchor="top", pad=dict(t=TITLE_PAD)),
+                      height=height + top - MARGIN["t"], margin={**MARGIN, "t": top}, legend=dict(font=dict(size=10)))
+    if y2label:  # the legend clear of the right-hand axis's ticks and title (by default it lay over the title)
+        fig.update_layout(legend_x=1.09)
     fig.update_annotations(font_size=11)
     if frame.empty:
         _empty(fig)
     return fig, panels
+
+
+def _panel_title(labels: list[str]) -> str:
+    """A panel's title from its facet values: the last (the task) on a line of its own under the others
+    (source, model); on one line, "paper · Llama-3.1-8B-Instruct · LongBench/2wikimqa" ran into its
+    neighbours' titles in a figure under 1000 px wide."""
+    return " · ".join(labels[:-1]) + "<br>" + labels[-1] if len(labels) > 1 else "".join(labels)
 
 
 def _axis_titles(fig: go.Figure, panels: list, xlabel: str) -> None:
@@ -558,9 +572,9 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours, notes:
         return _empty(go.Figure(), f"no paper and measured rows to compare on {suite}")
     # more models than symbols: round again (the hover names the model)
     symbols = {model: SYMBOLS[i % len(SYMBOLS)] for i, model in enumerate(sorted(set(frame.model)))}
-    titles = [f"{o}: " + ", ".join(f"{GLYPHS[symbols[m]]} {m}" for m in sorted(set(frame[frame.origin == o].model)))
-              for o in origins]
-    fig = make_subplots(rows=1, cols=len(origins), shared_yaxes=True, subplot_titles=titles)
+    # The marker key is a note line: in the panel titles, three models' names ran past a half-width panel
+    key = "markers: " + ", ".join(f"{GLYPHS[symbols[m]]} {m}" for m in sorted(symbols)) + " (the hover names each)"
+    fig = make_subplots(rows=1, cols=len(origins), shared_yaxes=True, subplot_titles=origins)
     shown = set()
     for col, origin in enumerate(origins, start=1):
         part = frame[frame.origin == origin]
@@ -579,9 +593,13 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours, notes:
         fig.update_xaxes(title_text="compression ρ", row=1, col=col)
     fig.update_yaxes(title_text="score / full-cache score", row=1, col=1)
     fig.update_layout(legend=dict(font=dict(size=10)))
+    fig.update_annotations(font_size=11)
     _title(fig, f"Measured vs paper: {suite}, relative to each source's full cache",
-           [line for note in notes for line in _note_lines(note)])
-    fig.update_layout(margin_t=fig.layout.margin.t + 20, height=fig.layout.height + 20)  # the panels' titles
+           [line for note in [key, *notes] for line in _note_lines(note)])
+    # the panels' titles; and panels as tall as the legend, which otherwise scrolled with a dozen policies
+    panels = max(fig.layout.height - fig.layout.margin.t - MARGIN["b"], LEGEND_ROW * len(shown))
+    fig.update_layout(margin_t=fig.layout.margin.t + PANEL_TITLE_HEIGHT,
+                      height=fig.layout.margin.t + PANEL_TITLE_HEIGHT + panels + MARGIN["b"])
     return fig
 
 
@@ -606,8 +624,10 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
         notes.append("speed: one line per sweep (" + ", ".join(f"{GLYPHS.get(symbols[run], symbols[run])} {run}"
                                                               for run in runs)
                      + "): runs at other times differ in machine load")
-    fig, panels = _facets(frame, "Refresh interval r: quality and decode speed (bars: ± 1 standard error)",
-                          "mean score", y2label="decode tok/s (measured)", notes=notes)
+    fig, panels = _facets(frame, "Refresh interval r: quality and decode speed (r: decode steps between scorings; "
+                          "bars: ± 1 standard error)",
+                          "mean score", y2label="decode tok/s (measured)",
+                          notes=[line for note in notes for line in _note_lines(note)])
     palette, shown = {}, set()
 
     def add(name: str, **trace) -> None:  # one legend entry per name across the panels
@@ -649,7 +669,7 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
                         hovertemplate=f"score-free · {label}<br>{free.decode_tok_s:.2f} tok/s"
                                       + (f"<br>run: {run}" if isinstance(run, str) else "") + "<extra></extra>",
                         **place)
-    _axis_titles(fig, panels, "refresh interval r (decode steps between scorings)")
+    _axis_titles(fig, panels, "refresh interval r (steps)")  # longer, two bottom titles ran together at 900 px
     return fig
 
 
@@ -766,8 +786,9 @@ def _title(fig: go.Figure, title: str, notes: list[str]) -> None:
     and the top margin and height that make room for them."""
     # Anchored at the top: centred in the margin (Plotly's default) it would run into panel titles under it
     fig.update_layout(title=dict(text="<br>".join([title, *(f"<sup>{note}</sup>" for note in notes)]),
-                                 yref="container", y=1, yanchor="top", pad=dict(t=12)),
-                      margin={**MARGIN, "t": MARGIN["t"] + 20 * len(notes)}, height=400 + 20 * len(notes))
+                                 yref="container", y=1, yanchor="top", pad=dict(t=TITLE_PAD)),
+                      margin={**MARGIN, "t": MARGIN["t"] + NOTE_HEIGHT * len(notes)},
+                      height=400 + NOTE_HEIGHT * len(notes))
 
 
 def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
