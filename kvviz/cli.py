@@ -723,7 +723,8 @@ def _print_paired(store, root: Path, args, policies) -> int:
         cells = part.assign(cell=[
             f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/{row.losses}"
             + (" *" if row.significant else "") for row in part.itertuples()])
-        print(f"\n{task} · {model} · vs {args.vs}")
+        covered = part.tasks.iloc[0]
+        print(f"\n{task}" + (f" ({covered})" if covered != task else "") + f" · {model} · vs {args.vs}")
         with pd.option_context("display.width", 250):
             print(_by_cut(cells, "cell").to_string())
         _print_cache_over_budget(held[(held.model == model) & (held.task == task)

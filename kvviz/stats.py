@@ -117,10 +117,11 @@ def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int =
     DataFrame
         ``model``, ``task``, ``policy``, ``compression``, ``absolute_budget`` (NaN for a compression cell),
         ``score`` and ``reference`` (the two means over
-        the pairs), then the :class:`PairedDelta` fields and ``significant``.
+        the pairs), then the :class:`PairedDelta` fields, ``significant`` and ``tasks`` (those a suite's row
+        averages, comma-separated; a task's row: the task).
     """
     columns = ["model", "task", "policy", "compression", "absolute_budget", "score", "reference",
-               *PairedDelta.__dataclass_fields__, "significant"]
+               *PairedDelta.__dataclass_fields__, "significant", "tasks"]
     if pairs.empty:
         return pd.DataFrame(columns=columns)
     pairs = pairs.assign(difference=pairs.score - pairs.reference_score)
@@ -137,7 +138,7 @@ def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int =
             result = paired_delta([part.difference.to_numpy()], confidence, resamples)
             rows.append(dict(model=model, task=task, policy=policy, **cut,
                              score=part.score.mean(), reference=part.reference_score.mean(), **asdict(result),
-                             significant=result.significant))
+                             significant=result.significant, tasks=task))
         for suite, part in group.groupby("suite", sort=True):
             tasks = sorted(part.task.unique())
             if len(tasks) < 2:
@@ -146,5 +147,5 @@ def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int =
             rows.append(dict(model=model, task=f"{suite}: mean of {len(tasks)} tasks", policy=policy, **cut,
                              score=np.mean([by_task[t].score.mean() for t in tasks]),
                              reference=np.mean([by_task[t].reference_score.mean() for t in tasks]),
-                             **asdict(result), significant=result.significant))
+                             **asdict(result), significant=result.significant, tasks=", ".join(tasks)))
     return pd.DataFrame(rows, columns=columns)

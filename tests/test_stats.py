@@ -116,6 +116,7 @@ def test_paired_table_per_task_and_over_the_suites_tasks(tmp_path):
     assert (row.score, row.reference) == (pytest.approx(1 / 3), pytest.approx(0.5))
     suite = table[(table.task == "RULER: mean of 2 tasks") & (table.compression == 0.9)].iloc[0]
     assert suite.delta == pytest.approx((-0.5 / 3 + 0.0) / 2) and suite.pairs == 6
+    assert suite.tasks == "multi_key_needle, single_needle" and row.tasks == "single_needle"
     at_half = table[table.compression == 0.5]
     assert (at_half.delta == 0).all() and (at_half.low == 0).all() and (at_half.high == 0).all()
 
@@ -128,6 +129,8 @@ def test_results_command_prints_paired_differences(tmp_path, capsys):
     lazy = next(line for line in out.splitlines() if line.startswith("inertia-lazy"))
     assert "+0.000 [+0.000, +0.000] 0/3/0" in lazy and "-0.167 [" in lazy and "0/2/1" in lazy
     assert "*" not in lazy  # one loss in three
+    assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia"]) == 0
+    assert "\nRULER: mean of 2 tasks (multi_key_needle, single_needle) · m · vs inertia\n" in capsys.readouterr().out
     assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia", "--csv"]) == 0
     assert capsys.readouterr().out.startswith("model,task,policy,compression,absolute_budget,score,reference,delta")
 
@@ -151,6 +154,9 @@ def test_results_tab_draws_each_policys_interval_around_zero(tmp_path):
     assert "to inertia" in figure.layout.title.text
     titles = {a.text for a in figure.layout.annotations}
     assert {"single_needle", "multi_key_needle", "RULER: mean of 2 tasks"} <= titles
+    # which two: Measured vs paper averages only the tasks whose full cache passes, this every task that pairs
+    assert "<sup>RULER: mean of 2 tasks: multi_key_needle, single_needle (a difference needs no full cache" \
+        in figure.layout.title.text
     lazy = [t for t in figure.data if t.name == "inertia-lazy"]
     assert len(lazy) == 3 and sum(t.showlegend for t in lazy) == 1  # one legend entry across the panels
     # each panel's line is one task's row of the table: Δ, and the interval as bars above and below it

@@ -929,6 +929,12 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
             [speed[speed.policy.isin(differences.policy)], reference_held])))
     else:
         paired_held = []
+    # A suite's panel averages every task of it that pairs; Measured vs paper leaves out those its full cache
+    # fails, so "mean of 3 tasks" here and "mean over 2" there need their tasks named
+    suites = differences[differences.tasks != differences.task][["task", "tasks"]].drop_duplicates() \
+        if not differences.empty else differences
+    paired_held = [f"{row.task}: {row.tasks} (a difference needs no full cache: none is left out)"
+                   for row in suites.itertuples()] + paired_held
     if source == "paper":  # the papers report no per-run decode speed or max-length hits
         speed, hits = speed.iloc[0:0], hits.iloc[0:0]
     # The grid is a task of its own: another task chosen leaves it empty, saying why
