@@ -1108,6 +1108,28 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     assert compare_follow(None, "42")[2:] == (gr.skip(),) * 4
 
 
+def test_compare_panels_share_their_position_and_step_ranges():
+    """A run that stopped early (end of sequence after 2 steps) beside one of 5: both panels span 5 steps and
+    the positions of the longer run, so a cell is one size across the row and the short run ends where it
+    ended, not at the bottom of its panel."""
+    from kvviz.trace import StepEvent
+    from kvviz.ui.app import compare_panels
+
+    def run(steps: int) -> RunView:
+        view = RunView(4, steps, 8, list("abcd"))
+        for step in range(steps):
+            view.add(StepEvent(step, 0, 0, "x", np.arange(4 + step), np.empty(0, np.int64)), "x")
+        return view
+
+    short, long = compare_panels({"short": run(2), "long": run(5)})
+    for panel in (short, long):
+        assert list(panel.layout.yaxis.range) == [4.5, -0.5]  # step 0 on top, 5 steps
+        # positions 0..7: the prompt and the 4 generated tokens cached by step 4 (the last's is never written)
+        assert list(panel.layout.xaxis.range) == [-0.5, 7.5]
+        assert panel.layout.yaxis.dtick == 1
+    assert len(short.data[0].z) == 2  # the short run's own rows, not padded
+
+
 def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
     """Live's Follow marks what is typed on the retention heatmap as Compare's panels do, a generated token
     from the step it entered the cache; an empty field (the boundary entries, which change per step) marks

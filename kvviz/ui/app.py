@@ -1225,9 +1225,18 @@ def compare_panel(name: str, view: RunView, followed: list[int] | None = None, t
 
 
 def compare_panels(views: dict[str, RunView], followed: list[int] | None = None) -> list[go.Figure]:
-    """Every compared policy's panel (:func:`compare_panel`), their plots at one height."""
+    """Every compared policy's panel (:func:`compare_panel`), their plots at one height and on the same
+    position and step ranges: a run that ended early (end of sequence) drew its fewer steps over the panel's
+    full height, and its cells read as larger than its neighbours'."""
     lines = max(len(panel_title(name, view, followed)) for name, view in views.items())
-    return [compare_panel(name, view, followed, lines) for name, view in views.items()]
+    panels = [compare_panel(name, view, followed, lines) for name, view in views.items()]
+    cells = [next(trace for trace in panel.data if trace.type == "heatmap") for panel in panels]
+    positions = max(len(cell.z[0]) * cell.dx if len(cell.z) else 0 for cell in cells)  # a binned cell spans dx
+    steps = max(len(cell.z) * cell.dy for cell in cells)
+    for panel in panels:
+        panel.update_xaxes(range=[-0.5, positions - 0.5])
+        panel.update_yaxes(range=step_range(steps)[::-1], autorange=False, dtick=step_dtick(steps))  # step 0 on top
+    return panels
 
 
 def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None, note: str = ""):
