@@ -205,12 +205,17 @@ def keep_set_jaccard_over_time(a: Trace, b: Trace) -> list[tuple[int, float]]:
 def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
     """Means of each diagnostic over the run (NaN where the policy records no raw scores or utility, or where
     nothing pairs: no two consecutive scored steps for a churn, no two recomputations for a rank stability),
-    but the first keep set's share retained, which is at the run's end (NaN where no decode step evicted)."""
+    but the first keep set's share retained, which is at the run's end (NaN where no decode step after the
+    first evicting one evicted)."""
     def mean(pairs):
         values = [v for _, v in pairs if not np.isnan(v)]  # a rank stability is NaN on a constant step
         return float(np.mean(values)) if values else float("nan")
 
     retained = first_keep_set_retained(trace)
+    # Retained 1.0 means something only once later steps have evicted: with none, it holds by construction
+    # (a checkpointed policy that checkpointed once), as churn is n/a without two evicting steps
+    tested = [step for step, _ in retained[1:]
+              if any(event.step == step and event.evicted.size for event in trace.decode_steps)]
 
     return {
         "raw_churn": mean(raw_churn(trace, k)),
@@ -220,7 +225,7 @@ def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
         "raw_top_evicted_rate": mean(raw_top_evicted_rate(trace, k)),
         "raw_rank_stability": mean(raw_rank_stability(trace)),
         "utility_rank_stability": mean(utility_rank_stability(trace)),
-        "first_keep_set_retained": retained[-1][1] if retained else float("nan"),
+        "first_keep_set_retained": retained[-1][1] if tested else float("nan"),
     }
 
 

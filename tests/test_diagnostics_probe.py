@@ -88,6 +88,13 @@ def test_first_keep_set_retained_on_a_hand_trace():
     assert dx.first_keep_set_retained(Trace([7, 8], 3, "test", events=events)) == [(2, 1.0), (3, pytest.approx(2 / 3))]
     full = Trace([7, 8], 2, "full", events=[event(0, [0, 1], []), event(1, [0, 1, 2], [])])
     assert dx.first_keep_set_retained(full) == [] and np.isnan(dx.summary(full)["first_keep_set_retained"])
+    # One checkpoint, then growth: the set is whole by construction, not by a test, and the summary is n/a
+    once = Trace([7, 8, 9], 2, "test", events=[event(0, [0, 1, 2], []), event(1, [0, 1], [2]),
+                                               event(2, [0, 1, 3], []), event(3, [0, 1, 3, 4], [])])
+    assert dx.first_keep_set_retained(once) == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert np.isnan(dx.summary(once)["first_keep_set_retained"])
+    held = [event(0, [0, 1, 2], []), event(1, [0, 1], [2]), event(2, [0, 1], [3])]
+    assert dx.summary(Trace([7, 8, 9], 2, "test", events=held))["first_keep_set_retained"] == 1.0  # tested, held
 
 
 def test_token_history_on_a_hand_trace():

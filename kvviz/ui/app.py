@@ -540,7 +540,8 @@ def diagnostics_markdown(trace: Trace) -> str:
             "end:\n\n| diagnostic | value |\n|---|---:|\n" + rows +
             "\n\n" + DIAGNOSTICS_NOTE + ("\n\n*n/a: this policy records no raw per-step score (or no utility) to "
             "compare, or no two consecutive steps have one (for utility churn and keep turnover: no two of which "
-            "the later evicted).*" if missing else ""))
+            "the later evicted; for the first keep set retained: no step evicted after the first that did).*"
+            if missing else ""))
 
 
 # Why two policies' utility churn can match while their rankings do not (README, "How it works").
