@@ -171,8 +171,7 @@ def _generate_budget(args, prompt_len: int, compression: float | None) -> int:
     except ValueError:
         if compression is None:
             raise
-    # the largest compression (to 2 places) that still leaves one entry: floor((1 - rho) * L) >= 1
-    most = math.floor(100 * (1.0 - 1.0 / prompt_len) + 1e-9) / 100
+    most = engine.largest_compression(prompt_len, 1) or 0.0
     given = f"--compression {compression:g}" if args.compression is not None else \
         f"the default --compression {compression:g} (used when neither --compression nor --budget is given)"
     lower = f"--compression {most:g} or lower" if most > 0 else "--compression 0"

@@ -20,6 +20,7 @@ import torch
 from . import scoring
 from .cache import SlotCache
 from .policies import Policy, make_policy, setting_label
+from .policies.base import BudgetTooSmall
 from .trace import StepEvent, Trace, model_dtype
 
 MAX_NEW_TOKENS = 64  # stream() and run() when the caller gives none
@@ -39,13 +40,36 @@ def resolve_budget(prompt_len: int, *, compression: float | None = None, budget:
         return prompt_len
     if not 0.0 <= compression < 1.0:
         raise ValueError(f"compression must be in [0, 1), got {compression}")
-    # The epsilon keeps e.g. (1 - 0.9) * 100 = 9.999999999999998 from flooring to 9.
-    value = math.floor((1.0 - compression) * prompt_len + 1e-9)
+    value = compressed(prompt_len, compression)
     if value < 1:
-        raise ValueError(
-            f"compression {compression} leaves no cache for a {prompt_len}-token prompt; lower it or use a longer prompt"
-        )
+        most = largest_compression(prompt_len, 1)
+        fix = f"lower it to {most:g} or less" if most else "only compression 0 leaves any of it"
+        raise ValueError(f"compression {compression:g} leaves no cache for a {prompt_len}-token prompt; {fix}, "
+                         "or use a longer prompt")
     return value
+
+
+def compressed(prompt_len: int, compression: float) -> int:
+    """``floor((1 - rho) * L0)``; the epsilon keeps e.g. (1 - 0.9) * 100 = 9.999999999999998 from flooring to 9."""
+    return math.floor((1.0 - compression) * prompt_len + 1e-9)
+
+
+def largest_compression(prompt_len: int, entries: int) -> float | None:
+    """The largest compression, to two decimals, that leaves at least ``entries`` of a ``prompt_len``-token
+    prompt; None where even 0 leaves fewer (the prompt is shorter)."""
+    if prompt_len < entries:
+        return None
+    return max(step / 100 for step in range(100) if compressed(prompt_len, step / 100) >= entries)
+
+
+def at_compression(error: BudgetTooSmall, compression: float, prompt_len: int) -> str:
+    """``error``'s refusal told in terms of the compression that set its budget: a message that said "raise the
+    budget above 36" to someone who set no budget, only a compression, named a control they had not used."""
+    most = largest_compression(prompt_len, error.reserved + 1)
+    fix = (f"lower the compression to {most:g} or less" if most is not None else
+           f"use a prompt of more than {error.reserved} tokens, or an absolute budget above {error.reserved}")
+    return (f"compression {compression:g} leaves a budget of {error.budget} of this {prompt_len}-token prompt, not more "
+            f"than {error.kept}: {fix} (or lower {error.shrink})")
 
 
 class EvictingCache(SlotCache):
@@ -89,7 +113,12 @@ class EvictingCache(SlotCache):
         """Reset the policy for a prompt; True if the policy reads the prefill's queries (``prefill_window`` > 0:
         prefill-time policies, and checkpointed ones that start their window with the prompt's)."""
         self.budget = resolve_budget(prompt_len, **self._budget_args)
-        self.policy.reset(prompt_len, self.budget, len(self.layers))
+        try:
+            self.policy.reset(prompt_len, self.budget, len(self.layers))
+        except BudgetTooSmall as error:
+            if self._budget_args["compression"] is None:
+                raise
+            raise ValueError(at_compression(error, self._budget_args["compression"], prompt_len)) from None
         self.step = 0
         self.score_seconds = 0.0
         self.final_bound = None if max_new_tokens is None else self.policy.cache_bound(self.budget, max_new_tokens)

@@ -1862,6 +1862,34 @@ def test_a_budget_never_filled_is_refused_with_a_remedy_that_works(tiny):
         check(size + 15, 4)
 
 
+def test_a_compression_that_leaves_a_policy_too_small_a_budget_names_the_compression_that_works(tiny):
+    """In compression mode no budget box is shown, and "raise the budget above 8" named a control nobody set:
+    the refusal names the largest compression that leaves the policy's 8 protected entries and one more, and
+    that compression runs while the next step up is refused.  In budget mode it still speaks of the budget."""
+    from kvviz.ui.app import _models, validate
+
+    _models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
+    size = len(kvviz.engine.encode_prompt(tiny[1], PROMPT, chat=False))
+
+    def check(mode, compression, budget=0):
+        return validate(limits, TINY, PROMPT, mode, compression, budget, 16, False,
+                        [kvviz.make_policy("streaming", sinks=8)])
+
+    # floor((1 - rho) * L) > 8: the largest rho to two places, found by trying every one
+    works = max(step / 100 for step in range(100) if int((1 - step / 100) * size + 1e-9) >= 9)
+    with pytest.raises(ValueError, match=rf"^compression 0.99 leaves a budget of {int(0.01 * size + 1e-9)} of this "
+                                         rf"{size}-token prompt, not more than the 8 sink tokens StreamingLLM always "
+                                         rf"keeps: lower the compression to {works:g} or less \(or lower sinks\)$"):
+        check("compression", 0.99)
+    assert check("compression", works).budget >= 9
+    with pytest.raises(ValueError, match="lower the compression to"):
+        check("compression", round(works + 0.01, 2))
+    with pytest.raises(ValueError, match="^budget 8 must exceed the 8 sink tokens StreamingLLM always keeps: raise "
+                                         r"the budget above 8 \(or lower sinks\)$"):
+        check("budget", 0.5, 8)
+
+
 def test_a_checkpointed_policy_that_would_reach_no_checkpoint_is_refused_with_remedies_that_work(tiny):
     """AvoKV-E evicts only at its checkpoints: with B = L + 4 the cache is over B from step 5, and at the
     default interval (128) the first checkpoint is step 128, so 12 new tokens (last step 11) decode nothing

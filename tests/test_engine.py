@@ -403,6 +403,32 @@ def test_resolve_budget_rejects(kwargs):
     assert resolve_budget(50, budget=12.0) == 12  # a whole number written as a float is that number
 
 
+def test_a_compression_refusal_names_a_compression_that_works(tiny):
+    """floor((1 - 0.9) * 6) = 0: the largest compression to two places that leaves an entry of 6 is 0.83
+    (0.17 * 6 = 1.02; 0.16 * 6 = 0.96).  A policy that protects 8 entries, at a compression that leaves it
+    10 of 100 but 8, is told to lower the compression to 0.91 (floor(0.09 * 100) = 9), not to raise a budget
+    nobody gave; given as a budget, it is told of the budget."""
+    from kvviz.engine import largest_compression
+
+    with pytest.raises(ValueError, match=r"^compression 0.9 leaves no cache for a 6-token prompt; lower it to 0.83 "
+                                         r"or less, or use a longer prompt$"):
+        resolve_budget(6, compression=0.9)
+    assert resolve_budget(6, compression=0.83) == 1
+    with pytest.raises(ValueError, match="only compression 0 leaves any of it"):
+        resolve_budget(1, compression=0.5)
+    assert largest_compression(100, 9) == 0.91 and largest_compression(5, 9) is None
+    model, tokenizer = tiny
+    prompt = list(range(3, 103))
+    with pytest.raises(ValueError, match=r"^compression 0.92 leaves a budget of 8 of this 100-token prompt, not more "
+                                         r"than the 8 sink tokens StreamingLLM always keeps: lower the compression to "
+                                         r"0.91 or less \(or lower sinks\)$"):
+        kvviz.engine.run(model, tokenizer, prompt, "streaming", compression=0.92, sinks=8, max_new_tokens=2)
+    assert len(kvviz.engine.run(model, tokenizer, prompt, "streaming", compression=0.91, sinks=8,
+                                max_new_tokens=2).trace.events) == 2
+    with pytest.raises(ValueError, match=r"^budget 8 must exceed the 8 sink tokens"):
+        kvviz.engine.run(model, tokenizer, prompt, "streaming", budget=8, sinks=8, max_new_tokens=2)
+
+
 def test_a_trace_of_a_policy_object_is_named_by_its_registry_entry(tiny, tiny_prompt):
     """run() with a policy object named the trace after its class ('FullCache', 'TOVA'); what looks a trace up
     by name then missed it: the full cache's trace read as 'budget B = 40', TOVA's read lags were refused."""

@@ -36,6 +36,19 @@ def param(default, *, low=None, high=None, choices=None, help=""):
     return field(default=default, metadata={"low": low, "high": high, "choices": choices, "help": help})
 
 
+class BudgetTooSmall(ValueError):
+    """A budget within the entries a policy never evicts (sinks, a recent window).
+
+    ``reserved``: those entries' count (a budget must exceed it); ``kept``: what they are, as the message
+    names them; ``shrink``: the parameters that set them.  The message speaks of the budget; where a
+    compression set it, :func:`kvviz.engine.at_compression` says which compression would do instead.
+    """
+
+    def __init__(self, budget: int, reserved: int, kept: str, shrink: str):
+        self.budget, self.reserved, self.kept, self.shrink = budget, reserved, kept, shrink
+        super().__init__(f"budget {budget} must exceed {kept}: raise the budget above {reserved} (or lower {shrink})")
+
+
 @dataclass
 class Policy:
     """Base class: keeps everything (the ``full`` reference)."""

@@ -18,7 +18,7 @@ import torch
 
 from ..ranking import ranks
 from ..scoring import LayerView, PrefillView
-from .base import NO_SLOTS, Policy, lowest, param
+from .base import NO_SLOTS, BudgetTooSmall, Policy, lowest, param
 
 
 def window_attention(queries: torch.Tensor, query_positions: torch.Tensor, view: LayerView,
@@ -108,8 +108,7 @@ class CheckpointPolicy(Policy):
         # Whatever the prompt length, decoding grows the cache past any budget, and at that checkpoint a
         # budget within the reserve would evict everything else, the never-evicted sinks included.
         if budget <= reserved:
-            raise ValueError(f"budget {budget} must exceed the {reserved} entries {name} always protects: "
-                             f"raise the budget above {reserved} (or lower {shrink})")
+            raise BudgetTooSmall(budget, reserved, f"the {reserved} entries {name} always protects", shrink)
 
     def risk(self, features: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
         """Per-candidate score, higher = keep.

@@ -34,7 +34,7 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half  # the RoPE pairing every supported family shares
 
 from ..scoring import LayerView, PrefillView, rope_frequencies
-from .base import NO_SLOTS, Policy, StepMean, grown, lowest, over_budget, param
+from .base import NO_SLOTS, BudgetTooSmall, Policy, StepMean, grown, lowest, over_budget, param
 
 ALL_PROMPT_QUERIES = 1 << 30  # the prefill window: every prompt query feeds the statistics
 ROPE_REFUSAL = ("Expected Attention needs rotary position embeddings over the whole head with fixed frequencies; "
@@ -143,8 +143,8 @@ class ExpectedAttention(Policy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget <= self.sinks:
-            raise ValueError(f"budget {budget} must exceed the {self.sinks} sink tokens Expected Attention "
-                             f"always keeps: raise the budget above {self.sinks} (or lower sinks)")
+            raise BudgetTooSmall(budget, self.sinks, f"the {self.sinks} sink tokens Expected Attention always keeps",
+                                 "sinks")
         super().reset(prompt_len, budget, num_layers)
         self.stats: dict[int, QueryStats] = {}
         self.step_mean = StepMean()

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from ..scoring import PrefillView
-from .base import NO_SLOTS, Policy, lowest, param
+from .base import NO_SLOTS, BudgetTooSmall, Policy, lowest, param
 
 QUERY_BLOCK = 256  # repeat queries scored at once: bounds the (heads, block, keys) logits
 
@@ -84,8 +84,7 @@ class KVzip(Policy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget <= self.sinks:
-            raise ValueError(f"budget {budget} must exceed the {self.sinks} sink tokens KVzip always keeps: "
-                             f"raise the budget above {self.sinks} (or lower sinks)")
+            raise BudgetTooSmall(budget, self.sinks, f"the {self.sinks} sink tokens KVzip always keeps", "sinks")
         super().reset(prompt_len, budget, num_layers)
         self.total = torch.zeros(prompt_len)  # summed over the layers that scored each position
         self.layers_seen = torch.zeros(prompt_len)

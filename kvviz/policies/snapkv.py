@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..scoring import PrefillView
-from .base import NO_SLOTS, Policy, StepMean, lowest, param
+from .base import NO_SLOTS, BudgetTooSmall, Policy, StepMean, lowest, param
 
 
 @dataclass
@@ -39,8 +39,8 @@ class SnapKV(Policy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget < prompt_len and budget <= self.window:
-            raise ValueError(f"budget {budget} must exceed SnapKV's observation window of {self.window} tokens: "
-                             f"raise the budget above {self.window} (or lower window)")
+            raise BudgetTooSmall(budget, self.window, f"SnapKV's observation window of {self.window} tokens",
+                                 "window")
         super().reset(prompt_len, budget, num_layers)
         self.votes = StepMean()
         self.score = None  # set by the prefill's selection; None keeps a reused policy from reporting stale scores

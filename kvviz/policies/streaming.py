@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, lowest, over_budget, param
+from .base import BudgetTooSmall, Policy, lowest, over_budget, param
 
 
 @dataclass
@@ -25,8 +25,7 @@ class StreamingLLM(Policy):
 
     def reset(self, prompt_len: int, budget: int, num_layers: int = 0) -> None:
         if budget <= self.sinks:
-            raise ValueError(f"budget {budget} must exceed the {self.sinks} sink tokens StreamingLLM always keeps: "
-                             f"raise the budget above {self.sinks} (or lower sinks)")
+            raise BudgetTooSmall(budget, self.sinks, f"the {self.sinks} sink tokens StreamingLLM always keeps", "sinks")
         super().reset(prompt_len, budget, num_layers)
 
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:

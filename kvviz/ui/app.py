@@ -36,6 +36,7 @@ import torch
 from .. import diagnostics, engine
 from ..models import load_model, load_tokenizer
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
+from ..policies.base import BudgetTooSmall
 from ..policies.checkpointed import CheckpointPolicy
 from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
 from ..tasks.examples import EXAMPLES
@@ -265,7 +266,13 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
         compression = fraction("compression", compression)
         resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
     for policy in policies:
-        policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)  # raises on a too-small budget
+        try:
+            policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)
+        except BudgetTooSmall as error:
+            if compression is None:
+                raise
+            # in compression mode no budget box is shown: name the compression that would do
+            raise ValueError(engine.at_compression(error, compression, len(prompt_ids))) from None
         engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
         check_checkpoint_reached(limits, policy, len(prompt_ids), resolved, max_new)
     return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
