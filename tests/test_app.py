@@ -943,7 +943,20 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
 
     assert _apart(0.1, 0.5) == ("0.1", "0.5") and _apart(0.2384000123, 0.2384) == ("0.23840001", "0.2384")
     assert _apart(0.25, 0.25) == ("0.25", "0.25")
-    assert view.follow("", 2) == ([3], "at step 2: nothing evicted; the next in line for eviction")  # lowest utility
+    assert view.follow("", 2) == ([3], "at step 2: nothing evicted; the next 1 in line for eviction")  # lowest utility
+    # A step that evicted more than the four followed says how many of them are shown
+    from kvviz.trace import StepEvent
+
+    wide = RunView(8, 2, 2, list("abcdefgh"))
+    wide.add(StepEvent(0, 0, 0, "x", np.arange(8), np.empty(0, np.int64)))
+    wide.add(StepEvent(1, 0, 0, "y", np.array([0, 8]), np.arange(1, 8), utility=np.array([np.inf, 0.5])))
+    positions, note = wide.follow("", 1)
+    assert positions == [7, 6, 5, 4] and note == "at step 1: 4 of the 7 evicted (newest first)"
+    few = RunView(4, 2, 3, list("abcd"))
+    few.add(StepEvent(0, 0, 0, "x", np.arange(4), np.empty(0, np.int64)))
+    few.add(StepEvent(1, 0, 0, "y", np.array([0, 2, 4]), np.array([1, 3]), utility=np.array([0.2, 0.1, 0.9])))
+    assert few.follow("", 1) == ([3, 1, 2, 0], "at step 1: the 2 evicted (newest first), then the next 2 in line "
+                                               "for eviction")
     # a value typed past either end (the browser sets the box to the end only when it loses focus) reads as it
     title = lambda outputs: outputs[3].layout.title.text  # the step detail names its step
     assert title(scrub(view, 99)) == title(scrub(view, 2)) and title(scrub(view, -3)) == title(scrub(view, 0))

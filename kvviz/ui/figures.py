@@ -414,9 +414,14 @@ class RunView:
                 finite = np.isfinite(event.utility)
                 order = np.lexsort((event.kept[finite], event.utility[finite]))  # lowest first, older first
                 chosen += event.kept[finite][order][: 4 - len(chosen)].tolist()
-            what = f"at step {event.step}: " + (f"evicted {len(event.evicted)} ({basis} first), then "
-                                                if event.evicted.size else "nothing evicted; ")
-            return chosen, (what + "the next in line for eviction" if chosen
+            # Say how many of each are shown: "evicted 16, then the next in line" promised more than the four
+            shown_evicted, evicted_total = min(len(evicted), 4), len(event.evicted)
+            parts = [(f"{shown_evicted} of the {evicted_total} evicted" if evicted_total > shown_evicted
+                      else f"the {evicted_total} evicted") + f" ({basis} first)"] if evicted_total else []
+            if len(chosen) > shown_evicted:
+                parts.append(f"the next {len(chosen) - shown_evicted} in line for eviction")
+            what = f"at step {event.step}: " + ("" if evicted_total else "nothing evicted; ")
+            return chosen, (what + ", then ".join(parts) if chosen
                             else what + "nothing to follow (no utility); type a token or #position")
         try:
             positions, note = find_positions([self.token(p) for p in range(known)], query)
