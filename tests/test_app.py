@@ -449,6 +449,37 @@ def test_rank_rows_rank_only_finite_utilities_and_share_ties():
     assert "1 kept entries with no finite score" in detail.layout.title.text
 
 
+def test_the_step_detail_says_why_a_step_has_no_scores_to_draw():
+    """Step 0 of an EMA policy: every utility 0, a flat row that explained nothing; of TOVA: no score at all,
+    which read as "decides by position".  Each says it has scored nothing yet and when it first does; a
+    checkpointed policy before its first checkpoint says so; StreamingLLM really decides by position."""
+    from kvviz.trace import StepEvent
+
+    none = np.empty(0, np.int64)
+
+    def view_of(events, interval=None):
+        view = RunView(4, len(events), 4, list("abcd"), interval=interval)
+        for event in events:
+            view.add(event)
+        return view
+
+    ema = view_of([StepEvent(0, 0, 0, "x", np.arange(4), none, utility=np.zeros(4, np.float32)),
+                   StepEvent(1, 0, 0, "y", np.arange(4), np.array([4]), raw=np.arange(5, dtype=np.float32),
+                             utility=np.arange(4, dtype=np.float32))])
+    assert "<sup>every entry's utility is 0: none scored yet (the first scoring is at step 1)</sup>" in \
+        ema.step_detail_figure(0).layout.title.text
+    assert "every entry's utility" not in ema.step_detail_figure(1).layout.title.text
+    unscored = [StepEvent(0, 0, 0, "x", np.arange(4), none), StepEvent(1, 0, 0, "y", np.arange(4), none)]
+    tova = view_of([unscored[0], StepEvent(1, 0, 0, "y", np.arange(4), np.array([4]),
+                                           utility=np.arange(4, dtype=np.float32))])
+    assert tova.step_detail_figure(0).layout.title.text.endswith("<sup>nothing scored by this step: the first "
+                                                                 "score is at step 1</sup>")
+    assert view_of(unscored, interval=128).step_detail_figure(1).layout.title.text.endswith(
+        "<sup>no checkpoint by this step: this policy scores entries at its checkpoints only</sup>")
+    assert view_of(unscored).step_detail_figure(1).layout.title.text.endswith(
+        "<sup>this policy keeps no per-entry score: it decides by position</sup>")
+
+
 def test_scrubbed_step_line_lies_inside_the_step_axes_at_the_last_step():
     """The scrubbed-step line at the last step was drawn on the plot's right edge (the axis autoranged to
     end there) and half of it was cut: every step axis that carries it ends half a step past the run."""

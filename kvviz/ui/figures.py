@@ -297,6 +297,13 @@ class RunView:
             unscored = len(utility) - len(finite)
             if unscored:
                 notes.append(f"{unscored} kept entries with no finite score not drawn")
+            if len(finite) > 1 and len(set(finite.values())) == 1:  # one flat row of dots that explains nothing
+                index = min(step, self.steps - 1)
+                later = next((e.step for e in self.events[index + 1:] if e.raw is not None), None)
+                scored = any(e.raw is not None for e in self.events[:index + 1])
+                notes.append(f"every entry's utility is {next(iter(finite.values())):.3g}" + (
+                    ": nothing has told them apart yet" if scored else ": none scored yet"
+                    + (f" (the first scoring is at step {later})" if later is not None else "")))
         elif event.raw is not None:
             utility, rank, y, label = {}, {}, list(event.raw), "raw score of this step"
         else:
@@ -324,8 +331,15 @@ class RunView:
         if log:  # decades only, as powers of ten ("100μ" read as a unit)
             fig.update_yaxes(type="log", dtick=1, exponentformat="power")
         if label is None:  # a strip of what is present and what goes: there is no score to put on an axis
-            fig.update_layout(title=f"Step {event.step}: the entries present (● kept, × evicted now)<br><sup>this "
-                                    "policy keeps no per-entry score: it decides by position</sup>",
+            # TOVA at the prefill, or AvoKV-E before its first checkpoint, read as "decides by position"
+            scored = [e.step for e in self.events if e.utility is not None or e.raw is not None]
+            later = next((scored_step for scored_step in scored if scored_step > event.step), None)
+            why = (f"nothing scored by this step: the first score is at step {later}" if later is not None else
+                   "nothing scored at this step" if scored else
+                   "no checkpoint by this step: this policy scores entries at its checkpoints only"
+                   if self.interval is not None else "this policy keeps no per-entry score: it decides by position")
+            fig.update_layout(title=f"Step {event.step}: the entries present (● kept, × evicted now)<br><sup>"
+                                    f"{why}</sup>",
                               xaxis_title="absolute position", yaxis_visible=False, height=200,
                               margin=dict(l=50, r=20, t=60, b=40))
             return fig
