@@ -584,20 +584,18 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
     assert clicked[0]  # the click had come while the stopped comparison showed itself
 
 
-def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_px(tmp_path):
+def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_px(page, tmp_path):
     """Drawn by Plotly in Chromium at 900 px, as a narrow window shows the Results tab: each figure's title
     and notes end above its first panel title, no two panel titles overlap, and nothing runs past the figure's
     edges (seven notes reached the first panel titles; three models' names in a panel title ran off the left;
     one-line panel titles ran into each other)."""
-    from playwright.sync_api import sync_playwright
-
     from kvviz.store import Store
     from kvviz.ui.results import ALL, SECTIONS, query
 
     figures = dict(zip(SECTIONS, query(Store(), ALL, ALL, [], ALL)[0::3]))
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 900, "height": 800})
+    # a page of its own beside the app's, which the other tests go on using
+    page = page.context.browser.new_page(viewport={"width": 900, "height": 800})
+    try:
         for section in ("Quality vs compression", "Paired differences", "Measured vs paper", "Refresh interval"):
             path = tmp_path / "figure.html"
             figures[section].update_layout(width=900).write_html(path, include_plotlyjs=True)
@@ -619,4 +617,5 @@ def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_p
                     apart = (first["right"] <= second["left"] or second["right"] <= first["left"]
                              or first["bottom"] <= second["top"] or second["bottom"] <= first["top"])
                     assert apart, (section, first, second)
-        browser.close()
+    finally:
+        page.close()

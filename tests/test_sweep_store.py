@@ -1574,3 +1574,46 @@ def test_the_quality_note_names_the_tasks_where_the_shipped_sweeps_put_avokv_nea
     assert "needle_grid" in QUALITY_NOTE and "the needle tasks" not in QUALITY_NOTE
     others = means.needle_grid.drop(["avokv", "full"]).dropna()
     assert means.loc["avokv", "needle_grid"] >= others.median()
+
+
+def test_the_quality_figure_names_tasks_the_full_cache_itself_fails(tmp_path):
+    """A policy over the full cache's dotted line reads as better than no eviction; where the full cache scores
+    under the floor (the model cannot do the task), the note says so, naming the task and its score."""
+    from kvviz.store import FULL_CACHE_FLOOR
+    from kvviz.ui.results import SECTIONS, query
+
+    rows = [{"source": "measured", "model": "m", "task": task, "policy": policy, "compression": 0.5, "params": {},
+             "metric": "string_match", "score": score, "sample": sample}
+            for task, full in (("hard", 0.0), ("easy", 1.0)) for sample in range(2)
+            for policy, score in (("full", full), ("tova", 0.5))]
+    write_rows(tmp_path / "sweep", rows)
+    figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[3 * SECTIONS.index("Quality vs compression")]
+    assert (f"<sup>full cache under {FULL_CACHE_FLOOR:g} (the model fails these even unevicted):</sup>"
+            "<br><sup>hard 0.000 (a policy above it there is noise" in figure.layout.title.text)
+    assert "easy 1.000" not in figure.layout.title.text
+
+
+def test_coinciding_points_of_a_few_policies_are_drawn_apart_on_x():
+    """tova and AvoKV-E both at 0.063 on B=80 showed as one marker.  Two points at one cut with one value go
+    DODGE of the axis's span either side of it; a point alone, the full cache and a cluster larger than
+    DODGE_MOST stay put."""
+    from kvviz.ui.results import DODGE, DODGE_MOST, _dodge, _on_cut_axes
+
+    rows = [("tova", 80, 0.0625), ("avokv", 80, 0.0625), ("inertia", 80, 0.1875), ("tova", 112, 0.0),
+            ("inertia", 112, 0.5), ("full", None, 0.0625)]
+    rows += [(f"p{i}", 96, 0.0) for i in range(DODGE_MOST + 1)]
+    frame = pd.DataFrame([{"source": "measured", "model": "m", "task": "t", "policy": policy, "compression": None,
+                           "absolute_budget": budget, "score": score} for policy, budget, score in rows])
+    frame = _on_cut_axes(frame)
+    offsets = _dodge(frame, "score")
+    moved = dict(zip(frame.policy + "@" + frame.position.astype(str), offsets))
+    step = DODGE * (112 - 80)
+    assert moved["tova@80.0"] == pytest.approx(-step / 2) and moved["avokv@80.0"] == pytest.approx(step / 2)
+    assert moved["inertia@80.0"] == moved["tova@112.0"] == moved["inertia@112.0"] == 0
+    assert (offsets[frame.policy == "full"] == 0).all() and (offsets[frame.policy.str.startswith("p")] == 0).all()
+    # drawn there, and the title says so
+    from kvviz.ui.results import _line_figure
+
+    figure = _line_figure(frame.drop(columns=["axis", "position"]), "compression", "score", "Q (x)", "ρ", "score")
+    assert {trace.name: list(trace.x) for trace in figure.data}["avokv"] == [pytest.approx(80 + step / 2)]
+    assert "nudged apart on x" in figure.layout.title.text

@@ -447,8 +447,12 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
     """
     cuts = [c for c in ("compression", "absolute_budget") if c in frame]
     reference = x == "compression"  # the full cache is then a flat line across each panel
+    offsets = pd.Series(0.0, index=frame.index)
     if reference:
         frame, x, cuts = _on_cut_axes(frame), "position", []
+        offsets = _dodge(frame, y)
+        if offsets.ne(0).any():
+            notes = [*notes, "points of several policies that coincide are nudged apart on x around their cut"]
     fig, panels = _facets(frame, title, ylabel, notes=notes)
     line_cols = [c for c in ("policy",) if c in frame] + cuts
     palette = {}  # lines that are not a single policy (α sensitivity: one per ρ) share colours across panels
@@ -466,7 +470,7 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             colour = colour or palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
             paper = part["source"].iloc[0] == "paper"
             dash = "dash" if paper else "solid"
-            xs, ys = part[x], part[y]
+            xs, ys = part[x] + offsets[part.index], part[y]
             stderr = part["stderr"] if "stderr" in part and not paper else pd.Series(np.nan, index=part.index)
             where = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)] if reference \
                 else [f"{xlabel} = {position:g}" for position in xs]
@@ -493,6 +497,30 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             _readable_range(fig, panel[y], row, col)
     _axis_titles(fig, panels, xlabel)
     return fig
+
+
+DODGE = 0.025  # of an axis's span: how far apart on x coinciding points are drawn (a marker's width)
+DODGE_MOST = 4  # a larger cluster (every policy at 0 at ρ = 0.95) would spread past the cut: left as it is
+
+
+def _dodge(frame: pd.DataFrame, y: str) -> pd.Series:
+    """Per row of ``frame`` (placed by :func:`_on_cut_axes`), an x offset that draws apart the points of
+    several lines at one cut with the same value (to 3 decimals) in one panel: tova, AvoKV-E and its
+    interval-16 setting all at 0.063 on B=80 showed as one marker.  Points that stand alone, and clusters of
+    more than DODGE_MOST, stay where they are; the full cache, a line across the panel, is never moved.  The step is DODGE of the span of the
+    axis the panel shares (source and kind of cut), or of the cut itself where that axis holds one."""
+    offsets = pd.Series(0.0, index=frame.index)
+    if frame.empty:
+        return offsets
+    facets = [c for c in (*FACETS, "axis") if c in frame]
+    moving = frame[frame.policy != "full"] if "policy" in frame else frame
+    for _, axis in moving.groupby([c for c in ("source", "axis") if c in frame], dropna=False):
+        span = axis.position.max() - axis.position.min()
+        for _, group in axis.assign(value=axis[y].round(3)).groupby([*facets, "position", "value"], dropna=False):
+            if 1 < len(group) <= DODGE_MOST:
+                step = DODGE * (span or abs(group.position.iloc[0]) or 1.0)
+                offsets[group.index] = step * (np.arange(len(group)) - (len(group) - 1) / 2)
+    return offsets
 
 
 def _readable_range(fig: go.Figure, values: pd.Series, row: int, col: int) -> None:
@@ -918,6 +946,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     speed = store.speed_vs_quality(task, model, policies, settings=settings, sweeps=sweeps)
     # One nominal B is not one memory size: the quality and paired figures name the cells that held well over it
     quality_notes = [] if source == "paper" else _note_lines(held_over_note(speed))
+    quality_notes += _note_lines(weak_full_cache_note(quality))
     hidden = store.other_settings(task, model, policies, source, sweeps) if not settings else pd.DataFrame()
     if len(hidden):  # as `kvviz results` says under a table: a policy run only at interval 16 is otherwise unseen
         names = setting_names(hidden.policy, hidden.setting)
@@ -967,6 +996,20 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     for figure, frame, name in figures:
         out += [figure, frame.round(4), gr.update(value=_csv(frame, name))]  # the CSV keeps full precision
     return tuple(out)
+
+
+def weak_full_cache_note(quality: pd.DataFrame) -> str:
+    """The measured tasks on which the full cache itself scores under FULL_CACHE_FLOOR, named with its score
+    (empty where none): there a policy above the dotted line is noise, not better than keeping everything --
+    SmolLM2-135M solves none of 16 greedy arithmetic problems, and evicting policies scored above that."""
+    full = quality[(quality.policy == "full") & (quality.source == "measured")] if len(quality) else quality
+    weak = full[full.score < FULL_CACHE_FLOOR].sort_values(["model", "task"])
+    if weak.empty:
+        return ""
+    tasks = "; ".join(f"{row.task} {row.score:.3f}" + (f" ({row.model})" if full.model.nunique() > 1 else "")
+                      for row in weak.itertuples())
+    return (f"full cache under {FULL_CACHE_FLOOR:g} (the model fails these even unevicted): {tasks} (a policy "
+            "above it there is noise, not better than no eviction)")
 
 
 def _draws_note(frame: pd.DataFrame) -> str:
