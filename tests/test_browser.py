@@ -124,6 +124,15 @@ def test_run_watch_scrub(page):
     page.get_by_label("Follow tokens").fill("passkey")
     page.wait_for_function(history % "Token history: 'passkey'", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "live-scrubbed.png"), full_page=True)
+    # No plot's label chip lies over its title (the heatmaps' and the token history's hang from the top)
+    overlaps = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].flatMap(plot => {
+        const block = plot.closest('.block'), title = plot.querySelector('.gtitle');
+        const chip = block && block.querySelector('[data-testid="block-label"]');
+        if (!chip || !title || !chip.offsetParent) return [];
+        const a = chip.getBoundingClientRect(), b = title.getBoundingClientRect();
+        const apart = a.right <= b.left || b.right <= a.left || a.bottom <= b.top || b.bottom <= a.top;
+        return apart ? [] : [title.textContent]; })""")
+    assert overlaps == []
     # A step typed as a fraction shows its whole step, and the box then says which.
     step_box = page.get_by_label("Scrub to step", exact=False).locator("xpath=..").locator("input[type=number]")
     step_box.first.fill("7.5")

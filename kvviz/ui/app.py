@@ -1892,8 +1892,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 with gr.Column(scale=2):
                     text = gr.Textbox(label="Generated text", lines=5)
                     stats = gr.Markdown()
-                    retention = gr.Plot(label="Retention")
-                    ranks = gr.Plot(label="Utility rank")
+                    # no label chip: it lay over the titles hung from the top, which name each plot anyway
+                    retention = gr.Plot(label="Retention", show_label=False)
+                    ranks = gr.Plot(label="Utility rank", show_label=False)
                     step_slider = TypedSlider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
                     detail = gr.Plot(label="Step detail")
                     with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV, LazyEviction)",
@@ -1904,7 +1905,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     follow = gr.Textbox(label="Follow tokens", elem_id="live-follow",
                                         placeholder="text to find (e.g. 7342519) or positions (#12, #40-45); "
                                         "empty: the entries at the eviction boundary at the scrubbed step")
-                    history = gr.Plot(label="Token history")
+                    history = gr.Plot(label="Token history", show_label=False)  # its title names it
                     fate = gr.HTML(label="Tokens by fate")
                     timeline = gr.Plot(label="Per step")
                     with gr.Row():
