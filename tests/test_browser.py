@@ -90,6 +90,17 @@ def wait_for_a_run_to_its_end(page, tokens: int) -> None:
                            "!document.body.innerText.includes('stopped ·')", timeout=60_000)
 
 
+def titles_under_chips(page) -> list[str]:
+    """The titles of the plots shown whose label chip (Gradio's, top left of the block) lies over them."""
+    return page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].flatMap(plot => {
+        const block = plot.closest('.block'), title = plot.querySelector('.gtitle');
+        const chip = block && block.querySelector('[data-testid="block-label"]');
+        if (!chip || !title || !chip.offsetParent || !plot.offsetParent) return [];
+        const a = chip.getBoundingClientRect(), b = title.getBoundingClientRect();
+        const apart = a.right <= b.left || b.right <= a.left || a.bottom <= b.top || b.bottom <= a.top;
+        return apart ? [] : [title.textContent]; })""")
+
+
 def test_run_watch_scrub(page):
     set_inputs(page, 48)
     page.locator("#live-run").click()
@@ -125,14 +136,7 @@ def test_run_watch_scrub(page):
     page.wait_for_function(history % "Token history: 'passkey'", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "live-scrubbed.png"), full_page=True)
     # No plot's label chip lies over its title (the heatmaps' and the token history's hang from the top)
-    overlaps = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].flatMap(plot => {
-        const block = plot.closest('.block'), title = plot.querySelector('.gtitle');
-        const chip = block && block.querySelector('[data-testid="block-label"]');
-        if (!chip || !title || !chip.offsetParent) return [];
-        const a = chip.getBoundingClientRect(), b = title.getBoundingClientRect();
-        const apart = a.right <= b.left || b.right <= a.left || a.bottom <= b.top || b.bottom <= a.top;
-        return apart ? [] : [title.textContent]; })""")
-    assert overlaps == []
+    assert titles_under_chips(page) == []
     # A step typed as a fraction shows its whole step, and the box then says which.
     step_box = page.get_by_label("Scrub to step", exact=False).locator("xpath=..").locator("input[type=number]")
     step_box.first.fill("7.5")
@@ -327,6 +331,7 @@ def test_results_tab_shows_figures_and_filters(page):
         "p.data.every(t => t.line.dash !== 'solid'); }",
         timeout=30_000)  # one source left: named once in the title, every line a paper's (dashed)
     page.screenshot(path=str(ARTIFACTS / "results-tab.png"), full_page=True)
+    assert titles_under_chips(page) == []
 
 
 def test_a_saved_trace_opens_into_the_live_views(page, tmp_path):
@@ -472,6 +477,7 @@ def test_the_scorer_spectrum_runs_at_the_middle_layer_when_layer_is_left_empty(p
     page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot .legendtext')]"
                            ".some(e => e.textContent === 'layer 1')", timeout=30_000)
     page.screenshot(path=ARTIFACTS / "compare-spectrum.png", full_page=False)
+    assert titles_under_chips(page) == []
 
 
 def test_a_spectrum_of_an_earlier_prompt_is_marked_until_the_prompt_is_back(page):
@@ -508,6 +514,7 @@ def test_a_typed_setting_compares_one_policy_at_two_values(page):
     page.get_by_text("inertia alpha=0.3 vs inertia", exact=False).wait_for(timeout=60_000)  # its divergence line
     page.locator("a[download='comparison.zip']").wait_for(timeout=60_000)  # every run's trace, to download
     page.screenshot(path=ARTIFACTS / "compare-settings.png", full_page=True)
+    assert titles_under_chips(page) == []
     # A comparison from the papers fills the box with its settings.
     page.get_by_label("Comparisons from the papers").click()
     page.get_by_role("option", name="EMA strength α", exact=False).click()
