@@ -112,7 +112,8 @@ def protection_note(policies: dict[str, Policy], prompt_len: int, step: int) -> 
     for name, policy in policies.items():
         budget = scoring_budget(policy, prompt_len, step)
         sinks, tail = policy.pinned(budget)
-        kept = [f"the first {sinks}"] * bool(sinks) + [f"the newest {tail}"] * bool(tail)
+        # the newest of them is the step's own entry, never a candidate: tail - 1 probed entries
+        kept = [f"the first {sinks}"] * bool(sinks) + [f"the newest {tail} (the step's own among them)"] * bool(tail)
         if kept:
             parts.append(f"{name} {' and '.join(kept)} (B = {budget})")
     if not parts:
@@ -140,7 +141,17 @@ def policy_utility_at(model, tokenizer, prompt_ids: list[int], policy: Policy,
         if event.step == step and event.components:  # aligned with event.present = 0 .. P (the new entry last)
             terms = {name: values[:prefix_len] for name, values in event.components.items()}
     utility = policy.utility(torch.arange(prefix_len))
-    return (None if utility is None else utility.float().numpy()), terms
+    if utility is None:
+        return None, terms
+    # What the policy never evicts at this budget it never judges, whatever score it keeps for it: H2O ranks
+    # its recent window by accumulated attention, which would count among its calls (+inf: not judged, as
+    # the checkpointed policies mark their tails).  The step's own entry, at prefix_len, is the newest.
+    utility = utility.float().numpy().copy()
+    sinks, tail = policy.pinned(budget)
+    utility[:sinks] = np.inf
+    if tail:
+        utility[max(prefix_len + 1 - tail, 0):] = np.inf
+    return utility, terms
 
 
 def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: str = "step",

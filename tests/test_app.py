@@ -1376,7 +1376,10 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     table, note, _ = handler(TINY, PROMPT * 2, ["tova", "h2o"], False, 3, 0)
     budget = len(kvviz.engine.encode_prompt(kvviz.load_model(TINY)[1], PROMPT * 2, chat=False)) + 3  # P + 1
     assert f"Scored with the cache whole, so settings that follow B are those of a B that large; never judged: " \
-           f"h2o the newest {int(0.5 * budget)} (B = {budget})" in note
+           f"h2o the newest {int(0.5 * budget)} (the step's own among them) (B = {budget})" in note
+    # and it is not ranked there: H2O's window is +inf (not judged), not its accumulated attention
+    entries = int(note.split(" entries probed")[0])
+    assert f"Ranked over the {entries - int(0.5 * budget) + 1} entries every policy judged" in note
 
 
 def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypatch):

@@ -751,7 +751,8 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     out = capsys.readouterr().out
     assert f"ranked over the {newest - 35} entries every policy judged (35 left out" in out
     # why 32: AvoKV-E is scored at a checkpoint with B = the cache less one, under 768, and says so
-    assert f"never judged: avokv the first 4 and the newest 32 (B = {newest}) (set one as a parameter" in out
+    assert f"never judged: avokv the first 4 and the newest 32 (the step's own among them) (B = {newest}) (set one " \
+           "as a parameter" in out
     # k is the top damage decile of those ranked entries (np.quantile's 90th percentile, ties included)
     ranked = np.array(report["damage"])[report["ranked"]]
     k = int((ranked >= np.quantile(ranked, 0.9)).sum())

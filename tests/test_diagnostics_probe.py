@@ -480,6 +480,24 @@ def test_probe_records_avokvs_ranks_at_the_step_and_none_for_its_protected_tail(
     assert set(terms) >= {"p", "r", "b", "N(p)", "N(r)", "N(b)", "S"}
 
 
+def test_probe_leaves_h2os_recent_window_unjudged(tiny, tiny_prompt):
+    """H2O never evicts its newest recent * B entries but keeps an accumulated score for them: ranked, they
+    counted among its calls.  At the probe's budget B = P + step (the cache at the step, whole) the newest
+    int(0.5 B) are +inf, the step's own entry among them, so int(0.5 B) - 1 of the candidates."""
+    from kvviz.probe import aligned_quality
+
+    model, tokenizer = tiny
+    step = 3
+    result = probe(model, tokenizer, tiny_prompt, step, policies={"h2o": kvviz.make_policy("h2o"),
+                                                                  "tova": kvviz.make_policy("tova")}, future=2)
+    budget = len(tiny_prompt) + step
+    window = int(0.5 * budget)
+    utility = result.utilities["h2o"]
+    assert np.isposinf(utility).tolist() == [False] * (len(utility) - window + 1) + [True] * (window - 1)
+    _, aligned = aligned_quality(result.utilities, result.damage)
+    assert aligned.sum() == len(utility) - window + 1
+
+
 def lag_events(columns: dict[int, list[float]], prompt_len: int, steps: int) -> list[StepEvent]:
     """Steps 1..steps keeping everything; the query of step k sits at position prompt_len + k - 1, and the
     j-th query after position p (j = 1, 2, ...) gives it the attention columns[p][j - 1], 0.01 elsewhere."""
