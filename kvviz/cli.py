@@ -93,6 +93,7 @@ def cmd_generate(args) -> int:
     from . import engine
     from .models import load_model
     from .policies import make_policy
+    from .policies.base import BudgetTooSmall
     from .trace import Trace, checkpoint_note, model_dtype, time_split
 
     _validate_generate(args)
@@ -105,6 +106,12 @@ def cmd_generate(args) -> int:
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     engine.check_prompt(model, prompt_ids, args.max_new_tokens)
     budget = _generate_budget(args, len(prompt_ids), compression)
+    if compression is not None:  # a policy's refusal of the budget, told as the --compression to give
+        try:
+            policy.reset(len(prompt_ids), budget, model.config.num_hidden_layers)
+        except BudgetTooSmall as error:
+            raise ValueError(engine.at_compression(error, compression, len(prompt_ids), option="--compression",
+                                                   given=_compression_given(args, compression))) from None
     if args.static:
         return _generate_static(args, model, tokenizer, prompt_ids, policy, budget)
 
@@ -172,11 +179,16 @@ def _generate_budget(args, prompt_len: int, compression: float | None) -> int:
         if compression is None:
             raise
     most = engine.largest_compression(prompt_len, 1) or 0.0
-    given = f"--compression {compression:g}" if args.compression is not None else \
-        f"the default --compression {compression:g} (used when neither --compression nor --budget is given)"
+    given = _compression_given(args, compression)
     lower = f"--compression {most:g} or lower" if most > 0 else "--compression 0"
     raise ValueError(f"{given} leaves no cache for a {prompt_len}-token prompt; give {lower}, a --budget in tokens, "
                      "or a longer prompt")
+
+
+def _compression_given(args, compression: float) -> str:
+    """How ``generate`` was given its compression, for a refusal: typed, or the default nobody typed."""
+    return f"--compression {compression:g}" if args.compression is not None else \
+        f"the default --compression {compression:g} (used when neither --compression nor --budget is given)"
 
 
 def _generate_static(args, model, tokenizer, prompt_ids, policy, budget) -> int:

@@ -62,14 +62,16 @@ def largest_compression(prompt_len: int, entries: int) -> float | None:
     return max(step / 100 for step in range(100) if compressed(prompt_len, step / 100) >= entries)
 
 
-def at_compression(error: BudgetTooSmall, compression: float, prompt_len: int) -> str:
+def at_compression(error: BudgetTooSmall, compression: float, prompt_len: int, *, given: str | None = None,
+                   option: str = "the compression") -> str:
     """``error``'s refusal told in terms of the compression that set its budget: a message that said "raise the
-    budget above 36" to someone who set no budget, only a compression, named a control they had not used."""
+    budget above 36" to someone who set no budget, only a compression, named a control they had not used.
+    ``given``: how the compression was given (default ``"compression 0.9"``); ``option``: what to lower."""
     most = largest_compression(prompt_len, error.reserved + 1)
-    fix = (f"lower the compression to {most:g} or less" if most is not None else
+    fix = (f"lower {option} to {most:g} or less" if most is not None else
            f"use a prompt of more than {error.reserved} tokens, or an absolute budget above {error.reserved}")
-    return (f"compression {compression:g} leaves a budget of {error.budget} of this {prompt_len}-token prompt, not more "
-            f"than {error.kept}: {fix} (or lower {error.shrink})")
+    return (f"{given or f'compression {compression:g}'} leaves a budget of {error.budget} of this {prompt_len}-token "
+            f"prompt, not more than {error.kept}: {fix} (or lower {error.shrink})")
 
 
 class EvictingCache(SlotCache):

@@ -142,6 +142,18 @@ def test_a_compression_that_leaves_no_cache_names_the_option_and_the_default(cap
     assert main(["generate", *TINY, *prompt, "--compression", "0.83", "--max-new-tokens", "1"]) == 0  # 1 entry
     assert main(["generate", *TINY, "--prompt", "H", "--no-chat", "--compression", "0.5"]) == 2
     assert "leaves no cache for a 1-token prompt; give --compression 0, a --budget" in capsys.readouterr().err
+    # A budget too small for the policy's protected entries, set by a compression: the --compression that works
+    prompt = ["--prompt", "x" * 56, "--no-chat", "--policy", "snapkv", "--max-new-tokens", "1"]
+    size = len(kvviz.engine.encode_prompt(kvviz.load_model(TINY[1])[1], "x" * 56, chat=False))
+    works = max(step / 100 for step in range(100) if int((1 - step / 100) * size + 1e-9) > 32)
+    assert main(["generate", *TINY, *prompt]) == 2
+    assert capsys.readouterr().err == (
+        "kvviz: error: the default --compression 0.9 (used when neither --compression nor --budget is given) leaves "
+        f"a budget of {int(0.1 * size + 1e-9)} of this {size}-token prompt, not more than SnapKV's observation window "
+        f"of 32 tokens: lower --compression to {works:g} or less (or lower window)\n")
+    assert main(["generate", *TINY, *prompt, "--compression", str(works)]) == 0
+    assert main(["generate", *TINY, *prompt, "--budget", "32"]) == 2
+    assert capsys.readouterr().err.endswith("raise the budget above 32 (or lower window)\n")
 
 
 def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path, capsys):
