@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvviz
 from kvviz.bench import sweep
 from kvviz.cli import main
 
@@ -606,3 +607,25 @@ def test_a_bad_line_in_the_rows_names_the_file_and_changes_nothing(tmp_path, cap
         assert main(["bench", "run", str(config), "--out", str(out), *extra]) == 2
         assert capsys.readouterr().err == f"kvviz: error: {rows} {problem}\n"
         assert rows.read_bytes() == damaged
+
+
+def test_a_checkpointed_cell_that_would_reach_no_checkpoint_is_refused_before_anything_decodes(tmp_path, tiny):
+    """AvoKV-E at B = 64 on a 156-token prompt with 6 new tokens: its first checkpoint (once the cache passes
+    B + 127) would come at step 36, after the last decode step (5), and the row would be the full cache's under
+    AvoKV-E's name.  The sweep refuses it, saying what would reach one; with interval 4, the first checkpoint is
+    at step 1 and it runs."""
+    model, tokenizer = tiny
+    config = {"name": "t", "max_new_tokens": 6, "budget": [64], "policies": ["avokv", "tova"],
+              "tasks": [{"name": "arithmetic_reasoning", "samples": 1}]}
+    prompt_len = len(kvviz.engine.encode_prompt(tokenizer, sweep.make_sample(
+        config["tasks"][0], tokenizer, 0, 0, True).prompt, chat=True))
+    first = 64 + 127 - prompt_len + 1  # the cache holds prompt_len + k at step k: over 64 + 127 from this step
+    with pytest.raises(ValueError, match=rf"avokv at budget 64 on arithmetic_reasoning \(1 sample\(s\), first sample "
+                                         rf"0: {prompt_len} tokens, budget 64: its first checkpoint would be at step "
+                                         rf"{first}, after the last decode step \(5\), so nothing would be decoded "
+                                         rf"from a cache it cut and the row would be the full cache's: raise "
+                                         rf"max_new_tokens to at least {first + 2}, or lower its interval\)"):
+        sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False)
+    assert not (tmp_path / "rows.jsonl").exists() or not (tmp_path / "rows.jsonl").read_text()
+    config["policies"][0] = {"name": "avokv", "params": {"interval": 4}}
+    assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 2  # avokv, tova

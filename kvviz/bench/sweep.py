@@ -777,10 +777,12 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
             budget, error = _budget_refusal(cell.policy, cell.params, len(prompt_ids), cell.compression,
                                             model.config.num_hidden_layers, budget=cell.budget)
             if not error:  # what the policy needs of this model and prompt (Expected Attention's RoPE, KVzip's pass)
+                policy = make_policy(cell.policy, **dict(cell.params))
                 try:
-                    engine.check_policy(model, tokenizer, prompt_ids, make_policy(cell.policy, **dict(cell.params)))
+                    engine.check_policy(model, tokenizer, prompt_ids, policy)
                 except ValueError as refusal:
                     error = str(refusal)
+                error = error or _no_checkpoint(policy, len(prompt_ids), budget, max_new)
             if error:
                 refused.setdefault((cell.policy, cell.params, label, cell.compression, cell.budget), []).append(
                     f"sample {sample_index}: {len(prompt_ids)} tokens, budget {budget}: {error}")
@@ -795,6 +797,23 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
     return [f"sweep config {source}: budget {tokens} is more than any cache here holds (at most {largest} entries: "
             f"the longest prompt, {longest} tokens, + max_new_tokens {max_new} - 1), so its cells run as the full "
             "cache" for tokens in sorted({cell.budget for cell in todo if cell.budget is not None}) if tokens > largest]
+
+
+def _no_checkpoint(policy, prompt_len: int, budget: int, max_new: int) -> str | None:
+    """Why a checkpointed policy's cell (AvoKV-E, R-KV, LazyEviction) would decode nothing from a cache it cut
+    -- its first checkpoint at or past the last decode step, so the row would be the full cache's under the
+    policy's name -- or None.  A budget that no cache of the cell reaches is the warning's case instead."""
+    from ..policies.checkpointed import CheckpointPolicy
+
+    last = max_new - 1  # the last token is generated, never fed back
+    if not isinstance(policy, CheckpointPolicy) or budget >= prompt_len + last:
+        return None
+    first = policy.first_checkpoint(prompt_len, budget)
+    if first < last:
+        return None
+    return (f"its first checkpoint would be at step {first}, {'after' if first > last else 'at'} the last decode step "
+            f"({last}), so nothing would be decoded from a cache it cut and the row would be the full cache's: raise "
+            f"max_new_tokens to at least {first + 2}, or lower its interval")
 
 
 def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: list[Cell], model, tokenizer,
