@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -215,6 +216,9 @@ def attach(model, policy: str | Policy = "inertia", *, budget: int | None = None
         finally:
             cache.close_step()
             scoring.set_active_sink(None)
+        if cache.step < 0:  # generate() made a cache of its own: it ran unevicted, and nothing said so
+            warnings.warn(f"kvviz.attach: the cache saw no forward pass, so nothing was evicted; pass it to "
+                          f"model.generate as {cache_kwarg(model)}=cache", stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

@@ -76,6 +76,25 @@ def test_physical_eviction_equals_masked_full_cache(tiny, tiny_prompt, policy):
     assert result.token_ids != generate_ids(model, tiny_prompt, 40)
 
 
+def test_attach_warns_when_generate_was_not_given_its_cache(tiny, tiny_prompt):
+    """model.generate without the cache makes one of its own and runs unevicted; attach said nothing, and an
+    empty cache.events read as a run that evicted nothing.  It warns, naming the argument; with it, no warning."""
+    import warnings
+
+    model, _ = tiny
+    with pytest.warns(UserWarning, match=f"the cache saw no forward pass, so nothing was evicted; pass it to "
+                                         f"model.generate as {kvviz.engine.cache_kwarg(model)}=cache"):
+        with kvviz.attach(model, "inertia", compression=0.5) as cache:
+            model.generate(torch.tensor([tiny_prompt]), max_new_tokens=2, do_sample=False)
+    assert cache.events == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with kvviz.attach(model, "inertia", compression=0.5) as cache:
+            model.generate(torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=2,
+                           do_sample=False)
+    assert len(cache.events) == 2
+
+
 @pytest.mark.parametrize("family", [f for f in kvviz.models.SUPPORTED_TYPES if f != "llama"])
 def test_physical_eviction_equals_masked_full_cache_on_every_family(family, tiny_prompt):
     """Mixtures of experts, fused QKV (Phi-3), norms after attention (OLMo-2), Granite's multipliers, Gemma's
