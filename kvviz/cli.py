@@ -298,14 +298,19 @@ def cmd_probe(args) -> int:
     width = max([20, *(len(name) + 2 for name in quality)])  # expected-attention-decode is 25 characters
     print(f"{'policy':<{width}}{'AUROC':>8}{'p':>8}{'AP':>8}{'top-k rec':>11}{'false-safe':>12}{'Spearman':>10}")
     for name, q in sorted(quality.items(), key=lambda item: -np.nan_to_num(item[1]["auroc"])):
-        print(f"{name:<{width}}{q['auroc']:>8.3f}{q['auroc_p']:>8.3f}{q['average_precision']:>8.3f}"
+        p_value = "<0.001" if q["auroc_p"] < 0.001 else f"{q['auroc_p']:.3f}"  # 0.000 read as certainty
+        print(f"{name:<{width}}{q['auroc']:>8.3f}{p_value:>8}{q['average_precision']:>8.3f}"
               f"{q['topk_recall']:>11.3f}{q['false_safe_rate']:>12.3f}{q['spearman']:>10.3f}")
     if quality:  # what the columns measure, with this probe's own k
         k = int(probe.top_decile(result.damage[aligned]).sum())
         print(f"(label: the top decile of damage, k = {k} of {int(aligned.sum())} entries; p: the AUROC against "
-              "chance (0.5), two-sided Mann-Whitney, large with few high-damage entries; top-k rec: the share of "
-              "them in a policy's own k highest utilities; false-safe: the share of them in its k lowest, the "
-              "first it would evict)")
+              "chance (0.5), two-sided Mann-Whitney, exact and counting ties, large with few high-damage entries; "
+              "top-k rec: the share of them in a policy's own k highest utilities; false-safe: the share of them "
+              "in its k lowest, the first it would evict)")
+        tied = probe.tied_rankings({name: result.utilities[name] for name in quality}, aligned)
+        if tied:
+            print("(mostly one tied score: " + ", ".join(f"{name} ({share:.0%})" for name, share in tied.items())
+                  + " of the ranked entries share it, so that AUROC comes largely from ties' half credit)")
     skipped = sorted(set(names) - set(quality))
     if skipped:
         print(f"(no per-entry utility to rank: {', '.join(skipped)})")

@@ -288,6 +288,17 @@ def largest_tie(scores: np.ndarray) -> float:
     return float(counts.max() / counts.sum()) if counts.size else float("nan")
 
 
+MOSTLY_TIED = 0.8  # a ranking whose most common score holds this share of the entries is named as mostly ties
+
+
+def tied_rankings(utilities: dict[str, np.ndarray], aligned: np.ndarray | None) -> dict[str, float]:
+    """The policies whose utility over the ranked entries (``aligned``; all where None) is mostly one tied
+    score (LazyEviction before entries recur: all 0), with that score's share: their AUROC comes largely
+    from ties' half credit, which the reader should know (the p-value already counts the ties)."""
+    shares = {name: largest_tie(utility if aligned is None else utility[aligned]) for name, utility in utilities.items()}
+    return {name: share for name, share in shares.items() if share >= MOSTLY_TIED}
+
+
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
     """Mean of the precision at each positive, ranking by score descending (ties: stable order)."""
     labels = np.asarray(labels, dtype=bool)

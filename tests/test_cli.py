@@ -772,8 +772,10 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     # each row is the JSON's ranking, false-safe rate included (the share of the k in its k lowest utilities)
     for name, quality in report["ranking"].items():
         row = next(line for line in out.splitlines() if line.startswith(name + " ")).split()
-        assert row[1:] == [f"{quality[key]:.3f}" for key in ("auroc", "auroc_p", "average_precision", "topk_recall",
-                                                              "false_safe_rate", "spearman")]
+        p_value = "<0.001" if quality["auroc_p"] < 0.001 else f"{quality['auroc_p']:.3f}"  # not "0.000"
+        assert row[1:] == [f"{quality[key]:.3f}" if key != "auroc_p" else p_value
+                           for key in ("auroc", "auroc_p", "average_precision", "topk_recall", "false_safe_rate",
+                                       "spearman")]
         assert 0 <= quality["auroc_p"] <= 1
     assert main([*args[:-1], "tova", "--json"]) == 0  # one policy that judges everything: nothing left out
     assert json.loads(capsys.readouterr().out)["ranked"] == list(range(newest))
@@ -781,6 +783,32 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
     assert main([*args[:-1], "tova,avokv delay=8", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ranked"] == list(range(4, newest - 7)) and set(report["ranking"]) == {"tova", "avokv delay=8"}
+
+
+def test_probe_names_a_ranking_that_is_mostly_one_tied_score_and_prints_small_p_values_as_such(capsys, monkeypatch):
+    """As the app does: TOVA's utility made all 0 but one entry reads as mostly one tied score, with its share;
+    a p-value under 0.001 prints as "<0.001", not as a certain "0.000"."""
+    import numpy as np
+
+    import kvviz.probe
+    from kvviz.cli import main
+
+    real = kvviz.probe.probe
+
+    def tova_all_tied(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.utilities["tova"] = np.where(np.arange(len(result.candidates)) == 0, 1.0, 0.0)
+        result.utilities["h2o"] = result.damage.copy()  # a perfect ranking of many entries: p far under 0.001
+        return result
+
+    monkeypatch.setattr(kvviz.probe, "probe", tova_all_tied)
+    assert main(["probe", *TINY, "--prompt", TEXT * 3, "--no-chat", "--step", "3", "--future", "2",
+                 "--policies", "tova,h2o"]) == 0
+    out = capsys.readouterr().out
+    entries = int(out.split("probe at step 3: ")[1].split()[0])  # all ranked: both judge every candidate
+    tova_share = (entries - 1) / entries
+    assert f"(mostly one tied score: tova ({tova_share:.0%}) of the ranked entries share it" in out
+    assert next(line for line in out.splitlines() if line.startswith("h2o ")).split()[2] == "<0.001"
 
 
 def test_a_sampled_runs_trace_says_how_it_decoded(tmp_path, capsys):

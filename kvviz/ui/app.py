@@ -1459,7 +1459,7 @@ def make_spectrum_handler(limits: Limits):
 
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import aligned_quality, blindspot_at, check_fits, largest_tie, probe, protection_note
+        from ..probe import aligned_quality, blindspot_at, check_fits, probe, protection_note, tied_rankings
 
         try:
             settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
@@ -1492,11 +1492,8 @@ def make_probe_handler(limits: Limits):
         inverted = [name for name, q in quality.items() if q.get("auroc", 0.5) < 0.5]
         below = [name for name in inverted if quality[name].get("auroc_p", 0.0) < 0.05]  # not chance either
         within = [name for name in inverted if name not in below]
-        # A ranking that is mostly one tied score (LazyEviction before entries recur: all 0) earns its AUROC
-        # from half-credit ties; the exact p-value allows for it, the reader should know too
-        ties = {name: largest_tie(utility[aligned] if aligned is not None else utility)
-                for name, utility in result.utilities.items() if name in quality}
-        tied = [f"{name} ({ties[name]:.0%})" for name in quality if ties[name] >= 0.8]
+        tied = [f"{name} ({share:.0%})" for name, share in tied_rankings(
+            {name: result.utilities[name] for name in quality}, aligned).items()]
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
                 f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
                 + (f" Ranked over the {int(aligned.sum())} entries every policy judged ({int((~aligned).sum())} left"
