@@ -454,8 +454,11 @@ def cmd_trace(args) -> int:
         if total:
             print(f"decode {len(steps) / total:.1f} tok/s {WITHOUT_PREFILL}: " + ", ".join(
                 f"{part} {value / total:.0%}" for part, value in seconds.items()))
-        for name, value in diagnostics.summary(trace).items():
+        values = diagnostics.summary(trace)
+        for name, value in values.items():
             print(f"{name.replace('_', ' '):<24}{'n/a' if np.isnan(value) else f'{value:.4f}'}")
+        if any(np.isnan(value) for value in values.values()):
+            print(f"({diagnostics.NOT_AVAILABLE})")
         decided = [e.step for e in trace.events if e.components]
         if decided:
             print(f"terms recorded at {len(decided)} decision(s), steps {', '.join(map(str, decided[:8]))}"

@@ -566,3 +566,24 @@ def test_which_policies_record_attention_comes_from_the_policy_not_a_list_of_nam
     assert not dx.scores_attention("nonexistent", {}) and not dx.scores_attention("tova", {"no_such": 1})
     monkeypatch.setitem(REGISTRY, "my-tova", PolicySpec("my-tova", TOVA, "My TOVA", "baseline", "TOVA again.", ""))
     assert dx.scores_attention("my-tova", {})
+
+
+def test_top_k_diagnostics_are_na_where_the_cache_never_held_more_than_k(tiny, tiny_prompt, tmp_path, capsys):
+    """README's read-lag run sets a budget of 100000 so that nothing is evicted: every step's raw top-k was the
+    whole cache, and the summary read raw/utility Jaccard 1.0 and a raw churn that was only growth.  Those are
+    n/a, the rank stabilities (Spearman over every entry) stay, and `kvviz trace` says why n/a."""
+    from kvviz.cli import main
+
+    model, tokenizer = tiny
+    trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=100_000, max_new_tokens=6).trace
+    values = dx.summary(trace)
+    for name in ("raw_churn", "utility_churn", "keep_turnover", "raw_utility_jaccard", "raw_top_evicted_rate",
+                 "first_keep_set_retained"):
+        assert np.isnan(values[name]), name
+    assert np.isfinite(values["raw_rank_stability"]) and np.isfinite(values["utility_rank_stability"])
+    # at k below the cache the same run has them: one fewer than the prompt
+    assert np.isfinite(dx.summary(trace, k=len(tiny_prompt) - 1)["raw_churn"])
+    trace.save(tmp_path / "whole.parquet")
+    assert main(["trace", str(tmp_path / "whole.parquet")]) == 0
+    out = capsys.readouterr().out
+    assert "raw utility jaccard     n/a" in out and "or the cache never held more than k entries" in out

@@ -545,10 +545,7 @@ def diagnostics_markdown(trace: Trace) -> str:
     # "value" into "valu / e"
     return ("Means over the run's steps (k = the budget B), but the first keep set's share retained, at the run's "
             "end:\n\n| diagnostic | value |\n|---|---:|\n" + rows +
-            "\n\n" + DIAGNOSTICS_NOTE + ("\n\n*n/a: this policy records no raw per-step score (or no utility) to "
-            "compare, or no two consecutive steps have one (for utility churn and keep turnover: no two of which "
-            "the later evicted; for the first keep set retained: no step evicted after the first that did).*"
-            if missing else ""))
+            "\n\n" + DIAGNOSTICS_NOTE + (f"\n\n*{diagnostics.NOT_AVAILABLE}*" if missing else ""))
 
 
 # Why two policies' utility churn can match while their rankings do not (README, "How it works").
