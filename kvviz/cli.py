@@ -151,6 +151,8 @@ def cmd_generate(args) -> int:
     else:
         # The full cache evicts nothing: a budget given with it (one command line for every policy) is not held.
         held = f"budget {budget}" if args.policy != "full" else "no eviction (full cache)"
+        if args.policy != "full" and not any(event.evicted.size for event in events):
+            held += " (never reached: nothing evicted)"  # a budget past the run, as a read-lag study sets
         # Two rates that differ by the prefill (2.2x on a 2k prompt): each says which it is, as `kvviz trace` does
         decode = summary["decode_tok_per_s"]
         print(f"\n\n-- prompt {summary['prompt_len']} tokens, {held}, final cache "
