@@ -70,8 +70,8 @@ def test_plain_output_streams_text_and_summary(tiny):
     assert proc.returncode == 0, proc.stderr
     assert "budget 20, final cache 20" in proc.stderr and "tok/s" in proc.stderr
     # a budget the run never reaches says so, beside a final cache under it
-    proc = kvviz_cli("generate", *TINY, "--prompt", TEXT, "--budget", "1000", "--max-new-tokens", "2")
-    assert "budget 1000 (never reached: nothing evicted), final cache" in proc.stderr
+    unreached = kvviz_cli("generate", *TINY, "--prompt", TEXT, "--budget", "1000", "--max-new-tokens", "2")
+    assert "budget 1000 (never reached: nothing evicted), final cache" in unreached.stderr
     model, tokenizer = tiny
     run = kvviz.run(model, tokenizer, TEXT, "inertia-lazy", budget=20, max_new_tokens=8)  # chat template on
     streamed = "".join(event.text for event in run.trace.events)  # each token as it comes, specials included
