@@ -660,7 +660,10 @@ def cmd_results(args) -> int:
         frame.to_csv(sys.stdout, index=False)
         return 0
     measured = store.speed_vs_quality(args.task, args.model, policies, settings=args.settings)
-    speed = measured.groupby(["model", "task", "policy"]).decode_tok_s.mean()
+    # Compression and budget cells come from different sweeps, run at other times under other loads: a mean
+    # over both would compare nothing, so each kind gets its own speed column where a table holds both
+    kinds = measured.assign(kind=measured.absolute_budget.isna().map({True: "ρ", False: "B"}))
+    speed = kinds.groupby(["model", "task", "policy", "kind"]).decode_tok_s.mean()
     for (source, model, task), part in frame.groupby(["source", "model", "task"]):
         draws = int(part.draws.max())
         digits = _score_digits(part.score)
@@ -669,7 +672,11 @@ def cmd_results(args) -> int:
         cells = part.assign(cell=[f"{s:.{digits}f} ({n})" for s, n in zip(part.score, part.samples)])
         table = _by_cut(cells, "cell")
         if source == "measured":
-            table["tok/s"] = [f"{speed.get((model, task, p), float('nan')):.2f}" for p in table.index]
+            present = [kind for kind in ("ρ", "B") if (part.absolute_budget.isna() if kind == "ρ"
+                                                         else part.absolute_budget.notna()).any()]
+            for kind in present:  # decode tok/s, the mean over the row's cells of that kind
+                table["tok/s" if len(present) == 1 else f"tok/s ({kind} cells)"] = [
+                    f"{speed.get((model, task, p, kind), float('nan')):.2f}" for p in table.index]
         # The count in brackets is samples for a sweep, but how many printed figures a paper cell averages (one
         # number can be printed in several tables): said once per table, not guessed.
         counted = "mean score (samples)" if source == "measured" else "mean printed score (figures)"

@@ -1102,11 +1102,11 @@ def budget_store(tmp_path: Path) -> Store:
         {**row, "task": "reason", "prompt_len": 70, "policy": "full", "compression": None, "sample": 0, "score": 1.0,
          "hit_max_tokens": False},
         *({**row, "task": "reason", "prompt_len": 70, "policy": "tova", "compression": None, "absolute_budget": budget,
-           "sample": 0, "score": score, "hit_max_tokens": hit} for budget, score, hit in ((64, 0.0, True),
-                                                                                       (128, 1.0, False))),
+           "sample": 0, "score": score, "hit_max_tokens": hit, "decode_tok_s": speed}
+          for budget, score, hit, speed in ((64, 0.0, True, 20.0), (128, 1.0, False, 30.0))),
         # the same task at a compression: another cell, not a budget
         {**row, "task": "reason", "prompt_len": 70, "policy": "tova", "compression": 0.5, "sample": 0, "score": 0.25,
-         "hit_max_tokens": True}])
+         "hit_max_tokens": True, "decode_tok_s": 10.0}])
     return Store(tmp_path)
 
 
@@ -1153,9 +1153,10 @@ def test_results_command_labels_budget_columns(tmp_path, capsys):
     assert main(["results", "--root", str(tmp_path), "--task", "reason"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("compression / budget"))
-    assert header.split()[3:] == ["0.5", "B=64", "B=128", "tok/s"]
+    # a decode speed per kind of cell: compression and budget cells come from runs at other times
+    assert header.split()[3:] == ["0.5", "B=64", "B=128", "tok/s", "(ρ", "cells)", "tok/s", "(B", "cells)"]
     tova = [line.split() for line in out.splitlines() if line.startswith("tova")]
-    assert tova[0][:7] == ["tova", "0.250", "(1)", "0.000", "(1)", "1.000", "(1)"]  # quality
+    assert tova[0] == ["tova", "0.250", "(1)", "0.000", "(1)", "1.000", "(1)", "10.00", "25.00"]  # quality, speeds
     assert tova[1] == ["tova", "1.00", "(1/1)", "1.00", "(1/1)", "0.00", "(0/1)"]  # max-length hits
 
 
