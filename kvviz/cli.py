@@ -768,6 +768,12 @@ def _print_cache_over_budget(frame) -> None:
     note = held_over_note(frame)
     if note:
         print(note)
+    # A budget no cell of a column ever filled: its cells are the full cache's run under the policies' names
+    budgets = frame[frame.absolute_budget.notna() & (frame.policy != "full")]
+    unfilled = [f"B={int(budget)} (largest cache {part.decode_cache.max():.0f})"
+                for budget, part in budgets.groupby("absolute_budget") if (part.decode_cache < budget).all()]
+    if unfilled:
+        print(f"never filled: {', '.join(unfilled)}: those cells evicted nothing, so they ran as the full cache")
 
 
 def _by_cut(part, values: str):

@@ -1102,8 +1102,9 @@ def budget_store(tmp_path: Path) -> Store:
         {**row, "task": "reason", "prompt_len": 70, "policy": "full", "compression": None, "sample": 0, "score": 1.0,
          "hit_max_tokens": False},
         *({**row, "task": "reason", "prompt_len": 70, "policy": "tova", "compression": None, "absolute_budget": budget,
-           "sample": 0, "score": score, "hit_max_tokens": hit, "decode_tok_s": speed}
-          for budget, score, hit, speed in ((64, 0.0, True, 20.0), (128, 1.0, False, 30.0))),
+           "sample": 0, "score": score, "hit_max_tokens": hit, "decode_tok_s": speed, "budget": budget,
+           "max_cache": held, "max_decode_cache": held}  # 128 is never filled: 70 + 8 - 1 = 77 at most
+          for budget, score, hit, speed, held in ((64, 0.0, True, 20.0, 64), (128, 1.0, False, 30.0, 77))),
         # the same task at a compression: another cell, not a budget
         {**row, "task": "reason", "prompt_len": 70, "policy": "tova", "compression": 0.5, "sample": 0, "score": 0.25,
          "hit_max_tokens": True, "decode_tok_s": 10.0}])
@@ -1153,6 +1154,8 @@ def test_results_command_labels_budget_columns(tmp_path, capsys):
     assert main(["results", "--root", str(tmp_path), "--task", "reason"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("compression / budget"))
+    # B=128 holds more than the 70-token prompt and 8 new tokens: never filled, said under the table
+    assert "never filled: B=128 (largest cache" in out and "B=64 (" not in out.split("never filled:")[1].split("\n")[0]
     # a decode speed per kind of cell: compression and budget cells come from runs at other times
     assert header.split()[3:] == ["0.5", "B=64", "B=128", "tok/s", "(ρ", "cells)", "tok/s", "(B", "cells)"]
     tova = [line.split() for line in out.splitlines() if line.startswith("tova")]
