@@ -227,8 +227,8 @@ def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
     retained = first_keep_set_retained(trace)
     # Retained 1.0 means something only once later steps have evicted: with none, it holds by construction
     # (a checkpointed policy that checkpointed once), as churn is n/a without two evicting steps
-    tested = [step for step, _ in retained[1:]
-              if any(event.step == step and event.evicted.size for event in trace.decode_steps)]
+    evicting = {event.step for event in trace.decode_steps if event.evicted.size}
+    tested = [step for step, _ in retained[1:] if step in evicting]
 
     return {
         "raw_churn": mean(raw_churn(trace, k)),

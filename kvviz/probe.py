@@ -251,9 +251,9 @@ def auroc_p(scores: np.ndarray, labels: np.ndarray) -> float:
 
     With the few high-damage entries a probe labels (the top decile: 5 of 50, or 1 of 6), even an AUROC of 1
     or 0.2 can be chance: with one positive among six entries, ranking it first has p = 2/6.  Ties matter as
-    much: a policy that scores 40 of 41 entries 0 has an AUROC far from 0.5 by the tie-break's half-credit
-    alone, and the normal approximation calls that significant (p = 0.009) where the exact null, over every
-    way to place the positives among these tied midranks, gives about 0.12.  So the null is counted exactly
+    much: a policy that scores 40 of 41 entries 0 and one of its 4 positives 1 has an AUROC of 0.625 from the
+    ties' half credit, and the normal approximation calls that significant (p = 0.003) where the exact null,
+    over every way to place the positives among these tied midranks, gives 4/41.  So the null is counted exactly
     -- the number of k-subsets of the n midranks with each rank sum -- whenever that table stays under
     :data:`EXACT_P_WORK` cells; larger samples (hundreds of entries) fall back to the tie-corrected normal
     approximation, which is accurate there.  NaN without positives or negatives.

@@ -2022,8 +2022,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             p_step = gr.Number(value=8, label="Step")
                             p_sample = gr.Number(value=128, label="Entries sampled (0 = all)")
                             p_run = gr.Button("Run probe")
-                        p_table = gr.Dataframe(label=PROBE_LABEL,
-                                               interactive=False)
+                        p_table = gr.Dataframe(label=PROBE_LABEL, interactive=False)
                         p_note = gr.Markdown()
                         # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
                         p_blindspot = gr.Plot(label=BLINDSPOT_LABEL, visible=False)
@@ -2083,12 +2082,12 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             compare.then(compare_diagnostics, c_state, c_diagnostics, api_name=False)
             c_follow.change(compare_follow, [c_state, c_follow], [c_fates_note, c_fates, *c_figs], api_name=False,
                             trigger_mode="always_last")
-            # Each is checked first (no outputs), so that a refusal leaves the last result unmarked.
-            p_state, s_state = gr.State(None), gr.State(None)
+            p_state, s_state = gr.State(None), gr.State(None)  # the inputs each last ran on, and its note
             probe_staleness = Staleness("probe", ["model", "prompt", "policies", "chat template", "step",
                                                   "entries sampled"], [PROBE_LABEL, BLINDSPOT_LABEL])
             spectrum_staleness = Staleness("spectrum", ["model", "prompt", "chat template", "steps", "layer"],
                                            [SPECTRUM_LABEL, SPECTRUM_LAYERS_LABEL, SPECTRUM_TABLE_LABEL])
+            # Each is checked first (no outputs), so that a refusal leaves the last result unmarked.
             probe_inputs = [c_model, c_prompt, c_policies, c_chat, p_step, p_sample]
             p_run.click(make_probe_check(limits), probe_inputs, None, api_name=False).success(
                 make_probe_handler(limits), probe_inputs, [p_table, p_note, p_blindspot],
