@@ -119,6 +119,12 @@ def setting_names(policies, settings) -> list[str]:
         for policy, setting in zip(policies, settings)]
 
 
+def _setting_order(setting: str) -> tuple:
+    """A setting's sort key: its parameters by name, numbers by value (0.9 before 0.95), then the rest as text."""
+    return tuple((name, (0, float(value)) if isinstance(value, (int, float)) else (1, str(value)))
+                 for name, value in sorted(json.loads(setting).items()))
+
+
 def named_by_setting(frame: pd.DataFrame) -> pd.DataFrame:
     """A frame with ``policy`` and ``setting`` columns, each policy named by its setting, ``setting`` dropped."""
     return frame.assign(policy=setting_names(frame.policy, frame.setting)).drop(columns="setting")
@@ -654,11 +660,16 @@ class Store:
         ``per_table``: per (source, model, task, policy, setting), a table's own."""
         where, params = self._filters(task, model, source, policies, sweeps)
         table = "source, model, task, " if per_table else ""
-        return self.frame(
+        frame = self.frame(
             f"""
             SELECT {table}policy, setting, count(*) AS rows FROM results WHERE setting <> '{{}}' AND {where}
-            GROUP BY ALL ORDER BY {table}policy, setting
+            GROUP BY ALL
             """, params)
+        # by value, not as text: "alpha=0.95, alpha=0.9" read as out of order
+        order = sorted(range(len(frame)), key=lambda i: (
+            *(frame[c].iloc[i] for c in ("source", "model", "task") if per_table), frame.policy.iloc[i],
+            _setting_order(frame.setting.iloc[i])))
+        return frame.iloc[order].reset_index(drop=True)
 
     def options(self, column: str, source: str | None = None) -> list[str]:
         """The distinct values of a filter column, of one source's rows or of all."""

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from kvviz.bench import sweep
-from kvviz.store import HELD_OVER_WHY, Store
+from kvviz.store import HELD_OVER_WHY, Store, setting_names
 
 CONFIG = Path(__file__).parent / "fixtures" / "sweep_tiny.toml"
 
@@ -1623,3 +1623,14 @@ def test_coinciding_points_of_a_few_policies_are_drawn_apart_on_x():
     figure = _line_figure(frame.drop(columns=["axis", "position"]), "compression", "score", "Q (x)", "ρ", "score")
     assert {trace.name: list(trace.x) for trace in figure.data}["avokv"] == [pytest.approx(80 + step / 2)]
     assert "nudged apart on x" in figure.layout.title.text
+
+
+def test_other_settings_are_listed_by_value_not_as_text(tmp_path):
+    """As text, {"alpha": 0.95} sorts before {"alpha": 0.9} and {"refresh": 16} before {"refresh": 2}."""
+    rows = [{"source": "measured", "model": "m", "task": "t", "policy": "inertia", "compression": 0.5,
+             "params": params, "metric": "string_match", "score": 1.0}
+            for params in ({"refresh": 16}, {"alpha": 0.95}, {"refresh": 2}, {"alpha": 0.9}, {})]
+    write_rows(tmp_path / "sweep", rows)
+    settings = Store(tmp_path).other_settings()
+    assert setting_names(settings.policy, settings.setting) == [
+        "inertia alpha=0.9", "inertia alpha=0.95", "inertia refresh=2", "inertia refresh=16"]
