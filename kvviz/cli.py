@@ -470,8 +470,8 @@ def cmd_trace(args) -> int:
     positions, note = diagnostics.find_positions(tokens, args.follow)
     history = diagnostics.token_history(trace.events, positions)
     history.insert(2, "token", [tokens[p] for p in history["position"]])
-    if args.csv:
-        print(history.to_csv(index=False), end="")
+    if args.csv:  # %g: a rank is 165, not 165.0 (tied ranks share their mean: 30.5)
+        print(history.to_csv(index=False, float_format="%.10g"), end="")
         return 0
     crossings = diagnostics.boundary_crossings(history, trace.budget)
     print(f"{note}{len(positions)} position(s); {budget_note(trace)}; ranks count from 1 = most useful")

@@ -572,8 +572,10 @@ def test_trace_command_summarises_a_run_and_follows_its_tokens(tiny, tmp_path, c
         assert (f"evicted at step {step}" if step is not None else "kept") in line
     # --csv: the per-step history itself.
     assert main(["trace", str(tmp_path / "run.parquet"), "--follow", "#0-2", "--csv"]) == 0
-    frame = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    text = capsys.readouterr().out
+    frame = pd.read_csv(io.StringIO(text))
     reference = diagnostics.token_history(trace.events, [0, 1, 2])
+    assert ".0," not in text and ".0\n" not in text  # a whole rank is written 165, not 165.0
     assert frame[["step", "position", "kept"]].equals(reference[["step", "position", "kept"]])
     assert np.allclose(frame["raw_rank"], reference["raw_rank"], equal_nan=True)
     assert main(["trace", str(tmp_path / "run.parquet"), "--follow", "zzz"]) == 2
