@@ -782,7 +782,10 @@ def _by_cut(part, values: str):
     import pandas as pd
 
     budget = part.absolute_budget.notna()
-    tables = [part[~budget].pivot(index="policy", columns="compression", values=values)] if (~budget).any() else []
+    tables = []
+    if (~budget).any():  # each ρ written as typed (0.5), the same in every table (pandas wrote 0.50 in some)
+        table = part[~budget].pivot(index="policy", columns="compression", values=values)
+        tables.append(table.set_axis([f"{rho:g}" for rho in table.columns], axis=1))
     if budget.any():
         table = part[budget].pivot(index="policy", columns="absolute_budget", values=values)
         tables.append(table.set_axis([f"B={int(tokens)}" for tokens in table.columns], axis=1))

@@ -1634,3 +1634,15 @@ def test_other_settings_are_listed_by_value_not_as_text(tmp_path):
     settings = Store(tmp_path).other_settings()
     assert setting_names(settings.policy, settings.setting) == [
         "inertia alpha=0.9", "inertia alpha=0.95", "inertia refresh=2", "inertia refresh=16"]
+
+
+def test_the_score_and_max_length_tables_write_each_compression_alike(tmp_path, capsys):
+    """Over ρ = 0.5 and 0.75 the score table's header read "0.5 0.75" and the max-length table's "0.50 0.75"."""
+    from kvviz.cli import main
+
+    write_rows(tmp_path / "sweep", [{"source": "measured", "model": "m", "task": "t", "policy": policy,
+                                     "compression": rho, "params": {}, "metric": "string_match", "score": 1.0,
+                                     "hit_max_tokens": False} for policy in ("full", "tova") for rho in (0.5, 0.75)])
+    assert main(["results", "--root", str(tmp_path)]) == 0
+    headers = [line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("compression ")]
+    assert headers == [["0.5", "0.75", "tok/s"], ["0.5", "0.75"]]
