@@ -497,13 +497,16 @@ def test_reused_snapkv_forgets_the_last_runs_scores():
 
 
 def test_decoupled_inertia_averages_layers_then_one_ema():
-    # alpha = .5.  Step 1 over [0, 1, 2]: layer mean of [.2,.3,.5] and [.6,.1,.3] = [.4, .2, .4]
-    #   -> m = .5 * 0 + .5 * s = [.2, .1, .2]; evict 1.
-    # (InertiaKV's layer-sequential rule would give [.35, .125, .275] here.)
+    # alpha = .5.  Step 1 over [0, 1, 2]: layer mean of [.2,.3,.5] and [.6,.1,.3] = [.4, .2, .4], each entry's
+    #   first observation -> m = s = [.4, .2, .4]; evict 1.  (InertiaKV's layer-sequential rule: [.35, .125, .275].)
+    # Step 2 over [0, 2, 3]: layer mean of [.1,.5,.4] and [.3,.3,.4] = [.2, .4, .4]
+    #   -> m[0] = .5 * .4 + .5 * .2 = .3, m[2] = .4, m[3] = .4 (first seen); evict 0.  Started at 0, the new
+    #   entry 3 would have read .5 * .4 = .2 and gone instead, for a score as high as any.
     policy = make_policy("inertia-decoupled", alpha=0.5)
-    kept, _ = drive(policy, 2, 2, [[[[0.2, 0.3, 0.5]], [[0.6, 0.1, 0.3]]]])
-    assert kept == [{0, 2}]
-    assert policy.utility(torch.tensor([0, 2])).tolist() == pytest.approx([0.2, 0.2])
+    kept, _ = drive(policy, 2, 2, [[[[0.2, 0.3, 0.5]], [[0.6, 0.1, 0.3]]],
+                                   [[[0.1, 0.5, 0.4]], [[0.3, 0.3, 0.4]]]])
+    assert kept == [{0, 2}, {2, 3}]
+    assert policy.utility(torch.tensor([2, 3])).tolist() == pytest.approx([0.4, 0.4])
 
 
 def test_decoupled_last_k_layers():
