@@ -298,8 +298,13 @@ def test_lazyeviction_has_no_query_window_and_says_what_to_lower():
     assert make_policy("lazyeviction").pinned(100) == (0, 8)
     with pytest.raises(ValueError, match="budget 8 must exceed the 8 entries LazyEviction .* lower window"):
         make_policy("lazyeviction").reset(20, 8)
-    with pytest.raises(ValueError, match="lower delay or sinks"):
+    # at delay 0 (the paper's rule, 32 below 768) the advice names the delay that shrinks the tail
+    with pytest.raises(ValueError, match="must exceed the 36 entries AvoKV-E .* \\(or lower sinks, or set delay to 8: 0 "
+                                         "is the paper's rule, 32 at this budget\\)$"):
         make_policy("avokv").reset(20, 36)
+    make_policy("avokv", delay=8).reset(20, 36 - 32 + 8 + 1)  # what that advice gives: 8 + 4 sinks under 13
+    with pytest.raises(ValueError, match="lower delay or sinks\\)$"):
+        make_policy("avokv", delay=8).reset(20, 12)
 
 
 # -------------------------------------------------------------------------------------------- checkpoints

@@ -94,8 +94,10 @@ class AvoKVE(QueryWindowPolicy):
             raise ValueError(f"W_delay ({self.protected(budget)} at budget {budget}) must be >= observe_window "
                              f"(W_obs = {self.observe_window}): set delay >= {self.observe_window} or lower "
                              "observe_window")
-        self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)",
-                                "delay or sinks")
+        # delay 0 is the paper's rule (32 below B = 768): "lower delay" read as nonsense beside a 0
+        shrink = "delay or sinks" if self.delay else (f"sinks, or set delay to {self.observe_window}: 0 is the "
+                                                      f"paper's rule, {self.protected(budget)} at this budget")
+        self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)", shrink)
 
     def pinned(self, budget: int) -> tuple[int, int]:
         return self.sinks, self.protected(budget)
