@@ -1296,7 +1296,7 @@ def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client)
     expected = spectrum(model, kvviz.encode_prompt(tokenizer, PROMPT, chat=False), steps=3)
     assert [row[0] for row in table["data"]] == [row["scorer"] for row in expected.table()]
     assert [row[1] for row in table["data"]] == [round(row["layer_spearman"], 3) for row in expected.table()]
-    assert "layer 1 of 3" in note
+    assert "layer 1 of 0-2" in note
     bars = json.loads(plot["plot"])["data"]
     assert [bar["y"] for bar in bars] == [[row[key] for row in expected.table()]
                                          for key in ("layer_spearman", "utility_spearman")]
@@ -1307,9 +1307,10 @@ def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client)
     z = np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]).reshape(
         [int(n) for n in z["shape"].split(",")]) if isinstance(z, dict) else np.asarray(z, dtype=float)
     assert list(grid["y"]) == list(expected.layer_profile())
+    assert json.loads(layers["plot"])["layout"]["xaxis"]["dtick"] == 1  # whole layers, not -0.5, 0, 0.5
     np.testing.assert_allclose(z, np.stack(list(expected.layer_profile().values())))
     _, note, _, _ = client.predict(TINY, PROMPT, False, 3, " 2 ", api_name="/spectrum")
-    assert "layer 2 of 3" in note
+    assert "layer 2 of 0-2" in note
     _, note, _, _ = client.predict(TINY, PROMPT, False, 1, "", api_name="/spectrum")
     assert note.endswith("top-B churn between steps n/a (one step has none to compare with).")
     with pytest.raises(Exception, match="layer must be between 0 and 2"):

@@ -1444,7 +1444,7 @@ def make_spectrum_handler(limits: Limits):
                              for row in result.table()])
         cross = result.cross_layer_summary()
         note = (f"Steps 1–{result.steps[-1]} of the full-cache greedy run ({result.cache_sizes[-1]} entries at the "
-                f"end), top-B at 10%; layer {result.layer} of {result.num_layers}. Attention's own agreement between "
+                f"end), top-B at 10%; layer {result.layer} of 0-{result.num_layers - 1}. Attention's own agreement between "
                 f"layers: top-B Jaccard {cross['cross_layer_jaccard']:.3f} (sd over layer pairs "
                 f"{cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn between steps "
                 + ("n/a (one step has none to compare with)." if np.isnan(cross["layer_churn"])

@@ -814,6 +814,7 @@ def spectrum_layers_figure(spectrum) -> go.Figure:
     fig.add_shape(type="rect", x0=spectrum.layer - 0.5, x1=spectrum.layer + 0.5, y0=-0.5, y1=len(names) - 0.5,
                   line=dict(color="#222", width=2))
     fig.update_layout(title=dict(text="Spearman with attention at each layer (mean over steps)", font=dict(size=12)),
-                      xaxis_title="layer", yaxis=dict(autorange="reversed"),  # the bar chart's order, top down
+                      xaxis=dict(title="layer (from 0)", dtick=1 if spectrum.num_layers <= 40 else None),  # no 0.5
+                      yaxis=dict(autorange="reversed"),  # the bar chart's order, top down
                       height=300, margin=dict(l=80, r=20, t=50, b=40))
     return fig
