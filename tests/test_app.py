@@ -843,6 +843,8 @@ def test_the_history_figure_draws_each_followed_token_from_its_events():
     assert crosses[0].hovertext == ("#1 ' 73' evicted at step 1, rank 7 by the step's raw score",) or \
         crosses[1].hovertext == ("#1 ' 73' evicted at step 1, rank 7 by the step's raw score",)
     assert "test" in figure.layout.title.text and "dotted: rank by the step's raw score" in figure.layout.title.text
+    # the key says where a cross stands: a raw rank can lie inside the top B of an eviction made by utility
+    assert "<sup>×: evicted, at its rank by the step's raw score</sup>" in figure.layout.title.text
     # the fates above the key: crosses on one step overlap, and lines leave through the bottom
     assert "<sup>0 of 2 kept through step 2, 2 evicted at steps 1 to 2</sup>" in figure.layout.title.text
     assert "<sup>1 of 2 kept through step 2, 1 evicted at step 1</sup>" in view.history_figure([2, 1]).layout.title.text

@@ -557,12 +557,17 @@ class RunView:
         fates = f"{len(positions) - len(evicted_at)} of {len(positions)} kept through step {self.steps - 1}" + (
             f", {len(evicted_at)} evicted at " + (f"step {steps[0]}" if len(steps) == 1 else
                                                     f"steps {steps[0]} to {steps[-1]}") if steps else "")
+        # where a cross stands: an EMA policy keeps no utility for what it evicts, so its cross is at the raw
+        # rank, which can lie inside the top B (the eviction was by utility); the key says so
+        bases = sorted({by for _, ranks, _, _ in crosses for _, by in ranks if by})
+        crossed = "×: evicted" + (f", at its rank by {' or '.join(bases)}" if bases else "")
+        # the key on two lines: on one it ran past the plot's right edge at 1400 px
         fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's "
-                          f"utility{dotted} · ×: evicted" + (f" · ▼: evicted ranked below {bottom:g}" * below)
-                          + f" · below the dashed line: out of the top B</sup>{judged_key}",
+                          f"utility{dotted} · below the dashed line: out of the top B</sup><br><sup>{crossed}"
+                          + (f" · ▼: evicted ranked below {bottom:g}" * below) + f"</sup>{judged_key}",
                           xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps),
-                          height=340 + 30 * rows + 24 * bool(judged_key), xaxis_range=step_range(self.steps),
-                          margin=dict(l=50, r=20, t=80 + 24 * bool(judged_key), b=60 + 30 * rows),
+                          height=364 + 30 * rows + 24 * bool(judged_key), xaxis_range=step_range(self.steps),
+                          margin=dict(l=50, r=20, t=104 + 24 * bool(judged_key), b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
         # hung from the top: centred in the margin (Plotly's default), the key's last line touched the plot
         fig.update_layout(title=dict(yref="container", y=1, yanchor="top", pad_t=14))
