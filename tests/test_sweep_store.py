@@ -1646,3 +1646,13 @@ def test_the_score_and_max_length_tables_write_each_compression_alike(tmp_path, 
     assert main(["results", "--root", str(tmp_path)]) == 0
     headers = [line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("compression ")]
     assert headers == [["0.5", "0.75", "tok/s"], ["0.5", "0.75"]]
+
+
+def test_results_csvs_write_counts_and_budgets_as_whole_numbers(tmp_path):
+    """The paired CSV wrote absolute_budget 80.0 (a NaN in the column made it float), the paper CSV samples 1.0."""
+    from kvviz.ui.results import _csv
+
+    frame = pd.DataFrame({"policy": ["a", "b"], "absolute_budget": [80.0, float("nan")], "samples": [1.0, 3.0],
+                          "compression": [float("nan"), 0.5], "score": [1.0, 0.25]})
+    text = Path(_csv(frame, "test")).read_text()
+    assert text.splitlines() == ["policy,absolute_budget,samples,compression,score", "a,80,1,,1.0", "b,,3,0.5,0.25"]

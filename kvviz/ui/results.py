@@ -899,10 +899,17 @@ def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for thes
 _CSV_DIR = Path(tempfile.mkdtemp(prefix="kvviz-results-"))
 
 
+WHOLE_COLUMNS = ("absolute_budget", "budget", "samples", "pairs", "wins", "ties", "losses", "rows", "hits",
+                 "recorded", "draws")
+
+
 def _csv(frame: pd.DataFrame, name: str) -> str:
     """Write the table once per distinct content (the file name carries its hash), so that filter changes
     do not pile up files and concurrent sessions never overwrite each other's download."""
-    text = frame.to_csv(index=False)
+    # Counts and budgets stay whole numbers ("80", not "80.0"); a NaN among them made pandas write floats
+    counts = {c: "Int64" for c in WHOLE_COLUMNS if c in frame and pd.api.types.is_float_dtype(frame[c])
+              and (frame[c].dropna() % 1 == 0).all()}
+    text = frame.astype(counts).to_csv(index=False)
     path = _CSV_DIR / f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:12]}.csv"
     if not path.exists():
         path.write_text(text)
