@@ -511,7 +511,8 @@ def test_a_typed_setting_compares_one_policy_at_two_values(page):
     expect(page.get_by_label("Comparisons from the papers")).to_have_value("", timeout=30_000)
     page.get_by_role("button", name="Compare", exact=True).click()
     page.get_by_label("inertia alpha=0.3", exact=True).wait_for(timeout=60_000)
-    page.get_by_text("inertia alpha=0.3 vs inertia", exact=False).wait_for(timeout=60_000)  # its divergence line
+    # its divergence line (the Jaccard legend names the pair too: the list item, not "the" text)
+    page.locator("li").filter(has_text="inertia alpha=0.3 vs inertia").first.wait_for(timeout=60_000)
     page.locator("a[download='comparison.zip']").wait_for(timeout=60_000)  # every run's trace, to download
     page.screenshot(path=ARTIFACTS / "compare-settings.png", full_page=True)
     assert titles_under_chips(page) == []
