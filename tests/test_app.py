@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -394,6 +395,33 @@ def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_sa
     run.ends = {traces["tova"].events[6].new_token_id}  # as if tova's 7th token had been end-of-sequence
     assert run.finished("tova") and run.running() == ["streaming"] and run.level()
     assert run.texts["tova"] == "".join(e.text for e in traces["tova"].events[:7])
+
+
+def test_a_compared_run_that_ends_early_says_where_on_its_panel_and_in_the_note(tiny):
+    """A run whose token is the end of sequence ended there: its text panel's label, its retention panel's
+    key and the divergence lines say at which step; the runs that went on say nothing of the kind."""
+    from kvviz.ui.app import Progress, Request, _compare_outputs, compared_labels, panel_title
+
+    model, tokenizer = tiny
+    policies = {name: kvviz.make_policy(name) for name in ("inertia", "tova")}
+    prompt_ids = kvviz.encode_prompt(tokenizer, PROMPT, chat=False)
+    run = Progress.start(Request(model, tokenizer, prompt_ids, 20, 6), TINY, policies, [])
+    traces = {name: kvviz.run(model, tokenizer, PROMPT, name, chat=False, budget=20, max_new_tokens=6).trace
+              for name in policies}
+    end = tokenizer.vocab_size  # an id no run made: tova's 4th token (step 3) made it, as its end of sequence
+    traces["tova"].events[3] = dataclasses.replace(traces["tova"].events[3], new_token_id=end)
+    run.ends = {end}
+    for name, steps in (("inertia", 6), ("tova", 4)):
+        for event in traces[name].events[:steps]:
+            run.add(name, event)
+    assert run.views["tova"].ended == 3 and run.views["inertia"].ended is None
+    assert compared_labels(run.views) == ["inertia", "tova · ended at step 3 (end of sequence)"]
+    outputs = _compare_outputs(["inertia", "tova"], run.texts, run.views, figures=True, final=True)
+    assert [outputs[i]["label"] for i in (0, 1)] == compared_labels(run.views)
+    assert outputs[8].endswith("\n- **tova** ended at step 3: it produced its end of sequence")
+    assert "ended" not in outputs[8].replace("**tova** ended", "")
+    assert "ended at step 3" in panel_title("tova", run.views["tova"])[-1]
+    assert not any("ended" in line for line in panel_title("inertia", run.views["inertia"]))
 
 
 def test_run_view_retention_equals_the_trace(tiny):
@@ -813,16 +841,52 @@ def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny)
 
 def test_an_edit_after_a_refused_comparison_restates_or_clears_the_reason():
     """The note of a refused click follows the inputs as they are edited: the reason they have now, nothing
-    once they pass; what a comparison itself wrote there (no refusal) stays."""
+    once they pass (with no comparison on the page); what a comparison itself wrote there stays."""
     from kvviz.ui.app import make_compare_check
 
-    refreshed = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refreshed_note
+    edited = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).edited
     refused = "*Not compared: choose two to four policies to compare (...).*"
-    assert "max new tokens must be between 1 and 512" in refreshed(
-        TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 9999, False, refused)
-    assert refreshed(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False, refused) == ""
+    note, *labels = edited(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 9999, False, None, None, refused)
+    assert "max new tokens must be between 1 and 512" in note and all(u == gr.skip() for u in labels[-2:])
+    assert edited(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False, None, None, refused)[0] == ""
     for result in ("**Divergence** ...", "", None):  # a comparison's own note, or none: left as it is
-        assert refreshed(TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False, result) == gr.skip()
+        assert edited(TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False, None, None, result)[0] == gr.skip()
+
+
+def test_an_edit_after_a_comparison_marks_it_as_made_from_earlier_inputs(tiny):
+    """A finished comparison stays when the inputs change, but its note names what changed and every panel and
+    table says "earlier inputs"; the inputs it ran on, set back, take the marks off.  Only the inputs that
+    decide the run count: the budget box while ρ sizes the cache, top-p while decoding is greedy, do not."""
+    from kvviz.ui.app import _models, compared_inputs, make_compare_check
+
+    _models[TINY] = tiny
+    edited = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).edited
+    ran_on = (TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False, 0.0, 0.95, 0)
+    ran = {"inputs": compared_inputs(*ran_on), "note": "**prompt** 6 tokens"}
+    views = {"inertia": follow_view(), "tova": follow_view()}
+    views["tova"].ended = 2
+
+    def edit(**changes):
+        fields = ["model", "prompt", "names", "mode", "compression", "budget", "max_new", "chat", "temperature",
+                  "top_p", "seed"]
+        inputs = [changes.get(name, value) for name, value in zip(fields, ran_on)]
+        return edited(*inputs, ran, views, ran["note"])
+
+    note, *texts, fates, stability = edit(prompt="another prompt", max_new=8)
+    assert note == ("**Earlier inputs: the prompt, max new tokens changed since this comparison ran; compare again "
+                    "for the current ones.**\n\n**prompt** 6 tokens")
+    assert [t.get("label") for t in texts[:2]] == ["inertia · earlier inputs",
+                                                   "tova · ended at step 2 (end of sequence) · earlier inputs"]
+    assert texts[2:] == [gr.skip(), gr.skip()]
+    assert fates["label"] == "Fate per policy (earlier inputs)" and stability["label"].endswith("(earlier inputs)")
+    assert edit(mode="budget")[0].startswith("**Earlier inputs: the cache size by changed")
+    assert edit(temperature=0.6)[0].startswith("**Earlier inputs: the temperature changed")
+    # what does not decide this run: no mark
+    note, *texts, fates, stability = edit(budget=99, top_p=0.5, seed=3)
+    assert note == "**prompt** 6 tokens" and texts[1]["label"] == "tova · ended at step 2 (end of sequence)"
+    assert fates["label"] == "Fate per policy"
+    # while a comparison runs (no views yet) nothing is marked
+    assert all(u == gr.skip() for u in edited(*ran_on[:1], "x", *ran_on[2:], ran, None, "*prefill…*"))
 
 
 def test_the_history_figure_draws_each_followed_token_from_its_events():

@@ -424,7 +424,14 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     page.get_by_text("Shown: the previous comparison (inertia, tova, streaming)").wait_for(timeout=30_000)
     page.get_by_label("inertia · previous comparison").wait_for(timeout=10_000)
     page.screenshot(path=ARTIFACTS / "compare_refused_after_a_comparison.png", full_page=True)
+    # Passing but other inputs: the comparison is marked as made from earlier ones; its own, back, unmark it.
+    page.get_by_label("Prompt").nth(1).fill(PROMPT + " More.")
+    stale = page.get_by_text("Earlier inputs: the prompt changed since this comparison ran", exact=False)
+    stale.wait_for(timeout=30_000)
+    page.get_by_label("inertia · earlier inputs").wait_for(timeout=10_000)
     page.get_by_label("Prompt").nth(1).fill(PROMPT)
+    stale.wait_for(state="hidden", timeout=30_000)
+    page.get_by_label("inertia", exact=True).wait_for(timeout=10_000)
     # closed: the Live tab's refusal of the same prompt must show a toast of its own
     page.evaluate("() => document.querySelectorAll('button.toast-close.error').forEach(b => b.click())")
     message.wait_for(state="hidden", timeout=30_000)
@@ -491,7 +498,8 @@ def test_a_spectrum_of_an_earlier_prompt_is_marked_until_the_prompt_is_back(page
     page.get_by_text("Earlier inputs: the prompt changed since this spectrum ran", exact=False).wait_for(timeout=30_000)
     expect(page.get_by_text("Scorer spectrum (earlier inputs)", exact=True)).to_have_count(1)  # the plot's label
     prompt.fill(PROMPT)
-    page.get_by_text("Earlier inputs:", exact=False).wait_for(state="hidden", timeout=30_000)
+    page.get_by_text("Earlier inputs: the prompt changed since this spectrum ran", exact=False).wait_for(
+        state="hidden", timeout=30_000)
     expect(page.get_by_text("Scorer spectrum (earlier inputs)", exact=True)).to_have_count(0)
 
 

@@ -340,6 +340,8 @@ class Progress:
     def add(self, label: str, event) -> None:
         self.views[label].add(event, event.text)
         self.texts[label] += event.text
+        if event.new_token_id in self.ends:
+            self.views[label].ended = event.step
 
     def trace(self, label: str) -> Trace:
         name, params = self.settings[label]
@@ -717,17 +719,34 @@ def make_compare_check(limits: Limits):
             reason = None
         return f"{NOT_COMPARED}{reason}.*" if reason else gr.skip()
 
-    def refreshed_note(*inputs_and_note):
-        """An edit while the page says why the last click was refused: the reason as the inputs are now, or
-        nothing once they pass (a comparison's own results, in the same place, stay as they are)."""
-        *inputs, note = inputs_and_note
-        if not (isinstance(note, str) and note.startswith(NOT_COMPARED)):
-            return gr.skip()
+    def edited(*values):
+        """An edit of the inputs, by hand or by a preset, with the last comparison (``views``, the inputs it
+        ran on and its note: ``ran``) and the note on the page.
+
+        After a refused click the reason follows the inputs as they are now (:meth:`refused_marks`, while they
+        would still be refused).  Otherwise the comparison on the page is marked where the inputs it ran on
+        have changed (:func:`changed_inputs`): the note names them and each panel and table says "earlier
+        inputs", so that it is not read as these inputs' result (Follow searches that run, too); the inputs
+        it ran on, set back, take the marks off."""
+        *inputs, ran, views, note = values
+        skip = (gr.skip(),) * 7
+        refused_note = isinstance(note, str) and note.startswith(NOT_COMPARED)
         try:
-            reason = problem(*inputs, load=False)
+            reason = problem(*inputs, load=False) if refused_note else None
         except Exception:  # noqa: BLE001 -- the next click's check reports it
-            return gr.skip()
-        return f"{NOT_COMPARED}{reason}.*" if reason else ""
+            return skip
+        if reason:
+            return refused_marks(*inputs, views)
+        if not views or not ran or ran.get("inputs") is None:  # none has ended (or one is running)
+            return ("" if refused_note else gr.skip(), *skip[1:])
+        changed = changed_inputs(ran["inputs"], compared_inputs(*inputs))
+        mark = (f"**Earlier inputs: the {', '.join(changed)} changed since this comparison ran; compare again "
+                f"for the current ones.**\n\n" if changed else "")
+        suffix = " · earlier inputs" if changed else ""
+        texts = [gr.update(label=label + suffix) for label in compared_labels(views)]
+        tables = [gr.update(label=label + (" (earlier inputs)" if changed else "")) for label in (FATES_LABEL,
+                                                                                                 STABILITY_LABEL)]
+        return mark + ran["note"], *texts, *[gr.skip()] * (4 - len(texts)), *tables
 
     def announce(*inputs_and_state):
         """At the click, while the check loads the model (its first comparison): say so where the
@@ -756,7 +775,7 @@ def make_compare_check(limits: Limits):
         if not isinstance(note, str):  # Stop cancelled the check: nothing was refused
             return (gr.skip(),) * 7
         labels = list(state or [])
-        texts = [gr.update(label=f"{labels[i]} · {PREVIOUS}") if i < len(labels) else
+        texts = [gr.update(label=f"{compared_labels(state)[i]} · {PREVIOUS}") if i < len(labels) else
                  gr.update(label=f"policy {i + 1}") if not labels else gr.skip() for i in range(4)]
         if labels:  # its sizes and divergence lines too, which the refusal's note takes the place of
             note += (f"\n\n*Shown: the {PREVIOUS} ({', '.join(labels)}), not these inputs' results.*\n\n"
@@ -766,7 +785,7 @@ def make_compare_check(limits: Limits):
                   for label in (FATES_LABEL, STABILITY_LABEL)]
         return note, *texts, *tables
 
-    check_compare.refusal_note, check_compare.refreshed_note = refusal_note, refreshed_note
+    check_compare.refusal_note, check_compare.edited = refusal_note, edited
     check_compare.refused_marks = refused_marks
     check_compare.announce = announce
     return check_compare
@@ -1198,6 +1217,7 @@ def panel_title(name: str, view: RunView, followed: list[int] | None = None) -> 
     # long title, which ran past the panel's edge).
     key = "dark kept · pale evicted" + (" · green protected" if any(view.pinned) else "")
     key += " · red followed" if followed else ""
+    key += f" · ended at step {view.ended}" if view.ended is not None else ""
     # A setting's label wrapped at its spaces: cut at the panel's edge, the part that tells two
     # settings apart ("... lambda_b=0", "... normalise=false") was the part lost.  The key in small print
     # holds about twice the characters, and wraps at its dots (four panels cut it at "· r").
@@ -1244,11 +1264,47 @@ def compare_panels(views: dict[str, RunView], followed: list[int] | None = None)
     return panels
 
 
+def ended_note(view: RunView) -> str:
+    """``" · ended at step 12 (end of sequence)"`` for a run that produced its end of sequence, else ""."""
+    return "" if view.ended is None else f" · ended at step {view.ended} (end of sequence)"
+
+
+def compared_labels(views: dict[str, RunView]) -> list[str]:
+    """The compared runs' panel labels: each setting, and where its run produced its end of sequence."""
+    return [name + ended_note(view) for name, view in views.items()]
+
+
+def compared_inputs(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
+                    temperature=0.0, top_p=1.0, seed=0) -> dict:
+    """The Compare tab's inputs by the names the page gives them, those that decide what a comparison runs:
+    the budget only when the cache is sized by it (ρ otherwise), top-p and the seed only when it samples."""
+    inputs = {"model": model_name, "prompt": prompt, "policies": list(names or []), "cache size by": budget_mode,
+              "max new tokens": max_new_tokens, "chat template": bool(chat), "temperature": temperature}
+    if budget_mode == "budget":
+        inputs["budget"] = budget
+    else:
+        inputs["compression ρ"] = compression
+    try:
+        sampled = float(temperature) > 0
+    except (TypeError, ValueError):  # the check refuses it
+        sampled = True
+    if sampled:
+        inputs["top-p"], inputs["seed"] = top_p, seed
+    return inputs
+
+
+def changed_inputs(then: dict, now: dict) -> list[str]:
+    """The names of :func:`compared_inputs` that differ (one that applies on one side only, such as the budget
+    after a switch from ρ, is named by the switch: "cache size by", "temperature")."""
+    return [name for name in now if name in then and then[name] != now[name]]
+
+
 def _compare_outputs(names, texts, views, figures: bool, final: bool, download=None, note: str = ""):
     slots = 4
     out = []
     for i in range(slots):
-        out.append(gr.update(value=texts[names[i]], label=names[i], visible=True) if i < len(names)
+        out.append(gr.update(value=texts[names[i]], label=names[i] + ended_note(views[names[i]]), visible=True)
+                   if i < len(names)
                    else gr.update(value="", visible=False))
     panels = compare_panels({name: views[name] for name in names}) if figures and names else []
     for i in range(slots):
@@ -1283,6 +1339,9 @@ def divergence_markdown(names, views) -> str:
             f"first different token at step {first}" if first is not None else
             f"identical for the {count} token{'s' * (count != 1)} both produced"
             if (count := min(len(a), len(b))) else "no token from both yet"))
+    # A run that ended early has no later steps to compare: its panel is shorter, its fates end there
+    lines += [f"- **{name}** ended at step {views[name].ended}: it produced its end of sequence"
+              for name in names if views[name].ended is not None]
     return "\n".join(lines)
 
 
@@ -2069,9 +2128,17 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                        show_progress="hidden")
             c_checked.failure(compare_check.refused_marks, [*c_inputs, c_state],
                               [c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False)
+            # The inputs the comparison ran on, kept at its check, and with its note once it has ended
+            c_checked_inputs, c_ran = gr.State(None), gr.State(None)
+            c_checked.success(compared_inputs, c_inputs, c_checked_inputs, api_name=False, queue=False)
+            edited_io = dict(fn=compare_check.edited, inputs=[*c_inputs, c_ran, c_state, c_divergence],
+                             outputs=[c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False,
+                             show_progress="hidden", queue=False)
+            # and at its end, for the edits made while it ran
+            compare.success(lambda inputs, note: {"inputs": inputs, "note": note}, [c_checked_inputs, c_divergence],
+                            c_ran, api_name=False, queue=False).then(**edited_io)
             for component in c_inputs:
-                component.input(compare_check.refreshed_note, [*c_inputs, c_divergence], c_divergence,
-                                api_name=False, trigger_mode="always_last", show_progress="hidden", queue=False)
+                component.change(trigger_mode="always_last", **edited_io)
             # A refusal's marks go too (the text panels' go with the run's first update).
             c_checked.success(lambda: (compare_fates(None, "")[0], gr.update(value=None, visible=False,
                                                                              label=FATES_LABEL)),

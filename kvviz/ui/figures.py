@@ -62,6 +62,7 @@ class RunView:
         self.ranks: list[np.ndarray] = []  # per step: float32 rank / budget per position (NaN = not ranked)
         self.events: list[StepEvent] = []
         self.tokens = list(tokens or [])
+        self.ended: int | None = None  # the step whose token was the end of sequence, where the run produced one
         self._live: dict[str, go.Figure] = {}  # figures reused while streaming: only their data changes
         self._history_cache = None
 
