@@ -2063,9 +2063,26 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     prompt_len = len(kvviz.engine.encode_prompt(tokenizer, EXAMPLES["Short reasoning"], chat=True))
     assert (policies, prompt, mode, budget) == (COMPARISONS[name], EXAMPLES["Short reasoning"], "budget", prompt_len + 32)
     assert (new_tokens, temperature, top_p) == (160, 0.6, 0.95) and f"B = {prompt_len + 32}" in note
-    from kvviz.ui.app import preset_note_after_edit  # the prompt edited afterwards: the B it names may not hold
-    assert preset_note_after_edit(note).startswith("*The prompt changed after the AvoKV-E preset sized B to it")
-    assert preset_note_after_edit("") == gr.skip() and preset_note_after_edit("*Back to the ...*") == gr.skip()
+    # Edited by hand afterwards, the note says what no longer holds against what the preset set; set back, its own
+    from kvviz.ui.app import preset_note_after_edit, preset_regime
+    after = [TINY, prompt, True, mode, budget, new_tokens, temperature, top_p]
+    regime = preset_regime(note, *after)
+
+    def edit(index, value):
+        return preset_note_after_edit(regime, *after[:index], value, *after[index + 1:])
+
+    assert edit(1, prompt + " More.") == (
+        "*Changed by hand since the AvoKV-E preset set its regime: the prompt's tokens (its text, the model or the "
+        "chat template), which B was sized to: keep B above them (counted under the prompt). Choose the preset "
+        "again to set it back.*")
+    assert "the prompt's tokens" in edit(2, False)
+    assert edit(4, 100).startswith(f"*Changed by hand since the AvoKV-E preset set its regime: B = 100 (the preset's "
+                                   f"{prompt_len + 32}). ")
+    assert "the cache is sized by ρ, a share of the prompt" in edit(3, "compression")
+    assert "64 new tokens (the preset's 160)" in edit(5, 64)
+    assert "temperature 0.0, top-p 0.95 (the paper's 0.6, 0.95)" in edit(6, 0.0)
+    assert edit(4, float(budget)) == note  # the browser's 276.0 is the preset's 276
+    assert preset_regime("*Back to the ...*", *after) is None and preset_note_after_edit(None, *after) == gr.skip()
     request = validate(limits, TINY, prompt, mode, 0.75, budget, new_tokens, True,
                        [build_setting(entry)[1] for entry in policies], temperature, top_p, 0)
     assert request.budget == prompt_len + 32

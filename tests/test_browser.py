@@ -5,6 +5,7 @@ Screenshots land in ``test-artifacts/`` for a person to look at.
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import time
@@ -644,3 +645,26 @@ def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_p
                     assert apart, (section, first, second)
     finally:
         page.close()
+
+
+def test_an_avokv_preset_note_says_what_a_hand_edit_changed_and_returns_when_set_back(page):
+    """An AvoKV-E preset sizes B to the prompt and says so; a budget typed by hand turns the note into what
+    changed against the preset's, and the preset's value typed back restores its note."""
+    page.get_by_role("tab", name="Compare").click()
+    page.get_by_label("Comparisons from the papers").click()
+    page.get_by_role("option", name="AvoKV-E without payload", exact=False).click()
+    regime = page.get_by_text("Set to AvoKV-E's regime: budget B = ", exact=False)
+    regime.wait_for(timeout=30_000)
+    preset_budget = re.search(r"budget B = (\d+)", regime.inner_text()).group(1)
+    budget = page.get_by_label("Budget B (tokens)").filter(visible=True)  # the Live tab's is hidden
+    budget.fill("100")
+    budget.press("Tab")
+    page.get_by_text(f"B = 100 (the preset's {preset_budget})", exact=False).wait_for(timeout=30_000)
+    assert not regime.is_visible()
+    budget.fill(preset_budget)
+    budget.press("Tab")
+    regime.wait_for(timeout=30_000)
+    # back to the tab's own regime, as the tests before this one left it
+    page.get_by_label("Comparisons from the papers").click()
+    page.get_by_role("option", name="InertiaKV against TOVA", exact=False).click()
+    page.get_by_text("Back to the prompt-compression regime", exact=False).wait_for(timeout=30_000)

@@ -1733,13 +1733,39 @@ def make_preset_handler(limits: Limits):
 REGIME_SET = "*Set to AvoKV-E's regime"  # how an AvoKV-E preset's note begins
 
 
-def preset_note_after_edit(note):
-    """The prompt, model or chat template changed by hand after an AvoKV-E preset sized B to the prompt: its
-    note no longer holds (a longer prompt over B is the regime the preset left), so it says what to check."""
+def preset_regime(note, model_name, prompt, chat, mode, budget, new_tokens, temperature, top_p) -> dict | None:
+    """What an AvoKV-E preset just set (the inputs after it, and its note), for :func:`preset_note_after_edit`;
+    None after any other preset, which sets no regime to keep."""
     if not isinstance(note, str) or not note.startswith(REGIME_SET):
+        return None
+    return {"note": note, "set": [model_name, prompt, bool(chat), mode, budget, new_tokens, temperature, top_p]}
+
+
+def preset_note_after_edit(regime: dict | None, model_name, prompt, chat, mode, budget, new_tokens, temperature,
+                           top_p):
+    """An input changed by hand after an AvoKV-E preset set its regime (``regime``: :func:`preset_regime`): its
+    note says what no longer holds, against what the preset set, and how to get it back; with every input
+    back as the preset left it, the preset's own note.  Nothing after any other preset."""
+    if not regime:
         return gr.skip()
-    return ("*The prompt changed after the AvoKV-E preset sized B to it: for AvoKV-E's regime keep B above the "
-            "prompt's tokens (counted under the prompt), or choose the preset again to size it.*")
+    set_model, set_prompt, set_chat, _, set_budget, set_tokens, set_temperature, set_top_p = regime["set"]
+    changed = []
+    if (model_name, prompt, bool(chat)) != (set_model, set_prompt, set_chat):
+        # a longer prompt over B is the regime the preset left
+        changed.append("the prompt's tokens (its text, the model or the chat template), which B was sized to: "
+                       "keep B above them (counted under the prompt)")
+    if mode != "budget":
+        changed.append("the cache is sized by ρ, a share of the prompt, not by a budget above it")
+    elif budget != set_budget:
+        changed.append(f"B = {budget} (the preset's {set_budget})")
+    if new_tokens != set_tokens:
+        changed.append(f"{new_tokens} new tokens (the preset's {set_tokens})")
+    if (temperature, top_p) != (set_temperature, set_top_p):
+        changed.append(f"temperature {temperature}, top-p {top_p} (the paper's {set_temperature}, {set_top_p})")
+    if not changed:
+        return regime["note"]
+    return (f"*Changed by hand since the AvoKV-E preset set its regime: {'; '.join(changed)}. Choose the preset "
+            "again to set it back.*")
 
 
 def make_prompt_counter(limits: Limits):
@@ -2100,10 +2126,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         s_layers = gr.Plot(label=SPECTRUM_LAYERS_LABEL)
                         s_table = gr.Dataframe(label=SPECTRUM_TABLE_LABEL, interactive=False)
                         s_note = gr.Markdown()
-            c_preset.input(make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat, c_mode, c_max_new,
-                                                         c_temperature, c_top_p],
-                           [c_policies, c_prompt, c_mode, c_budget, c_max_new, c_temperature, c_top_p, c_preset_note],
-                           api_name=False)
+            preset_chosen = c_preset.input(
+                make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat, c_mode, c_max_new, c_temperature,
+                                              c_top_p],
+                [c_policies, c_prompt, c_mode, c_budget, c_max_new, c_temperature, c_top_p, c_preset_note],
+                api_name=False)
             c_policies.change(policies_edited, [c_preset, c_policies], c_preset, api_name=False,
                              show_progress="hidden")
             c_state = gr.State(None)
@@ -2123,9 +2150,13 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 trigger(counter, c_count_inputs, c_prompt_size, api_name=False, trigger_mode="always_last")
             for loaded in (app.load, compare_tab.select, c_checked.success, c_checked.failure):
                 loaded(counter, c_count_inputs, c_prompt_size, api_name=False, show_progress="hidden")
-            for edited in (c_prompt.input, c_model.input, c_chat.input):  # by hand, not by the preset itself
-                edited(preset_note_after_edit, c_preset_note, c_preset_note, api_name=False, queue=False,
-                       show_progress="hidden")
+            # An AvoKV-E preset's note follows the inputs it set as they are edited by hand (not by the preset)
+            c_regime = gr.State(None)
+            regime_inputs = [c_model, c_prompt, c_chat, c_mode, c_budget, c_max_new, c_temperature, c_top_p]
+            preset_chosen.then(preset_regime, [c_preset_note, *regime_inputs], c_regime, api_name=False, queue=False)
+            for component in regime_inputs:
+                component.input(preset_note_after_edit, [c_regime, *regime_inputs], c_preset_note, api_name=False,
+                                queue=False, show_progress="hidden", trigger_mode="always_last")
             c_checked.failure(compare_check.refused_marks, [*c_inputs, c_state],
                               [c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False)
             # The inputs the comparison ran on, kept at its check, and with its note once it has ended
