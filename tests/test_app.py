@@ -1063,6 +1063,13 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     # the scrubber is left as it is at a step, and set to the step shown where it was typed as something else
     assert outputs[7] == gr.skip() and scrub(view, 1.0)[7] == gr.skip()
     assert [scrub(view, typed)[7]["value"] for typed in (1.5, 99, -3, None)] == [1, 2, 0, 0]
+    # and says why, in a toast: the box changed under the user's typing
+    from kvviz.ui.app import scrub_note
+    assert scrub_note(view, 1.5, 1) == "Scrub to step takes whole steps: 1.5 shows step 1"
+    assert scrub_note(view, 1e5, 2) == "Scrub to step goes from 0 to 2: 100000 was set to 2"
+    assert scrub_note(view, -3, 0) == "Scrub to step goes from 0 to 2: -3 was set to 0"
+    assert scrub_note(view, "nan", 2) == "Scrub to step: 'nan' is not a step; showing the last, 2"
+    assert scrub_note(view, None, 0) is None and scrub_note(view, 2.0, 2) is None
     # the per-step plot marks the scrubbed step on each of its three rows; the streaming figure stays unmarked
     assert [shape.x0 for shape in outputs[2].layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2, 2, 2]
     assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == STEP_MARKER_COLOR]

@@ -999,6 +999,25 @@ def scrubbed_step(view: RunView, step) -> int:
     return min(max(number, 0), view.steps - 1)
 
 
+def scrub_note(view: RunView, typed, step: int) -> str | None:
+    """Why the scrubber shows ``step`` for the value ``typed`` in its box (past an end, not whole, not a
+    number), or None where it needs no word (the step itself, or the box emptied: step 0)."""
+    if typed is None or str(typed).strip() == "":
+        return None
+    last = view.steps - 1
+    try:
+        number = float(typed)
+    except (TypeError, ValueError):
+        number = math.nan
+    if math.isnan(number):
+        return f"Scrub to step: {typed!r} is not a step; showing the last, {step}"
+    if not 0 <= number <= last:
+        return f"Scrub to step goes from 0 to {last}: {number:g} was set to {step}"
+    if number != step:
+        return f"Scrub to step takes whole steps: {number:g} shows step {step}"
+    return None
+
+
 def typed_positions(view: RunView, follow: str, step: int) -> list[int]:
     """The positions typed in Follow, which the retention heatmap marks; none while it is empty (the entries
     at the eviction boundary that the token history then follows change with every step scrubbed)."""
@@ -1018,6 +1037,8 @@ def scrub(view: RunView | None, step, follow: str = ""):
         as_shown = float(typed) == step
     except (TypeError, ValueError):
         as_shown = False
+    if not as_shown and (note := scrub_note(view, typed, step)):
+        gr.Warning(note)  # the box then reads the step shown; without a word, 2.5 became 2 unexplained
     return (view.retention_figure(step, typed_positions(view, follow, step)), view.rank_figure(step),
             view.timeline_figure(step),
             view.step_detail_figure(step), view.fate_html(step, prompt_only=False), *decision_views(view, step),
