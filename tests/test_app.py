@@ -546,7 +546,7 @@ def test_rank_matrix_tells_kept_unscored_from_evicted_and_not_yet_generated():
     assert [colour_at(code) for code in (0, 100, UNSCORED, GONE, EMPTY)] == [
         "#fde725", "#440154", "#c8c8c8", "#f1c9a5", "#ffffff"]  # yellow rank 1, purple B, grey, pale, blank
     assert list(colorbar.tickvals)[-3:] == [UNSCORED, GONE, EMPTY]
-    assert list(colorbar.ticktext)[-3:] == ["kept, no score", "evicted", "not yet"]
+    assert list(colorbar.ticktext)[-3:] == ["kept,<br>no score", "evicted", "not yet"]
     # stacked one above the other, their position axes line up: both keys sit in one fixed right margin
     figures = (view.retention_figure(), view.rank_figure())
     margins = [figure.layout.margin for figure in figures]

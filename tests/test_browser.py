@@ -145,6 +145,16 @@ def test_run_watch_scrub(page):
     page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.layout && "
                            "p.layout.title && String(p.layout.title.text || '').startsWith('Step 7'))", timeout=30_000)
     page.wait_for_function("box => box.value === '7'", arg=step_box.first.element_handle(), timeout=30_000)
+    # and says so, in a toast
+    page.get_by_test_id("toast-text").filter(has_text="Scrub to step takes whole steps: 7.5 shows step 7").wait_for(
+        timeout=30_000)
+    page.evaluate("() => document.querySelectorAll('button.toast-close').forEach(b => b.click())")
+    # The rank plot's positions stand under the retention plot's: the same plot area, left and right (a key
+    # wider than its margin once pushed one plot's right edge in)
+    areas = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+        .filter(p => /^(Retention|Utility rank)/.test(String(((p.layout || {}).title || {}).text || '')))
+        .map(p => { const r = p.querySelector('.nsewdrag').getBoundingClientRect(); return [r.left, r.right]; })""")
+    assert len(areas) == 2 and areas[0] == areas[1]
 
 
 def test_stop_cancels_a_long_run_and_leaves_what_ran_to_scrub(page):

@@ -2008,9 +2008,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     history = gr.Plot(label="Token history", show_label=False)  # its title names it
                     fate = gr.HTML(label="Tokens by fate")
                     timeline = gr.Plot(label="Per step")
-                    with gr.Row():
-                        download = gr.File(label="Trace (parquet)", visible=False)
-                        diag = gr.Markdown()
+                    # stacked: side by side, a 1000-px window squeezed the file's name to ".p" and broke the table's
+                    # numbers over two lines
+                    download = gr.File(label="Trace (parquet)", visible=False)
+                    diag = gr.Markdown()
             view_state = gr.State(None)
             inputs = [model, prompt, policy, budget_mode, compression, budget, max_new, chat, temperature, top_p, seed,
                       *widgets]

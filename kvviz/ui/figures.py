@@ -32,6 +32,8 @@ KEPT_COLOR, EVICTED_COLOR, EMPTY_COLOR, UNSCORED_COLOR = "#1f3b73", "#f1c9a5", "
 # The heatmaps' keys, in a right margin of one fixed width (not grown to fit each key's labels), so that the
 # stacked retention and rank plots' position axes line up
 COLORBAR = dict(thickness=12, len=1, x=1.01, outlinewidth=1, tickfont=dict(size=11))
+# Gradio turns Plotly's margin autoexpand back on: a key wider than this margin would push one plot's right
+# edge in, and the rank plot's positions no longer stood under the retention plot's (hence two-line labels)
 KEY_MARGIN = 105
 HEATMAP_TOP = 70  # a heatmap's title and its key's line (one more for the protected bands' note)
 HEATMAP_TITLE_PAD = 26
@@ -233,7 +235,7 @@ class RunView:
             return fig
         fig = _heatmap(z, col, row, RANK_SCALE, f"rank: %{{z}}% of B ({UNSCORED} kept with no score, {GONE} evicted, "
                        f"{EMPTY} not generated yet)", self.steps, self.prompt_len,
-                       {0: "rank 1", 50: "B/2", 100: "rank B+", UNSCORED: "kept, no score", GONE: "evicted",
+                       {0: "rank 1", 50: "B/2", 100: "rank B+", UNSCORED: "kept,<br>no score", GONE: "evicted",
                         EMPTY: "not yet"})
         fig.update_layout(title_text=title)
         _marker(fig, marker_step)
