@@ -494,18 +494,18 @@ def test_the_step_detail_says_why_a_step_has_no_scores_to_draw():
     ema = view_of([StepEvent(0, 0, 0, "x", np.arange(4), none, utility=np.zeros(4, np.float32)),
                    StepEvent(1, 0, 0, "y", np.arange(4), np.array([4]), raw=np.arange(5, dtype=np.float32),
                              utility=np.arange(4, dtype=np.float32))])
-    assert "<sup>every entry's utility is 0: none scored yet (the first scoring is at step 1)</sup>" in \
-        ema.step_detail_figure(0).layout.title.text
+    assert "every entry's utility is 0: none scored yet (the first scoring is at step 1)" in \
+        plain(ema.step_detail_figure(0).layout.title.text)
     assert "every entry's utility" not in ema.step_detail_figure(1).layout.title.text
     unscored = [StepEvent(0, 0, 0, "x", np.arange(4), none), StepEvent(1, 0, 0, "y", np.arange(4), none)]
     tova = view_of([unscored[0], StepEvent(1, 0, 0, "y", np.arange(4), np.array([4]),
                                            utility=np.arange(4, dtype=np.float32))])
-    assert tova.step_detail_figure(0).layout.title.text.endswith("<sup>nothing scored by this step: the first "
-                                                                 "score is at step 1</sup>")
-    assert view_of(unscored, interval=128).step_detail_figure(1).layout.title.text.endswith(
-        "<sup>no checkpoint by this step: this policy scores entries at its checkpoints only</sup>")
-    assert view_of(unscored).step_detail_figure(1).layout.title.text.endswith(
-        "<sup>this policy keeps no per-entry score: it decides by position</sup>")
+    assert plain(tova.step_detail_figure(0).layout.title.text).endswith(
+        " nothing scored by this step: the first score is at step 1")
+    assert plain(view_of(unscored, interval=128).step_detail_figure(1).layout.title.text).endswith(
+        " no checkpoint by this step: this policy scores entries at its checkpoints only")
+    assert plain(view_of(unscored).step_detail_figure(1).layout.title.text).endswith(
+        " this policy keeps no per-entry score: it decides by position")
 
 
 def test_scrubbed_step_line_lies_inside_the_step_axes_at_the_last_step():
@@ -649,7 +649,7 @@ def test_the_judged_slots_line_shows_only_where_the_protected_are_unranked(tiny)
         figure = view.history_figure(view.follow("", 5)[0], "", 5)
         lines[name] = [shape.y0 for shape in figure.layout.shapes if shape.line.dash == "dashdot"], figure
     (at, avokv), (none, h2o) = lines["avokv"], lines["h2o"]
-    assert at == [24.5] and "the 24 slots for judged entries (B less 36 protected" in avokv.layout.title.text
+    assert at == [24.5] and "the 24 slots for judged entries (B less 36 protected" in plain(avokv.layout.title.text)
     assert none == [] and "judged" not in h2o.layout.title.text  # 60 - 4 sinks - 32 tail above
     # the label is in the key, not on the line, where it lay across the followed tokens' lines
     assert not [a for a in avokv.layout.annotations if "judged" in a.text]
@@ -1399,6 +1399,8 @@ def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
 
     table, note, plot = client.predict(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0, api_name="/probe")
     assert {row[0] for row in table["data"]} == {"inertia", "tova"}  # AvoKV-E joins the probe, not the table
+    assert table["headers"] == ["policy", "AUROC", "AUROC p", "average precision", "top-k recall", "false-safe rate",
+                                "Spearman"]
     assert "Blindspot:" in note and "ranked by AvoKV-E" in note
     assert plot["visible"] is True
     figure = json.loads(plot["value"]["plot"])  # a gr.update payload
@@ -1413,6 +1415,11 @@ def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     spot = blindspot([(np.where(sinks, np.nan, terms["N(p)"]), terms["N(b)"], result.damage)])
     assert spot.entries_in + spot.entries_out == np.isfinite(terms["S"]).sum()
     assert cells == [[f"{spot.grid_high[r, c]}/{spot.grid_entries[r, c]}" for c in range(5)] for r in range(5)]
+    # its test's line as the title, broken into lines that a plot in a 1000-px window holds
+    from kvviz.ui.figures import TITLE_12_CHARS
+    title = figure["layout"]["title"]["text"]
+    assert title.replace("<br>", " ") == "Blindspot: " + spot.summary().replace("<=", "≤").replace(">=", "≥")
+    assert len(title.split("<br>")) > 1 and all(len(line) <= TITLE_12_CHARS for line in title.split("<br>"))
     _, note, plot = client.predict(TINY, "The passkey is 71432.", ["inertia"], False, 2, 0, api_name="/probe")
     assert "AvoKV-E judges nothing at step 2" in note and plot["visible"] is False
 
@@ -1426,7 +1433,7 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     _models[TINY] = tiny
     handler = make_probe_handler(Limits(models=(TINY,)))
     table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
-    below = [policy for policy, auroc in zip(table.policy, table.auroc) if auroc < 0.5]  # a random model's
+    below = [policy for policy, auroc in zip(table.policy, table.AUROC) if auroc < 0.5]  # a random model's
     assert ("AUROC below 0.5" in note) == bool(below) and all(policy in note for policy in below)
     real = kvviz.probe.aligned_quality
 
@@ -1438,14 +1445,14 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
     table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
     assert "AUROC below 0.5 (tova 0.24, p = 0.012): worse than chance" in note
-    assert table.set_index("policy").auroc["tova"] == 0.24 and "auroc_p" in table.columns
+    assert table.set_index("policy").AUROC["tova"] == 0.24 and "AUROC p" in table.columns
     # one that could be chance is not called worse than chance: a handful of high-damage entries
     monkeypatch.setattr(kvviz.probe, "aligned_quality", lambda u, d: one_inverted(u, d, p=0.33))
     _, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
     assert "worse than chance," not in note
     assert "AUROC below 0.5 (tova 0.24, p = 0.330), but with this few high-damage entries not distinguishable" in note
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
-    assert "Scored with" not in note and "false_safe_rate" in table.columns  # neither protects anything
+    assert "Scored with" not in note and "false-safe rate" in table.columns  # neither protects anything
     monkeypatch.undo()
     table, note, _ = handler(TINY, PROMPT * 2, ["tova", "h2o"], False, 3, 0)
     budget = len(kvviz.engine.encode_prompt(kvviz.load_model(TINY)[1], PROMPT * 2, chat=False)) + 3  # P + 1
@@ -1478,7 +1485,7 @@ def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypat
     assert f"Mostly one tied score: tova ({(entries - 1) / entries:.0%}) of the ranked entries share it" in note
     assert "inertia (" not in note  # attention weights are all distinct
     exact = auroc_p(probed[0].utilities["tova"], top_decile(probed[0].damage))  # every entry is aligned here
-    assert table.set_index("policy").auroc_p["tova"] == float(f"{exact:.2g}")
+    assert table.set_index("policy")["AUROC p"]["tova"] == float(f"{exact:.2g}")
 
 
 def test_an_analysis_of_earlier_inputs_names_what_changed():
@@ -2277,8 +2284,33 @@ def test_the_retention_heatmap_labels_where_the_prompt_ends():
     assert len(labels) == 1 and labels[0].x == 5.5
     assert "green" not in figure.layout.title.text  # nothing protected here
     protected = RunView(6, 3, 4, ["a"] * 6, pinned=(2, 3)).retention_figure()  # H2O-like: sinks and a window
-    assert protected.layout.title.text.endswith(
-        "<br><sup>green: protected, the first 2 always and the newest 3 while newest</sup>")
+    assert plain(protected.layout.title.text).endswith(
+        " · blank not yet generated green: protected, the first 2 always and the newest 3 while newest")
+
+
+def plain(title: str) -> str:
+    """A figure's title as text: its lines joined by a space, without their tags."""
+    return re.sub(r"<[^>]+>", "", title.replace("<br>", " "))
+
+
+def test_titles_break_into_lines_a_plot_in_a_1000_px_window_holds():
+    """A long title or key is broken into lines (at " · " where it can), none longer than a Live-tab plot
+    holds at a 1000-px window, with every word kept, and the figure's top margin grows with its lines."""
+    from kvviz.ui.figures import HEAD_CHARS, NOTE_CHARS, titled
+
+    key = "dark kept · pale evicted · blank not yet generated · red followed · cell = 4 pos × 2 steps"
+    text, height = titled("Token history: at step 63: the 1 evicted (highest first), then 3 more", key, "",
+                          "short")
+    head, *notes = text.split("<br><sup>")
+    assert [len(line) <= HEAD_CHARS for line in head.split("<br>")] == [True, True]
+    notes = [note.removesuffix("</sup>") for note in notes]
+    assert notes == ["dark kept · pale evicted · blank not yet generated", "red followed · cell = 4 pos × 2 steps",
+                     "short"]  # broken at a " · ", the empty note left out
+    assert all(len(note) <= NOTE_CHARS for note in notes) and height == 2 * 22 + 3 * 20
+    protected, unprotected = RunView(6, 3, 4, ["a"] * 6, pinned=(2, 3)).retention_figure(), follow_view().retention_figure()
+    lines = protected.layout.title.text.count("<sup>")
+    assert unprotected.layout.title.text.count("<sup>") == 1 and lines == 3  # the protected bands' note on two
+    assert protected.layout.margin.t == unprotected.layout.margin.t + 20 * (lines - 1)
 
 
 def test_stop_while_a_model_loads_replaces_the_loading_line_and_leaves_other_notes():

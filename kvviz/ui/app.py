@@ -670,6 +670,10 @@ NOT_COMPARED = "*Not compared: "  # how the refusal note begins, where the compa
 PREVIOUS = "previous comparison"  # how a refusal marks what the last comparison left on the page
 FATES_LABEL = "Fate per policy"
 PROBE_LABEL = "Ranking quality (AUROC / AP vs top-decile damage)"
+# The probe table's headers in words, which wrap: "average_precision" held its column wide, and the table's
+# last columns were cut at a 1000-px window
+PROBE_HEADERS = {"auroc": "AUROC", "auroc_p": "AUROC p", "average_precision": "average precision",
+                 "topk_recall": "top-k recall", "false_safe_rate": "false-safe rate", "spearman": "Spearman"}
 BLINDSPOT_LABEL = "Attention-only blindspot (AvoKV-E Fig. 1a)"
 SPECTRUM_LABEL, SPECTRUM_LAYERS_LABEL, SPECTRUM_TABLE_LABEL = "Scorer spectrum", "By layer", "Mean over steps"
 STABILITY_LABEL = ("Stability, a column per policy (InertiaKV App. I; means over steps, k = B): top-B churn of raw scores "
@@ -1398,7 +1402,15 @@ def compare_diagnostics(views: dict[str, RunView] | None):
         columns.setdefault("diagnostic", list(values))
         columns[name] = list(values.values())
     # a column per policy (at most four), a row per diagnostic: the eight diagnostics as columns scrolled sideways
-    return gr.update(value=pd.DataFrame(columns), visible=True)
+    return gr.update(value=pd.DataFrame(columns), visible=True, column_widths=column_widths(36, policies=len(columns) - 1))
+
+
+def column_widths(*first: float, policies: int) -> list[str]:
+    """Widths of a table with ``first`` columns (percent) and then one column per compared policy, which share
+    the rest: left to the browser, a 1000-px window showed the first policy's column and hid the others
+    past the table's edge (scrolled sideways)."""
+    rest = (100 - sum(first)) / policies
+    return [f"{width:g}%" for width in first] + [f"{rest:.4g}%"] * policies
 
 
 def followed_prompt_tokens(views: dict[str, RunView], query: str) -> tuple[list[int], str]:
@@ -1449,7 +1461,7 @@ def compare_fates(views: dict[str, RunView] | None, query: str, followed: tuple 
               + ", ".join(f"**{name}** {sum(step is None or step > horizon for step in steps)}"
                           for name, steps in fates.items()) + ".")
     return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.{marked}{uneven}", \
-        gr.update(value=frame, visible=True)
+        gr.update(value=frame, visible=True, column_widths=column_widths(9, 21, policies=len(names)))
 
 
 def compare_follow(views: dict[str, RunView] | None, query: str) -> tuple:
@@ -1552,6 +1564,7 @@ def make_probe_handler(limits: Limits):
             # p-values to 2 significant digits: rounded to 4 decimals, 3e-7 read as 0
             rows = pd.DataFrame([{"policy": n, **{k: float(f"{v:.2g}") if k == "auroc_p" else round(v, 4)
                                                   for k, v in q.items()}} for n, q in quality.items()])
+            rows = rows.rename(columns=PROBE_HEADERS)
             try:
                 spot, spot_note = blindspot_at(model, tokenizer, prompt_ids, result)
             except Exception as error:  # the ranking above stands; only the blindspot is lost
@@ -1996,7 +2009,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     retention = gr.Plot(label="Retention", show_label=False)
                     ranks = gr.Plot(label="Utility rank", show_label=False)
                     step_slider = TypedSlider(0, 1, value=0, step=1, label="Scrub to step", visible=False)
-                    detail = gr.Plot(label="Step detail")
+                    detail = gr.Plot(label="Step detail", show_label=False)  # its title, hung from the top, names it
                     with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV, LazyEviction)",
                                       open=False):
                         terms_note = gr.Markdown()
@@ -2129,7 +2142,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             p_step = gr.Number(value=8, label="Step")
                             p_sample = gr.Number(value=128, label="Entries sampled (0 = all)")
                             p_run = gr.Button("Run probe")
-                        p_table = gr.Dataframe(label=PROBE_LABEL, interactive=False)
+                        # the policy column pinned: seven columns scroll sideways in a narrow window
+                        p_table = gr.Dataframe(label=PROBE_LABEL, interactive=False, wrap=True, pinned_columns=1)
                         p_note = gr.Markdown()
                         # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
                         p_blindspot = gr.Plot(label=BLINDSPOT_LABEL, visible=False)

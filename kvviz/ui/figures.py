@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 
 import numpy as np
 import pandas as pd
@@ -35,8 +36,12 @@ COLORBAR = dict(thickness=12, len=1, x=1.01, outlinewidth=1, tickfont=dict(size=
 # Gradio turns Plotly's margin autoexpand back on: a key wider than this margin would push one plot's right
 # edge in, and the rank plot's positions no longer stood under the retention plot's (hence two-line labels)
 KEY_MARGIN = 105
-HEATMAP_TOP = 70  # a heatmap's title and its key's line (one more for the protected bands' note)
+HEATMAP_TOP = 70  # a heatmap's title and its key's line
 HEATMAP_TITLE_PAD = 26
+# What one line of a title holds, in its own size and in small print (<sup>), in the Live tab's plots at a
+# 1000-px window: a longer line ran past the plot's right edge and was cut there.  Pixels per line of each.
+HEAD_CHARS, NOTE_CHARS = 42, 62
+HEAD_LINE, NOTE_LINE = 22, 20
 FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: apart from its navy and its pale
 HALO_COLOR = "rgba(255,255,255,0.85)"
 HALO = dict(color=HALO_COLOR, width=1)
@@ -123,8 +128,8 @@ class RunView:
         return out, col, row
 
     # -- figures ---------------------------------------------------------------------------------------
-    def _reuse(self, name: str, z: np.ndarray, col: int, row: int, marker_step: int | None,
-               title: str) -> go.Figure | None:
+    def _reuse(self, name: str, z: np.ndarray, col: int, row: int, marker_step: int | None, title: str,
+               title_height: int) -> go.Figure | None:
         """While streaming, update the cached figure's heatmap in place (building a figure costs ~10x more)."""
         fig = self._live.get(name)
         if fig is None or marker_step is not None:
@@ -132,22 +137,22 @@ class RunView:
         with fig.batch_update():
             fig.data[0].update(z=z, x0=(col - 1) / 2, dx=col, y0=(row - 1) / 2, dy=row)
             fig.update_xaxes(range=_position_range(z, col))
-            fig.layout.title.text = title  # binning can change as the run grows
+            _heatmap_title(fig, title, title_height)  # binning can change as the run grows
             fig.update_yaxes(dtick=step_dtick(self.steps))
         return fig
 
-    def _retention_title(self, col: int, row: int, followed: bool = False) -> str:
+    def _retention_title(self, col: int, row: int, followed: bool = False) -> tuple[str, int]:
         binned = _cell_note(col, row)  # mixed cells shade in between
         # the key on a line of its own, in small type: one line of 17-px text was cut at a half-width plot's edge
-        return (f"Retention (B = {self.budget})<br><sup>dark kept · pale evicted · blank not yet generated"
-                f"{' · red followed' * followed}{binned}</sup>" + self._protected_note())
+        return titled(f"Retention (B = {self.budget})", f"dark kept · pale evicted · blank not yet generated"
+                      f"{' · red followed' * followed}{binned}", self._protected_note())
 
     def retention_figure(self, marker_step: int | None = None, followed: list[int] | None = None) -> go.Figure:
         """Which positions the cache holds after each step, with ``followed`` positions drawn over it in red
         (:meth:`mark_positions`) on a figure of its own: the one a run streams into stays unmarked."""
         z, col, row = self.retention()
         title = self._retention_title(col, row, bool(followed))
-        if not followed and (fig := self._reuse("retention", z, col, row, marker_step, title)) is not None:
+        if not followed and (fig := self._reuse("retention", z, col, row, marker_step, *title)) is not None:
             last = max(self.steps - 1, 0)
             for shape in fig.layout.shapes:  # the pinned bands grow down (sinks) and right (tail) per step
                 if shape.type == "path":
@@ -159,7 +164,7 @@ class RunView:
         fig = _heatmap(z, col, row, scale, "kept: %{z}% of the cell (200 = not generated yet)", self.steps,
                        self.prompt_len, {0: "evicted", 100: "kept", EMPTY: "not yet"})
         self._pinned_bands(fig)
-        fig.update_layout(title_text=title, margin_t=HEATMAP_TOP + 16 * any(self.pinned))
+        _heatmap_title(fig, *title)
         _marker(fig, marker_step)
         if followed:
             return self.mark_positions(fig, followed)
@@ -215,7 +220,7 @@ class RunView:
         while it is among the newest (H2O's window, AvoKV-E's delay), a sink always."""
         sinks, tail = self.pinned
         which = [f"the first {sinks} always"] * bool(sinks) + [f"the newest {tail} while newest"] * bool(tail)
-        return f"<br><sup>green: protected, {' and '.join(which)}</sup>" if which else ""
+        return f"green: protected, {' and '.join(which)}" if which else ""
 
     def _tail_path(self) -> str:
         tail, last = self.pinned[1], max(self.steps - 1, 0)
@@ -230,14 +235,14 @@ class RunView:
                                  "(e.g. StreamingLLM, Recency), so there is nothing to rank.")
         z, col, row = self.rank_matrix()
         binned = _cell_note(col, row)
-        title = f"Utility rank of kept tokens<br><sup>yellow = most useful{binned}</sup>"
-        if (fig := self._reuse("rank", z, col, row, marker_step, title)) is not None:
+        title = titled("Utility rank of kept tokens", f"yellow = most useful{binned}")
+        if (fig := self._reuse("rank", z, col, row, marker_step, *title)) is not None:
             return fig
         fig = _heatmap(z, col, row, RANK_SCALE, f"rank: %{{z}}% of B ({UNSCORED} kept with no score, {GONE} evicted, "
                        f"{EMPTY} not generated yet)", self.steps, self.prompt_len,
                        {0: "rank 1", 50: "B/2", 100: "rank B+", UNSCORED: "kept,<br>no score", GONE: "evicted",
                         EMPTY: "not yet"})
-        fig.update_layout(title_text=title)
+        _heatmap_title(fig, *title)
         _marker(fig, marker_step)
         if marker_step is None:
             self._live["rank"] = fig
@@ -341,15 +346,14 @@ class RunView:
                    "nothing scored at this step" if scored else
                    "no checkpoint by this step: this policy scores entries at its checkpoints only"
                    if self.interval is not None else "this policy keeps no per-entry score: it decides by position")
-            fig.update_layout(title=f"Step {event.step}: the entries present (● kept, × evicted now)<br><sup>"
-                                    f"{why}</sup>",
-                              xaxis_title="absolute position", yaxis_visible=False, height=200,
-                              margin=dict(l=50, r=20, t=60, b=40))
+            top = _hang_title(fig, *titled(f"Step {event.step}: the entries present", "● kept · × evicted now", why))
+            fig.update_layout(xaxis_title="absolute position", yaxis_visible=False, height=140 + top,
+                              margin=dict(l=50, r=20, t=top, b=40))
             return fig
-        title = f"Step {event.step}: {label} of each entry present (hover for token, score, rank)"
-        fig.update_layout(title=title + "".join(f"<br><sup>{note}</sup>" for note in notes),
-                          xaxis_title="absolute position", yaxis_title=label, height=300 + 15 * len(notes),
-                          margin=dict(l=50, r=20, t=40 + 15 * len(notes), b=40))
+        top = _hang_title(fig, *titled(f"Step {event.step}: {label} of each entry present", *notes,
+                                       "hover a point: its token, score and rank"))
+        fig.update_layout(xaxis_title="absolute position", yaxis_title=label, height=260 + top,
+                          margin=dict(l=50, r=20, t=top, b=40))
         return fig
 
     def terms_frame(self, step: int) -> tuple[pd.DataFrame | None, str]:
@@ -528,8 +532,8 @@ class RunView:
         judged_key = ""
         if any(self.pinned) and judged > 0 and unranked >= sum(self.pinned):
             fig.add_hline(y=judged + 0.5, line_dash="dashdot", line_color="#888")
-            judged_key = (f"<br><sup>dash-dot: the {judged} slots for judged entries (B less {sum(self.pinned)} "
-                          "protected, which hold no rank)</sup>")
+            judged_key = (f"dash-dot: the {judged} slots for judged entries (B less {sum(self.pinned)} "
+                          "protected, which hold no rank)")
         _marker_x(fig, marker_step)
         # Around the boundary: the prefill and the first cut rank the whole prompt, and would flatten it; a
         # line that leaves through the bottom fell further than twice the budget.
@@ -564,16 +568,14 @@ class RunView:
         # rank, which can lie inside the top B (the eviction was by utility); the key says so
         bases = sorted({by for _, ranks, _, _ in crosses for _, by in ranks if by})
         crossed = "×: evicted" + (f", at its rank by {' or '.join(bases)}" if bases else "")
-        # the key on two lines: on one it ran past the plot's right edge at 1400 px
-        fig.update_layout(title=f"Token history: {note}<br><sup>{fates}</sup><br><sup>solid: rank by the policy's "
-                          f"utility{dotted} · below the dashed line: out of the top B</sup><br><sup>{crossed}"
-                          + (f" · ▼: evicted ranked below {bottom:g}" * below) + f"</sup>{judged_key}",
-                          xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps),
-                          height=364 + 30 * rows + 24 * bool(judged_key), xaxis_range=step_range(self.steps),
-                          margin=dict(l=50, r=20, t=104 + 24 * bool(judged_key), b=60 + 30 * rows),
+        top = _hang_title(fig, *titled(f"Token history: {note}", fates,
+                                       f"solid: rank by the policy's utility{dotted} · below the dashed line: out of "
+                                       "the top B", crossed + f" · ▼: evicted ranked below {bottom:g}" * below,
+                                       judged_key))
+        fig.update_layout(xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps),
+                          height=260 + top + 30 * rows, xaxis_range=step_range(self.steps),
+                          margin=dict(l=50, r=20, t=top, b=60 + 30 * rows),
                           legend=dict(orientation="h", yanchor="top", y=-0.24))
-        # hung from the top: centred in the margin (Plotly's default), the key's last line touched the plot
-        fig.update_layout(title=dict(yref="container", y=1, yanchor="top", pad_t=14))
         return fig
 
     def _lifelines(self, positions: list[int], note: str, marker_step: int | None) -> go.Figure:
@@ -594,10 +596,10 @@ class RunView:
         _marker_x(fig, marker_step)
         fig.update_yaxes(autorange="reversed", type="category")
         fig.update_xaxes(range=step_range(self.steps))  # the whole run, so that a line's length reads against it
-        fig.update_layout(title=f"Token history: {note}<br><sup>this policy keeps no per-entry score (it decides "
-                          "by position): each line is a token's time in the cache, × where it was evicted</sup>",
-                          xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), showlegend=False,
-                          height=160 + 22 * len(positions), margin=dict(l=120, r=20, t=70, b=50))
+        top = _hang_title(fig, *titled(f"Token history: {note}", "this policy keeps no per-entry score (it decides "
+                                       "by position): each line is a token's time in the cache, × where it was evicted"))
+        fig.update_layout(xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), showlegend=False,
+                          height=90 + top + 22 * len(positions), margin=dict(l=120, r=20, t=top, b=50))
         return fig
 
     def _decision_rank(self, step: int, position: int) -> float | None:
@@ -732,6 +734,44 @@ def _heatmap(z: np.ndarray, col: int, row: int, colorscale, hover: str, steps: i
     return fig
 
 
+def titled(head: str, *notes: str) -> tuple[str, int]:
+    """A title: ``head`` in the title's size, then each of ``notes`` in small print (empty ones left out), broken
+    into lines that fit a Live-tab plot at a 1000-px window (at " · " where it can, else at spaces).  Returns
+    the text and its height in pixels."""
+    heads = textwrap.wrap(head, HEAD_CHARS) or [head]
+    lines = []
+    for note in filter(None, notes):
+        line = ""
+        for part in note.split(" · "):
+            joined = f"{line} · {part}" if line else part
+            if line and len(joined) > NOTE_CHARS:
+                lines.append(line)
+                joined = part
+            line = joined
+        lines.append(line)
+    lines = [piece for line in lines for piece in textwrap.wrap(line, NOTE_CHARS, break_long_words=False)]
+    text = "<br>".join(heads) + "".join(f"<br><sup>{line}</sup>" for line in lines)
+    return text, HEAD_LINE * len(heads) + NOTE_LINE * len(lines)
+
+
+TITLE_PAD, TITLE_GAP = 14, 8  # pixels above a title hung from the top of its figure, and between it and the plot
+CHIP_HEIGHT, SMALL_LINE = 40, 16  # a plot's label chip, at its top left, and a line of a 12-px title
+TITLE_12_CHARS = 52  # what a line of a 12-px title holds in the Compare tab's accordions at a 1000-px window
+
+
+def _hang_title(fig: go.Figure, text: str, height: int) -> int:
+    """Hang ``titled``'s title from the top of the figure (centred in the margin, Plotly's default, its last
+    line touched the plot); returns the top margin it needs."""
+    fig.update_layout(title=dict(text=text, yref="container", y=1, yanchor="top", pad_t=TITLE_PAD))
+    return TITLE_PAD + height + TITLE_GAP
+
+
+def _heatmap_title(fig: go.Figure, text: str, height: int) -> None:
+    """A heatmap's title and the top margin it needs: HEATMAP_TOP holds a title of one line and one line of
+    key (the "prompt end" label sits under the key, above the plot)."""
+    fig.update_layout(title_text=text, margin_t=HEATMAP_TOP + height - HEAD_LINE - NOTE_LINE)
+
+
 def _cell_note(col: int, row: int) -> str:
     """What one cell of a binned heatmap holds, for its title ("" unbinned)."""
     return "" if col == row == 1 else f" · cell = {col} pos × {row} step{'s' * (row > 1)}"
@@ -784,10 +824,14 @@ def blindspot_figure(spot) -> go.Figure:
         hovertemplate="N(p) %{x}<br>N(b) %{y}<br>high-damage %{text} (%{z:.0%})<extra></extra>"))
     # N(p) <= 0.2, N(b) >= 0.8: the first column, top row
     fig.add_shape(type="rect", x0=-0.5, x1=0.5, y0=bins - 1.5, y1=bins - 0.5, line=dict(color="#1f3b73", width=3))
+    # The test's line, broken to fit (on one line it ran past the plot's edge), under the plot's label chip
+    lines = textwrap.wrap("Blindspot: " + spot.summary().replace("<=", "≤").replace(">=", "≥"), TITLE_12_CHARS)
+    top = CHIP_HEIGHT + SMALL_LINE * len(lines) + TITLE_GAP
     fig.update_layout(
-        title=dict(text="Blindspot: " + spot.summary().replace("<=", "≤").replace(">=", "≥"), font=dict(size=12)),
-        xaxis_title="read-pressure rank N(p) (AvoKV-E)", yaxis_title="payload rank N(b)", height=380,
-        margin=dict(l=60, r=20, t=50, b=50))
+        title=dict(text="<br>".join(lines), font=dict(size=12), yref="container", y=1, yanchor="top",
+                   pad_t=CHIP_HEIGHT),
+        xaxis_title="read-pressure rank N(p) (AvoKV-E)", yaxis_title="payload rank N(b)", height=330 + top,
+        margin=dict(l=60, r=20, t=top, b=50))
     return fig
 
 
