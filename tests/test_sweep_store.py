@@ -321,7 +321,7 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
 
         # inertia-lazy here sets refresh = 8: a refresh-sweep point, not the policy at its default
         assert policies(everything[1]) == {"inertia", "score-free", "tova", "full"}
-        assert policies(only_tova[1]) == {"tova"}
+        assert policies(only_tova[1]) == {"tova", "full"}  # and the full cache, the reference tova is read against
         sources = only_paper[1]["headers"].index("source")
         assert {row[sources] for row in only_paper[1]["data"]} == {"paper"}  # the sweep filter
         assert path(only_tova[2]).read_text().startswith("source,model,task,policy")

@@ -940,17 +940,19 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     suite = suite if suite in suites else (suites[0] if suites else "RULER")
 
     settings = bool(settings)
-    quality = store.quality_vs_compression(task, model, policies, source, settings=settings, sweeps=sweeps)
+    # The full cache is what every policy is read against, not one of them: the figures that draw it keep it
+    drawn = with_reference(policies)
+    quality = store.quality_vs_compression(task, model, drawn, source, settings=settings, sweeps=sweeps)
     references = store.options("policy", source="measured")
     reference = reference if reference in references else default_reference(references)
     differences = paired(store, reference, task, model, tuple(policies) if policies else None, settings, sweeps) \
         if reference and source != "paper" else paired_table(pd.DataFrame())  # papers print no samples
-    hits = store.max_length_hits(task, model, policies, settings=settings, sweeps=sweeps)
+    hits = store.max_length_hits(task, model, drawn, settings=settings, sweeps=sweeps)
     comparison = store.paper_comparison(suite, policies)
     suite_lines = suite_notes(comparison, store.left_out_of_suite(suite, policies), suite) if len(comparison) else []
     alpha = store.alpha_sensitivity(task, model, source, sweeps=sweeps)
     refresh = store.refresh_curve(task, model, source, sweeps=sweeps)
-    speed = store.speed_vs_quality(task, model, policies, settings=settings, sweeps=sweeps)
+    speed = store.speed_vs_quality(task, model, drawn, settings=settings, sweeps=sweeps)
     # One nominal B is not one memory size: the quality and paired figures name the cells that held well over it
     quality_notes = [] if source == "paper" else _note_lines(held_over_note(speed))
     quality_notes += _note_lines(weak_full_cache_note(quality))
@@ -974,7 +976,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     if source == "paper":  # the papers report no per-run decode speed or max-length hits
         speed, hits = speed.iloc[0:0], hits.iloc[0:0]
     # The grid is a task of its own: another task chosen leaves it empty, saying why
-    grid = store.needle_grid(model, policies, source, sweeps=sweeps)
+    grid = store.needle_grid(model, drawn, source, sweeps=sweeps)
     grid_empty = "no needle-grid rows for these filters"
     if task not in (None, "needle_grid"):
         grid, grid_empty = grid.iloc[0:0], f"the grid is the task needle_grid: choose it (or {ALL}) as the Task"
@@ -1003,6 +1005,12 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     for figure, frame, name in figures:
         out += [figure, frame.round(4), gr.update(value=_csv(frame, name))]  # the CSV keeps full precision
     return tuple(out)
+
+
+def with_reference(policies: list[str] | None) -> list[str] | None:
+    """The policies a figure draws for the Policies filter ``policies`` (None: all): those and the full cache,
+    the reference each of them is read against (its dotted line, its panel of the grid, its speed)."""
+    return [*policies, *(["full"] if "full" not in policies else [])] if policies else None
 
 
 def weak_full_cache_note(quality: pd.DataFrame) -> str:

@@ -1,0 +1,59 @@
+"""The Results tab's figures and filters as a browser review of them at 1000 and 1400 px read them, each check
+on a small store of its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from kvviz.store import Store
+from kvviz.ui.results import (ALL, LEGEND_ROW, SETTINGS_BOX, _dodge, _line_figure, _on_cut_axes, _refresh_figure,
+                              query, with_reference)
+
+FIGURES = ["quality", "hits", "paired", "comparison", "alpha", "refresh", "speed", "cache", "grid"]
+
+
+def write_rows(folder: Path, rows: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def sweep_store(tmp_path: Path, policies: list[str], cuts=(0.5, 0.9, 0.95), samples: int = 3) -> Store:
+    """A measured sweep of ``policies`` (and the full cache) at ``cuts``, with timings, max-length hits and a
+    needle grid: every figure that can draw the full cache has its rows."""
+    base = {"source": "measured", "sweep": "s", "model": "m", "metric": "string_match", "params": {},
+            "decode_tok_s": 10.0, "max_cache": 50, "max_decode_cache": 50, "prompt_len": 100,
+            "hit_max_tokens": False}
+    rows = [{**base, "task": task, "policy": "full", "compression": None, "sample": sample, "score": 1.0,
+             "meta": {"length": 1000, "depth": 0.5}} for task in ("t", "needle_grid") for sample in range(samples)]
+    rows += [{**base, "task": task, "policy": policy, "compression": cut, "sample": sample,
+              "score": (index + sample) % 4 / 4, "decode_tok_s": 10.0 + index, "meta": {"length": 1000, "depth": 0.5}}
+             for task in ("t", "needle_grid") for index, policy in enumerate(policies) for cut in cuts
+             for sample in range(samples)]
+    write_rows(tmp_path / "s", rows)
+    return Store(tmp_path)
+
+
+def figures(out) -> dict:
+    return dict(zip(FIGURES, out[0::3]))
+
+
+def test_the_policies_filter_keeps_the_full_cache_every_policy_is_read_against(tmp_path):
+    """Picking tova in the Policies filter dropped the full cache's dotted line: it is the reference, not a
+    policy one filters out.  The figures that draw it keep it; the policies not picked stay out."""
+    assert with_reference(["tova"]) == ["tova", "full"] and with_reference(["full", "tova"]) == ["full", "tova"]
+    assert with_reference([]) is None and with_reference(None) is None  # none picked: all
+    store = sweep_store(tmp_path, ["tova", "h2o"])
+    out = query(store, ALL, ALL, ["tova"], "measured")
+    drawn = figures(out)
+    for name in ("quality", "hits", "speed"):
+        names = {trace.name for trace in drawn[name].data}
+        assert "full" in names and "tova" in names and "h2o" not in names, (name, names)
+    quality = {trace.name: trace for trace in drawn["quality"].data if trace.xaxis in (None, "x")}
+    assert quality["full"].line.dash == "dot"  # the reference line, across the panel
+    assert any(name.startswith("full cache") for name in (trace.name for trace in drawn["cache"].data))
+    grid = [annotation.text for annotation in drawn["grid"].layout.annotations]
+    assert "full cache" in grid and not any(text.startswith("h2o") for text in grid)
+    assert set(out[1].policy) == {"tova", "full"}  # the table under the quality figure too
