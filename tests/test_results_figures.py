@@ -57,3 +57,41 @@ def test_the_policies_filter_keeps_the_full_cache_every_policy_is_read_against(t
     grid = [annotation.text for annotation in drawn["grid"].layout.annotations]
     assert "full cache" in grid and not any(text.startswith("h2o") for text in grid)
     assert set(out[1].policy) == {"tova", "full"}  # the table under the quality figure too
+
+
+def test_the_full_cache_line_spans_the_same_x_in_every_panel_that_shares_an_axis():
+    """One task run at ρ 0.5 to 0.95 and another at 0.75 only: the dotted line ran across each panel's own
+    cuts, a stub in the second while the panels share one x axis.  It spans every panel's cuts alike, per axis
+    the panels share (a budget panel's, a paper panel's own)."""
+    rows = [("measured", "t1", "full", None, None, 1.0), ("measured", "t1", "tova", 0.5, None, 0.8),
+            ("measured", "t1", "tova", 0.95, None, 0.3), ("measured", "t2", "full", None, None, 0.6),
+            ("measured", "t2", "tova", 0.75, None, 0.5), ("measured", "t3", "full", None, None, 0.4),
+            ("measured", "t3", "tova", None, 80, 0.1), ("measured", "t3", "tova", None, 112, 0.2),
+            ("measured", "t4", "full", None, None, 0.5), ("measured", "t4", "tova", None, 96, 0.3),
+            ("paper", "P", "full", None, None, 50.0), ("paper", "P", "tova", 0.9, None, 40.0)]
+    frame = pd.DataFrame([{"source": source, "model": "m", "task": task, "policy": policy, "compression": cut,
+                           "absolute_budget": budget, "score": score}
+                          for source, task, policy, cut, budget, score in rows])
+    fig = _line_figure(frame, "compression", "score", "Q", "ρ", "mean score")
+    spans = {fig.layout[trace.xaxis.replace("x", "xaxis")].matches or trace.xaxis: [] for trace in fig.data}
+    for trace in fig.data:
+        if trace.name == "full":
+            spans[fig.layout[trace.xaxis.replace("x", "xaxis")].matches or trace.xaxis].append(list(trace.x))
+    lines = sorted(spans.values())
+    assert sorted(map(len, lines)) == [1, 2, 2]  # a paper panel, two budget panels, two compression panels
+    for panels in lines:
+        assert all(span == panels[0] for span in panels)  # the same extent in each panel of one axis
+    assert [0.5, 0.95] in sum(lines, []) and [80.0, 112.0] in sum(lines, [])
+    paper = next(span for panels in lines if len(panels) == 1 for span in panels)
+    assert paper[0] < 0.9 < paper[1]  # one cut: a short line around it, not a point under its markers
+
+
+def test_score_free_lines_span_the_same_r_in_every_panel():
+    """The refresh figure's Score-Free lines are references too: one task run at r = 1..16 and another at
+    r = 1..4, they stopped at 4 in the second panel."""
+    frame = pd.DataFrame([{"source": "measured", "model": "m", "task": task, "compression": 0.9, "refresh": r,
+                           "score": 0.5, "decode_tok_s": 10.0, "sweeps": "s"}
+                          for task, rs in (("a", (0, 1, 16)), ("b", (0, 1, 4))) for r in rs])
+    fig = _refresh_figure(frame)
+    free = [list(trace.x) for trace in fig.data if "score-free" in trace.name]
+    assert len(free) == 4 and all(span == [1, 16] for span in free)

@@ -896,9 +896,9 @@ def test_quality_figure_has_a_panel_per_task_and_a_line_per_policy():
     drawn = [(trace.xaxis, trace.name, list(trace.x), list(trace.y), trace.line.color, trace.showlegend)
              for trace in fig.data]
     assert drawn == [
-        ("x", "full", [0.5, 0.9], [1.0, 1.0], colours("full"), True),  # across this panel's own ρ range
+        ("x", "full", [0.5, 0.9], [1.0, 1.0], colours("full"), True),  # across the ρ range the panels share
         ("x", "tova", [0.5, 0.9], [0.8, 0.3], colours("tova"), True),
-        ("x2", "full", [0.5, 0.75], [0.6, 0.6], colours("full"), False),
+        ("x2", "full", [0.5, 0.9], [0.6, 0.6], colours("full"), False),  # not stopping at this panel's 0.75
         ("x2", "tova", [0.5, 0.75], [0.5, 0.1], colours("tova"), False),
         ("x3", "h2o", [0.9], [0.2], colours("h2o"), True),
         ("x3", "tova", [0.9], [0.0], colours("tova"), False)]

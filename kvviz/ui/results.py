@@ -448,9 +448,11 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
     cuts = [c for c in ("compression", "absolute_budget") if c in frame]
     reference = x == "compression"  # the full cache is then a flat line across each panel
     offsets = pd.Series(0.0, index=frame.index)
+    extents = {}
     if reference:
         frame, x, cuts = _on_cut_axes(frame), "position", []
         offsets = _dodge(frame, y)
+        extents = _shared_extents(frame[frame.policy != "full"], x)
         if offsets.ne(0).any():
             notes = [*notes, "points of several policies that coincide are nudged apart on x around their cut"]
     fig, panels = _facets(frame, title, ylabel, notes=notes)
@@ -479,11 +481,10 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
                      zip(where, ys, stderr, _hover_counts(part))]
             mode = "lines+markers" if len(part) >= join_fewer_than else "markers"
             if reference and policy == "full" and len(part) == 1 and panel[x].notna().any():
-                # The full cache does not depend on the compression: a reference across the panel's range
-                # (a panel of one cut: around it, or the line would be a point under that cut's markers).
-                low, high = panel[x].min(), panel[x].max()
-                pad = 0.0 if high > low else max(abs(low) * 0.1, 0.05)
-                xs, ys, dash, mode = [low - pad, high + pad], [ys.iloc[0]] * 2, "dot", "lines"
+                # The full cache does not depend on the compression: a reference across the x axis the panel
+                # shares, the same length in each panel (across its own cuts, it stopped short where a panel
+                # ran fewer cuts than its neighbours)
+                xs, ys, dash, mode = extents[_axis_key(panel)], [ys.iloc[0]] * 2, "dot", "lines"
                 hover = [f"full cache (no cut)<br>{ylabel} {part[y].iloc[0]:.3f}<br>{_hover_counts(part)[0]}"] * 2
             # ± one standard error over samples, where there are several; a paper row's "samples" are the
             # printed figures it averages, often one number printed twice: no error of anything
@@ -497,6 +498,24 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             _readable_range(fig, panel[y], row, col)
     _axis_titles(fig, panels, xlabel)
     return fig
+
+
+def _axis_key(panel: pd.DataFrame) -> tuple:
+    """The x axis a panel of :func:`_facets` shares with the others of its source and kind of cut."""
+    return tuple(panel[c].iloc[0] if c in panel and not panel.empty else None for c in ("source", "axis"))
+
+
+def _shared_extents(frame: pd.DataFrame, x: str, lone: float | None = None) -> dict[tuple, list[float]]:
+    """Per x axis the panels share (:func:`_axis_key`), the span of ``x`` over all of them: where a reference
+    line runs in each of its panels.  An axis of one value gets a short span around it, ``lone`` either side
+    (default a tenth of the value, at least 0.05), or the line would be a point under that cut's markers."""
+    extents = {}
+    columns = [c for c in ("source", "axis") if c in frame]
+    for _, part in frame.groupby(columns, dropna=False) if columns else [((), frame)]:
+        low, high = part[x].min(), part[x].max()
+        pad = 0.0 if high > low else (lone if lone is not None else max(abs(low) * 0.1, 0.05))
+        extents[_axis_key(part)] = [low - pad, high + pad]
+    return extents
 
 
 DODGE = 0.025  # of an axis's span: how far apart on x coinciding points are drawn (a marker's width)
@@ -662,10 +681,11 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
         fig.add_scatter(name=name, legendgroup=name, showlegend=name not in shown, **trace)
         shown.add(name)
 
+    # score-free's lines across the r of every panel sharing the x axis: across a panel's own, they stopped
+    # short where a task ran fewer r than its neighbours (one r: a short line around it)
+    extents = _shared_extents(frame[frame.refresh > 0], "refresh", lone=0.5)
     for _, panel, row, col in panels:
-        refreshed = panel[panel.refresh > 0]
-        span = [refreshed.refresh.min(), refreshed.refresh.max()] if len(refreshed) else [1, 1]
-        span = span if span[1] > span[0] else [span[0] - 0.5, span[0] + 0.5]  # one r: a short line around it
+        span = extents.get(_axis_key(panel), [0.5, 1.5])
         for cut, part in _with_budgets(panel).groupby(["compression", "absolute_budget"], dropna=False, sort=True):
             label = _cut_label(*cut)
             colour = palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
