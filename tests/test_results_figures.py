@@ -95,3 +95,42 @@ def test_score_free_lines_span_the_same_r_in_every_panel():
     fig = _refresh_figure(frame)
     free = [list(trace.x) for trace in fig.data if "score-free" in trace.name]
     assert len(free) == 4 and all(span == [1, 16] for span in free)
+
+
+def nudged(fig, cuts: list[float]) -> dict[float, list[float]]:
+    """Each drawn point's x, by the cut (of ``cuts``) it is nearest to."""
+    points = {cut: [] for cut in cuts}
+    for trace in fig.data:
+        for x in (trace.x if trace.x is not None else ()):
+            points[min(cuts, key=lambda cut: abs(cut - x))].append(x)
+    return points
+
+
+def test_paired_points_nudged_apart_stay_nearer_their_own_cut_than_the_next(tmp_path):
+    """Twelve policies at ρ 0.5, 0.9 and 0.95: nudged apart by 0.012 of the panel's span each, the ρ 0.9 and
+    0.95 clusters interleaved.  Every point sits within half the smallest gap of its cut, and the clusters of
+    neighbouring cuts keep apart."""
+    policies = [f"p{index:02d}" for index in range(12)]
+    store = sweep_store(tmp_path, policies)
+    fig = figures(query(store, ALL, "t", [], "measured", reference="full"))["paired"]
+    assert {trace.name for trace in fig.data} == set(policies)
+    for trace in fig.data:
+        offsets = [x - cut for x, cut in zip(trace.x, (0.5, 0.9, 0.95))]
+        assert max(map(abs, offsets)) < 0.05 / 2, trace.name
+        assert max(offsets) - min(offsets) < 1e-9  # one policy's points moved alike: its line keeps its shape
+    points = nudged(fig, [0.5, 0.9, 0.95])
+    assert max(points[0.9]) < min(points[0.95])
+    assert len({round(x, 9) for x in points[0.9]}) == 12  # still drawn apart
+
+
+def test_coinciding_points_are_nudged_no_further_than_the_room_between_cuts():
+    """Four policies at one value at ρ 0.9 and at 0.95 on an axis from 0.1: DODGE of that span (0.02 a step)
+    spread each cluster over 0.06, past the 0.05 to the next cut."""
+    rows = [(policy, cut, 0.0) for policy in ("a", "b", "c", "d") for cut in (0.9, 0.95)] + [("a", 0.1, 0.5)]
+    frame = _on_cut_axes(pd.DataFrame([{"source": "measured", "model": "m", "task": "t", "policy": policy,
+                                        "compression": cut, "score": score} for policy, cut, score in rows]))
+    offsets = _dodge(frame, "score")
+    assert offsets[frame.position == 0.9].abs().max() < 0.05 / 2
+    assert offsets[frame.position == 0.9].nunique() == 4  # still apart
+    assert (frame.position + offsets)[frame.position == 0.9].max() < (frame.position + offsets)[
+        frame.position == 0.95].min()
