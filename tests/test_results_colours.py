@@ -242,3 +242,17 @@ def test_figures_keep_each_names_colour_across_figures_and_filters(store, colour
         assert {"inertia alpha=0.9", "single-step"} <= drawn and "inertia alpha=0" not in drawn
         for trace in figures["paired"].data:  # filled or open: the sign test; the shape: the setting
             assert {symbol.removesuffix("-open") for symbol in trace.marker.symbol} == {colours.symbol(trace.name)}
+
+
+@pytest.mark.parametrize("source", ["measured", "(all)"])
+def test_no_legend_of_every_setting_shown_scrolls(store, colours, source):
+    """With every setting shown, 17-27 legend entries scrolled in the 400-700 px max-length, speed and cache
+    figures: Plotly bounds a legend beside the plot by the plot's height.  Each figure is at least as tall."""
+    from kvviz.ui.results import LEGEND_ROW, legend_entries
+
+    out = query(store, "(all)", "(all)", [], source, colours=colours, settings=True)
+    for figure in out[0::3]:
+        margin = figure.layout.margin
+        plot = (figure.layout.height or 450) - (100 if margin.t is None else margin.t) - (80 if margin.b is None
+                                                                                          else margin.b)
+        assert plot >= LEGEND_ROW * legend_entries(figure), (figure.layout.title.text, legend_entries(figure))

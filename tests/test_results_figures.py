@@ -134,3 +134,21 @@ def test_coinciding_points_are_nudged_no_further_than_the_room_between_cuts():
     assert offsets[frame.position == 0.9].nunique() == 4  # still apart
     assert (frame.position + offsets)[frame.position == 0.9].max() < (frame.position + offsets)[
         frame.position == 0.95].min()
+
+
+def plot_height(fig) -> float:
+    margin = fig.layout.margin
+    return (fig.layout.height or 450) - (100 if margin.t is None else margin.t) - (80 if margin.b is None else margin.b)
+
+
+def test_no_legend_is_taller_than_its_plot(tmp_path):
+    """Plotly bounds a legend beside the plot by the plot's height, and scrolls the rest: with 25 policies the
+    max-length, speed and cache figures (400-700 px) scrolled.  Each figure is as tall as its legend."""
+    from kvviz.ui.results import legend_entries
+
+    store = sweep_store(tmp_path, [f"p{index:02d}" for index in range(25)], cuts=(0.5, 0.9), samples=2)
+    drawn = figures(query(store, ALL, ALL, [], "measured", reference="full"))
+    for name, fig in drawn.items():
+        entries = legend_entries(fig)
+        assert plot_height(fig) >= LEGEND_ROW * entries, (name, entries, fig.layout.height)
+    assert legend_entries(drawn["hits"]) == 26 and legend_entries(drawn["speed"]) == 26

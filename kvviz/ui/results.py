@@ -666,10 +666,9 @@ def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours, notes:
     fig.update_annotations(font_size=11)
     _title(fig, f"Measured vs paper: {suite}, relative to each source's full cache",
            [line for note in [key, *notes] for line in _note_lines(note)])
-    # the panels' titles; and panels as tall as the legend, which otherwise scrolled with a dozen policies
-    panels = max(fig.layout.height - fig.layout.margin.t - MARGIN["b"], LEGEND_ROW * len(shown))
+    # the panels' titles (the legend's room: query's _legend_room)
     fig.update_layout(margin_t=fig.layout.margin.t + PANEL_TITLE_HEIGHT,
-                      height=fig.layout.margin.t + PANEL_TITLE_HEIGHT + panels + MARGIN["b"])
+                      height=fig.layout.height + PANEL_TITLE_HEIGHT)
     return fig
 
 
@@ -1046,8 +1045,27 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     ]
     out = []
     for figure, frame, name in figures:
+        _legend_room(figure)
         out += [figure, frame.round(4), gr.update(value=_csv(frame, name))]  # the CSV keeps full precision
     return tuple(out)
+
+
+def legend_entries(fig: go.Figure) -> int:
+    """How many entries ``fig``'s legend lists: its named scatter traces not left out of it (Plotly lists a
+    trace whose ``showlegend`` is unset where the figure has more than one)."""
+    scatters = [trace for trace in fig.data if trace.type == "scatter" and trace.name]
+    return sum(trace.showlegend or (trace.showlegend is None and len(fig.data) > 1) for trace in scatters)
+
+
+def _legend_room(fig: go.Figure) -> None:
+    """``fig`` made tall enough that its legend, beside the plot, fits its plot area (Plotly's bound for such
+    a legend): a longer one scrolled (every setting shown, 17-27 entries in figures 400-700 px tall)."""
+    margin = fig.layout.margin
+    top, bottom = (100 if margin.t is None else margin.t), (80 if margin.b is None else margin.b)  # or Plotly's
+    height = fig.layout.height or 450  # Plotly's default
+    needed = top + bottom + LEGEND_ROW * legend_entries(fig)
+    if needed > height:
+        fig.update_layout(height=needed, margin=dict(t=top, b=bottom))
 
 
 def with_reference(policies: list[str] | None) -> list[str] | None:
