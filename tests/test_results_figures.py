@@ -152,3 +152,16 @@ def test_no_legend_is_taller_than_its_plot(tmp_path):
         entries = legend_entries(fig)
         assert plot_height(fig) >= LEGEND_ROW * entries, (name, entries, fig.layout.height)
     assert legend_entries(drawn["hits"]) == 26 and legend_entries(drawn["speed"]) == 26
+
+
+def test_every_right_hand_axis_of_the_refresh_figure_says_what_it_measures():
+    """Only the right edge's panels titled their decode-speed axis; between two panels an untitled one read
+    as the next panel's left axis."""
+    frame = pd.DataFrame([{"source": "measured", "model": "m", "task": task, "compression": 0.9, "refresh": r,
+                           "score": 0.5, "decode_tok_s": 10.0 + r, "sweeps": "s"}
+                          for task in ("a", "b", "c", "d") for r in (1, 4)])
+    fig = _refresh_figure(frame)
+    speeds = {trace.yaxis for trace in fig.data if "tok/s" in trace.name}
+    assert len(speeds) == 4
+    for axis in speeds:
+        assert fig.layout[axis.replace("y", "yaxis")].title.text == "decode tok/s (measured)", axis

@@ -922,7 +922,9 @@ def test_refresh_figure_has_a_panel_per_task_with_speed_on_a_shared_right_axis()
         ("ρ=0.9 score", "y", [0.5, 0.6]), ("ρ=0.9 tok/s", "y2", [9.0, 8.0]),
         ("ρ=0.9 score", "y3", [0.1, 0.2]), ("ρ=0.9 tok/s", "y4", [9.5, 8.5])]
     assert (fig.layout.yaxis3.matches, fig.layout.yaxis4.matches) == ("y", "y2")
-    assert fig.layout.yaxis4.title.text == "decode tok/s (measured)" and fig.layout.yaxis2.title.text is None
+    # each panel's right-hand axis titled: between two panels, an untitled one read as the next one's left
+    assert fig.layout.yaxis4.title.text == fig.layout.yaxis2.title.text == "decode tok/s (measured)"
+    assert fig.layout.yaxis3.title.text is None  # the left axis: on the first column only
 
 
 def test_refresh_figure_draws_score_free_apart_and_joins_speeds_within_one_sweep_only():

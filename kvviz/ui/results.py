@@ -335,13 +335,18 @@ def _on_cut_axes(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([placed[~full], references.fillna({"axis": "compression"})], ignore_index=True)
 
 
+# Of a figure's plot width, between panels with a right-hand axis: its ticks, its title and the next panel's
+# ticks side by side (at 0.1, a 1000-px figure's titles ran over the next panel's ticks)
+Y2_SPACING = 0.14
+
+
 def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = None, columns: int = 3,
             notes: list[str] = ()):
     """Small multiples: one panel per combination of source / model / task that varies in ``frame``.
 
     A column that takes one value goes into the title instead. Measured panels share their y range (all
     fractions); paper panels keep their own, as each printed table has its own scale; ``y2label``
-    gives every panel a right-hand axis, shared the same way and titled on the right edge. Returns the
+    gives every panel a right-hand axis, shared the same way and titled on each panel. Returns the
     figure and ``[(panel keys, rows, row, col)]`` in drawing order; :func:`_axis_titles` labels the x axes
     once the traces are in.  ``notes``: small lines under the title (and its parenthetical).
     """
@@ -356,7 +361,8 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
     title_lines = max((title.count("<br>") + 1 for title in titles), default=0) if titles else 0
     height = 120 + 260 * rows
     gap = 95 if "axis" in varying else 70  # room for ticks and a title (and an x title on every panel)
-    fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.1 if y2label else 0.06,
+    fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles,
+                        horizontal_spacing=Y2_SPACING if y2label else 0.06,
                         vertical_spacing=gap / (height - MARGIN["t"] - MARGIN["b"]),
                         specs=[[{"secondary_y": bool(y2label)}] * columns] * rows)
     panels, first_axis = [], {}  # (source, secondary) -> the axis the others of that source match
@@ -373,7 +379,7 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
                 fig.update_yaxes(matches=first_axis[source, secondary], row=row, col=col, secondary_y=secondary)
             else:
                 first_axis[source, secondary] = axis
-        if y2label and (col == columns or index == len(groups) - 1):
+        if y2label:  # on every panel: between two panels, an untitled right axis read as the next one's left
             fig.update_yaxes(title_text=y2label, row=row, col=col, secondary_y=True)
         fig.update_yaxes(title_text=ylabel if col == 1 else None, row=row, col=col, secondary_y=False)
         kind = part["axis"].iloc[0] if "axis" in part and not part.empty else None
