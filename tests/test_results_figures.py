@@ -165,3 +165,28 @@ def test_every_right_hand_axis_of_the_refresh_figure_says_what_it_measures():
     assert len(speeds) == 4
     for axis in speeds:
         assert fig.layout[axis.replace("y", "yaxis")].title.text == "decode tok/s (measured)", axis
+
+
+def test_the_settings_box_has_a_row_of_its_own(tmp_path):
+    """Beside Model, Task, Policies and Source, the checkbox's long label wrapped a word a line at 1000 px."""
+    import gradio as gr
+
+    from kvviz.ui.results import build_results_tab
+
+    def row_of(block):  # Gradio puts a row's inputs in a Form of their own
+        while not isinstance(block, gr.Row):
+            block = block.parent
+        return block
+
+    def inputs(layout) -> list:
+        return [found for child in layout.children
+                for found in (inputs(child) if isinstance(child, gr.blocks.BlockContext) else [child])]
+
+    with gr.Blocks() as app:
+        build_results_tab(app, sweep_store(tmp_path, ["tova"]))
+    box = next(block for block in app.blocks.values()
+               if isinstance(block, gr.Checkbox) and block.label.startswith(SETTINGS_BOX))
+    assert inputs(row_of(box)) == [box]
+    policies = next(block for block in app.blocks.values()
+                    if isinstance(block, gr.Dropdown) and block.label == "Policies (none = all)")
+    assert [block.label for block in inputs(row_of(policies))] == ["Model", "Task", "Policies (none = all)", "Source"]

@@ -1146,6 +1146,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                                label="Policies (none = all)")
         # measured first: paper scores are on each benchmark's own scale (0-100, 0-1, %), ours are 0-1
         source = gr.Radio([ALL, "measured", "paper"], value="measured", label="Source")
+    # A row of its own: a fifth column beside the four above, its long label wrapped a word a line at 1000 px
+    with gr.Row():
         # A policy run only at other settings (AvoKV-E at interval=16) is otherwise in no figure but the grid's.
         settings = gr.Checkbox(False, label=f"{SETTINGS_BOX} (α and refresh sweeps, intervals, "
                                             "ablations): each its own policy, e.g. 'avokv interval=16', paired "
