@@ -68,6 +68,47 @@ def check_model_name(name: str) -> None:
                             f"{', '.join(SUPPORTED_TYPES)}")
 
 
+def check_available(name: str) -> None:
+    """Refuse, at a server's start, a hub id that could not load: not in the local Hugging Face cache and,
+    asked once without retries, unknown to the hub or the hub not reachable.  Otherwise a mistyped id came up
+    in the model list and failed only when someone picked it.  Paths, tiny models and the default model are
+    :func:`check_model_name`'s; a gated model the hub knows is left to its load, whose message asks for a token.
+    """
+    if name == DEFAULT_MODEL or name.startswith(TINY_PREFIX) or Path(name).expanduser().exists():
+        return
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except HFValidationError:
+        raise ModelNotFound(f"{name!r} is neither a local folder nor a Hugging Face hub id (owner/name, of letters, "
+                            "digits, '-', '_' and '.')") from None
+    if _offline():
+        raise ModelNotFound(f"{name!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE keeps the hub from "
+                            "being asked: download it first, or give a local folder")
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except GatedRepoError:
+        return
+    except RepositoryNotFoundError:
+        raise ModelNotFound(f"the Hugging Face hub has no model {name!r} (nor the local cache): check the id, e.g. "
+                            "HuggingFaceTB/SmolLM2-360M-Instruct, or give a local folder") from None
+    except Exception as error:  # noqa: BLE001 -- any other answer, or none
+        if _answered(error):
+            return  # e.g. a repository without config.json: its load says what is missing
+        raise ModelNotFound(f"cannot reach the Hugging Face hub for {name!r} ({type(error).__name__}) and it is not "
+                            "in the local cache: pass a local folder with config.json and *.safetensors, or connect "
+                            "and retry") from None
+
+
+def _answered(error: Exception) -> bool:
+    """Whether a request to the hub got an answer (an HTTP error), not a transport failure."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    return isinstance(error, (HfHubHTTPError, OfflineModeIsEnabled)) or "EntryNotFound" in type(error).__name__
+
+
 def load_model(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype | str | None = None):
     """Return ``(model, tokenizer)`` ready for the engine (SDPA with score capture installed, eval mode).
 

@@ -1624,6 +1624,35 @@ def test_the_deployment_names_its_device_and_dtype_and_refuses_bad_ones(monkeypa
             Limits(device="cuda")
 
 
+def served_models_are_checked_at_start(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    from kvviz.ui.app import check_served_models
+
+    def answer(error):
+        def metadata(*args, **kwargs):
+            raise error.__new__(error)  # as the hub's answer would be (built without an HTTP response)
+        monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the hub asked (here, the stand-in below)
+    answer(RepositoryNotFoundError)
+    with pytest.raises(ValueError, match=r"^the models \(KVVIZ_DEFAULT_MODEL, KVVIZ_MODELS, kvviz serve --models\): "
+                                         r"the Hugging Face hub has no model 'bogus' \(nor the local cache\)"):
+        check_served_models(Limits(models=(TINY, "bogus")))
+    answer(GatedRepoError)  # it exists; its load asks for a token
+    check_served_models(Limits(models=("meta-llama/Llama-3.1-8B",)))
+    answer(ConnectionError)  # no answer: not cached, so it could not load
+    with pytest.raises(ValueError, match="cannot reach the Hugging Face hub for 'someone/some-model'"):
+        check_served_models(Limits(models=("someone/some-model",)))
+    with pytest.raises(ValueError, match="'bad id!' is neither a local folder nor a Hugging Face hub id"):
+        check_served_models(Limits(models=("bad id!",)))
+    check_served_models(Limits(models=(TINY, "tiny-random-qwen2")))  # built here: nothing to ask
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="'someone/some-model' is not in the local Hugging Face cache, and HF_HUB_OFFLINE"):
+        check_served_models(Limits(models=("someone/some-model",)))
+
+
 def test_kvviz_serve_flags_override_the_environment(monkeypatch):
     import kvviz.ui.app
     from kvviz.cli import main
@@ -1649,6 +1678,8 @@ def test_kvviz_serve_flags_override_the_environment(monkeypatch):
         with pytest.raises(ValueError, match=f"the models .*kvviz serve --models\\): {said}"):
             Limits(models=(models,))
     assert Limits(models=("someone/some-model",)).models == ("someone/some-model",)
+    # but the server asks the hub (once, no retries) before it comes up: unknown or unreachable, it is refused
+    served_models_are_checked_at_start(monkeypatch)
     # The figure rate: the environment's, the flag over it, and a refusal that names both.
     monkeypatch.delenv("KVVIZ_DEVICE")
     monkeypatch.delenv("KVVIZ_DTYPE")

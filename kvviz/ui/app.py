@@ -2248,8 +2248,22 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
     return app
 
 
+def check_served_models(limits: Limits) -> None:
+    """Refuse, before the server comes up, a model it could never load (:func:`kvviz.models.check_available`:
+    a hub id neither cached nor known to the hub); raises ValueError naming the setting to change."""
+    from ..models import check_available
+
+    for name in limits.models:
+        try:
+            check_available(name)
+        except ValueError as error:
+            raise ValueError(f"the models (KVVIZ_DEFAULT_MODEL, KVVIZ_MODELS, kvviz serve --models): {error}") \
+                from None
+
+
 def launch(limits: Limits | None = None, **kwargs):
     limits = limits or Limits.from_env()
+    check_served_models(limits)
     app = build_app(limits)
     app.queue(default_concurrency_limit=limits.runs_per_model, max_size=limits.queue_size)
     # Uploads are saved traces: a 64k-token prompt with 256 steps is ~13 MB; refuse what no trace needs.
