@@ -328,6 +328,10 @@ def test_a_checkpointed_policy_first_evicts_where_first_checkpoint_says(tiny, ti
     events = list(decode(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=first + 2,
                          ignore_eos=True))
     assert [e.step for e in events if e.evicted.size] == [first]
+    # first + 2 new tokens decode step first + 1 from the cut cache; first + 1 would end at the cut (late)
+    assert policy.late_first_checkpoint(len(tiny_prompt), budget, first + 2) is None
+    assert policy.late_first_checkpoint(len(tiny_prompt), budget, first + 1) == first
+    assert policy.late_first_checkpoint(len(tiny_prompt), budget, first) == first
 
 
 def test_a_checkpointed_run_that_ends_before_its_first_checkpoint_says_why_its_cache_is_over_budget(tiny, tiny_prompt):

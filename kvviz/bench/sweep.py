@@ -808,8 +808,7 @@ def _no_checkpoint(policy, prompt_len: int, budget: int, max_new: int) -> str | 
     last = max_new - 1  # the last token is generated, never fed back
     if not isinstance(policy, CheckpointPolicy) or budget >= prompt_len + last:
         return None
-    first = policy.first_checkpoint(prompt_len, budget)
-    if first < last:
+    if (first := policy.late_first_checkpoint(prompt_len, budget, max_new)) is None:
         return None
     return (f"its first checkpoint would be at step {first}, {'after' if first > last else 'at'} the last decode step "
             f"({last}), so nothing would be decoded from a cache it cut and the row would be the full cache's: raise "

@@ -177,6 +177,13 @@ class CheckpointPolicy(Policy):
         step k's cache holds prompt_len + k entries.  At the latest the step that would pass B + interval - 1."""
         return next(step for step in itertools.count(1) if self.checkpoint_at(step, prompt_len + step, budget))
 
+    def late_first_checkpoint(self, prompt_len: int, budget: int, max_new_tokens: int) -> int | None:
+        """The first checkpoint's step where a run of ``max_new_tokens`` would decode no token from a cache it
+        cut -- the checkpoint at or after the last decode step (the last token is generated, never fed back;
+        a cut at the last step follows the last forward pass) -- else None."""
+        first = self.first_checkpoint(prompt_len, budget)
+        return first if first >= max_new_tokens - 1 else None
+
     def widest_interval(self, prompt_len: int, budget: int, last_step: int) -> int:
         """The largest ``interval`` sure to bring a first checkpoint by decode step ``last_step`` (0: none
         does): from the first step with the cache over B, one falls within ``interval - 1`` steps."""

@@ -288,12 +288,10 @@ def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, bu
     cache it cut, saying what would: more new tokens, or a shorter interval.  A budget the run fills was
     advice enough for the others, and led such a policy to a run that cut nothing; a checkpoint at the last
     step cuts after the last forward pass, which nothing then reads."""
-    if not isinstance(policy, CheckpointPolicy):
+    if not isinstance(policy, CheckpointPolicy) or (first := policy.late_first_checkpoint(prompt_len, budget,
+                                                                                          max_new)) is None:
         return
-    last = max_new - 1  # the last decode step: the last token is generated, never fed back
-    first = policy.first_checkpoint(prompt_len, budget)
-    if first < last:
-        return
+    last = max_new - 1  # the last decode step
     # Enough for the next checkpoint too, so that a whole interval decodes from the first cut; at least one step.
     wanted = [tokens for tokens in (first + policy.interval + 1, first + 2) if tokens <= limits.max_new_tokens]
     options = [f"allow at least {wanted[0]} new tokens"] if wanted else []
