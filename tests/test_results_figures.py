@@ -190,3 +190,23 @@ def test_the_settings_box_has_a_row_of_its_own(tmp_path):
     policies = next(block for block in app.blocks.values()
                     if isinstance(block, gr.Dropdown) and block.label == "Policies (none = all)")
     assert [block.label for block in inputs(row_of(policies))] == ["Model", "Task", "Policies (none = all)", "Source"]
+
+
+def test_a_speed_panels_sweeps_wrap_under_what_it_holds():
+    """Four sweeps' names on one line with what the panel holds ran into the next panel's title at 1000 px:
+    each title line holds at most SWEEPS_WIDTH characters (a sweep's name is never broken at its hyphens),
+    and the top margin grows by a line of panel title each."""
+    from kvviz.ui.results import PANEL_TITLE_HEIGHT, SWEEPS_WIDTH, _speed_figure
+
+    sweeps = ["sweep-2k", "sweep-2k-expected-attention", "sweep-2k-inertia", "sweep-2k-kvzip"]
+    frame = pd.DataFrame([{"model": "m", "task": "t", "policy": policy, "compression": cut, "absolute_budget": None,
+                           "score": 0.5, "decode_tok_s": 10.0, "decode_cache": 50.0, "sweeps": sweep}
+                          for policy, cut, sweep in [("full", None, sweeps[0]), *(
+                              (f"p{index}", 0.5, sweep) for index, sweep in enumerate(sweeps))]])
+    fig = _speed_figure(frame, lambda policy: "#000000")
+    title = fig.layout.annotations[0].text
+    lines = title.split("<br>")
+    assert lines[0] == "compression cells (ρ)" and len(lines) >= 3
+    assert all(len(line) <= SWEEPS_WIDTH for line in lines)
+    assert sorted(name.strip() for line in lines[1:] for name in line.split(",") if name.strip()) == sorted(sweeps)
+    assert fig.layout.margin.t >= 50 + 22 * 2 + PANEL_TITLE_HEIGHT * len(lines)  # the title's notes, then these

@@ -1513,8 +1513,8 @@ def test_results_figures_say_what_each_point_is_and_keep_panels_readable(tmp_pat
     # speeds of the compression and the budget sweeps never share an axis; each panel names its sweeps
     speed = figures("(all)", "(all)", [], "measured")["Quality vs decode speed"]
     assert {trace.xaxis for trace in speed.data} == {"x", "x2"}
-    assert [a.text for a in speed.layout.annotations] == ["compression cells (ρ) · s1, s2",
-                                                          "absolute-budget cells · s3"]
+    assert [a.text for a in speed.layout.annotations] == ["compression cells (ρ)<br>s1, s2",
+                                                          "absolute-budget cells<br>s3"]
     tova = next(trace for trace in speed.data if trace.name == "tova" and trace.xaxis == "x2")
     # B=80 cuts harder than B=112: the larger marker
     assert dict(zip([point[0] for point in tova.customdata], tova.marker.size)) == {"B=80": 14, "B=112": 7}

@@ -797,6 +797,9 @@ def _point_labels(part: pd.DataFrame, kinds: int) -> list[str]:
             for policy, kind, c, b in zip(part.policy, part.kind, part.compression, part.absolute_budget)]
 
 
+SWEEPS_WIDTH = 45  # characters of sweep names on one line of a speed panel's title (half of a 1000-px figure)
+
+
 KIND_SYMBOLS = {"compression": "circle", "budget": "square", "full": "circle"}
 
 
@@ -827,7 +830,10 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     titles = []
     for kind in kinds:
         sweeps = sorted({name for joined in per_point[per_point.kind == kind].sweeps for name in joined.split(", ")})
-        titles.append(f"{names[kind]} · {', '.join(sweeps)}")
+        # what the panel holds on a line, its sweeps wrapped under it: on one line, four sweeps' names ran into
+        # the next panel's title at 1000 px
+        wrapped = textwrap.wrap(", ".join(sweeps), SWEEPS_WIDTH, break_on_hyphens=False)  # a name stays whole
+        titles.append("<br>".join([names[kind], *wrapped]))
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles, horizontal_spacing=0.08)
     shown = set()
     for col, kind in enumerate(kinds, start=1):
@@ -853,7 +859,9 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     fig.update_annotations(font_size=11)
     _title(fig, "Quality vs decode speed (measured)",
            notes + ["a line per policy through its cells; the larger the marker, the harder the cut"])
-    fig.update_layout(margin_t=fig.layout.margin.t + 20, height=fig.layout.height + 20)  # the panels' titles
+    lines = max(title.count("<br>") + 1 for title in titles)  # the panels' titles
+    fig.update_layout(margin_t=fig.layout.margin.t + PANEL_TITLE_HEIGHT * lines + 4,
+                      height=fig.layout.height + PANEL_TITLE_HEIGHT * lines + 4)
     return fig
 
 
