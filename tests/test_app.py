@@ -1035,6 +1035,17 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
                                   "entries, the most it holds between checkpoints.")
     assert "the cache would have passed B + 3 = 5 entries" in caption_at(4)
     assert caption_at(1) == caption
+    # The key says what the terms are and how the score combines them, at the run's own weights
+    from kvviz.ui.app import terms_key
+    keyed = RunView(5, 4, 2, ["a", "b", "c", "d", "e"], terms_key=terms_key(kvviz.make_policy("avokv", lambda_b=0.2)))
+    for event in view.events:
+        keyed.add(event)
+    assert keyed.terms_frame(2)[1].startswith(caption + "\n\n*S = 0.1·N(p) − 0.9·N(r) + 0.2·N(b); p: read pressure "
+                                              "(attention from the last 8 queries), r: key redundancy")
+    assert "S = 0.1·(p) − 0.9·(r) + 0.05·(b)" in terms_key(kvviz.make_policy("avokv", normalise=False))
+    assert terms_key(kvviz.make_policy("rkv", lam=0.3)).startswith("score = 0.3·importance − 0.7·redundancy")
+    assert terms_key(kvviz.make_policy("lazyeviction")).startswith("score = H1 + H2")
+    assert terms_key(kvviz.make_policy("tova")) == ""  # one score: its utility is the whole story
     # two scores 1e-8 apart (LazyEviction's H1 near 0) are shown with the digits that tell them apart
     from kvviz.ui.figures import _apart
 
@@ -1369,6 +1380,8 @@ def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client)
     expected = spectrum(model, kvviz.encode_prompt(tokenizer, PROMPT, chat=False), steps=3)
     assert [row[0] for row in table["data"]] == [row["scorer"] for row in expected.table()]
     assert [row[1] for row in table["data"]] == [round(row["layer_spearman"], 3) for row in expected.table()]
+    assert table["headers"] == ["scorer", "Spearman at the layer", "top-B Jaccard at the layer",
+                                "Spearman through the EMA", "top-B Jaccard through the EMA"]
     assert "layer 1 of 0-2" in note
     bars = json.loads(plot["plot"])["data"]
     assert [bar["y"] for bar in bars] == [[row[key] for row in expected.table()]
@@ -1402,6 +1415,9 @@ def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     assert table["headers"] == ["policy", "AUROC", "AUROC p", "average precision", "top-k recall", "false-safe rate",
                                 "Spearman"]
     assert "Blindspot:" in note and "ranked by AvoKV-E" in note
+    # the columns said, with this probe's own k: the top decile of the damage over the entries ranked
+    k = re.search(r"high damage is the top decile \(k = (\d+) of (\d+) entries\)", note)
+    assert k and np.ceil(0.1 * int(k[2])) <= int(k[1]) < int(k[2])  # at or above the 90th percentile
     assert plot["visible"] is True
     figure = json.loads(plot["value"]["plot"])  # a gr.update payload
     cells = figure["data"][0]["text"]
@@ -2445,3 +2461,24 @@ def test_a_typed_setting_the_registry_refuses_is_said_when_it_is_entered():
         assert policies_edited(preset, list(entries)) == gr.skip()
         assert policies_edited(preset, ["inertia", "inertia alpha=0.5"])["value"] is None
         policies_edited(preset, [])
+
+
+def test_long_legends_and_messages_go_under_the_plot_a_line_each():
+    """Four long settings' Jaccard pairs beside the plot left it 60 px wide at 1000 px, and a followed
+    number's 14 tokens in rows of three ran over the token history's x title: both legends now list an entry a
+    line under the plot, the figure growing by a line each; a long message in an empty figure is broken."""
+    from kvviz.ui.app import jaccard_figure
+    from kvviz.ui.figures import LEGEND_LINE, TITLE_12_CHARS, _empty_figure
+
+    names = ["avokv interval=16", "avokv interval=16 lambda_b=0", "avokv interval=16 delay=8",
+             "avokv interval=16 normalise=false"]
+    views = {name: follow_view() for name in names}
+    four, two = jaccard_figure(names, views), jaccard_figure(names[:2], views)
+    assert four.layout.legend.orientation == "v" and four.layout.legend.y < 0
+    assert four.layout.height - two.layout.height == 2 * LEGEND_LINE == four.layout.margin.b - two.layout.margin.b
+    history = follow_view().history_figure([1, 2, 3, 4, 5], "", 2)
+    assert history.layout.legend.orientation == "v"
+    assert history.layout.height - follow_view().history_figure([1], "", 2).layout.height == 4 * LEGEND_LINE
+    message = "no token text contains 'zzzz'; give other text, or positions as #12, #40-45, and try again"
+    lines = _empty_figure(message).layout.annotations[0].text.split("<br>")
+    assert " ".join(lines) == message and len(lines) > 1 and all(len(line) <= TITLE_12_CHARS for line in lines)

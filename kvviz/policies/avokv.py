@@ -119,6 +119,14 @@ class AvoKVE(QueryWindowPolicy):
             "b": (norms / (norms.quantile(0.5, dim=-1, keepdim=True) + PAYLOAD_EPS)).mean(0),
         }
 
+    def terms_key(self) -> str:
+        n = "N" if self.normalise else ""  # the ablation without normalisation combines the raw features
+        return (f"S = {self.lambda_p:g}·{n}(p) − {self.lambda_r:g}·{n}(r) + {self.lambda_b:g}·{n}(b); p: read pressure "
+                f"(attention from the last {self.observe_window} queries), r: key redundancy (largest cosine to "
+                "another candidate's key), b: value payload (value norm over the layer's median); "
+                + ("N: percentile rank among the candidates; " if self.normalise else "")
+                + "layer means; the lowest S go first")
+
     def explain(self, features, score):
         """Table 5 of the paper, per candidate: p, r, b, their percentile ranks and S."""
         ranked = {f"N({name})": percentile_rank(features[name]) for name in ("p", "r", "b")} if self.normalise else {}

@@ -127,6 +127,11 @@ class CheckpointPolicy(Policy):
         """
         raise NotImplementedError
 
+    def terms_key(self) -> str:
+        """What :meth:`explain`'s terms are and how the score combines them, with this instance's weights: the
+        key to the table of a decision's terms.  Empty where a subclass does not say."""
+        return ""
+
     def explain(self, features: dict[str, torch.Tensor], score: torch.Tensor) -> dict[str, torch.Tensor]:
         """The terms to show for each candidate at a checkpoint: the layer-mean features and the score."""
         return {**features, "score": score}

@@ -122,6 +122,10 @@ class LazyEviction(CheckpointPolicy):
         h1, h2 = recurrence_score(features["idle"], features["MRI"])
         return h1 + h2
 
+    def terms_key(self) -> str:
+        return ("score = H1 + H2; idle: steps since the entry was last active, MRI: its longest gap between two "
+                "activations; H1 = 2σ(−idle/MRI), H2 = 2σ(−(MRI + 1)); the lowest scores go first")
+
     def explain(self, features, score):
         h1, h2 = recurrence_score(features["idle"], features["MRI"])
         return {**features, "H1": h1, "H2": h2, "score": score}

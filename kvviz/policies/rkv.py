@@ -66,6 +66,11 @@ class RKV(QueryWindowPolicy):
         redundancy = torch.softmax(mean_cosine, dim=-1).mean(0)
         return {"importance": importance, "redundancy": redundancy}
 
+    def terms_key(self) -> str:
+        return (f"score = {self.lam:g}·importance − {1 - self.lam:g}·redundancy; importance: attention from the last "
+                f"{self.observe_window} queries, max-pooled over {self.kernel} neighbours; redundancy: mean key cosine "
+                "to the other candidates, softmax over them; layer means; the lowest scores go first")
+
     def risk(self, features, positions):
         """``lam * importance - (1 - lam) * redundancy``, ``(c,)``, from the layer-mean features (each ``(c,)``)."""
         return self.lam * features["importance"] - (1 - self.lam) * features["redundancy"]

@@ -42,8 +42,8 @@ from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, 
 from ..tasks.examples import EXAMPLES
 from .config import Limits
 from ..store import Store
-from .figures import (MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure, spectrum_layers_figure,
-                      step_dtick, step_range)
+from .figures import (LEGEND_LINE, MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure,
+                      spectrum_layers_figure, step_dtick, step_range)
 from .results import build_results_tab
 from .widgets import TypedSlider
 
@@ -283,6 +283,11 @@ def checkpoint_interval(policy: Policy) -> int | None:
     return policy.interval if isinstance(policy, CheckpointPolicy) else None
 
 
+def terms_key(policy: Policy | None) -> str:
+    """What a checkpointed policy's decision terms are and how they combine (its :meth:`terms_key`), else ""."""
+    return policy.terms_key() if isinstance(policy, CheckpointPolicy) else ""
+
+
 def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, budget: int, max_new: int) -> None:
     """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV, LazyEviction) would decode no token from a
     cache it cut, saying what would: more new tokens, or a shorter interval.  A budget the run fills was
@@ -327,7 +332,7 @@ class Progress:
     @classmethod
     def start(cls, request: Request, model_name: str, policies: dict[str, Policy], tokens: list[str]) -> "Progress":
         views = {label: RunView(len(request.prompt_ids), request.max_new_tokens, request.budget, tokens,
-                                policy.pinned(request.budget), checkpoint_interval(policy))
+                                policy.pinned(request.budget), checkpoint_interval(policy), terms_key(policy))
                  for label, policy in policies.items()}
         settings = {label: (label.split()[0], policy.params()) for label, policy in policies.items()}
         return cls(request.prompt_ids, request.budget, request.max_new_tokens, model_name, model_dtype(request.model),
@@ -670,6 +675,8 @@ FATES_LABEL = "Fate per policy"
 PROBE_LABEL = "Ranking quality (AUROC / AP vs top-decile damage)"
 # The probe table's headers in words, which wrap: "average_precision" held its column wide, and the table's
 # last columns were cut at a 1000-px window
+SPECTRUM_HEADERS = {"layer_spearman": "Spearman at the layer", "layer_jaccard": "top-B Jaccard at the layer",
+                    "utility_spearman": "Spearman through the EMA", "utility_jaccard": "top-B Jaccard through the EMA"}
 PROBE_HEADERS = {"auroc": "AUROC", "auroc_p": "AUROC p", "average_precision": "average precision",
                  "topk_recall": "top-k recall", "false_safe_rate": "false-safe rate", "spearman": "Spearman"}
 BLINDSPOT_LABEL = "Attention-only blindspot (AvoKV-E Fig. 1a)"
@@ -934,11 +941,11 @@ def make_open_handler(limits: Limits):
         except Exception:  # a model that fails to load, parameters this version refuses: the trace still shows
             log.warning("opening a trace of %s / %s: token texts or pinned bands left out", trace.model,
                         trace.policy, exc_info=True)
-            tokens, pinned, interval = None, (0, 0), None
+            tokens, pinned, interval, policy = None, (0, 0), None, None
         try:  # Trace.load checked what the views rely on; anything it missed is still one line, not "Error"
             # max_new_tokens 0: a trace saved before it was recorded, read as ending where it asked to
             view = RunView(trace.prompt_len, max(trace.max_new_tokens, len(trace.events)), trace.budget,
-                           tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned, interval)
+                           tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned, interval, terms_key(policy))
             for event in trace.events:
                 view.add(event, event.text)
             params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
@@ -1376,9 +1383,12 @@ def jaccard_figure(names, views) -> go.Figure:
             Trace([], 0, reference, events=views[reference].events), Trace([], 0, name, events=views[name].events))
         fig.add_scatter(x=[s for s, _ in pairs], y=[j for _, j in pairs], name=f"{name} vs {reference}")
     steps = max(view.steps for view in views.values())
+    # the legend under the plot, a pair a line: beside it, four long settings' pairs left the plot 60 px wide
+    pairs = len(names) - 1
     fig.update_layout(title="Jaccard of the keep sets over time", xaxis_title="decode step", yaxis_title="Jaccard",
-                      xaxis_dtick=step_dtick(steps), yaxis_range=[0, 1.02], height=300,
-                      margin=dict(l=50, r=20, t=40, b=40))
+                      xaxis_dtick=step_dtick(steps), yaxis_range=[0, 1.02], height=300 + LEGEND_LINE * pairs,
+                      margin=dict(l=50, r=20, t=40, b=80 + LEGEND_LINE * pairs), showlegend=True,
+                      legend=dict(orientation="v", yanchor="top", y=-0.3, x=0))
     if steps <= 10:  # the steps there are: a comparison stopped at the prefill autoranged to steps -1 to 1
         fig.update_xaxes(range=step_range(steps))
     return fig
@@ -1531,7 +1541,7 @@ def make_spectrum_handler(limits: Limits):
         finally:
             release_memory()
         rows = pd.DataFrame([{key: round(value, 3) if isinstance(value, float) else value for key, value in row.items()}
-                             for row in result.table()])
+                             for row in result.table()]).rename(columns=SPECTRUM_HEADERS)
         cross = result.cross_layer_summary()
         note = (f"Steps 1–{result.steps[-1]} of the full-cache greedy run ({result.cache_sizes[-1]} entries at the "
                 f"end), top-B at 10%; layer {result.layer} of 0-{result.num_layers - 1}. Attention's own agreement between "
@@ -1546,7 +1556,8 @@ def make_spectrum_handler(limits: Limits):
 
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import aligned_quality, blindspot_at, check_fits, probe, protection_note, tied_rankings
+        from ..probe import (aligned_quality, blindspot_at, check_fits, probe, protection_note, tied_rankings,
+                             top_decile)
 
         try:
             settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
@@ -1580,6 +1591,8 @@ def make_probe_handler(limits: Limits):
         inverted = [name for name, q in quality.items() if q.get("auroc", 0.5) < 0.5]
         below = [name for name in inverted if quality[name].get("auroc_p", 0.0) < 0.05]  # not chance either
         within = [name for name in inverted if name not in below]
+        ranked = int(aligned.sum()) if aligned is not None else len(result.damage)
+        high_damage = int(top_decile(result.damage[aligned] if aligned is not None else result.damage).sum())
         tied = [f"{name} ({share:.0%})" for name, share in tied_rankings(
             {name: result.utilities[name] for name in quality}, aligned).items()]
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
@@ -1594,7 +1607,12 @@ def make_probe_handler(limits: Limits):
                    "distinguishable from chance (Mann-Whitney p >= 0.05)." if within else "")
                 + (f" Mostly one tied score: {', '.join(tied)} of the ranked entries share it, so that AUROC "
                    "comes largely from ties' half credit (its p-value counts the ties)." if tied else "")
-                + f" Blindspot: {spot_note}.")
+                + f" Blindspot: {spot_note}."
+                + (f"\n\n*The columns: high damage is the top decile (k = {high_damage} of {ranked} entries); AUROC "
+                   "and average precision rank it by each policy's utility; AUROC p: against chance (0.5), two-sided "
+                   "Mann-Whitney, exact, counting ties; top-k recall: the share of the k in a policy's k highest "
+                   "utilities; false-safe rate: the share in its k lowest, the first it would evict; Spearman: "
+                   "utility against damage over all of them.*" if quality else ""))
         return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
 
     return run_probe
@@ -2011,8 +2029,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV, LazyEviction)",
                                       open=False):
                         terms_note = gr.Markdown()
+                        # the decision pinned (position, token, score, fate): the terms scroll sideways beside it
                         terms = gr.Dataframe(label="Terms per judged entry", visible=False, interactive=False,
-                                             max_height=360)
+                                             max_height=360, pinned_columns=4)
                     follow = gr.Textbox(label="Follow tokens", elem_id="live-follow",
                                         placeholder="text to find (e.g. 7342519) or positions (#12, #40-45); "
                                         "empty: the entries at the eviction boundary at the scrubbed step")
@@ -2158,7 +2177,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             s_run = gr.Button("Run spectrum")
                         s_figure = gr.Plot(label=SPECTRUM_LABEL)
                         s_layers = gr.Plot(label=SPECTRUM_LAYERS_LABEL)
-                        s_table = gr.Dataframe(label=SPECTRUM_TABLE_LABEL, interactive=False)
+                        s_table = gr.Dataframe(label=SPECTRUM_TABLE_LABEL, interactive=False, wrap=True,
+                                               pinned_columns=1)
                         s_note = gr.Markdown()
             preset_chosen = c_preset.input(
                 make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat, c_mode, c_max_new, c_temperature,

@@ -42,6 +42,7 @@ HEATMAP_TITLE_PAD = 26
 # 1000-px window: a longer line ran past the plot's right edge and was cut there.  Pixels per line of each.
 HEAD_CHARS, NOTE_CHARS = 42, 62
 HEAD_LINE, NOTE_LINE = 22, 20
+LEGEND_LINE = 22  # pixels per entry of a legend listed down the page, under a plot
 FOLLOWED_COLOR = "#d62728"  # followed tokens drawn over a retention heatmap: apart from its navy and its pale
 HALO_COLOR = "rgba(255,255,255,0.85)"
 HALO = dict(color=HALO_COLOR, width=1)
@@ -59,9 +60,10 @@ class RunView:
     """Retention and rank history of one run, updated one event at a time in O(cache size)."""
 
     def __init__(self, prompt_len: int, max_new_tokens: int, budget: int, tokens: list[str] | None = None,
-                 pinned: tuple[int, int] = (0, 0), interval: int | None = None):
+                 pinned: tuple[int, int] = (0, 0), interval: int | None = None, terms_key: str = ""):
         self.prompt_len, self.budget, self.pinned = prompt_len, budget, pinned
         self.interval = interval  # a checkpointed policy's: every ``interval`` generated tokens it decides
+        self.terms_key = terms_key  # what its decisions' terms are (the terms table's key), where it says
         self.total = prompt_len + max_new_tokens
         self.entered = np.full(self.total, NEVER, dtype=np.int32)  # step a position entered the cache
         self.entered[:prompt_len] = 0
@@ -395,7 +397,7 @@ class RunView:
                    f"entries with terms, {event.evicted.size} evicted, lowest `{score}` first" + margin
                    + (f"; {int(sink.sum())} sinks kept by rule" if sink.any() else "")
                    + (f"; {unjudged} in the protected tail, not judged" if unjudged else "") + "."
-                   + self._off_schedule(event))
+                   + self._off_schedule(event) + (f"\n\n*{self.terms_key}.*" if self.terms_key else ""))
         return frame, caption
 
     def _off_schedule(self, event: StepEvent) -> str:
@@ -553,9 +555,9 @@ class RunView:
                                        in zip(steps, ranks, deeper)])
         # Room under the budget line for its label and the crosses, a fixed share of the plot's height.
         fig.update_yaxes(range=[bottom + max(0.7, 0.08 * bottom), 0.3], title="rank (1 = most useful)")
-        # Below the plot, a legend row per three followed tokens: the figure grows with them rather than
+        # Below the plot, a legend line per followed token: the figure grows with them rather than
         # squeezing the plot (a 7-digit needle is 7 or more lines)
-        rows = math.ceil(len(positions) / 3)
+        rows = len(positions)  # an entry a line: three a row ran over the x title in a 1000-px window
         # The dotted lines only where the policy records a raw score (AvoKV-E and R-KV decide at checkpoints
         # and record none: the key promised lines that never came)
         dotted = " · dotted: rank by the step's raw score" if history["raw_rank"].notna().any() else ""
@@ -573,9 +575,9 @@ class RunView:
                                        "the top B", crossed + f" · ▼: evicted ranked below {bottom:g}" * below,
                                        judged_key))
         fig.update_layout(xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps),
-                          height=260 + top + 30 * rows, xaxis_range=step_range(self.steps),
-                          margin=dict(l=50, r=20, t=top, b=60 + 30 * rows),
-                          legend=dict(orientation="h", yanchor="top", y=-0.24))
+                          height=260 + top + LEGEND_LINE * rows, xaxis_range=step_range(self.steps),
+                          margin=dict(l=50, r=20, t=top, b=60 + LEGEND_LINE * rows),
+                          legend=dict(orientation="v", yanchor="top", y=-0.24))
         return fig
 
     def _lifelines(self, positions: list[int], note: str, marker_step: int | None) -> go.Figure:
@@ -794,9 +796,12 @@ def _apart(first: float, second: float) -> tuple[str, str]:
 
 
 def _empty_figure(text: str) -> go.Figure:
+    # broken into lines: on one, a long message ran past both edges of a plot in a 1000-px window
+    lines = textwrap.wrap(text, TITLE_12_CHARS) or [text]
     fig = go.Figure()
-    fig.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-    fig.update_layout(height=160, margin=dict(l=20, r=20, t=20, b=20), xaxis_visible=False, yaxis_visible=False)
+    fig.add_annotation(text="<br>".join(lines), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(height=140 + SMALL_LINE * len(lines), margin=dict(l=20, r=20, t=20, b=20), xaxis_visible=False,
+                      yaxis_visible=False)
     return fig
 
 
