@@ -72,7 +72,7 @@ def at_compression(error: BudgetTooSmall, compression: float, prompt_len: int, *
     fix = (f"lower {option} to {most:g} or less" if most is not None else
            f"use a prompt of more than {error.reserved} tokens, or an absolute budget above {error.reserved}")
     return (f"{given or f'compression {compression:g}'} leaves a budget of {error.budget} of this {prompt_len}-token "
-            f"prompt, not more than {error.kept}: {fix} (or lower {error.shrink})")
+            f"prompt, not more than {error.kept}: {fix}{error.instead}")
 
 
 class EvictingCache(SlotCache):

@@ -568,7 +568,7 @@ def test_a_stopped_comparison_shows_and_zips_what_ran(page):
     page.wait_for_function("() => document.querySelector('.generating') !== null", timeout=60_000)
     time.sleep(1.0)
     page.evaluate("document.querySelector('#compare-stop').click()")  # as the Live tab's Stop test does
-    page.get_by_text("stopped after", exact=False).wait_for(timeout=60_000)
+    page.get_by_text("stopped after", exact=False).wait_for(timeout=120_000)  # a loaded machine: slower
     page.locator("a[download='comparison.zip']").wait_for(timeout=30_000)
     page.get_by_label("Fate per policy").first.wait_for(timeout=30_000)
     time.sleep(2.0)  # nothing may land over it
@@ -605,7 +605,7 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
         time.sleep(0.05)  # Stop has reached the server
     before.update(app._tickets)
     page.evaluate("document.querySelector('#compare-run').click()")  # a DOM click: no waiting for the page
-    page.get_by_text("stopped after", exact=False).wait_for(timeout=60_000)  # the stopped one, shown
+    page.get_by_text("stopped after", exact=False).wait_for(timeout=120_000)  # a loaded machine: slower  # the stopped one, shown
     page.get_by_text("stopped after", exact=False).wait_for(state="hidden", timeout=60_000)  # the next one's
     page.wait_for_function("() => !document.querySelector('.generating') && "
                            "document.querySelector(\"a[download='comparison.zip']\")", timeout=60_000)

@@ -299,12 +299,27 @@ def test_lazyeviction_has_no_query_window_and_says_what_to_lower():
     with pytest.raises(ValueError, match="budget 8 must exceed the 8 entries LazyEviction .* lower window"):
         make_policy("lazyeviction").reset(20, 8)
     # at delay 0 (the paper's rule, 32 below 768) the advice names the delay that shrinks the tail
-    with pytest.raises(ValueError, match="must exceed the 36 entries AvoKV-E .* \\(or lower sinks, or set delay to 8: 0 "
-                                         "is the paper's rule, 32 at this budget\\)$"):
+    with pytest.raises(ValueError, match="must exceed the 36 entries AvoKV-E .* \\(or lower sinks to 3 or fewer, or the "
+                                         "tail \\(delay between 8 and 31; 0 is the paper's rule, 32 at this budget\\)\\)$"):
         make_policy("avokv").reset(20, 36)
-    make_policy("avokv", delay=8).reset(20, 36 - 32 + 8 + 1)  # what that advice gives: 8 + 4 sinks under 13
-    with pytest.raises(ValueError, match="lower delay or sinks\\)$"):
+    # each piece of advice, taken at its limit, makes the budget do; where none can (B = 1), none is offered
+    make_policy("avokv", sinks=3).reset(20, 36)
+    make_policy("avokv", delay=31).reset(20, 36)
+    with pytest.raises(ValueError, match="raise the budget above 20 \\(or lower sinks to 1 or fewer and the tail \\(delay "
+                                         "8\\)\\)$"):
+        make_policy("avokv", delay=16).reset(20, 10)
+    make_policy("avokv", delay=8, sinks=1).reset(20, 10)
+    with pytest.raises(ValueError, match="raise the budget above 12 \\(or lower sinks to 0 and the tail \\(delay and "
+                                         "observe_window 4 or less\\)\\)$"):  # under W_obs: it must come down too
+        make_policy("avokv", delay=8).reset(20, 5)
+    make_policy("avokv", delay=4, observe_window=4, sinks=0).reset(20, 5)
+    with pytest.raises(ValueError, match="raise the budget above 36$"):
+        make_policy("avokv").reset(20, 1)
+    with pytest.raises(ValueError, match="\\(or lower sinks to 3 or fewer\\)$"):  # the tail is at its floor, W_obs
         make_policy("avokv", delay=8).reset(20, 12)
+    with pytest.raises(ValueError, match="\\(or lower sinks to 3 or fewer and the tail \\(delay 8\\)\\)$"):
+        make_policy("avokv", delay=16).reset(20, 12)
+    make_policy("avokv", delay=8, sinks=3).reset(20, 12)
 
 
 # -------------------------------------------------------------------------------------------- checkpoints

@@ -94,10 +94,25 @@ class AvoKVE(QueryWindowPolicy):
             raise ValueError(f"W_delay ({self.protected(budget)} at budget {budget}) must be >= observe_window "
                              f"(W_obs = {self.observe_window}): set delay >= {self.observe_window} or lower "
                              "observe_window")
-        # delay 0 is the paper's rule (32 below B = 768): "lower delay" read as nonsense beside a 0
-        shrink = "delay or sinks" if self.delay else (f"sinks, or set delay to {self.observe_window}: 0 is the "
-                                                      f"paper's rule, {self.protected(budget)} at this budget")
-        self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)", shrink)
+        self.reset_budget_check(budget, self.protected(budget) + self.sinks, "AvoKV-E (tail + sinks)",
+                                self.shrink_advice(budget))
+
+    def shrink_advice(self, budget: int) -> str:
+        """What to lower instead of raising ``budget`` over the tail and sinks, with values that make it do: only
+        what can (the tail is at least W_obs = observe_window entries, delay 0 being the paper's rule; at B = 1
+        nothing can).  "Lower delay or sinks" was offered where no delay or sinks would do."""
+        room, tail = budget - 1, self.protected(budget)  # the most the tail and sinks may hold together
+        options = [f"sinks to {room - tail} or fewer"] if self.sinks and tail <= room else []
+        rule = "" if self.delay else f"; 0 is the paper's rule, {tail} at this budget"
+        if room - self.sinks >= self.observe_window:
+            options.append(f"the tail (delay between {self.observe_window} and {room - self.sinks}{rule})")
+        elif room >= self.observe_window and tail != self.observe_window:  # both: the tail to its floor, W_obs
+            options.append(f"sinks to {room - self.observe_window} or fewer and the tail (delay "
+                           f"{self.observe_window}{rule})")
+        elif room >= 1 and room < self.observe_window:  # the tail's floor, W_obs, must come down too
+            options.append("sinks to 0 and " * bool(self.sinks)
+                           + f"the tail (delay and observe_window {room} or less{rule})")
+        return ", or ".join(options)
 
     def pinned(self, budget: int) -> tuple[int, int]:
         return self.sinks, self.protected(budget)

@@ -40,13 +40,19 @@ class BudgetTooSmall(ValueError):
     """A budget within the entries a policy never evicts (sinks, a recent window).
 
     ``reserved``: those entries' count (a budget must exceed it); ``kept``: what they are, as the message
-    names them; ``shrink``: the parameters that set them.  The message speaks of the budget; where a
-    compression set it, :func:`kvviz.engine.at_compression` says which compression would do instead.
+    names them; ``shrink``: the parameters that set them, to lower instead ("" where none could make this
+    budget do).  The message speaks of the budget; where a compression set it,
+    :func:`kvviz.engine.at_compression` says which compression would do instead.
     """
 
     def __init__(self, budget: int, reserved: int, kept: str, shrink: str):
         self.budget, self.reserved, self.kept, self.shrink = budget, reserved, kept, shrink
-        super().__init__(f"budget {budget} must exceed {kept}: raise the budget above {reserved} (or lower {shrink})")
+        super().__init__(f"budget {budget} must exceed {kept}: raise the budget above {reserved}{self.instead}")
+
+    @property
+    def instead(self) -> str:
+        """`` (or lower sinks)``: the message's alternative to a larger budget, or "" where there is none."""
+        return f" (or lower {self.shrink})" if self.shrink else ""
 
 
 @dataclass
