@@ -2482,3 +2482,24 @@ def test_long_legends_and_messages_go_under_the_plot_a_line_each():
     message = "no token text contains 'zzzz'; give other text, or positions as #12, #40-45, and try again"
     lines = _empty_figure(message).layout.annotations[0].text.split("<br>")
     assert " ".join(lines) == message and len(lines) > 1 and all(len(line) <= TITLE_12_CHARS for line in lines)
+
+
+def test_a_live_run_is_marked_as_the_earlier_inputs_once_they_change():
+    """The Live tab's stats name the inputs changed since its run (as the Compare tab marks a comparison), only
+    those that decide the run; set back, the stats are the run's own; a refused click's note is left alone."""
+    from kvviz.ui.app import NOT_RUN, earlier_run_note, run_inputs
+
+    ran_on = (TINY, PROMPT, "inertia", "compression", 0.9, 256, 48, False, 0.0, 0.95, 0, 0.8, 4)
+    ran = {"inputs": run_inputs(*ran_on), "note": "**run** `inertia`"}
+    view = follow_view()
+
+    def edit(index, value):
+        return earlier_run_note(ran, view, ran["note"], *ran_on[:index], value, *ran_on[index + 1:])
+
+    assert edit(2, "tova") == ("**Earlier inputs: the policy changed since this run; run again for the current "
+                               "ones.**  \n**run** `inertia`")
+    assert edit(11, 0.5).startswith("**Earlier inputs: the policy parameters changed")
+    assert edit(4, 0.5).startswith("**Earlier inputs: the compression ρ changed")
+    assert edit(5, 99) == edit(9, 0.5) == ran["note"]  # the budget box under ρ, top-p when greedy: not this run's
+    assert earlier_run_note(ran, view, NOT_RUN + "x", *ran_on) == gr.skip()
+    assert earlier_run_note(None, view, "x", *ran_on) == earlier_run_note(ran, None, "x", *ran_on) == gr.skip()

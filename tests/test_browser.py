@@ -155,6 +155,12 @@ def test_run_watch_scrub(page):
         .filter(p => /^(Retention|Utility rank)/.test(String(((p.layout || {}).title || {}).text || '')))
         .map(p => { const r = p.querySelector('.nsewdrag').getBoundingClientRect(); return [r.left, r.right]; })""")
     assert len(areas) == 2 and areas[0] == areas[1]
+    # A new prompt leaves the run's views up, marked as the earlier inputs'; the run's own prompt unmarks them
+    page.get_by_label("Prompt").first.fill(PROMPT + " More.")
+    stale = page.get_by_text("Earlier inputs: the prompt changed since this run", exact=False)
+    stale.wait_for(timeout=30_000)
+    page.get_by_label("Prompt").first.fill(PROMPT)
+    stale.wait_for(state="hidden", timeout=30_000)
 
 
 def test_stop_cancels_a_long_run_and_leaves_what_ran_to_scrub(page):

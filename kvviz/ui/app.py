@@ -1323,6 +1323,28 @@ def compared_inputs(model_name, prompt, names, budget_mode, compression, budget,
     return inputs
 
 
+def run_inputs(model_name, prompt, policy, budget_mode, compression, budget, max_new_tokens, chat, temperature=0.0,
+               top_p=1.0, seed=0, *parameters) -> dict:
+    """The Live tab's inputs by name, those that decide what a run runs (:func:`compared_inputs`'s, one policy
+    and its parameters)."""
+    inputs = compared_inputs(model_name, prompt, [policy], budget_mode, compression, budget, max_new_tokens, chat,
+                             temperature, top_p, seed)
+    inputs["policies"] = policy
+    return {("policy" if name == "policies" else name): value for name, value in inputs.items()} | {
+        "policy parameters": list(parameters)}
+
+
+def earlier_run_note(ran: dict | None, view, stats, *inputs):
+    """The Live tab's stats once its inputs change after a run (``ran``: the inputs it ran on and its stats):
+    the inputs that changed named above them, as the Compare tab marks its comparison, so that the views are
+    not read as these inputs' run; set back, the stats as they were.  A refused click's note says it already."""
+    if not ran or view is None or not isinstance(stats, str) or stats.startswith(NOT_RUN):
+        return gr.skip()
+    changed = changed_inputs(ran["inputs"], run_inputs(*inputs))
+    return (f"**Earlier inputs: the {', '.join(changed)} changed since this run; run again for the current "
+            f"ones.**  \n" if changed else "") + ran["note"]
+
+
 def changed_inputs(then: dict, now: dict) -> list[str]:
     """The names of :func:`compared_inputs` that differ (one that applies on one side only, such as the budget
     after a switch from ρ, is named by the switch: "cache size by", "temperature")."""
@@ -2110,6 +2132,17 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             for loaded in (checked.success, checked.failure, opened.then):
                 loaded(counter, count_inputs, prompt_size, api_name=False)
             checked.failure(mark_previous_run, [view_state, stats], stats, api_name=False, queue=False)
+            # The views of the last run stay when the inputs change: marked as the earlier inputs' (an opened
+            # trace's run was made from no inputs here)
+            checked_inputs, ran = gr.State(None), gr.State(None)
+            checked.success(run_inputs, inputs, checked_inputs, api_name=False, queue=False)
+            marks = dict(fn=earlier_run_note, inputs=[ran, view_state, stats, *inputs], outputs=stats, api_name=False,
+                         queue=False, show_progress="hidden")
+            live.success(lambda inputs, note: {"inputs": inputs, "note": note}, [checked_inputs, stats], ran,
+                         api_name=False, queue=False).then(**marks)
+            opened.then(lambda: None, None, ran, api_name=False, queue=False)
+            for component in inputs:
+                component.change(trigger_mode="always_last", **marks)
             app.load(_show_parameters, [policy, model], [description, *widgets], api_name=False)
 
         with gr.Tab("Compare") as compare_tab:
