@@ -749,8 +749,7 @@ def make_compare_check(limits: Limits):
         if not views or not ran or ran.get("inputs") is None:  # none has ended (or one is running)
             return ("" if refused_note else gr.skip(), *skip[1:])
         changed = changed_inputs(ran["inputs"], compared_inputs(*inputs))
-        mark = (f"**Earlier inputs: the {', '.join(changed)} changed since this comparison ran; compare again "
-                f"for the current ones.**\n\n" if changed else "")
+        mark = earlier_inputs(changed, "comparison ran", "compare again") + "\n\n" if changed else ""
         suffix = " · earlier inputs" if changed else ""
         texts = [gr.update(label=label + suffix) for label in compared_labels(views)]
         tables = [gr.update(label=label + (" (earlier inputs)" if changed else "")) for label in (FATES_LABEL,
@@ -1329,9 +1328,14 @@ def run_inputs(model_name, prompt, policy, budget_mode, compression, budget, max
     and its parameters)."""
     inputs = compared_inputs(model_name, prompt, [policy], budget_mode, compression, budget, max_new_tokens, chat,
                              temperature, top_p, seed)
-    inputs["policies"] = policy
-    return {("policy" if name == "policies" else name): value for name, value in inputs.items()} | {
-        "policy parameters": list(parameters)}
+    return {("policy" if name == "policies" else name): (policy if name == "policies" else value)
+            for name, value in inputs.items()} | {"policy parameters": list(parameters)}
+
+
+def earlier_inputs(changed: list[str], since: str, again: str) -> str:
+    """The mark over a result whose inputs have changed since it was made (the Live tab's run, the Compare
+    tab's comparison, probe and spectrum): which changed, and what makes one of the current inputs."""
+    return f"**Earlier inputs: the {', '.join(changed)} changed since this {since}; {again} for the current ones.**"
 
 
 def earlier_run_note(ran: dict | None, view, stats, *inputs):
@@ -1341,8 +1345,7 @@ def earlier_run_note(ran: dict | None, view, stats, *inputs):
     if not ran or view is None or not isinstance(stats, str) or stats.startswith(NOT_RUN):
         return gr.skip()
     changed = changed_inputs(ran["inputs"], run_inputs(*inputs))
-    return (f"**Earlier inputs: the {', '.join(changed)} changed since this run; run again for the current "
-            f"ones.**  \n" if changed else "") + ran["note"]
+    return (earlier_inputs(changed, "run", "run again") + "  \n" if changed else "") + ran["note"]
 
 
 def changed_inputs(then: dict, now: dict) -> list[str]:
@@ -1672,9 +1675,7 @@ class Staleness:
         changed = [field for field, then, now in zip(self.fields, state["inputs"], inputs) if then != self._key(now)]
         if not changed:
             return (state["note"], *(gr.update(label=label) for label in self.labels))
-        mark = (f"**Earlier inputs: the {', '.join(changed)} changed since this {self.what} ran; "
-                f"run it again for the current ones.** ")
-        return (mark + state["note"], *(gr.update(label=f"{label} (earlier inputs)") for label in self.labels))
+        return (earlier_inputs(changed, f"{self.what} ran", "run it again") + " " + state["note"], *(gr.update(label=f"{label} (earlier inputs)") for label in self.labels))
 
 
 def make_generate_api(limits: Limits):
