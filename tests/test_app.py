@@ -288,7 +288,7 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     cancel = request_stop(tickets)  # none decodes: the hidden field changes, cancelling what waits in the queue
     assert isinstance(cancel, float) and request_stop(tickets) != cancel
     assert list(make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False,
-                                             *GREEDY, ticket_id=compared, tickets=tickets)) == [(gr.skip(),) * 13]
+                                             *GREEDY, ticket_id=compared, tickets=tickets)) == [(gr.skip(),) * 14]
 
     _, refused = button_ticket(tickets)
     retire(tickets)  # its check refused (or a full queue refused the check or the run)
@@ -746,7 +746,7 @@ def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
     divergences = [u[8] for u in updates[2:] if isinstance(u[8], str)]  # after the tickets and the clearing
     assert divergences and all(d.startswith("*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*\n\n")
                                for d in divergences)
-    assert "**tova** vs **inertia**" in divergences[-1] and list(updates[-1][-2]) == ["inertia", "tova", "streaming"]
+    assert "**tova** vs **inertia**" in divergences[-1] and list(updates[-1][-3]) == ["inertia", "tova", "streaming"]
 
 
 def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(tiny):
@@ -1305,7 +1305,7 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova", "streaming"], "compression", 0.5, 0,
                                             12, False)
-    table = compare_diagnostics(last[-2])["value"]
+    table = compare_diagnostics(last[-3])["value"]
     assert list(table.columns) == ["diagnostic", "inertia", "tova", "streaming"]  # a column per policy: no scrolling
     table = table.set_index("diagnostic")
     # The steps the raw rows average over: every one of the 11 decode steps, but none for StreamingLLM.
@@ -1336,9 +1336,15 @@ def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     updates = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False)
     first = next(updates)  # an API call's first in its session: only its tickets, before the checks
     assert isinstance(first[-1], Tickets) and all(u == {"__type__": "update"} for u in first[:-1])
-    assert next(updates)[-2] is None  # the state output, before any step
+    assert next(updates)[-3:-1] == (None, None)  # the state outputs (views; inputs and note), before any step
     *_, last = updates
-    assert set(last[-2]) == {"inertia", "tova"}
+    assert set(last[-3]) == {"inertia", "tova"}
+    # what the page marks "earlier inputs" against: the inputs this run was given and its own note, which a
+    # later click's comparison cannot have replaced
+    assert last[-2] == {"inputs": {"model": TINY, "prompt": PROMPT, "policies": ["inertia", "tova"],
+                                   "cache size by": "compression", "compression ρ": 0.5, "max new tokens": 4,
+                                   "chat template": False, "temperature": 0.0}, "note": last[8]}
+    assert last[8].startswith("**prompt**")
 
 
 def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
@@ -1966,7 +1972,7 @@ def test_a_comparison_whose_download_fails_still_shows_everything(tiny, monkeypa
     monkeypatch.setattr(app, "save_comparison", full_disk)
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = app.make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False)
-    assert list(last[-2]) == ["inertia", "tova"] and last[-3] == {"__type__": "update"}  # state, no download
+    assert list(last[-3]) == ["inertia", "tova"] and last[-4] == {"__type__": "update"}  # state, no download
     assert "vs **inertia**" in last[8]
 
 
@@ -1978,15 +1984,15 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], "compression", 0.5, 0,
                                             8, False)
-    assert list(last[-2]) == ["inertia", "inertia alpha=0.3"]
-    view_len = last[-2]["inertia"].prompt_len
-    assert list(compare_diagnostics(last[-2])["value"].columns)[1:] == ["inertia", "inertia alpha=0.3"]
+    assert list(last[-3]) == ["inertia", "inertia alpha=0.3"]
+    view_len = last[-3]["inertia"].prompt_len
+    assert list(compare_diagnostics(last[-3])["value"].columns)[1:] == ["inertia", "inertia alpha=0.3"]
     # The download: one trace per setting, in order, each the policy it is labelled as, with its own run.
     import zipfile
 
     from kvviz.policies import setting_label
 
-    with zipfile.ZipFile(last[-3]["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
+    with zipfile.ZipFile(last[-4]["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
         assert bundle.namelist() == ["1-inertia.parquet", "2-inertia_alpha=0.3.parquet"]
         bundle.extractall(folder)
         traces = [kvviz.Trace.load(Path(folder) / name) for name in bundle.namelist()]
@@ -1995,16 +2001,16 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
         long_label = "inertia layers=" + ",".join(["0"] * 200)
         run = Progress.start(Request(tiny[0], tiny[1], [0] * view_len, 4, 8), TINY,
                              {long_label: kvviz.make_policy("inertia")}, [])
-        run.views[long_label] = last[-2]["inertia"]
+        run.views[long_label] = last[-3]["inertia"]
         archive = save_comparison(run)
         with zipfile.ZipFile(archive) as long_names:
             assert [len(name) for name in long_names.namelist()] == [len("1-") + 80 + len(".parquet")]
         assert "**opened** 2-inertia_alpha=0.3.parquet: `inertia` (alpha=0.3" in opened[1]
-    assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[-2])
-    for trace, view in zip(traces, last[-2].values()):
+    assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[-3])
+    for trace, view in zip(traces, last[-3].values()):
         assert [e.kept.tolist() for e in trace.events] == [e.kept.tolist() for e in view.events]
         assert trace.prompt_len == view.prompt_len and trace.dtype == "float32" and trace.model == TINY
-    columns = list(compare_fates(last[-2], "#0-3")[1]["value"].columns)
+    columns = list(compare_fates(last[-3], "#0-3")[1]["value"].columns)
     assert columns[2].startswith("inertia (to step") and columns[3].startswith("inertia alpha=0.3 (to step")
 
 
@@ -2450,17 +2456,30 @@ def test_a_typed_setting_the_registry_refuses_is_said_when_it_is_entered():
 
     preset, entries = next(iter(COMPARISONS.items()))
     with pytest.warns(UserWarning, match=r"alpha must be between 0.0 and 1.0, got '2' \(in the Policies box"):
-        update = policies_edited(preset, [*entries, "inertia alpha=2"])
-    assert update["value"] is None  # edited: no longer the preset
+        update, seen = policies_edited(preset, [*entries, "inertia alpha=2"])
+    assert update["value"] is None and seen == [*entries, "inertia alpha=2"]  # edited: no longer the preset
     with pytest.warns(UserWarning, match="unknown policy 'foo'"):
-        policies_edited(preset, ["inertia", "foo"])
+        policies_edited(preset, ["inertia", "foo"], seen)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a good entry, or the preset's own list, says nothing
-        assert policies_edited(preset, list(entries)) == gr.skip()
-        assert policies_edited(preset, ["inertia", "inertia alpha=0.5"])["value"] is None
+        assert policies_edited(preset, list(entries)) == (gr.skip(), list(entries))
+        assert policies_edited(preset, ["inertia", "inertia alpha=0.5"])[0]["value"] is None
         policies_edited(preset, [])
+        # the page's second change for the same list (as the box loses focus) says the refusal no second time
+        assert policies_edited(preset, [*entries, "inertia alpha=2"], seen) == (gr.skip(), gr.skip())
+
+
+def test_a_full_policies_box_says_why_it_takes_no_fifth():
+    """The box takes four chips at most and drops a fifth typed entry unsaid: from the fourth on a line under it
+    says so, gone again once one is removed."""
+    from kvviz.ui.app import policies_full_note
+
+    for entries in (None, [], ["inertia", "tova"], ["inertia", "tova", "streaming"]):
+        assert policies_full_note(entries) == {"__type__": "update", "value": "", "visible": False}
+    four = policies_full_note(["inertia", "tova", "snapkv", "keydiff"])
+    assert four["visible"] and "Four chosen" in four["value"] and "remove one" in four["value"]
 
 
 def test_long_legends_and_messages_go_under_the_plot_a_line_each():

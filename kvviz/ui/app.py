@@ -166,7 +166,8 @@ def fraction(label: str, value) -> float:
         raise ValueError(f"{label} must be a number, got {value!r}") from None
 
 
-CLOSE_ERROR_TOASTS = "() => document.querySelectorAll('button.toast-close.error').forEach(b => b.click())"
+CLOSE_TOASTS = ("() => document.querySelectorAll('button.toast-close.error, button.toast-close.warning')"
+                ".forEach(b => b.click())")
 
 
 def refused(message: str) -> gr.Error:
@@ -647,17 +648,34 @@ def repeats_note(entries) -> str:
     return f"*Run once: {'; '.join(parts)}.*" if parts else ""
 
 
-def policies_edited(preset: str, entries):
+def policies_edited(preset: str, entries, seen=None) -> tuple:
     """The Policies box edited by hand: a typed entry the registry refuses is said at once, in a toast, not
     at the next Compare (the newest entry only: it is appended last, and the older ones were said when they
-    came); and the preset box empties once the list is no longer that preset's, which it went on naming."""
+    came); and the preset box empties once the list is no longer that preset's, which it went on naming.
+
+    ``seen`` is the list this last ran on: the page sends the box's change twice for one entry (as it is added
+    and as the box loses focus), which said the refusal twice.  Returns the preset box and the new ``seen``."""
     entries = list(entries or [])
+    if entries == seen:
+        return gr.skip(), gr.skip()
     if entries:
         try:
             build_setting(entries[-1])
         except ValueError as error:
             gr.Warning(f"{error} (in the Policies box: change or remove it)")
-    return gr.update(value=None) if COMPARISONS.get(preset) != entries else gr.skip()
+    return (gr.update(value=None) if COMPARISONS.get(preset) != entries else gr.skip()), entries
+
+
+# The box takes no fifth chip and ignores a fifth typed entry without a word (Gradio's max_choices): a line
+# under it says so once it is full.  (Not its label: updating the box from its own change event makes the page
+# send the change again.)
+POLICIES_FULL = "*Four chosen, the most a comparison shows: remove one (its ×) to pick or type another.*"
+
+
+def policies_full_note(entries) -> dict:
+    """The line under the Policies box: shown once it holds four ``entries``, why a fifth will not go in."""
+    full = len(entries or []) >= 4
+    return gr.update(value=POLICIES_FULL if full else "", visible=full)
 
 
 def compare_settings(entries) -> dict[str, str]:
@@ -1104,19 +1122,23 @@ def decision_views(view: RunView, step) -> tuple:
 def make_compare_handler(limits: Limits):
     def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
                     temperature=0.0, top_p=1.0, seed=0, ticket_id="", tickets=None):
-        yield from ticketed(ticket_id, tickets, 13, lambda ticket, made: compare_steps(
+        yield from ticketed(ticket_id, tickets, 14, lambda ticket, made: compare_steps(
             ticket, made, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
             temperature, top_p, seed))
 
     def compare_steps(ticket, made, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens,
                       chat, temperature, top_p, seed):
         if made:  # as in the Live tab: /stop_compare reaches it from now on
-            yield (*[gr.skip()] * 12, made)
+            yield (*[gr.skip()] * 13, made)
         try:
             settings = compare_settings(names)
             repeated = repeats_note(names)  # shown above the divergence lines for the whole run
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
                                list(build_policies(settings).values()), temperature, top_p, seed)
+            # what the page marks "earlier inputs" against once they change: kept here, not read from the page
+            # after the run, where a later click's comparison may already stand
+            ran_inputs = compared_inputs(model_name, prompt, names, budget_mode, compression, budget,
+                                         max_new_tokens, chat, temperature, top_p, seed)
             policies = build_policies(settings)  # fresh state
             names = list(settings)
             run = Progress.start(request, model_name, policies, token_texts(request.tokenizer, request.prompt_ids))
@@ -1130,7 +1152,7 @@ def make_compare_handler(limits: Limits):
         # One empty panel per chosen policy, labelled, and what runs before the first token; the last
         # comparison's figures, download and state go now, not when this one ends.
         yield (*starting_panels(names), f"{repeated}\n\n{PREFILL.format(len(request.prompt_ids))}".lstrip(), None,
-               gr.update(value=None, visible=False), None, gr.skip())
+               gr.update(value=None, visible=False), None, None, gr.skip())
         try:
             # Sampled, every policy draws the same random stream: where their next-token distributions agree
             # they pick the same token, so the first divergence is still the eviction's doing.
@@ -1148,8 +1170,9 @@ def make_compare_handler(limits: Limits):
                     last_figure = now
                 last_text = now
                 yield (*_compare_outputs(names, run.texts, run.views, figures=refresh, final=False, note=repeated),
-                       gr.skip())
-            yield (*comparison_result(run, stopped=ticket.is_set(), note=repeated), gr.skip())
+                       gr.skip(), gr.skip())
+            result = comparison_result(run, stopped=ticket.is_set(), note=repeated)
+            yield (*result, {"inputs": ran_inputs, "note": result[8]}, gr.skip())
         except Exception as error:
             if ticket.is_set():
                 stopped_run_failed("the stopped comparison", error)
@@ -1982,8 +2005,9 @@ def stoppable_run(limits: Limits, run_button, stop_button, check, handler, input
     run's events."""
     tickets, ticket_id = gr.State(None), gr.Textbox("", visible=False)  # "": an API call
     # A refusal's toast stays until closed (refused()); the next click closes it, so that it never sits over
-    # a run that then goes ahead.
-    run_button.click(None, None, None, js=CLOSE_ERROR_TOASTS, queue=False, api_name=False)
+    # a run that then goes ahead, and any warning about the inputs, which the check says again where it holds
+    # (else a refused typed setting showed twice, as the warning it got when typed and as the refusal).
+    run_button.click(None, None, None, js=CLOSE_TOASTS, queue=False, api_name=False)
     taken = run_button.click(button_ticket, tickets, [tickets, ticket_id], queue=False, api_name=False)
     if announce:
         taken.success(*announce, api_name=False, queue=False, show_progress="hidden")
@@ -2160,6 +2184,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                              multiselect=True, allow_custom_value=True, max_choices=4,
                                              label="Policies (2 to 4): pick, or type a setting such as "
                                                    "'inertia alpha=0.5' and press Enter")
+                    c_policies_full = gr.Markdown(POLICIES_FULL, visible=len(COMPARISONS[c_preset.value]) >= 4)
                     c_mode, c_compression, c_budget, c_max_new, c_chat, c_temperature, c_top_p, c_seed = \
                         _run_settings(limits, 0.75, COMPARE_NEW_TOKENS)
                     with gr.Row():
@@ -2219,9 +2244,13 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                               c_top_p],
                 [c_policies, c_prompt, c_mode, c_budget, c_max_new, c_temperature, c_top_p, c_preset_note],
                 api_name=False)
-            c_policies.change(policies_edited, [c_preset, c_policies], c_preset, api_name=False,
-                             show_progress="hidden")
-            c_state = gr.State(None)
+            c_policies_seen = gr.State(None)
+            c_policies.change(policies_edited, [c_preset, c_policies, c_policies_seen], [c_preset, c_policies_seen],
+                              api_name=False, show_progress="hidden")
+            c_policies.change(policies_full_note, c_policies, c_policies_full, api_name=False, queue=False,
+                              show_progress="hidden")
+            # the compared runs' views; the inputs they ran on, with their note (set by the run's last update)
+            c_state, c_ran = gr.State(None), gr.State(None)
             c_policies.change(placeholder_panels, [c_policies, c_state], [*c_texts, *c_figs], api_name=False,
                               show_progress="hidden")
             c_inputs = [c_model, c_prompt, c_policies, c_mode, c_compression, c_budget, c_max_new, c_chat,
@@ -2229,7 +2258,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             compare_check = make_compare_check(limits)
             c_checked, compare = stoppable_run(
                 limits, c_run, c_stop, compare_check, make_compare_handler(limits), c_inputs,
-                [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state], "compare",
+                [*c_texts, *c_figs, c_divergence, c_jaccard, c_download, c_state, c_ran], "compare",
                 progress_on=c_divergence,
                 announce=(compare_check.announce, [*c_inputs, c_state], [c_divergence, *c_texts, *c_figs]))
             # the prompt's token count, as in the Live tab (B is a share of it)
@@ -2247,17 +2276,14 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                 queue=False, show_progress="hidden", trigger_mode="always_last")
             c_checked.failure(compare_check.refused_marks, [*c_inputs, c_state],
                               [c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False)
-            # The inputs the comparison ran on, kept at its check, and with its note once it has ended
-            c_checked_inputs, c_ran = gr.State(None), gr.State(None)
-            c_checked.success(compared_inputs, c_inputs, c_checked_inputs, api_name=False, queue=False)
             edited_io = dict(fn=compare_check.edited, inputs=[*c_inputs, c_ran, c_state, c_divergence],
                              outputs=[c_divergence, *c_texts, c_fates, c_diagnostics], api_name=False,
                              show_progress="hidden", queue=False)
-            # and at its end, for the edits made while it ran
-            compare.success(lambda inputs, note: {"inputs": inputs, "note": note}, [c_checked_inputs, c_divergence],
-                            c_ran, api_name=False, queue=False).then(**edited_io)
             for component in c_inputs:
                 component.change(trigger_mode="always_last", **edited_io)
+            # and at its end, for the edits made while it ran (against the views and inputs on the page then,
+            # which a later click's comparison may have replaced: each comes with its own)
+            compare.success(**edited_io)
             # A refusal's marks go too (the text panels' go with the run's first update).
             c_checked.success(lambda: (compare_fates(None, "")[0], gr.update(value=None, visible=False,
                                                                              label=FATES_LABEL)),
