@@ -82,6 +82,25 @@ def test_avokv_worked_example_appendix_a_table_5():
     assert set((torch.topk(routing, 2).indices + 1).tolist()) == {2, 1}
 
 
+@pytest.mark.parametrize("lambda_b, kept_candidates", [(0.05, [2, 3]), (0.0, [1, 2])])
+def test_avokv_decides_table_5s_checkpoint_through_its_own_path(lambda_b, kept_candidates):
+    """The worked example through the policy itself (observe, then select_evictions), not only its score:
+    four eligible candidates with Table 5's raw features, two newer entries in the delay buffer P, B = 4. P is
+    kept whatever it scores, and of C the two that Table 5 keeps: {2, 3} with the payload term, {2, 1} without."""
+    p = torch.tensor([0.04, 0.81, 0.02, 0.05])
+    r = torch.tensor([0.55, 0.41, 0.55, 0.92])
+    b = torch.tensor([0.55, 0.62, 2.10, 1.20])
+    policy = make_policy("avokv", interval=1, delay=2, observe_window=2, sinks=0, lambda_b=lambda_b)
+    policy.layer_features = lambda view, positions, queries, query_positions: {"p": p, "r": r, "b": b}
+    policy.reset(5, 4, 1)  # a 5-token prompt, B = 4, one layer
+    policy.begin_step(1, torch.arange(5), 5)
+    positions = torch.arange(6)  # the prompt and the token just decoded: C = positions 0-3, P = {4, 5}
+    policy.observe(LayerView(0, torch.zeros(1, 2), torch.randn(1, 6, 2), torch.randn(1, 6, 2), 1.0), positions)
+    assert policy.candidates.tolist() == [0, 1, 2, 3]
+    evicted = positions[policy.select_evictions(1, positions, 4)].tolist()
+    assert sorted(set(range(6)) - set(evicted)) == sorted([c - 1 for c in kept_candidates] + [4, 5])
+
+
 def test_avokv_raw_scores_ablation_skips_normalisation():
     p, r, b = torch.tensor([0.2, 0.4]), torch.tensor([0.5, 0.1]), torch.tensor([1.0, 3.0])
     # 0.1*0.2 - 0.9*0.5 + 0.05*1 = -0.38 ;  0.1*0.4 - 0.9*0.1 + 0.05*3 = 0.10
