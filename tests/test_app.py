@@ -1347,8 +1347,11 @@ def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     assert last[8].startswith("**prompt**")
 
 
-def test_the_probe_names_its_own_step_when_it_would_pass_the_context(client):
-    with pytest.raises(Exception, match="probing step 5000 decodes 5008 tokens"):
+def test_the_probe_step_goes_no_further_than_a_run_may_decode(client):
+    """The probe decodes its step's tokens first, with no Stop and the model's queue behind it: no more than
+    this server's max new tokens (3000 here), said with what to choose."""
+    with pytest.raises(Exception, match="the probe step is 5000: the probe decodes that many tokens first, and this "
+                                        r"server decodes at most 3000 \(its max new tokens\); choose a step up to 3000"):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")
     # An empty sample field is refused like an empty step: probing every entry is asked for with 0.
     with pytest.raises(Exception, match=r"entries sampled \(0 = all\) is empty; type a whole number"):
@@ -1367,10 +1370,14 @@ def test_the_probe_and_spectrum_are_checked_before_they_run(tiny):
     assert spectrum_check(TINY, PROMPT, False, 3, "") is None and spectrum_check(TINY, PROMPT, False, 3, "2") is None
     for args, message in [((TINY, PROMPT, ["inertia"], False, None, 16), "the probe step is empty"),
                           ((TINY, PROMPT, ["inertia"], False, 2, None), r"entries sampled \(0 = all\) is empty"),
-                          ((TINY, PROMPT, ["inertia"], False, 5000, 16), "probing step 5000 decodes 5008 tokens"),
+                          ((TINY, PROMPT, ["inertia"], False, 17, 16), "the probe step is 17: .* at most 16"),
                           ((TINY, PROMPT, [], False, 2, 16), "choose one to four policies to rank")]:
         with pytest.raises(gr.Error, match=message):
             probe_check(*args)
+    # a server that decodes further than the model's context (4096): the probe names its step against that
+    with pytest.raises(gr.Error, match="probing step 4090 decodes 4098 tokens"):
+        make_probe_check(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=5000))(
+            TINY, PROMPT, ["inertia"], False, 4090, 16)
     for args, message in [((TINY, PROMPT, False, 3, "5"), "layer must be between 0 and 2 for this model, got 5"),
                           ((TINY, PROMPT, False, 0, ""), "the steps compared must be between 1 and 64, got 0"),
                           ((TINY, PROMPT, False, 3, "two"), "the layer must be a whole number, got 'two'")]:

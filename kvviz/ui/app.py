@@ -1560,6 +1560,17 @@ def make_spectrum_check(limits: Limits):
     return check_spectrum
 
 
+def probe_step(limits: Limits, step) -> int:
+    """The probe's step, checked: it decodes that many tokens before probing, so no more than a run may
+    decode here (the probe has no Stop, and every run of the model waits behind it)."""
+    step = whole_number("the probe step", step, 1)
+    if step > limits.max_new_tokens:
+        raise ValueError(f"the probe step is {step}: the probe decodes that many tokens first, and this server "
+                         f"decodes at most {limits.max_new_tokens} (its max new tokens); choose a step up to "
+                         f"{limits.max_new_tokens}")
+    return step
+
+
 def make_probe_check(limits: Limits):
     """The probe's inputs checked before it runs, as :func:`make_spectrum_check` does for the spectrum."""
     from ..probe import check_fits
@@ -1568,7 +1579,7 @@ def make_probe_check(limits: Limits):
         with refusing("checking the probe's inputs"):
             policy_settings(names, 1, "rank")
             model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
-            check_fits(model, prompt_ids, whole_number("the probe step", step, 1), 8)
+            check_fits(model, prompt_ids, probe_step(limits, step), 8)
             whole_number("entries sampled (0 = all)", sample, 0)
     return check_probe
 
@@ -1611,7 +1622,7 @@ def make_probe_handler(limits: Limits):
             settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
             names = list(settings)
             model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
-            step = whole_number("the probe step", step, 1)
+            step = probe_step(limits, step)
             sample = whole_number("entries sampled (0 = all)", sample, 0)  # empty is refused: 0 means all
             check_fits(model, prompt_ids, step, 8)
             policies = build_policies(settings)
