@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -219,6 +220,9 @@ class Trace:
         if Path(path).is_dir():  # arrow would read the folder as a dataset and complain about some file in it
             raise ValueError(f"{path} is a folder; give the path of a trace file (.parquet) saved with "
                              "`kvviz generate --trace FILE` or the Live tab's download")
+        if zipfile.is_zipfile(path):  # the Compare tab's download: one trace per policy inside
+            raise ValueError(f"{name} is a zip (a comparison's download?), not a trace; unzip it and open one of "
+                             "its .parquet files, a trace per policy")
         try:
             table = pq.read_table(path)
         except (OSError, pa.ArrowException) as error:

@@ -1866,9 +1866,16 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path):
     assert kvviz.engine.encode_prompt(tokenizer, outputs[1], chat=False) == ids
     library.trace.model = "someone/other-model"
     library.trace.save(tmp_path / "other.parquet")
-    with pytest.raises(gr.Error, match="ran on someone/other-model, which is not served here; start the app with "
-                                       "`kvviz serve --models someone/other-model`"):
-        make_reuse_handler(limits)(str(tmp_path / "other.parquet"))
+    reuse_settings = make_reuse_handler(limits)
+    for step in (reuse_settings.check, reuse_settings):  # the page's check (no outputs), and the handler itself
+        with pytest.raises(gr.Error, match="ran on someone/other-model, which is not served here; start the app "
+                                           "with `kvviz serve --models someone/other-model`"):
+            step(str(tmp_path / "other.parquet"))
+    library.trace.model, library.trace.policy = TINY, "thinkv"
+    library.trace.save(tmp_path / "policy.parquet")
+    with pytest.raises(gr.Error, match="ran policy 'thinkv', which this version does not have; choose one of"):
+        reuse_settings.check(str(tmp_path / "policy.parquet"))
+    assert reuse_settings.check(saved) is None  # a trace it can rerun passes silently
 
 
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):
@@ -2527,5 +2534,16 @@ def test_a_live_run_is_marked_as_the_earlier_inputs_once_they_change():
     assert edit(11, 0.5).startswith("**Earlier inputs: the policy parameters changed")
     assert edit(4, 0.5).startswith("**Earlier inputs: the compression ρ changed")
     assert edit(5, 99) == edit(9, 0.5) == ran["note"]  # the budget box under ρ, top-p when greedy: not this run's
+    # A parameter InertiaKV has no use for (SnapKV's window, which picking SnapKV sets and which stays set,
+    # hidden, once InertiaKV is picked again) is not one of this run's inputs.
+    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    every = {"inputs": run_inputs(*ran_on[:11], *widgets), "note": ran["note"]}
+    widgets[PARAM_NAMES.index("window")] = 32
+    assert earlier_run_note(every, view, ran["note"], *ran_on[:11], *widgets) == ran["note"]
+    widgets[PARAM_NAMES.index("alpha")] = 0.5  # one of its own
+    assert earlier_run_note(every, view, ran["note"], *ran_on[:11], *widgets).startswith(
+        "**Earlier inputs: the policy parameters changed")
     assert earlier_run_note(ran, view, NOT_RUN + "x", *ran_on) == gr.skip()
     assert earlier_run_note(None, view, "x", *ran_on) == earlier_run_note(ran, None, "x", *ran_on) == gr.skip()

@@ -600,6 +600,13 @@ def test_a_file_that_is_not_a_consistent_trace_is_refused_with_the_reason(tiny, 
     pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "table.parquet")
     with pytest.raises(ValueError, match="not a kvviz trace .no kvviz metadata"):
         kvviz.Trace.load(tmp_path / "table.parquet")
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "comparison.zip", "w") as bundle:  # the Compare tab's download, not unzipped
+        bundle.write(tmp_path / "table.parquet", "inertia.parquet")
+    with pytest.raises(ValueError, match=r"comparison.zip is a zip \(a comparison's download\?\), not a trace; unzip "
+                                         "it and open one of its .parquet files"):
+        kvviz.Trace.load(tmp_path / "comparison.zip")
     trace = kvviz.run(model, tokenizer, tiny_prompt, "inertia", budget=12, max_new_tokens=6).trace
     prompt_len = trace.prompt_len
     broken = [

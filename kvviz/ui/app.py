@@ -981,18 +981,27 @@ def make_open_handler(limits: Limits):
 def make_reuse_handler(limits: Limits):
     """Set the Live controls to an opened trace's run, so that Run reruns it, or a variant once one is changed."""
 
+    def check_reuse(path):
+        """Its refusal before the handler, with no outputs: raised by the handler itself, every Live control it
+        sets would show a bare "Error" over it."""
+        with refusing("using the trace's settings"):
+            refusal(Trace.load(path), Path(path).name)
+
     def reuse_settings(path):
         with refusing("using the trace's settings"):  # what to change, or one line: never a bare "Error"
             return settings_of(Trace.load(path), Path(path).name)
 
-    def settings_of(trace: Trace, name: str) -> tuple:
+    def refusal(trace: Trace, name: str) -> None:
         if trace.model not in limits.models:
             raise ValueError(f"{name} ran on {trace.model or 'a model it does not name'}, which is not served "
                              f"here; start the app with `kvviz serve --models {trace.model or 'MODEL'}` to rerun it")
-        spec = REGISTRY.get(trace.policy)
-        if spec is None:
+        if trace.policy not in REGISTRY:
             raise ValueError(f"{name} ran policy {trace.policy!r}, which this version does not have; "
                              f"choose one of {', '.join(REGISTRY)}")
+
+    def settings_of(trace: Trace, name: str) -> tuple:
+        refusal(trace, name)
+        spec = REGISTRY[trace.policy]
         prompt, chat = trace.prompt, trace.chat
         if not prompt:  # recorded as token ids only: their text, with any chat template already in it
             tokenizer = get_model(limits, trace.model)[1]
@@ -1012,6 +1021,7 @@ def make_reuse_handler(limits: Limits):
                 min(asked, limits.max_new_tokens), sampling["temperature"], sampling["top_p"], sampling["seed"],
                 _describe(trace.policy, trace.model, *[trace.params.get(key) for key in PARAM_NAMES]), *widgets)
 
+    reuse_settings.check = check_reuse
     return reuse_settings
 
 
@@ -1348,11 +1358,17 @@ def compared_inputs(model_name, prompt, names, budget_mode, compression, budget,
 def run_inputs(model_name, prompt, policy, budget_mode, compression, budget, max_new_tokens, chat, temperature=0.0,
                top_p=1.0, seed=0, *parameters) -> dict:
     """The Live tab's inputs by name, those that decide what a run runs (:func:`compared_inputs`'s, one policy
-    and its parameters)."""
+    and the parameters it uses: the hidden widgets of other policies, which picking one sets, hold what they
+    hold, and set back to the run's policy, the inputs are the run's again)."""
     inputs = compared_inputs(model_name, prompt, [policy], budget_mode, compression, budget, max_new_tokens, chat,
                              temperature, top_p, seed)
+    values = dict(zip(PARAM_NAMES, parameters))
+    spec = REGISTRY.get(policy) if isinstance(policy, str) else None
+    if spec is not None:
+        own, unused = {p["name"] for p in spec.parameters()}, _unused_parameters(spec, values) or {}
+        values = {name: value for name, value in values.items() if name in own and name not in unused}
     return {("policy" if name == "policies" else name): (policy if name == "policies" else value)
-            for name, value in inputs.items()} | {"policy parameters": list(parameters)}
+            for name, value in inputs.items()} | {"policy parameters": values}
 
 
 def earlier_inputs(changed: list[str], since: str, again: str) -> str:
@@ -1368,6 +1384,8 @@ def earlier_run_note(ran: dict | None, view, stats, *inputs):
     if not ran or view is None or not isinstance(stats, str) or stats.startswith(NOT_RUN):
         return gr.skip()
     changed = changed_inputs(ran["inputs"], run_inputs(*inputs))
+    if "policy" in changed:  # another policy has other parameters: the policy says it
+        changed = [name for name in changed if name != "policy parameters"]
     return (earlier_inputs(changed, "run", "run again") + "  \n" if changed else "") + ran["note"]
 
 
@@ -2072,8 +2090,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                         run = gr.Button("Run", variant="primary", elem_id="live-run")
                         stop = gr.Button("Stop", elem_id="live-stop")
                     with gr.Accordion("Open a saved trace", open=False):
+                        # Any file: Gradio's own refusal of another type (a dropped comparison.zip) was a toast
+                        # gone in seconds and a bare "Error" in the box; the check says what to open instead.
                         saved = gr.File(label="Trace (parquet): this tab's download or `kvviz generate --trace`",
-                                        file_types=[".parquet"], type="filepath", elem_id="live-open")
+                                        type="filepath", elem_id="live-open")
                         reuse = gr.Button("Use its settings (model, prompt, policy, cache size, sampling)",
                                           visible=False, size="sm", elem_id="live-reuse")
                 with gr.Column(scale=2):
@@ -2120,10 +2140,11 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             opened.success(lambda: gr.update(visible=True), None, reuse, api_name=False, queue=False)
             saved.clear(lambda: gr.update(visible=False), None, reuse, api_name=False, queue=False)
             # In the runs' concurrency group too: a trace without its prompt text loads its model's tokenizer.
-            reuse.click(make_reuse_handler(limits), saved,
-                        [model, prompt, chat, policy, budget_mode, compression, budget, max_new, temperature, top_p,
-                         seed, description, *widgets], api_name=False, concurrency_limit=limits.runs_per_model,
-                        concurrency_id="model")
+            reuse_settings = make_reuse_handler(limits)
+            reuse.click(reuse_settings.check, saved, None, api_name=False).success(
+                reuse_settings, saved, [model, prompt, chat, policy, budget_mode, compression, budget, max_new,
+                                        temperature, top_p, seed, description, *widgets],
+                api_name=False, concurrency_limit=limits.runs_per_model, concurrency_id="model")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             after = [history, terms_note, terms, retention]
             step_slider.input(scrub, [view_state, step_slider, follow],
