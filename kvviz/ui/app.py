@@ -1358,8 +1358,7 @@ def compared_inputs(model_name, prompt, names, budget_mode, compression, budget,
 def run_inputs(model_name, prompt, policy, budget_mode, compression, budget, max_new_tokens, chat, temperature=0.0,
                top_p=1.0, seed=0, *parameters) -> dict:
     """The Live tab's inputs by name, those that decide what a run runs (:func:`compared_inputs`'s, one policy
-    and the parameters it uses: the hidden widgets of other policies, which picking one sets, hold what they
-    hold, and set back to the run's policy, the inputs are the run's again)."""
+    and the parameters it uses; not the hidden widgets of other policies, which keep what picking those set)."""
     inputs = compared_inputs(model_name, prompt, [policy], budget_mode, compression, budget, max_new_tokens, chat,
                              temperature, top_p, seed)
     values = dict(zip(PARAM_NAMES, parameters))
