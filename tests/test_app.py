@@ -2083,6 +2083,19 @@ def test_a_compression_that_leaves_a_policy_too_small_a_budget_names_the_compres
     with pytest.raises(ValueError, match="^budget 8 must exceed the 8 sink tokens StreamingLLM always keeps: raise "
                                          r"the budget above 8 \(or lower sinks\)$"):
         check("budget", 0.5, 8)
+    # More sinks than a short prompt's run feeds (the prompt and 15 of its 16 new tokens): no budget above them
+    # evicts, so the advice is only what would do: fewer sinks, or n new tokens with short + 20 + 1 <
+    # short + n - 1, n >= 23 (where the app allows that many)
+    short_prompt = "one two three four five"
+    short = len(kvviz.engine.encode_prompt(tiny[1], short_prompt, chat=False))
+    for most, more in ((16, ""), (30, " or allow at least 23 new tokens")):
+        with pytest.raises(ValueError, match=rf"^budget 8 must exceed the {short + 20} sink tokens StreamingLLM "
+                                             rf"always keeps, and a budget above {short + 20} would hold all "
+                                             rf"{short + 15} tokens this run feeds, evicting none; lower sinks{more}$"):
+            validate(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=most), TINY, short_prompt,
+                     "budget", 0.5, 8, 16, False, [kvviz.make_policy("streaming", sinks=short + 20)])
+    assert validate(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30), TINY, short_prompt, "budget",
+                    0.5, short + 21, 23, False, [kvviz.make_policy("streaming", sinks=short + 20)]).budget == short + 21
 
 
 def test_a_checkpointed_policy_that_would_reach_no_checkpoint_is_refused_with_remedies_that_work(tiny):

@@ -271,12 +271,28 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
             policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)
         except BudgetTooSmall as error:
             if compression is None:
-                raise
+                raise ValueError(budget_too_small(limits, error, len(prompt_ids), max_new)) from None
             # in compression mode no budget box is shown: name the compression that would do
             raise ValueError(engine.at_compression(error, compression, len(prompt_ids))) from None
         engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
         check_checkpoint_reached(limits, policy, len(prompt_ids), resolved, max_new)
     return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
+
+
+def budget_too_small(limits: Limits, error: BudgetTooSmall, prompt_len: int, max_new: int) -> str:
+    """A typed budget within a policy's reserved entries: its message, unless no budget above them would
+    evict anything in this run (one that holds every token fed is refused as well); then only what would do:
+    lower what reserves them, or more new tokens (within this app's limit)."""
+    fed = prompt_len + max_new - 1  # the last token is generated, never fed back
+    if error.reserved + 1 < fed:
+        return str(error)
+    needed = error.reserved + 3 - prompt_len  # for a budget of reserved + 1 to sit below what they feed
+    options = [f"lower {error.shrink}"] if error.shrink else []
+    if needed <= limits.max_new_tokens:
+        options.append(f"allow at least {needed} new tokens")
+    return (f"budget {error.budget} must exceed {error.kept}, and a budget above {error.reserved} would hold all "
+            f"{fed} tokens this run feeds, evicting none; " + (" or ".join(options) if options else
+                                                                "give a longer prompt"))
 
 
 def checkpoint_interval(policy: Policy) -> int | None:
