@@ -125,11 +125,16 @@ def policy_from_inputs(name: str, values: dict, strict: bool = False) -> Policy:
     ``strict=True`` (the API's JSON): a parameter this policy does not have is an error, not a no-op.
     """
     spec = get_spec(name)
-    if not strict:  # and hidden too: the parameters the chosen settings leave unused, holding what they held
-        own = {p["name"] for p in spec.parameters()}
-        unused = _unused_parameters(spec, values) or {}
-        values = {key: value for key, value in values.items() if key in own and key not in unused}
+    if not strict:
+        values = _used_parameters(spec, values)
     return spec.build(**{key: value for key, value in values.items() if value is not None})
+
+
+def _used_parameters(spec, values: dict) -> dict:
+    """The widgets' values of ``spec``'s own parameters that its chosen settings use: not other policies'
+    (hidden widgets), nor those the chosen settings leave unused, which hold what they held."""
+    own, unused = {p["name"] for p in spec.parameters()}, _unused_parameters(spec, values) or {}
+    return {key: value for key, value in values.items() if key in own and key not in unused}
 
 
 def _unused_parameters(spec, values: dict) -> dict[str, str] | None:
@@ -833,8 +838,8 @@ def make_compare_check(limits: Limits):
     return check_compare
 
 
-# The trace an upload's check just read, for the open that follows it, so a large file is read once.  One
-# slot: another upload's check may take it first, and the open then reads the file itself.
+# The trace a check just read (an upload's, a "Use its settings" click's), for the handler that follows it, so
+# a large file is read once.  One slot: another check may take it first, and the handler then reads the file.
 _checked_trace: dict[str, Trace] = {}
 
 
@@ -999,13 +1004,16 @@ def make_reuse_handler(limits: Limits):
 
     def check_reuse(path):
         """Its refusal before the handler, with no outputs: raised by the handler itself, every Live control it
-        sets would show a bare "Error" over it."""
+        sets would show a bare "Error" over it.  The trace read is left for the handler, as check_trace does."""
         with refusing("using the trace's settings"):
-            refusal(Trace.load(path), Path(path).name)
+            trace = Trace.load(path)
+            refusal(trace, Path(path).name)
+            _checked_trace.clear()
+            _checked_trace[path] = trace
 
     def reuse_settings(path):
         with refusing("using the trace's settings"):  # what to change, or one line: never a bare "Error"
-            return settings_of(Trace.load(path), Path(path).name)
+            return settings_of(_checked_trace.pop(path, None) or Trace.load(path), Path(path).name)
 
     def refusal(trace: Trace, name: str) -> None:
         if trace.model not in limits.models:
@@ -1378,10 +1386,8 @@ def run_inputs(model_name, prompt, policy, budget_mode, compression, budget, max
     inputs = compared_inputs(model_name, prompt, [policy], budget_mode, compression, budget, max_new_tokens, chat,
                              temperature, top_p, seed)
     values = dict(zip(PARAM_NAMES, parameters))
-    spec = REGISTRY.get(policy) if isinstance(policy, str) else None
-    if spec is not None:
-        own, unused = {p["name"] for p in spec.parameters()}, _unused_parameters(spec, values) or {}
-        values = {name: value for name, value in values.items() if name in own and name not in unused}
+    if isinstance(policy, str) and policy in REGISTRY:  # an unknown one: the check refuses it
+        values = _used_parameters(REGISTRY[policy], values)
     return {("policy" if name == "policies" else name): (policy if name == "policies" else value)
             for name, value in inputs.items()} | {"policy parameters": values}
 
@@ -1742,7 +1748,8 @@ class Staleness:
         changed = [field for field, then, now in zip(self.fields, state["inputs"], inputs) if then != self._key(now)]
         if not changed:
             return (state["note"], *(gr.update(label=label) for label in self.labels))
-        return (earlier_inputs(changed, f"{self.what} ran", "run it again") + " " + state["note"], *(gr.update(label=f"{label} (earlier inputs)") for label in self.labels))
+        mark = earlier_inputs(changed, f"{self.what} ran", "run it again")
+        return (f"{mark} {state['note']}", *(gr.update(label=f"{label} (earlier inputs)") for label in self.labels))
 
 
 def make_generate_api(limits: Limits):
