@@ -695,11 +695,13 @@ def test_values_typed_past_a_sliders_end_reach_our_checks_and_are_named(tiny, mo
     monkeypatch.setattr(gr, "Warning", warnings.append)
     past_end_note("Max new tokens", 1, 512)(100000)
     past_end_note("Max new tokens", 1, 512)(512)  # in range: nothing said
+    past_end_note("Compression ρ", 0, 0.99)(None)  # the box emptied: the browser sets it to 0
     parameter_past_end_note("refresh")("inertia-lazy", 999)
     parameter_past_end_note("refresh")("tova", 999)  # not this policy's parameter: its slider is hidden
     refresh = next(p for p in kvviz.policies.get_spec("inertia-lazy").parameters() if p["name"] == "refresh")
     low, high = refresh["low"], refresh["high"]
     assert warnings == ["Max new tokens goes from 1 to 512: 100000 was set to 512",
+                        "Compression ρ was left empty: it was set to 0, its lowest; type the value you want",
                         f"inertia-lazy's refresh goes from {low:g} to {high:g}: 999 was set to {high:g}"]
 
     _models[TINY] = tiny

@@ -489,6 +489,23 @@ def test_a_parameter_typed_past_its_end_is_named_and_set_to_the_end(page):
     page.get_by_role("option", name="(inertia)", exact=False).first.click()  # as the other tests expect
 
 
+def test_an_emptied_slider_box_is_named_with_the_value_it_was_set_to(page):
+    """Emptying Compression ρ's box: the browser sets it to the slider's lowest (0, the full cache), and a run
+    would go ahead with that; the note says so, where nothing was said before."""
+    page.get_by_role("tab", name="Live").click()
+    box = page.get_by_label("number input for Compression ρ", exact=False).first
+    before = box.input_value()
+    box.fill("")
+    box.press("Tab")
+    note = page.get_by_test_id("toast-text").filter(
+        has_text="Compression ρ was left empty: it was set to 0, its lowest; type the value you want")
+    note.first.wait_for(timeout=30_000)
+    assert box.input_value() == "0"
+    box.fill(before)  # as the other tests expect
+    box.press("Tab")
+    assert box.input_value() == before
+
+
 def test_the_scorer_spectrum_runs_at_the_middle_layer_when_layer_is_left_empty(page):
     """The Layer field starts empty and stays so in the browser (a Number widget would send 0): the run is
     at the middle layer, 1 of the tiny model's 3, and draws its bars."""

@@ -1797,9 +1797,12 @@ def make_generate_api(limits: Limits):
 # ----------------------------------------------------------------------------------------- layout
 
 def past_end_note(label: str, low: float, high: float):
-    """A slider's release handler: a value typed past an end is set to that end by the browser; say so."""
+    """A slider's release handler: a value typed past an end, or a box left empty, is set to that end (the
+    lowest, for an empty box) by the browser, and a run then goes ahead with it; say so."""
     def note(value) -> None:
-        if isinstance(value, (int, float)) and not low <= value <= high:
+        if value is None:
+            gr.Warning(f"{label} was left empty: it was set to {low:g}, its lowest; type the value you want")
+        elif isinstance(value, (int, float)) and not low <= value <= high:
             gr.Warning(f"{label} goes from {low:g} to {high:g}: {value:g} was set to {min(max(value, low), high):g}")
     return note
 
