@@ -691,6 +691,28 @@ def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_p
         page.close()
 
 
+def test_a_narrow_window_puts_the_views_below_the_settings_at_the_page_width(page, app_url):
+    """At 900 px each tab's views go below its settings, at nearly the page's width (beside them they had
+    ~370 px: the tables broke numbers mid-digit); at 1400 px they sit beside the settings."""
+    def boxes(tab_page, tab: str) -> tuple[dict, dict]:
+        tab_page.get_by_role("tab", name=tab).click()
+        return (tab_page.locator(f"#{tab.lower()}-run").bounding_box(),
+                tab_page.locator(f"#{tab.lower()}-views").bounding_box())
+
+    for run, views in (boxes(page, "Live"), boxes(page, "Compare")):
+        assert views["x"] >= run["x"] + run["width"]  # beside
+    narrow_page = page.context.browser.new_page(viewport={"width": 900, "height": 800})
+    try:
+        narrow_page.goto(app_url)
+        narrow_page.get_by_role("tab", name="Live").wait_for()
+        for tab in ("Live", "Compare"):
+            run, views = boxes(narrow_page, tab)
+            assert views["y"] >= run["y"] + run["height"], tab  # below
+            assert views["width"] >= 600, tab
+    finally:
+        narrow_page.close()
+
+
 def test_an_avokv_preset_note_says_what_a_hand_edit_changed_and_returns_when_set_back(page):
     """An AvoKV-E preset sizes B to the prompt and says so; a budget typed by hand turns the note into what
     changed against the preset's, and the preset's value typed back restores its note."""

@@ -171,6 +171,7 @@ def fraction(label: str, value) -> float:
         raise ValueError(f"{label} must be a number, got {value!r}") from None
 
 
+VIEWS_MIN_WIDTH = 560  # px: a tab's views (text, heatmaps, tables) go below its settings in a narrower page
 CLOSE_TOASTS = ("() => document.querySelectorAll('button.toast-close.error, button.toast-close.warning')"
                 ".forEach(b => b.click())")
 
@@ -2121,7 +2122,9 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                                         type="filepath", elem_id="live-open")
                         reuse = gr.Button("Use its settings (model, prompt, policy, cache size, sampling)",
                                           visible=False, size="sm", elem_id="live-reuse")
-                with gr.Column(scale=2):
+                # below ~1000 px the settings go above the views, which keep the page's width: beside them the
+                # views had ~370 px, the heatmaps unreadable and the tables' numbers broken mid-digit
+                with gr.Column(scale=2, min_width=VIEWS_MIN_WIDTH, elem_id="live-views"):
                     text = gr.Textbox(label="Generated text", lines=5)
                     stats = gr.Markdown()
                     # no label chip: it lay over the titles hung from the top, which name each plot anyway
@@ -2247,7 +2250,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     with gr.Row():
                         c_run = gr.Button("Compare", variant="primary", elem_id="compare-run")
                         c_stop = gr.Button("Stop", elem_id="compare-stop")
-                with gr.Column(scale=3):
+                with gr.Column(scale=3, min_width=VIEWS_MIN_WIDTH, elem_id="compare-views"):
                     with gr.Row():
                         c_texts = [gr.Textbox(label=f"policy {i + 1}", lines=6, visible=i < 3) for i in range(4)]
                     with gr.Row():
