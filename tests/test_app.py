@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import gradio as gr
 import pytest
 
@@ -999,6 +1000,18 @@ def test_the_history_figure_leaves_room_under_the_budget_line_for_its_label():
     assert many.layout.height > figure.layout.height and plot_height(many) == plot_height(figure)
 
 
+def test_a_result_tables_columns_are_as_wide_as_their_longest_word():
+    """The probe's and the spectrum's tables get each column's width from its longest word, header or cell
+    (9 px a character, 16 of padding), as a result arrives: Gradio otherwise broke 'Spearman' mid-word."""
+    from kvviz.ui.app import fit_columns
+
+    frame = pd.DataFrame({"policy": ["inertia", "avokv interval=16"], "false-safe rate": [0.0769, 0.0],
+                          "Spearman": [-0.043, 0.1692]})
+    # policy: 'interval=16' (11), false-safe rate: 'false-safe' (10), Spearman: the header (8)
+    assert fit_columns(frame) == gr.update(column_widths=["115px", "106px", "88px"])
+    assert fit_columns(None) == gr.skip() and fit_columns(pd.DataFrame()) == gr.skip()  # cleared: nothing to fit
+
+
 def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     """Checkpoints at step 1 of a view over prompt 0..4, budget 2: step 1 judged 0..3 (4 and 5, the tail,
     unjudged) with S = +inf (a sink), -.2, .1, .5 and evicted 1 and 2.  Scrubbed to step 2, the table is step
@@ -1024,6 +1037,15 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
                        "`S` first; the cut fell between `S` 0.1 (highest evicted) and 0.5 (lowest kept); 1 sinks "
                        "kept by rule; 2 in the protected tail, not judged.")
     assert view.terms_frame(0) == (None, "No decision by step 0 yet; the next at step 1.")
+    # As shown: the position as '#', the sink's +inf spelled out (JSON has none), each column as wide as its
+    # longest word in header or cells, 9 px a character and 16 of padding: # 1, token 5, S 4 ('+inf', '-0.2'),
+    # fate 7 ('evicted'; 'kept (sink)' wraps), p 3 ('0.1')
+    from kvviz.ui.app import decision_views
+    shown = decision_views(view, 2)[1]
+    assert shown["value"].columns.tolist() == ["#", "token", "S", "fate", "p"]
+    assert shown["value"]["S"].tolist() == [-0.2, 0.1, 0.5, "+inf"]
+    assert shown["column_widths"] == ["25px", "61px", "52px", "79px", "43px"]
+    assert decision_views(view, 0)[1] == gr.update(visible=False)
     # The same decision by a policy with checkpoints every 2 tokens came off that schedule (step 1): the prompt
     # of 5 alone was over B + 1 = 3.  Every 4: the prompt is not over B + 3 = 5, the 6 entries of step 1 are.
     # Every token: on schedule, nothing to explain.
@@ -1087,7 +1109,7 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert [shape.x0 for shape in outputs[2].layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2, 2, 2]
     assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == STEP_MARKER_COLOR]
     table = outputs[6]["value"]
-    assert table["position"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
+    assert table["#"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
     detail = view.step_detail_figure(1)
     assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[4]  # 4: not judged
 

@@ -1143,15 +1143,35 @@ def step_views(view: RunView | None, follow: str, step) -> tuple:
 
 def decision_views(view: RunView, step) -> tuple:
     """The caption and the table of the last eviction decision's terms (AvoKV-E, R-KV, LazyEviction) at
-    ``step``."""
+    ``step``: the entry (``#`` its position), its score to four significant digits (the cut can fall between
+    close ones), its fate, then the terms to three (attention probabilities are often below 1e-4, so no fixed
+    decimals); each column as wide as its content: AvoKV-E's ten fit the panel of a 1280-px window (Gradio 6
+    ignores ``pinned_columns``: scrolled sideways, a row's terms lose their entry)."""
     frame, caption = view.terms_frame(scrubbed_step(view, step))
-    if frame is not None:  # four significant digits: attention probabilities are often below 1e-4
-        numbers = frame.select_dtypes("number").columns.drop("position")
+    if frame is None:
+        return caption, gr.update(visible=False)
+    score = frame.columns[2]
+    for name in frame.select_dtypes("number").columns.drop("position"):
+        digits = 4 if name == score else 3
         # A sink's +inf would reach the browser as an empty cell (JSON has no infinity): say it.
-        frame[numbers] = frame[numbers].apply(lambda column: column.map(
-            lambda value: "+inf" if value == np.inf else float(f"{value:.4g}")))
-    table = gr.update(visible=False) if frame is None else gr.update(value=frame, visible=True)
-    return caption, table
+        frame[name] = frame[name].map(lambda value: "+inf" if value == np.inf else float(f"{value:.{digits}g}"))
+    frame = frame.rename(columns={"position": "#"})
+    return caption, gr.update(value=frame, visible=True, column_widths=fitted_column_widths(frame))
+
+
+def fit_columns(frame: pd.DataFrame | None):
+    """A table's change handler: its columns at :func:`fitted_column_widths` of what it now shows ('Spearman'
+    and 'false-safe' broke mid-word in the probe's 600-px panel)."""
+    return gr.update(column_widths=fitted_column_widths(frame)) if frame is not None and frame.shape[1] else gr.skip()
+
+
+def fitted_column_widths(frame: pd.DataFrame) -> list[str]:
+    """Widths (px) that hold each column's longest word, in its header or cells, unbroken: a cell wraps
+    between its words ('kept (sink)'), a number does not wrap at all.  Where the panel is narrower than their
+    sum the table scrolls sideways; given as percentages, numbers broke mid-digit instead."""
+    def longest(column) -> int:
+        return max(len(word) for text in (column, *frame[column]) for word in str(text).split() or [""])
+    return [f"{9 * longest(column) + 16}px" for column in frame.columns]  # 16: the cell's padding
 
 
 def make_compare_handler(limits: Limits):
@@ -1498,15 +1518,16 @@ def compare_diagnostics(views: dict[str, RunView] | None):
         columns.setdefault("diagnostic", list(values))
         columns[name] = list(values.values())
     # a column per policy (at most four), a row per diagnostic: the eight diagnostics as columns scrolled sideways
-    return gr.update(value=pd.DataFrame(columns), visible=True, column_widths=column_widths(36, policies=len(columns) - 1))
+    return gr.update(value=pd.DataFrame(columns), visible=True, column_widths=column_widths(36, others=len(columns) - 1))
 
 
-def column_widths(*first: float, policies: int) -> list[str]:
-    """Widths of a table with ``first`` columns (percent) and then one column per compared policy, which share
-    the rest: left to the browser, a 1000-px window showed the first policy's column and hid the others
-    past the table's edge (scrolled sideways)."""
-    rest = (100 - sum(first)) / policies
-    return [f"{width:g}%" for width in first] + [f"{rest:.4g}%"] * policies
+def column_widths(*first: float, others: int) -> list[str]:
+    """Widths of a table with ``first`` columns (percent) and then ``others`` columns (one per compared
+    policy, or per term) that share the rest: left to the browser, a 1000-px window showed the first policy's
+    column and hid the others past the table's edge (scrolled sideways; Gradio 6 ignores ``pinned_columns``,
+    so the columns that say which row it is went out of view too)."""
+    rest = (100 - sum(first)) / others
+    return [f"{width:g}%" for width in first] + [f"{rest:.4g}%"] * others
 
 
 def followed_prompt_tokens(views: dict[str, RunView], query: str) -> tuple[list[int], str]:
@@ -1557,7 +1578,7 @@ def compare_fates(views: dict[str, RunView] | None, query: str, followed: tuple 
               + ", ".join(f"**{name}** {sum(step is None or step > horizon for step in steps)}"
                           for name, steps in fates.items()) + ".")
     return f"Followed: {note}. Kept to the end, of {len(positions)}: {kept_counts}.{marked}{uneven}", \
-        gr.update(value=frame, visible=True, column_widths=column_widths(9, 21, policies=len(names)))
+        gr.update(value=frame, visible=True, column_widths=column_widths(9, 21, others=len(names)))
 
 
 def compare_follow(views: dict[str, RunView] | None, query: str) -> tuple:
@@ -2135,9 +2156,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                     with gr.Accordion("Why: the terms of the last eviction decision (AvoKV-E, R-KV, LazyEviction)",
                                       open=False):
                         terms_note = gr.Markdown()
-                        # the decision pinned (position, token, score, fate): the terms scroll sideways beside it
+                        # wrapped within the panel (decision_views sets the widths): scrolled sideways, the
+                        # terms lost the position and fate of their row
                         terms = gr.Dataframe(label="Terms per judged entry", visible=False, interactive=False,
-                                             max_height=360, pinned_columns=4)
+                                             max_height=360, wrap=True)
                     follow = gr.Textbox(label="Follow tokens", elem_id="live-follow",
                                         placeholder="text to find (e.g. 7342519) or positions (#12, #40-45); "
                                         "empty: the entries at the eviction boundary at the scrubbed step")
@@ -2278,8 +2300,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             p_step = gr.Number(value=8, label="Step")
                             p_sample = gr.Number(value=128, label="Entries sampled (0 = all)")
                             p_run = gr.Button("Run probe")
-                        # the policy column pinned: seven columns scroll sideways in a narrow window
-                        p_table = gr.Dataframe(label=PROBE_LABEL, interactive=False, wrap=True, pinned_columns=1)
+                        p_table = gr.Dataframe(label=PROBE_LABEL, interactive=False, wrap=True)
                         p_note = gr.Markdown()
                         # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
                         p_blindspot = gr.Plot(label=BLINDSPOT_LABEL, visible=False)
@@ -2296,8 +2317,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                             s_run = gr.Button("Run spectrum")
                         s_figure = gr.Plot(label=SPECTRUM_LABEL)
                         s_layers = gr.Plot(label=SPECTRUM_LAYERS_LABEL)
-                        s_table = gr.Dataframe(label=SPECTRUM_TABLE_LABEL, interactive=False, wrap=True,
-                                               pinned_columns=1)
+                        s_table = gr.Dataframe(label=SPECTRUM_TABLE_LABEL, interactive=False, wrap=True)
                         s_note = gr.Markdown()
             preset_chosen = c_preset.input(
                 make_preset_handler(limits), [c_preset, c_model, c_prompt, c_chat, c_mode, c_max_new, c_temperature,
@@ -2378,6 +2398,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 for trigger in (c_checked.success, *(component.change for component in inputs)):
                     trigger(staleness.mark, [state, *inputs], outputs, api_name=False, queue=False,
                             trigger_mode="always_last", show_progress="hidden")
+
+            # each column as wide as its longest word, set as a result arrives (the API's result stays a table)
+            for table in (p_table, s_table):
+                table.change(fit_columns, table, table, api_name=False, queue=False, show_progress="hidden")
 
         with gr.Tab("Results"):
             build_results_tab(app, store)
