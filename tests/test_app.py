@@ -806,6 +806,13 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
         TINY, PROMPT, ["inertia", "inertia alpha=0.8"], "compression", 0.5, 0, 4, False)
     assert "max new tokens must be between 1 and 512" in note(TINY, PROMPT, ["inertia", "tova"], "compression",
                                                               0.5, 0, 9999, False)
+    # A setting the loaded model cannot serve is named as the Policies box has it, among the others
+    _models[TINY] = kvviz.load_model(TINY)
+    assert note(TINY, PROMPT, ["tova", "inertia layers=99"], "compression", 0.5, 0, 4, False) == (
+        "*Not compared: inertia layers=99: layers='99' names a layer beyond this model's 3 layers (indices 0 to 2).*")
+    # and one that names itself already is not named twice
+    assert note(TINY, PROMPT, ["tova", "avokv interval=64"], "compression", 0.5, 0, 4, False).startswith(
+        "*Not compared: avokv interval=64 evicts only at its checkpoints")
 
 
 def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny):
@@ -1850,7 +1857,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     assert kvviz.Trace.load(trace_file).compression is None and " in float32 · budget B = 24" in opened[1]  # given in tokens
 
 
-def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path):
+def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monkeypatch):
     """'Use its settings' sets every Live control to the trace's run (non-default parameters, ρ, sampling,
     no chat template); Run with those controls makes the same tokens and keep sets.  A trace recorded from
     token ids has no prompt text: its ids' text is used, and reads back as the same ids.  A trace of a model
@@ -1888,6 +1895,14 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path):
     outputs = make_reuse_handler(limits)(str(tmp_path / "ids.parquet"))
     assert outputs[2] is False and outputs[4] == "budget" and outputs[6]["value"] == 20
     assert kvviz.engine.encode_prompt(tokenizer, outputs[1], chat=False) == ids
+    # sampled hotter than the app allows (the library takes any temperature): set to the most, and said
+    library.trace.sampling = {"temperature": 3.0, "top_p": 0.9, "seed": 1}
+    library.trace.save(tmp_path / "hot.parquet")
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", warnings.append)
+    assert make_reuse_handler(limits)(str(tmp_path / "hot.parquet"))[8:11] == (2.0, 0.9, 1)
+    assert warnings == ["hot.parquet sampled at temperature 3; 2 is the most allowed here, and the rerun is set "
+                        "to that"]
     library.trace.model = "someone/other-model"
     library.trace.save(tmp_path / "other.parquet")
     reuse_settings = make_reuse_handler(limits)

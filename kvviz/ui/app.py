@@ -216,14 +216,17 @@ class Request:
         return engine.Sampler(**self.sampling)
 
 
+MAX_TEMPERATURE = 2.0  # the app's: its slider's end (the library takes any)
+
+
 def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
     """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
     try:
         temperature, top_p = float(temperature or 0.0), float(1.0 if top_p is None else top_p)
     except (TypeError, ValueError):
         raise ValueError(f"temperature and top-p must be numbers, got {temperature!r} and {top_p!r}") from None
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
-        raise ValueError(f"temperature must be between 0 (greedy) and 2, got {temperature:g}")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature:g}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top-p must be above 0 and at most 1, got {top_p:g}")
     if temperature == 0:
@@ -274,15 +277,29 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
         resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
     for policy in policies:
         try:
-            policy.reset(len(prompt_ids), resolved, model.config.num_hidden_layers)
-        except BudgetTooSmall as error:
-            if compression is None:
-                raise ValueError(budget_too_small(limits, error, len(prompt_ids), max_new)) from None
-            # in compression mode no budget box is shown: name the compression that would do
-            raise ValueError(engine.at_compression(error, compression, len(prompt_ids))) from None
-        engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
-        check_checkpoint_reached(limits, policy, len(prompt_ids), resolved, max_new)
+            check_policy_fits(limits, model, tokenizer, prompt_ids, policy, resolved, compression, max_new)
+        except ValueError as error:
+            label = setting_label(policy)
+            # among several compared, which one: "layers='99' names a layer beyond ..." named none
+            if len(policies) > 1 and not str(error).startswith(label):
+                raise ValueError(f"{label}: {error}") from None
+            raise
     return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
+
+
+def check_policy_fits(limits: Limits, model, tokenizer, prompt_ids: list[int], policy: Policy, budget: int,
+                      compression: float | None, max_new: int) -> None:
+    """Raise ValueError with what to change where ``policy`` cannot run on this model and prompt at this budget
+    (set by ``compression``, or typed where that is None) for ``max_new`` tokens."""
+    try:
+        policy.reset(len(prompt_ids), budget, model.config.num_hidden_layers)
+    except BudgetTooSmall as error:
+        if compression is None:
+            raise ValueError(budget_too_small(limits, error, len(prompt_ids), max_new)) from None
+        # in compression mode no budget box is shown: name the compression that would do
+        raise ValueError(engine.at_compression(error, compression, len(prompt_ids))) from None
+    engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
+    check_checkpoint_reached(limits, policy, len(prompt_ids), budget, max_new)
 
 
 def budget_too_small(limits: Limits, error: BudgetTooSmall, prompt_len: int, max_new: int) -> str:
@@ -1040,10 +1057,15 @@ def make_reuse_handler(limits: Limits):
         widgets = _parameter_updates(spec, trace.params)
         by_ratio = trace.compression is not None
         sampling = trace.sampling or {"temperature": 0.0, "top_p": 0.95, "seed": 0}  # greedy: the widgets' start
+        temperature = sampling["temperature"]
+        if temperature > MAX_TEMPERATURE:  # run from the library; set as it is, Run would refuse it
+            gr.Warning(f"{name} sampled at temperature {temperature:g}; {MAX_TEMPERATURE:g} is the most allowed here, "
+                       "and the rerun is set to that")
+            temperature = MAX_TEMPERATURE
         return (trace.model, prompt, bool(chat), trace.policy, "compression" if by_ratio else "budget",
                 gr.update(value=trace.compression, visible=True) if by_ratio else gr.update(visible=False),
                 gr.update(value=trace.budget, visible=not by_ratio),
-                min(asked, limits.max_new_tokens), sampling["temperature"], sampling["top_p"], sampling["seed"],
+                min(asked, limits.max_new_tokens), temperature, sampling["top_p"], sampling["seed"],
                 _describe(trace.policy, trace.model, *[trace.params.get(key) for key in PARAM_NAMES]), *widgets)
 
     reuse_settings.check = check_reuse
@@ -2049,7 +2071,8 @@ def _run_settings(limits: Limits, compression: float, max_new_tokens: int):
                           label="Max new tokens")
     chat = gr.Checkbox(value=True, label="Chat template")
     with gr.Accordion(sampling_label(0.0, 0.95), open=False) as sampling:
-        temperature = TypedSlider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (AvoKV-E samples at 0.6)")
+        temperature = TypedSlider(0.0, MAX_TEMPERATURE, value=0.0, step=0.05,
+                                  label="Temperature (AvoKV-E samples at 0.6)")
         top_p = TypedSlider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
         seed = gr.Number(value=0, label="Seed (the same random stream for every policy)")
     # The closed accordion's title says how the run will decode, however the values were set (a preset sets them)
