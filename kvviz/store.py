@@ -671,6 +671,12 @@ class Store:
             _setting_order(frame.setting.iloc[i])))
         return frame.iloc[order].reset_index(drop=True)
 
+    def where_run(self, policies: list[str]) -> pd.DataFrame:
+        """Where each of ``policies`` has quality rows, whatever the filters: its distinct (policy, source,
+        task), so that a figure drawing none of one can say where its rows are."""
+        where, params = self._filters(None, None, None, list(policies))
+        return self.frame(f"SELECT DISTINCT policy, source, task FROM results WHERE {where} ORDER BY ALL", params)
+
     def options(self, column: str, source: str | None = None) -> list[str]:
         """The distinct values of a filter column, of one source's rows or of all."""
         if column not in ("task", "model", "policy", "source", "sweep"):

@@ -59,6 +59,25 @@ def test_the_policies_filter_keeps_the_full_cache_every_policy_is_read_against(t
     assert set(out[1].policy) == {"tova", "full"}  # the table under the quality figure too
 
 
+def test_a_picked_policy_with_no_rows_for_the_filters_is_named_with_where_its_rows_are(tmp_path):
+    """A policy only the papers report, picked under the measured source, drew the full cache alone without a
+    word: the quality figure names it and where its rows are; one drawn (as itself or at a setting) is not
+    named, nor is a name that merely begins with it."""
+    write_rows(tmp_path / "p", [{"source": "paper", "sweep": "p", "model": "m", "task": task, "policy": policy,
+                                 "metric": "string_match", "params": {}, "compression": 0.5, "sample": 0,
+                                 "score": 1.0} for task in ("A", "B") for policy in ("thinkv (impl.)", "full")])
+    store = sweep_store(tmp_path, ["tova"])  # measured tova and full on tasks t and needle_grid
+    title = figures(query(store, ALL, ALL, ["thinkv (impl.)", "tova"], "measured"))["quality"].layout.title.text
+    assert "thinkv (impl.): no rows for these filters (its rows: paper on A, B)" in title and "tova:" not in title
+    title = figures(query(store, ALL, "A", ["tova"], ALL))["quality"].layout.title.text
+    assert "tova: no rows for these filters (its rows: measured on needle_grid, t)" in title
+    title = figures(query(store, ALL, "A", ["thinkv (impl.)"], ALL))["quality"].layout.title.text
+    assert "no rows for these filters" not in title  # drawn there
+    # "thinkv" would be drawn only by a setting of itself: "thinkv (impl.)" is another policy
+    title = figures(query(store, ALL, "A", ["thinkv", "thinkv (impl.)"], ALL))["quality"].layout.title.text
+    assert "thinkv: no rows for these filters, nor any other" in title
+
+
 def test_the_full_cache_line_spans_the_same_x_in_every_panel_that_shares_an_axis():
     """One task run at ρ 0.5 to 0.95 and another at 0.75 only: the dotted line ran across each panel's own
     cuts, a stub in the second while the panels share one x axis.  It spans every panel's cuts alike, per axis

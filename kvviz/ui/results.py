@@ -1012,6 +1012,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     # One nominal B is not one memory size: the quality and paired figures name the cells that held well over it
     quality_notes = [] if source == "paper" else _note_lines(held_over_note(speed))
     quality_notes += _note_lines(weak_full_cache_note(quality))
+    quality_notes += _note_lines(absent_note(store, quality, policies))
     hidden = store.other_settings(task, model, policies, source, sweeps) if not settings else pd.DataFrame()
     if len(hidden):  # as `kvviz results` says under a table: a policy run only at interval 16 is otherwise unseen
         names = setting_names(hidden.policy, hidden.setting)
@@ -1086,6 +1087,31 @@ def with_reference(policies: list[str] | None) -> list[str] | None:
     """The policies a figure draws for the Policies filter ``policies`` (None: all): those and the full cache,
     the reference each of them is read against (its dotted line, its panel of the grid, its speed)."""
     return [*policies, *(["full"] if "full" not in policies else [])] if policies else None
+
+
+def absent_note(store: Store, quality: pd.DataFrame, policies: list[str] | None) -> str:
+    """For the chosen policies the quality figure draws nothing of, where their rows are (e.g. a policy only
+    the papers report, under the measured source): the figure otherwise showed the full cache alone."""
+    names = set(quality.policy) if len(quality) else set()
+
+    def drawn(policy: str) -> bool:  # as itself or a setting of it ("avokv interval=16"; "thinkv (impl.)" is not "thinkv")
+        return any(name == policy or name.startswith(policy + " ")
+                   and all("=" in word for word in name[len(policy):].split()) for name in names)
+
+    absent = [policy for policy in policies or [] if policy != "full" and not drawn(policy)]
+    if not absent:
+        return ""
+    where = store.where_run(absent)
+    parts = []
+    for policy in absent:
+        rows = where[where.policy == policy]
+        places = []
+        for source in rows.source.unique():
+            tasks = rows[rows.source == source].task.tolist()
+            places.append(f"{source} on {', '.join(tasks[:4])}" + (", ..." if len(tasks) > 4 else ""))
+        parts.append(f"{policy}: no rows for these filters" + (f" (its rows: {' and '.join(places)})" if places
+                                                               else ", nor any other"))
+    return "; ".join(parts)
 
 
 def weak_full_cache_note(quality: pd.DataFrame) -> str:
