@@ -385,6 +385,16 @@ def test_a_saved_trace_opens_into_the_live_views(page, tmp_path):
     assert page.get_by_label("Prompt").first.input_value() == PROMPT
     assert not page.get_by_label("Chat template").first.is_checked()
     assert page.get_by_text("Changed here: window = 8").is_visible()  # the description, of what the controls hold
+    # A refused file says what to do and leaves the box empty: shown there, it read as the trace open
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "comparison.zip", "w") as archive:
+        archive.write(tmp_path / "tova-run.parquet", "tova-run.parquet")
+    page.locator("#live-open").get_by_label("Clear").click()
+    page.locator("#live-open input[type=file]").set_input_files(str(tmp_path / "comparison.zip"))
+    page.get_by_test_id("toast-text").filter(has_text="unzip it").first.wait_for(timeout=30_000)
+    page.wait_for_function("() => !document.querySelector('#live-open').innerText.includes('.zip')",
+                           timeout=30_000)  # the box draws the name as 'comparison' and '.zip' apart
+    assert page.locator("#live-reuse").is_hidden()
     # back to what the other tests expect
     page.get_by_label("compression", exact=True).first.check()
     policy.click()

@@ -871,6 +871,7 @@ def check_trace(path) -> None:
         except Exception as error:
             raise unexpected("opening the trace", error) from None
 
+
 def make_live_handler(limits: Limits):
     def live_run(*inputs):
         *inputs, ticket_id, tickets = inputs  # the run's inputs, the ticket id its click made, the session's
@@ -2207,6 +2208,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
             saved.upload(lambda: gr.update(visible=False), None, reuse, api_name=False, queue=False)
             trace_checked = saved.upload(check_trace, saved, None, api_name=False)
+            # a refused file leaves the box: shown there, it read as the trace open in the views
+            trace_checked.failure(lambda: None, None, saved, api_name=False, queue=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
                                            concurrency_limit=limits.runs_per_model, concurrency_id="model",
                                            api_name="open_trace", api_visibility="undocumented")
