@@ -14,7 +14,8 @@ import json
 import time
 
 from kvviz.tasks.examples import EXAMPLES
-from kvviz.ui.app import PARAM_NAMES, PARAMETERS, make_live_handler
+from kvviz.ui.app import make_live_handler
+from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 from kvviz.ui.config import Limits
 
 

@@ -95,7 +95,8 @@ def test_bad_input_gets_a_message_and_the_server_keeps_serving(client, args, mes
 def test_parameter_widgets_take_the_selected_policys_meaning():
     """Widgets are shared by parameter name; SnapKV's window (>= 1, prompt queries that vote) is not R-KV's
     (>= 0, recent entries kept), and the strings a JSON client sends are read as what they say."""
-    from kvviz.ui.app import PARAM_NAMES, _show_parameters, policy_from_inputs
+    from kvviz.ui.app import _show_parameters
+    from kvviz.ui.checks import PARAM_NAMES, policy_from_inputs
 
     updates = dict(zip(PARAM_NAMES, _show_parameters("snapkv")[1:]))
     assert updates["window"]["visible"] and updates["window"]["minimum"] == 1
@@ -112,8 +113,8 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
     it out (it is not refused for a value it would ignore); choosing ema shows it again holding what it held,
     so that single-step stays single-step (alpha 0) after sum and back."""
     from kvviz.policies import REGISTRY
-    from kvviz.ui.app import (PARAM_NAMES, _describe, _models, _show_parameters, _show_parameters_in_use,
-                              policy_from_inputs)
+    from kvviz.ui.app import _describe, _show_parameters, _show_parameters_in_use
+    from kvviz.ui.checks import PARAM_NAMES, _models, policy_from_inputs
 
     shown = dict(zip(PARAM_NAMES, _show_parameters("cumulative")[1:]))
     assert not shown["alpha"]["visible"] and shown["refresh"]["visible"]
@@ -206,7 +207,7 @@ def finished(job) -> tuple:
 def test_stop_ends_the_run_and_shows_and_saves_it_as_the_first_steps_of_the_whole_run(client, tiny):
     """Stop ends the run between two steps, and its last update shows what ran as a finished run's views:
     the scrubber, the diagnostics and a trace whose steps are the first steps of the same run left to go on."""
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     job = client.submit(TINY, PROMPT, "inertia", "budget", 0.5, 24, 3000, False, *GREEDY, *widgets, "", api_name="/live")
@@ -265,8 +266,9 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     next click; an API call (no id) goes by a ticket of its own."""
     import gradio as gr
 
-    from kvviz.ui.app import (PARAM_NAMES, PARAMETERS, _models, button_ticket, make_compare_handler,
-                              make_live_handler, request_stop, retire, run_ticket)
+    from kvviz.ui.app import make_compare_handler, make_live_handler
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
+    from kvviz.ui.tickets import button_ticket, request_stop, retire, run_ticket
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -325,7 +327,9 @@ def test_a_stopped_run_that_fails_to_show_itself_warns_and_ends_as_a_run_does(ti
     import gradio as gr
 
     from kvviz.ui import app
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, button_ticket, make_compare_handler, make_live_handler
+    from kvviz.ui.app import make_compare_handler, make_live_handler
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
+    from kvviz.ui.tickets import button_ticket
 
     def broken(*args, **kwargs):
         raise OSError("no space left on device")
@@ -359,7 +363,7 @@ def test_memory_is_freed_after_stop(client):
     """A stopped run lets go of its cache like a finished one."""
     import time
 
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     before = live_caches()
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
@@ -376,7 +380,8 @@ def test_memory_is_freed_after_stop(client):
 def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_same_steps(tiny):
     """Level: the policies still decoding (not at max new tokens, not after an end-of-sequence) have all made
     the same number of steps, at least one; a run that had ended may have made more or fewer."""
-    from kvviz.ui.app import Progress, Request
+    from kvviz.ui.app import Progress
+    from kvviz.ui.checks import Request
 
     model, tokenizer = tiny
     policies = {name: kvviz.make_policy(name) for name in ("inertia", "tova", "streaming")}
@@ -401,7 +406,8 @@ def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_sa
 def test_a_compared_run_that_ends_early_says_where_on_its_panel_and_in_the_note(tiny):
     """A run whose token is the end of sequence ended there: its text panel's label, its retention panel's
     key and the divergence lines say at which step; the runs that went on say nothing of the kind."""
-    from kvviz.ui.app import Progress, Request, _compare_outputs, compared_labels, panel_title
+    from kvviz.ui.app import Progress, _compare_outputs, compared_labels, panel_title
+    from kvviz.ui.checks import Request
 
     model, tokenizer = tiny
     policies = {name: kvviz.make_policy(name) for name in ("inertia", "tova")}
@@ -659,7 +665,8 @@ def test_the_judged_slots_line_shows_only_where_the_protected_are_unranked(tiny)
 def test_a_policy_the_model_cannot_serve_is_refused_by_the_check_before_the_run():
     """Expected Attention on a model with dynamic RoPE: the check says so (a toast with what to change)
     instead of the run failing after its prefill."""
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_compare_check, make_live_check
+    from kvviz.ui.app import make_compare_check, make_live_check
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     name = "tiny-random-mistral"  # a name of its own: the other tests' llama stays as it is
     model, tokenizer = kvviz.models.tiny_model(
@@ -687,7 +694,8 @@ def test_values_typed_past_a_sliders_end_reach_our_checks_and_are_named(tiny, mo
     fraction typed as the budget is refused, no longer rounded."""
     import gradio as gr
 
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_live_check, parameter_past_end_note, past_end_note
+    from kvviz.ui.app import make_live_check, parameter_past_end_note, past_end_note
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
     from kvviz.ui.widgets import TypedSlider
 
     assert TypedSlider(0, 64, step=1).preprocess(999) == 999
@@ -733,7 +741,8 @@ def test_one_setting_typed_two_ways_is_named_as_one():
 
 def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
     """Four chips, three panels: the page says which chip ran as which policy, for the whole run."""
-    from kvviz.ui.app import _models, make_compare_handler, repeats_note
+    from kvviz.ui.app import make_compare_handler, repeats_note
+    from kvviz.ui.checks import _models
 
     assert repeats_note(["inertia", "tova", "streaming", "inertia alpha=0.8"]) == \
         "*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*"
@@ -756,8 +765,8 @@ def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(ti
     """Before the first token: at the click, "loading <model>…" while the check loads it (on a page with no
     comparison yet, one panel per chosen policy, labelled); once checked, each chosen policy's empty panel
     and "prefill…"; the Live tab says the same."""
-    from kvviz.ui.app import _models, make_compare_check, make_compare_handler, make_live_handler, PARAMETERS, \
-        PARAM_NAMES
+    from kvviz.ui.app import make_compare_check, make_compare_handler, make_live_handler
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     announce = make_compare_check(limits).announce
@@ -792,7 +801,8 @@ def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(ti
 
 
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
-    from kvviz.ui.app import _models, make_compare_check
+    from kvviz.ui.app import make_compare_check
+    from kvviz.ui.checks import _models
 
     note = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refusal_note
     _models.pop(TINY, None)  # as if Stop came before the model loaded: nothing to say, and no load
@@ -818,7 +828,8 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
 def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny):
     """A refusal keeps the last comparison's results on the page, as the Live tab keeps its last run, but
     says they are the previous comparison's: in the note, on each panel and on both tables."""
-    from kvviz.ui.app import NOT_RUN, _models, make_compare_check, mark_previous_run
+    from kvviz.ui.app import NOT_RUN, make_compare_check, mark_previous_run
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     marks = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refused_marks
@@ -867,7 +878,8 @@ def test_an_edit_after_a_comparison_marks_it_as_made_from_earlier_inputs(tiny):
     """A finished comparison stays when the inputs change, but its note names what changed and every panel and
     table says "earlier inputs"; the inputs it ran on, set back, take the marks off.  Only the inputs that
     decide the run count: the budget box while ρ sizes the cache, top-p while decoding is greedy, do not."""
-    from kvviz.ui.app import _models, compared_inputs, make_compare_check
+    from kvviz.ui.app import compared_inputs, make_compare_check
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     edited = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).edited
@@ -1329,7 +1341,8 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     """The table beside the comparison holds, per policy, what diagnostics.summary gives for the same run
     made alone by kvviz.run (a shared prefill changes nothing), n/a where the policy records no such score."""
     from kvviz import diagnostics
-    from kvviz.ui.app import RAW_STEPS, _models, compare_diagnostics, make_compare_handler
+    from kvviz.ui.app import RAW_STEPS, compare_diagnostics, make_compare_handler
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     model, tokenizer = tiny
@@ -1358,11 +1371,12 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
 
 def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     """Following tokens while a comparison runs must not show the previous comparison's fates."""
-    from kvviz.ui.app import _models, make_compare_handler
+    from kvviz.ui.app import make_compare_handler
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
-    from kvviz.ui.app import Tickets
+    from kvviz.ui.tickets import Tickets
 
     updates = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False)
     first = next(updates)  # an API call's first in its session: only its tickets, before the checks
@@ -1392,7 +1406,8 @@ def test_the_probe_step_goes_no_further_than_a_run_may_decode(client):
 def test_the_probe_and_spectrum_are_checked_before_they_run(tiny):
     """Refused by a check with no outputs, so that the last probe or spectrum on screen is not marked "Error";
     valid inputs pass the check silently."""
-    from kvviz.ui.app import _models, make_probe_check, make_spectrum_check
+    from kvviz.ui.app import make_probe_check, make_spectrum_check
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -1488,7 +1503,8 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     """0.24 against R-KV's 0.85 read as a bug in a browser review; it is a ranking that drops the damaging
     entries first, and the note says so, naming the policy, only where one is below 0.5."""
     import kvviz.probe
-    from kvviz.ui.app import _models, make_probe_handler
+    from kvviz.ui.app import make_probe_handler
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     handler = make_probe_handler(Limits(models=(TINY,)))
@@ -1528,7 +1544,8 @@ def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypat
     from ties' half credit.  The note names it, with the share, and its p-value is the exact one."""
     import kvviz.probe
     from kvviz.probe import auroc_p, top_decile
-    from kvviz.ui.app import _models, make_probe_handler
+    from kvviz.ui.app import make_probe_handler
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     real, probed = kvviz.probe.probe, []
@@ -1566,7 +1583,8 @@ def test_an_analysis_of_earlier_inputs_names_what_changed():
 
 
 def test_the_prompt_size_shows_before_a_run(tiny):
-    from kvviz.ui.app import _models, make_prompt_counter
+    from kvviz.ui.app import make_prompt_counter
+    from kvviz.ui.checks import _models
 
     count = make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=50))
     _models.pop("tiny-random-qwen2", None)
@@ -1766,7 +1784,8 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
     """A GPU deployment runs bfloat16 models: the app must load them so and decode as the library does."""
     import torch
 
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, get_model, make_live_handler
+    from kvviz.ui.app import make_live_handler
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models, get_model
 
     name = "tiny-random-qwen2"
     limits = Limits(models=(name,), max_prompt_tokens=400, max_new_tokens=16, dtype="bfloat16")
@@ -1791,7 +1810,8 @@ GREEDY = (0.0, 0.95, 0)  # the Sampling widgets as the page starts: temperature 
 def test_a_one_token_run_says_why_its_cache_is_over_budget_and_offers_no_scrubber(tiny):
     """One new token is the prefill alone: no decode step ran, so nothing was evicted yet (InertiaKV evicts
     at every step) and there is no step to scrub to.  The stats line counts allocated memory as such."""
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_live_handler
+    from kvviz.ui.app import make_live_handler
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -1811,7 +1831,7 @@ def test_a_one_token_run_says_why_its_cache_is_over_budget_and_offers_no_scrubbe
 
 
 def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     # Every parameter widget at its registry default, as the browser sends them for InertiaKV.
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
@@ -1836,7 +1856,7 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     scrubber and diagnostics as the run itself showed when it ended; a file that is not a trace is refused."""
     from gradio_client import handle_file
 
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, "", api_name="/live")
@@ -1862,7 +1882,8 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monk
     no chat template); Run with those controls makes the same tokens and keep sets.  A trace recorded from
     token ids has no prompt text: its ids' text is used, and reads back as the same ids.  A trace of a model
     not served here is refused, naming how to serve it."""
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _models, make_live_handler, make_reuse_handler
+    from kvviz.ui.app import make_live_handler, make_reuse_handler
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     _models[TINY] = tiny
     model, tokenizer = tiny
@@ -1965,7 +1986,8 @@ def test_a_long_settings_label_wraps_in_its_panels_title():
 def test_every_comparison_from_the_papers_runs_at_the_tabs_defaults(tiny):
     """Two to four distinct policies (distinct as policies, not only as labels), each accepted by the check
     on the tab's own example and settings, so that picking one and pressing Compare runs."""
-    from kvviz.ui.app import COMPARISONS, EXAMPLES, _models, compare_settings, make_compare_check
+    from kvviz.ui.app import COMPARISONS, EXAMPLES, compare_settings, make_compare_check
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     check = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=4096, max_new_tokens=512))
@@ -2017,11 +2039,12 @@ def test_downloads_keep_only_the_newest_folders(monkeypatch, tmp_path):
 def test_a_comparison_whose_download_fails_still_shows_everything(tiny, monkeypatch):
     """Saving the traces is the last step: a full disk (or any failure there) costs the download only."""
     import kvviz.ui.app as app
+    from kvviz.ui import checks
 
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
-    app._models[TINY] = tiny
+    checks._models[TINY] = tiny
     monkeypatch.setattr(app, "save_comparison", full_disk)
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     *_, last = app.make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False)
@@ -2030,8 +2053,9 @@ def test_a_comparison_whose_download_fails_still_shows_everything(tiny, monkeypa
 
 
 def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_download(tiny):
-    from kvviz.ui.app import (Progress, Request, _models, compare_diagnostics, compare_fates, make_compare_handler,
-                              make_open_handler, save_comparison)
+    from kvviz.ui.app import Progress, compare_diagnostics, compare_fates, make_compare_handler, make_open_handler, \
+        save_comparison
+    from kvviz.ui.checks import Request, _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -2070,7 +2094,7 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
 def test_a_budget_never_filled_is_refused_with_a_remedy_that_works(tiny):
     """Prompt L, n new tokens: the run feeds back L + n - 1 tokens, so a budget B evicts only if B < L + n - 1,
     i.e. with n >= B - L + 2 new tokens, offered only within the app's limit (16 here)."""
-    from kvviz.ui.app import _models, validate
+    from kvviz.ui.checks import _models, validate
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -2100,7 +2124,7 @@ def test_a_compression_that_leaves_a_policy_too_small_a_budget_names_the_compres
     """In compression mode no budget box is shown, and "raise the budget above 8" named a control nobody set:
     the refusal names the largest compression that leaves the policy's 8 protected entries and one more, and
     that compression runs while the next step up is refused.  In budget mode it still speaks of the budget."""
-    from kvviz.ui.app import _models, validate
+    from kvviz.ui.checks import _models, validate
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -2143,7 +2167,7 @@ def test_a_checkpointed_policy_that_would_reach_no_checkpoint_is_refused_with_re
     from a cut cache.  Each remedy offered does: 128 + 128 + 1 new tokens (a whole interval after the first
     cut; 130, one step after it, where that is past the limit), or an interval of 10 - 5 + 1 = 6 or less.  A
     checkpoint at the last step cuts after the last forward pass, which nothing reads: refused too."""
-    from kvviz.ui.app import _models, validate
+    from kvviz.ui.checks import _models, validate
 
     _models[TINY] = tiny
     size = len(kvviz.engine.encode_prompt(tiny[1], PROMPT, chat=False))
@@ -2183,7 +2207,8 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     shown), 160 new tokens and T = 0.6, top-p 0.95: the comparison is accepted, and AvoKV-E evicts nothing
     until generation fills B, then cuts at its checkpoints.  Other presets set their policies alone."""
     from kvviz.policies import build_setting
-    from kvviz.ui.app import COMPARISONS, EXAMPLES, REASONING_PRESETS, _models, make_preset_handler, validate
+    from kvviz.ui.app import COMPARISONS, EXAMPLES, REASONING_PRESETS, make_preset_handler
+    from kvviz.ui.checks import _models, validate
 
     _models[TINY] = tiny
     model, tokenizer = tiny
@@ -2285,14 +2310,16 @@ def test_retention_figure_outlines_sinks_and_the_protected_tail(tiny):
 
 
 def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(tiny):
-    from kvviz.ui.app import _models, _show_parameters
+    from kvviz.ui.app import _show_parameters
+    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny  # the app's cache of loaded models (3 layers)
     description = _show_parameters("inertia", TINY)[0]
     assert "0.512" in description  # 0.8 ** 3
     assert "0.8" in _show_parameters("inertia-decoupled", TINY)[0].split("Previous-step weight on")[1]
     # With alpha changed in its widget the weight follows: 0.3 ** 3 = 0.027.
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS, _describe
+    from kvviz.ui.app import _describe
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     widgets = [0.3 if name == "alpha" else PARAMETERS[name]["default"] for name in PARAM_NAMES]
     assert "**0.027**" in _describe("inertia", TINY, *widgets)
@@ -2300,7 +2327,7 @@ def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(
 
 def test_an_empty_seed_is_refused_when_sampling_and_ignored_when_greedy():
     """The emptied seed box ran as seed 0 while it stayed blank; greedy decoding reads no seed."""
-    from kvviz.ui.app import check_sampling
+    from kvviz.ui.checks import check_sampling
 
     with pytest.raises(ValueError, match="the seed is empty; type a whole number"):
         check_sampling(0.7, 0.9, None)
@@ -2313,7 +2340,7 @@ def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
     says how it was generated, and Compare gives every policy the same random stream."""
     from gradio_client import handle_file
 
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     model, tokenizer = tiny
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
@@ -2351,12 +2378,12 @@ def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeyp
     """Between the clearing update and the finished run, the Live tab sends the text only when TEXT_EVERY_S
     has passed (figures held back to the end by figures_per_second=0): at 0 once per token (the prefill's and
     the 24 decode steps'), at infinity never, and the finished run still shows all of it, figures included."""
-    from kvviz.ui import app
+    from kvviz.ui import app, checks
 
     monkeypatch.setattr(app, "TEXT_EVERY_S", text_every_s)
-    app._models[TINY] = tiny
+    checks._models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=25, figures_per_second=0)
-    defaults = [app.PARAMETERS[p]["default"] for p in app.PARAM_NAMES]
+    defaults = [checks.PARAMETERS[p]["default"] for p in checks.PARAM_NAMES]
     outputs = list(app.make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 25, False, *GREEDY,
                                                  *defaults, "", None))
     streamed = outputs[2:-1]  # after the API call's session holder and the clear, before the finished run
@@ -2374,12 +2401,12 @@ def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_st
     checkpoint); a trace of one, opened (e.g. from `kvviz generate`), says why its cache was not cut.  A
     24-token run is cut, and says nothing."""
     from kvviz import engine
-    from kvviz.ui import app
+    from kvviz.ui import app, checks
 
-    app._models[TINY] = tiny
+    checks._models[TINY] = tiny
     prompt_len = len(engine.encode_prompt(tiny[1], PROMPT, chat=False))
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30)
-    widgets = {name: app.PARAMETERS[name]["default"] for name in app.PARAM_NAMES} | {"interval": 16, "delay": 8}
+    widgets = {name: checks.PARAMETERS[name]["default"] for name in checks.PARAM_NAMES} | {"interval": 16, "delay": 8}
 
     def live(new_tokens):
         return app.make_live_handler(limits)(TINY, PROMPT, "avokv", "budget", 0.9, prompt_len - 2, new_tokens,
@@ -2478,7 +2505,8 @@ def test_the_diagnostics_table_explains_n_a_only_where_a_row_reads_n_a(tiny):
 
 def test_coming_back_to_the_live_tab_counts_the_prompt_once_another_tab_loaded_the_model(tiny):
     """The Live tab's "the token count shows once the model is loaded" stayed after a comparison loaded it."""
-    from kvviz.ui.app import _models, build_app
+    from kvviz.ui.app import build_app
+    from kvviz.ui.checks import _models
 
     app = build_app(Limits(models=(TINY,)))
     live = next(block for block in app.blocks.values() if isinstance(block, gr.Tab) and block.label == "Live")
@@ -2492,7 +2520,8 @@ def test_coming_back_to_the_live_tab_counts_the_prompt_once_another_tab_loaded_t
 def test_the_compare_tab_counts_its_prompt_like_the_live_tab(tiny):
     """Compare's B is a share of its prompt too: its prompt's token count shows under it, as the prompt, the
     model or the chat template change, and when the tab is opened."""
-    from kvviz.ui.app import EXAMPLES, _models, build_app
+    from kvviz.ui.app import EXAMPLES, build_app
+    from kvviz.ui.checks import _models
 
     app = build_app(Limits(models=(TINY,)))
     compare = next(block for block in app.blocks.values() if isinstance(block, gr.Tab) and block.label == "Compare")
@@ -2588,7 +2617,7 @@ def test_a_live_run_is_marked_as_the_earlier_inputs_once_they_change():
     assert edit(5, 99) == edit(9, 0.5) == ran["note"]  # the budget box under ρ, top-p when greedy: not this run's
     # A parameter InertiaKV has no use for (SnapKV's window, which picking SnapKV sets and which stays set,
     # hidden, once InertiaKV is picked again) is not one of this run's inputs.
-    from kvviz.ui.app import PARAM_NAMES, PARAMETERS
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     every = {"inputs": run_inputs(*ran_on[:11], *widgets), "note": ran["note"]}

@@ -212,14 +212,14 @@ def held_open(shown, clicked: list, before: set):
     for 1.5 s more, so that the click's check passes and its run is sent while the stopped run still shows
     itself -- however late the browser sends the click (or however early: its ticket may come before the
     stopped run gets here); ``clicked`` records whether it came, ``before`` holds the tickets from before it."""
-    from kvviz.ui import app
+    from kvviz.ui import tickets
 
     def held(*args, **kwargs):
         if not clicked:  # the stopped run's; the next run ends as usual
 
             def fresh_ticket() -> bool:  # the click's, not yet run
                 return any(not (ticket.claimed or ticket.done or ticket.is_set())
-                           for id, ticket in list(app._tickets.items()) if id not in before)
+                           for id, ticket in list(tickets._tickets.items()) if id not in before)
 
             # The browser sends the click when it has digested the stream's last updates: 0.05-4.5 s alone
             # here, longer on a loaded machine (the 20 s this waited once ran out in CI).
@@ -237,7 +237,7 @@ def test_run_right_after_stop_runs_once_the_stopped_run_has_shown_itself(page, m
     """Stop, then Run while the stopped run still shows what it ran (held open here until the click has come,
     as a long run's figures and trace take a while): the click is not dropped; its run waits for that, then
     goes to its end with the inputs as they are then."""
-    from kvviz.ui import app
+    from kvviz.ui import app, tickets
 
     clicked, before = [], set()
     monkeypatch.setattr(app, "live_result", held_open(app.live_result, clicked, before))
@@ -248,9 +248,9 @@ def test_run_right_after_stop_runs_once_the_stopped_run_has_shown_itself(page, m
     # waiting for the streaming page to hold still
     page.evaluate("document.querySelector('#live-stop').click()")
     deadline = time.time() + 10
-    while not all(ticket.is_set() for ticket in app._tickets.values()) and time.time() < deadline:
+    while not all(ticket.is_set() for ticket in tickets._tickets.values()) and time.time() < deadline:
         time.sleep(0.05)  # Stop has reached the server
-    before.update(app._tickets)
+    before.update(tickets._tickets)
     page.evaluate("document.querySelector('#live-run').click()")
     wait_for_a_run_to_its_end(page, 12)
     assert clicked[0]  # the click had come while the stopped run showed itself
@@ -265,7 +265,7 @@ def test_a_click_refused_by_a_full_queue_leaves_run_working(page, app_url, monke
     from gradio_client import Client
 
     from kvviz import engine
-    from kvviz.ui import app
+    from kvviz.ui import tickets
 
     release, decode = threading.Event(), engine.decode
 
@@ -283,13 +283,13 @@ def test_a_click_refused_by_a_full_queue_leaves_run_working(page, app_url, monke
             time.sleep(0.1)
         page.get_by_role("tab", name="Live").click()
         set_inputs(page, 11)  # not the last test's count, which its views still show
-        before = set(app._tickets)
+        before = set(tickets._tickets)
         page.locator("#live-run").click()
         deadline = time.time() + 20
-        while not (set(app._tickets) - before and all(app._tickets[id].done for id in set(app._tickets) - before)) \
+        while not (set(tickets._tickets) - before and all(tickets._tickets[id].done for id in set(tickets._tickets) - before)) \
                 and time.time() < deadline:
             time.sleep(0.1)
-        clicked = [app._tickets[id] for id in set(app._tickets) - before]
+        clicked = [tickets._tickets[id] for id in set(tickets._tickets) - before]
         assert clicked and all(ticket.done and not ticket.claimed for ticket in clicked)  # refused, retired
     finally:
         release.set()
@@ -620,7 +620,7 @@ def test_a_stopped_comparison_shows_and_zips_what_ran(page):
 def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown_itself(page, monkeypatch):
     """The Compare tab's Stop, then Compare while the stopped comparison still shows itself (held open here
     until the click has come): the click is not dropped, and its comparison runs to its end."""
-    from kvviz.ui import app
+    from kvviz.ui import app, tickets
 
     clicked, before = [], set()
     monkeypatch.setattr(app, "comparison_result", held_open(app.comparison_result, clicked, before))
@@ -633,7 +633,7 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
     page.get_by_role("button", name="Compare", exact=True).click()
 
     def decoding():
-        return [ticket for ticket in app._tickets.values() if ticket.claimed and not ticket.done]
+        return [ticket for ticket in tickets._tickets.values() if ticket.claimed and not ticket.done]
 
     deadline = time.time() + 60
     while not decoding() and time.time() < deadline:  # checked, out of the queue and decoding
@@ -642,9 +642,9 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
     max_new.nth(1).fill("9", force=True)  # for the next comparison
     page.evaluate("document.querySelector('#compare-stop').click()")
     deadline = time.time() + 10
-    while not all(ticket.is_set() for ticket in app._tickets.values()) and time.time() < deadline:
+    while not all(ticket.is_set() for ticket in tickets._tickets.values()) and time.time() < deadline:
         time.sleep(0.05)  # Stop has reached the server
-    before.update(app._tickets)
+    before.update(tickets._tickets)
     page.evaluate("document.querySelector('#compare-run').click()")  # a DOM click: no waiting for the page
     page.get_by_text("stopped after", exact=False).wait_for(timeout=120_000)  # a loaded machine: slower  # the stopped one, shown
     page.get_by_text("stopped after", exact=False).wait_for(state="hidden", timeout=60_000)  # the next one's

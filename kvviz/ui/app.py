@@ -1,29 +1,24 @@
 """The Gradio app: Live (stream one policy), Compare (2-4 policies on one shared prefill), Results.
 
 Handlers consume the engine's step events and nothing else.  Every input is validated before any model
-work starts and a bad one is refused with what to change (``gr.Error``); anything else that goes wrong
+work starts and a bad one is refused with what to change (:mod:`.checks`); anything else that goes wrong
 reaches the user as a one-line message too (its traceback goes to the server log only).  A run that
-fails drops its state; one that is stopped ends between two steps and is shown and saved as far as it
-got; the server keeps serving.
+fails drops its state; one that is stopped (:mod:`.tickets`) ends between two steps and is shown and saved
+as far as it got; the server keeps serving.  The Results tab is :mod:`.results`, the figures :mod:`.figures`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
 import math
 import re
 import shutil
-from collections.abc import Iterator
 import tempfile
 import textwrap
-import threading
 import time
-import uuid
-import weakref
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,20 +26,22 @@ import gradio as gr
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-import torch
 
 from .. import diagnostics, engine
-from ..models import load_model, load_tokenizer
-from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label, shown_value
-from ..policies.base import BudgetTooSmall
+from ..models import load_tokenizer
+from ..policies import REGISTRY, Policy, build_setting, setting_label, shown_value
 from ..policies.checkpointed import CheckpointPolicy
-from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
-from ..tasks.examples import EXAMPLES
-from .config import Limits
 from ..store import Store
+from ..tasks.examples import EXAMPLES
+from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
+from .checks import (MAX_TEMPERATURE, PARAM_NAMES, PARAMETERS, Request, _models, check_sampling, check_settings,
+                     get_model, model_and_prompt, policy_from_inputs, refused, refusing, release_memory,
+                     unexpected, unused_parameters, used_parameters, validate, whole_number)
+from .config import Limits
 from .figures import (LEGEND_LINE, MAX_FOLLOWED, NEVER, RunView, blindspot_figure, spectrum_figure,
                       spectrum_layers_figure, step_dtick, step_range)
 from .results import build_results_tab
+from .tickets import button_ticket, request_stop, retire, stopped_run_failed, ticketed
 from .widgets import TypedSlider
 
 log = logging.getLogger(__name__)
@@ -84,238 +81,18 @@ REASONING_SAMPLING = {"temperature": 0.6, "top_p": 0.95}
 # where an AvoKV-E preset had changed it
 COMPARE_EXAMPLE, COMPARE_NEW_TOKENS = "Four-key needle", 48
 
-_models: dict[str, tuple] = {}
-_models_lock = threading.Lock()
 
 # Where the Live tab's traces and the Compare tab's zips are written, one folder a run, the newest kept.
 DOWNLOADS = Path(tempfile.mkdtemp(prefix="kvviz-downloads-"))
 KEEP_DOWNLOADS = 32
 
 
-def release_memory() -> None:
-    """After a run, finished, failed or cancelled: drop its caches now, and hand a GPU's blocks back too."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def get_model(limits: Limits, name: str):
-    """The model ``name`` on the deployment's device and dtype, loaded once per process."""
-    with _models_lock:
-        if name not in _models:
-            _models[name] = load_model(name, device=limits.device, dtype=limits.dtype or None)
-        return _models[name]
-
-
 # ----------------------------------------------------------------------------------------- validation
-
-# One widget per parameter name (first definition wins); _show_parameters relabels and re-ranges it for
-# the selected policy, since e.g. SnapKV's and R-KV's `window` mean different things.
-PARAMETERS: dict[str, dict] = {}
-for _spec in REGISTRY.values():
-    for _p in _spec.parameters():
-        PARAMETERS.setdefault(_p["name"], _p)
-PARAM_NAMES = sorted(PARAMETERS)
-
-
-def policy_from_inputs(name: str, values: dict, strict: bool = False) -> Policy:
-    """Build the policy from parameter values; the registry converts and range-checks each one.
-
-    ``strict=False`` (the widgets): values of other policies' parameters are hidden widgets, ignored.
-    ``strict=True`` (the API's JSON): a parameter this policy does not have is an error, not a no-op.
-    """
-    spec = get_spec(name)
-    if not strict:
-        values = _used_parameters(spec, values)
-    return spec.build(**{key: value for key, value in values.items() if value is not None})
-
-
-def _used_parameters(spec, values: dict) -> dict:
-    """The widgets' values of ``spec``'s own parameters that its chosen settings use: not other policies'
-    (hidden widgets), nor those the chosen settings leave unused, which hold what they held."""
-    own, unused = {p["name"] for p in spec.parameters()}, _unused_parameters(spec, values) or {}
-    return {key: value for key, value in values.items() if key in own and key not in unused}
-
-
-def _unused_parameters(spec, values: dict) -> dict[str, str] | None:
-    """The parameters of ``spec`` that the widgets' choices and switches leave unused (which are unused
-    depends on those alone, so only they are read); None while those do not build."""
-    chosen = {p["name"]: values[p["name"]] for p in spec.parameters()
-              if (p.get("choices") or isinstance(p["default"], bool)) and values.get(p["name"]) is not None}
-    try:
-        return spec.build(**chosen).unused()
-    except ValueError:
-        return None
-
-
-def whole_number(label: str, value, low: int, high: int | None = None) -> int:
-    """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        raise ValueError(f"{label} is empty; type a whole number")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{label} must be a whole number, got {value!r}") from None
-    if not math.isfinite(number) or number != int(number):
-        raise ValueError(f"{label} must be a whole number, got {value!r}")
-    if number < low or (high is not None and number > high):
-        raise ValueError(f"{label} must be between {low} and {high}, got {int(number)}" if high is not None
-                         else f"{label} must be at least {low}, got {int(number)}")
-    return int(number)
-
-
-def fraction(label: str, value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{label} must be a number, got {value!r}") from None
 
 
 VIEWS_MIN_WIDTH = 560  # px: a tab's views (text, heatmaps, tables) go below its settings in a narrower page
 CLOSE_TOASTS = ("() => document.querySelectorAll('button.toast-close.error, button.toast-close.warning')"
                 ".forEach(b => b.click())")
-
-
-def refused(message: str) -> gr.Error:
-    """What the user must change, in a toast that stays until closed: a timed one is easily missed while
-    watching the plots, and the outputs then show a bare "Error"."""
-    return gr.Error(message, duration=None, print_exception=False)
-
-
-def unexpected(what: str, error: Exception) -> gr.Error:
-    """A failure no validation foresaw: logged with its traceback on the server, one line for the user."""
-    log.exception("%s failed", what)
-    return refused(f"{what} failed: {type(error).__name__}: {error}")
-
-
-@contextlib.contextmanager
-def refusing(what: str):
-    """A check's body: a ValueError is the user's to fix (:func:`refused`), anything else :func:`unexpected`."""
-    try:
-        yield
-    except ValueError as error:
-        raise refused(str(error)) from None
-    except Exception as error:
-        raise unexpected(what, error) from None
-
-
-@dataclass
-class Request:
-    model: object
-    tokenizer: object
-    prompt_ids: list[int]
-    budget: int
-    max_new_tokens: int
-    sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments; empty: greedy
-    compression: float | None = None  # the ρ that set budget; None: the budget was given in tokens
-    prompt: str = ""  # as typed, before the chat template
-    chat: bool = True
-
-    def sampler(self) -> engine.Sampler:
-        """A fresh sampler: every run (every policy of a comparison) draws the same random stream."""
-        return engine.Sampler(**self.sampling)
-
-
-MAX_TEMPERATURE = 2.0  # the app's: its slider's end (the library takes any)
-
-
-def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
-    """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
-    try:
-        temperature, top_p = float(temperature or 0.0), float(1.0 if top_p is None else top_p)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature and top-p must be numbers, got {temperature!r} and {top_p!r}") from None
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
-        raise ValueError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature:g}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top-p must be above 0 and at most 1, got {top_p:g}")
-    if temperature == 0:
-        return {}
-    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank
-    return engine.Sampler(temperature, top_p, whole_number("the seed", seed, 0, 2**63 - 1)).settings()
-
-
-def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
-    """What can be checked without the model; returns max new tokens.  Raises ValueError with what to change."""
-    if model_name not in limits.models:
-        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("the prompt is empty; type or paste some text")
-    if budget_mode not in ("compression", "budget"):
-        raise ValueError(f"size the cache by 'compression' or 'budget', got {budget_mode!r}")
-    return whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
-
-
-def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
-             max_new_tokens: float, chat: bool, policies: list[Policy], temperature: float = 0.0, top_p: float = 1.0,
-             seed: float = 0) -> Request:
-    """Check everything before any work; raise ValueError with what to change."""
-    max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
-    sampling = check_sampling(temperature, top_p, seed)
-    model, tokenizer = get_model(limits, model_name)
-    prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
-    if len(prompt_ids) > limits.max_prompt_tokens:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
-                         "shorten it")
-    engine.check_prompt(model, prompt_ids, max_new)
-    if budget_mode == "budget":
-        value = whole_number("the budget", budget, 1)
-        # A budget above the prompt is the long-generation regime (AvoKV-E's): eviction starts once the
-        # generated tokens fill it.  Only a budget that the whole run never reaches is refused.
-        fed = len(prompt_ids) + max_new - 1  # the last token is generated, never fed back
-        if value >= fed:
-            # More new tokens fill it once they feed back more than it holds: value - prompt + 2 of them,
-            # offered only within this app's limit.
-            needed = value - len(prompt_ids) + 2
-            more = (f", or allow at least {needed} new tokens" if needed <= limits.max_new_tokens else
-                    f" (even {limits.max_new_tokens} new tokens, the most allowed here, would not fill it)")
-            raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} tokens "
-                             f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
-        resolved, compression = value, None  # the budget in tokens: no ρ set it
-    else:
-        compression = fraction("compression", compression)
-        resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
-    for policy in policies:
-        try:
-            check_policy_fits(limits, model, tokenizer, prompt_ids, policy, resolved, compression, max_new)
-        except ValueError as error:
-            label = setting_label(policy)
-            # among several compared, which one: "layers='99' names a layer beyond ..." named none
-            if len(policies) > 1 and not str(error).startswith(label):
-                raise ValueError(f"{label}: {error}") from None
-            raise
-    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
-
-
-def check_policy_fits(limits: Limits, model, tokenizer, prompt_ids: list[int], policy: Policy, budget: int,
-                      compression: float | None, max_new: int) -> None:
-    """Raise ValueError with what to change where ``policy`` cannot run on this model and prompt at this budget
-    (set by ``compression``, or typed where that is None) for ``max_new`` tokens."""
-    try:
-        policy.reset(len(prompt_ids), budget, model.config.num_hidden_layers)
-    except BudgetTooSmall as error:
-        if compression is None:
-            raise ValueError(budget_too_small(limits, error, len(prompt_ids), max_new)) from None
-        # in compression mode no budget box is shown: name the compression that would do
-        raise ValueError(engine.at_compression(error, compression, len(prompt_ids))) from None
-    engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
-    check_checkpoint_reached(limits, policy, len(prompt_ids), budget, max_new)
-
-
-def budget_too_small(limits: Limits, error: BudgetTooSmall, prompt_len: int, max_new: int) -> str:
-    """A typed budget within a policy's reserved entries: its message, unless no budget above them would
-    evict anything in this run (one that holds every token fed is refused as well); then only what would do:
-    lower what reserves them, or more new tokens (within this app's limit)."""
-    fed = prompt_len + max_new - 1  # the last token is generated, never fed back
-    if error.reserved + 1 < fed:
-        return str(error)
-    needed = error.reserved + 3 - prompt_len  # for a budget of reserved + 1 to sit below what they feed
-    options = [f"lower {error.shrink}"] if error.shrink else []
-    if needed <= limits.max_new_tokens:
-        options.append(f"allow at least {needed} new tokens")
-    return (f"budget {error.budget} must exceed {error.kept}, and a budget above {error.reserved} would hold all "
-            f"{fed} tokens this run feeds, evicting none; " + (" or ".join(options) if options else
-                                                                "give a longer prompt"))
 
 
 def checkpoint_interval(policy: Policy) -> int | None:
@@ -326,27 +103,6 @@ def checkpoint_interval(policy: Policy) -> int | None:
 def terms_key(policy: Policy | None) -> str:
     """What a checkpointed policy's decision terms are and how they combine (its :meth:`terms_key`), else ""."""
     return policy.terms_key() if isinstance(policy, CheckpointPolicy) else ""
-
-
-def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, budget: int, max_new: int) -> None:
-    """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV, LazyEviction) would decode no token from a
-    cache it cut, saying what would: more new tokens, or a shorter interval.  A budget the run fills was
-    advice enough for the others, and led such a policy to a run that cut nothing; a checkpoint at the last
-    step cuts after the last forward pass, which nothing then reads."""
-    if not isinstance(policy, CheckpointPolicy) or (first := policy.late_first_checkpoint(prompt_len, budget,
-                                                                                          max_new)) is None:
-        return
-    last = max_new - 1  # the last decode step
-    # Enough for the next checkpoint too, so that a whole interval decodes from the first cut; at least one step.
-    wanted = [tokens for tokens in (first + policy.interval + 1, first + 2) if tokens <= limits.max_new_tokens]
-    options = [f"allow at least {wanted[0]} new tokens"] if wanted else []
-    if (widest := policy.widest_interval(prompt_len, budget, last - 1)) >= 1:
-        options.append(f"set interval to {widest} or less")
-    advice = " or ".join(options) or "choose a smaller budget and a shorter interval"
-    when = f"after this run's last step ({last})" if first > last else "at this run's last step, after its last forward"
-    raise ValueError(f"{setting_label(policy)} evicts only at its checkpoints, every {policy.interval} generated tokens "
-                     f"once the cache is over B = {budget}: the first here would be at step {first}, {when}, so no "
-                     f"token would be decoded from a cache it cut; {advice}")
 
 
 @dataclass
@@ -405,129 +161,6 @@ class Progress:
         comparison ends (its interleaved steps otherwise leave one policy a step ahead)."""
         steps = {self.views[label].steps for label in self.running()}
         return len(steps) <= 1 and 0 not in steps
-
-
-_tickets: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Ticket, while a session holds it
-
-
-class Ticket(threading.Event):
-    """One run's stop switch: Stop sets it, and the run ends before its next step, showing what ran (or,
-    stopped while queued or checked, does nothing when its turn comes).  Not Gradio's cancel, which drops the
-    run's last update, where the run so far is shown."""
-
-    def __init__(self):
-        super().__init__()
-        self.id = uuid.uuid4().hex
-        self.claimed = False  # a run goes by it: a ticket starts one run at most
-        self.done = False  # that run is over, or none will start by it (its check refused, its queue was full)
-        _tickets[self.id] = self
-
-
-class Tickets:
-    """A session's tickets (held in its State, never replaced): one a click, all of them set by Stop."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._held: list[Ticket] = []
-
-    def _prune(self) -> None:
-        """Keep the tickets that matter: a run that has not ended, or one that may still start."""
-        self._held = [held for held in self._held if not held.done and (held.claimed or not held.is_set())]
-
-    def issue(self, exclusive: bool = False) -> Ticket | None:
-        """A new ticket; ``exclusive`` (a click): None while a ticket of the session is neither stopped nor
-        over -- its run is being checked, waits in the queue or decodes -- so a second click does nothing."""
-        with self._lock:
-            self._prune()
-            if exclusive and any(not held.is_set() for held in self._held):
-                return None
-            self._held.append(Ticket())
-            return self._held[-1]
-
-    def retire(self) -> None:
-        """No run will start by the tickets not yet claimed: their check refused, or their run failed to
-        start (a full queue).  The next click then gets a ticket."""
-        with self._lock:
-            for ticket in self._held:
-                if not ticket.claimed:
-                    ticket.done = True
-
-    def stop(self) -> bool:
-        """Set every ticket; whether a run of this session was decoding (it then ends by itself)."""
-        with self._lock:
-            running = any(ticket.claimed and not ticket.done for ticket in self._held)
-            for ticket in self._held:
-                ticket.set()
-            self._prune()  # a stopped run still showing itself stays: a second Stop must not cancel it
-            return running
-
-
-def button_ticket(tickets: Tickets | None) -> tuple[Tickets, str]:
-    """A Run (Compare) click, before its check: a new ticket, and its id in a hidden field that the run is
-    sent with, so that a run waiting in the queue goes by its own click's ticket.
-
-    A click while the session's run is pending (checked, queued or decoding) and not stopped does nothing:
-    the error, never shown, ends its chain before the check.  After Stop the click goes ahead, and its run
-    waits for the stopped one to show itself (the run events' ``always_last``)."""
-    tickets = tickets or Tickets()
-    ticket = tickets.issue(exclusive=True)
-    if ticket is None:
-        raise gr.Error("a run of this session is pending", visible=False, print_exception=False)
-    return tickets, ticket.id
-
-
-def stopped_run_failed(what: str, error: Exception) -> None:
-    """A stopped run that fails (its last step, or showing what it ran) warns and ends as a run does: ended by
-    an error, the browser would drop the run event a click made after Stop has deferred until this one ends."""
-    log.exception("%s failed", what)
-    gr.Warning(f"{what} could not show what it ran: {type(error).__name__}: {error}")
-
-
-def retire(tickets: Tickets | None) -> None:
-    """A click's check refused, or its check or run did not start (a full queue): its ticket is retired, so
-    that the next click is not taken for a second one while this run is pending."""
-    if tickets is not None:
-        tickets.retire()
-
-
-def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Tickets | None]:
-    """The ticket a starting run goes by, or None if Stop came before it started (or its ticket already
-    started a run), and the session's holder if it was made here.  An API call sends no id (""): it gets a
-    ticket of its own in the session's holder (made here for the session's first call, and kept by the run's
-    first update, before its checks), which /stop_live or /stop_compare then sets."""
-    if not isinstance(ticket_id, str):
-        raise TypeError(f"the last input is the run's ticket id (a string, '' for an API call), got {ticket_id!r}")
-    if not ticket_id:
-        made = Tickets() if tickets is None else None
-        return (made or tickets).issue(), made
-    ticket = _tickets.get(ticket_id)
-    if ticket is None or ticket.is_set() or ticket.claimed or ticket.done:
-        return None, None
-    ticket.claimed = True
-    return ticket, None
-
-
-def ticketed(ticket_id, tickets: Tickets | None, outputs: int, steps) -> Iterator[tuple]:
-    """A run by its ticket: ``steps(ticket, made)`` streams it (``made``: a holder made here for an API
-    session); stopped while queued or checked, it leaves every view as it is.  Its ticket is over however the
-    run ends, refused as it starts included, so that the next click gets one."""
-    ticket, made = run_ticket(ticket_id, tickets)
-    if ticket is None:
-        yield (gr.skip(),) * outputs
-        return
-    try:
-        yield from steps(ticket, made)
-    finally:
-        ticket.done = True
-
-
-def request_stop(tickets: Tickets | None):
-    """Stop: every ticket of the session set.  When no run of it is decoding, a new value for the hidden
-    field whose change cancels the Run's events: a run waiting in the queue then leaves it (and the next Run
-    click is not dropped while it would have waited), which its set ticket alone would only do at its turn."""
-    if tickets is None or tickets.stop():
-        return gr.skip()
-    return time.time()
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
@@ -1431,7 +1064,7 @@ def run_inputs(model_name, prompt, policy, budget_mode, compression, budget, max
                              temperature, top_p, seed)
     values = dict(zip(PARAM_NAMES, parameters))
     if isinstance(policy, str) and policy in REGISTRY:  # an unknown one: the check refuses it
-        values = _used_parameters(REGISTRY[policy], values)
+        values = used_parameters(REGISTRY[policy], values)
     return {("policy" if name == "policies" else name): (policy if name == "policies" else value)
             for name, value in inputs.items()} | {"policy parameters": values}
 
@@ -1615,19 +1248,6 @@ def compare_follow(views: dict[str, RunView] | None, query: str) -> tuple:
     marked = followed[0] if (query or "").strip() else []
     panels = [gr.update(value=panel) for panel in compare_panels(views, marked)]
     return (*compare_fates(views, query, followed), *panels, *[gr.skip()] * (4 - len(panels)))
-
-
-def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
-    """The loaded model, its tokenizer and the prompt's ids, for the on-demand analyses (probe, spectrum);
-    raises ValueError with what to change."""
-    if model_name not in limits.models:
-        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
-    model, tokenizer = get_model(limits, model_name)
-    prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
-    if len(prompt_ids) > limits.max_prompt_tokens:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
-                         "shorten it")
-    return model, tokenizer, prompt_ids
 
 
 def make_spectrum_check(limits: Limits):
@@ -1990,7 +1610,7 @@ def _parameter_updates(spec, values: dict | None = None) -> list:
     less those the values leave unused, and the others hidden."""
     values = values or {}
     own = {p["name"]: p for p in spec.parameters()}
-    unused = _unused_parameters(spec, values) or {}
+    unused = unused_parameters(spec, values) or {}
     return [_parameter_update(own[name], visible=name not in unused, value=values.get(name, own[name]["default"]))
             if name in own else gr.update(visible=False) for name in PARAM_NAMES]
 
@@ -2001,7 +1621,7 @@ def _show_parameters_in_use(policy_name: str, *param_values):
     out the hidden ones (policy_from_inputs), and one shown again holds what it held (single-step's alpha
     0 after aggregation sum and back to ema)."""
     spec = REGISTRY.get(policy_name)
-    unused = _unused_parameters(spec, dict(zip(PARAM_NAMES, param_values))) if spec else None
+    unused = unused_parameters(spec, dict(zip(PARAM_NAMES, param_values))) if spec else None
     if unused is None:
         return [gr.skip()] * len(PARAM_NAMES)
     own = {p["name"] for p in spec.parameters()}

@@ -732,7 +732,7 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
                     add(f"{label} tok/s" + (f" · {run}" if len(runs) > 1 and run else ""), x=points.refresh,
                         y=points.decode_tok_s, mode="lines+markers", line=dict(dash="dot", color=colour),
                         marker=dict(symbol=symbols.get(run, "diamond")), secondary_y=True,
-                        hovertemplate=f"r = %{{x}}<br>%{{y:.2f}} tok/s" + (f"<br>run: {run}" if run else "")
+                        hovertemplate="r = %{x}<br>%{y:.2f} tok/s" + (f"<br>run: {run}" if run else "")
                                       + "<extra></extra>", **place)
             for free in part[part.refresh == 0].itertuples():
                 add(f"{label} score-free score", x=span, y=[free.score] * 2, mode="lines",

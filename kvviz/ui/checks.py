@@ -1,0 +1,281 @@
+"""What the app refuses, and how it says so: every input of a run checked before any model work, a bad one
+refused with what to change (:func:`refused`, a ``gr.Error`` toast), anything unforeseen reported in one line
+(:func:`unexpected`, its traceback in the server log); and the models the checks load, once per process."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+
+import gradio as gr
+import torch
+
+from .. import engine
+from ..models import load_model
+from ..policies import REGISTRY, Policy, get_spec, setting_label
+from ..policies.base import BudgetTooSmall
+from ..policies.checkpointed import CheckpointPolicy
+from .config import Limits
+
+log = logging.getLogger(__name__)
+
+# The models loaded by this process, one per name (a load takes seconds to minutes)
+_models: dict[str, tuple] = {}
+_models_lock = threading.Lock()
+
+
+def release_memory() -> None:
+    """After a run, finished, failed or cancelled: drop its caches now, and hand a GPU's blocks back too."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def get_model(limits: Limits, name: str):
+    """The model ``name`` on the deployment's device and dtype, loaded once per process."""
+    with _models_lock:
+        if name not in _models:
+            _models[name] = load_model(name, device=limits.device, dtype=limits.dtype or None)
+        return _models[name]
+
+
+# One widget per parameter name (first definition wins); _show_parameters relabels and re-ranges it for
+# the selected policy, since e.g. SnapKV's and R-KV's `window` mean different things.
+PARAMETERS: dict[str, dict] = {}
+for _spec in REGISTRY.values():
+    for _p in _spec.parameters():
+        PARAMETERS.setdefault(_p["name"], _p)
+PARAM_NAMES = sorted(PARAMETERS)
+
+
+def policy_from_inputs(name: str, values: dict, strict: bool = False) -> Policy:
+    """Build the policy from parameter values; the registry converts and range-checks each one.
+
+    ``strict=False`` (the widgets): values of other policies' parameters are hidden widgets, ignored.
+    ``strict=True`` (the API's JSON): a parameter this policy does not have is an error, not a no-op.
+    """
+    spec = get_spec(name)
+    if not strict:
+        values = used_parameters(spec, values)
+    return spec.build(**{key: value for key, value in values.items() if value is not None})
+
+
+def used_parameters(spec, values: dict) -> dict:
+    """The widgets' values of ``spec``'s own parameters that its chosen settings use: not other policies'
+    (hidden widgets), nor those the chosen settings leave unused, which hold what they held."""
+    own, unused = {p["name"] for p in spec.parameters()}, unused_parameters(spec, values) or {}
+    return {key: value for key, value in values.items() if key in own and key not in unused}
+
+
+def unused_parameters(spec, values: dict) -> dict[str, str] | None:
+    """The parameters of ``spec`` that the widgets' choices and switches leave unused (which are unused
+    depends on those alone, so only they are read); None while those do not build."""
+    chosen = {p["name"]: values[p["name"]] for p in spec.parameters()
+              if (p.get("choices") or isinstance(p["default"], bool)) and values.get(p["name"]) is not None}
+    try:
+        return spec.build(**chosen).unused()
+    except ValueError:
+        return None
+
+
+def whole_number(label: str, value, low: int, high: int | None = None) -> int:
+    """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{label} is empty; type a whole number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{label} must be a whole number, got {value!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise ValueError(f"{label} must be a whole number, got {value!r}")
+    if number < low or (high is not None and number > high):
+        raise ValueError(f"{label} must be between {low} and {high}, got {int(number)}" if high is not None
+                         else f"{label} must be at least {low}, got {int(number)}")
+    return int(number)
+
+
+def fraction(label: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{label} must be a number, got {value!r}") from None
+
+
+def refused(message: str) -> gr.Error:
+    """What the user must change, in a toast that stays until closed: a timed one is easily missed while
+    watching the plots, and the outputs then show a bare "Error"."""
+    return gr.Error(message, duration=None, print_exception=False)
+
+
+def unexpected(what: str, error: Exception) -> gr.Error:
+    """A failure no validation foresaw: logged with its traceback on the server, one line for the user."""
+    log.exception("%s failed", what)
+    return refused(f"{what} failed: {type(error).__name__}: {error}")
+
+
+@contextlib.contextmanager
+def refusing(what: str):
+    """A check's body: a ValueError is the user's to fix (:func:`refused`), anything else :func:`unexpected`."""
+    try:
+        yield
+    except ValueError as error:
+        raise refused(str(error)) from None
+    except Exception as error:
+        raise unexpected(what, error) from None
+
+
+@dataclass
+class Request:
+    model: object
+    tokenizer: object
+    prompt_ids: list[int]
+    budget: int
+    max_new_tokens: int
+    sampling: dict = field(default_factory=dict)  # engine.Sampler's arguments; empty: greedy
+    compression: float | None = None  # the ρ that set budget; None: the budget was given in tokens
+    prompt: str = ""  # as typed, before the chat template
+    chat: bool = True
+
+    def sampler(self) -> engine.Sampler:
+        """A fresh sampler: every run (every policy of a comparison) draws the same random stream."""
+        return engine.Sampler(**self.sampling)
+
+
+MAX_TEMPERATURE = 2.0  # the app's: its slider's end (the library takes any)
+
+
+def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
+    """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
+    try:
+        temperature, top_p = float(temperature or 0.0), float(1.0 if top_p is None else top_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature and top-p must be numbers, got {temperature!r} and {top_p!r}") from None
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature:g}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top-p must be above 0 and at most 1, got {top_p:g}")
+    if temperature == 0:
+        return {}
+    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank
+    return engine.Sampler(temperature, top_p, whole_number("the seed", seed, 0, 2**63 - 1)).settings()
+
+
+def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
+    """What can be checked without the model; returns max new tokens.  Raises ValueError with what to change."""
+    if model_name not in limits.models:
+        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty; type or paste some text")
+    if budget_mode not in ("compression", "budget"):
+        raise ValueError(f"size the cache by 'compression' or 'budget', got {budget_mode!r}")
+    return whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
+
+
+def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
+             max_new_tokens: float, chat: bool, policies: list[Policy], temperature: float = 0.0, top_p: float = 1.0,
+             seed: float = 0) -> Request:
+    """Check everything before any work; raise ValueError with what to change."""
+    max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
+    sampling = check_sampling(temperature, top_p, seed)
+    model, tokenizer = get_model(limits, model_name)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
+                         "shorten it")
+    engine.check_prompt(model, prompt_ids, max_new)
+    if budget_mode == "budget":
+        value = whole_number("the budget", budget, 1)
+        # A budget above the prompt is the long-generation regime (AvoKV-E's): eviction starts once the
+        # generated tokens fill it.  Only a budget that the whole run never reaches is refused.
+        fed = len(prompt_ids) + max_new - 1  # the last token is generated, never fed back
+        if value >= fed:
+            # More new tokens fill it once they feed back more than it holds: value - prompt + 2 of them,
+            # offered only within this app's limit.
+            needed = value - len(prompt_ids) + 2
+            more = (f", or allow at least {needed} new tokens" if needed <= limits.max_new_tokens else
+                    f" (even {limits.max_new_tokens} new tokens, the most allowed here, would not fill it)")
+            raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} tokens "
+                             f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
+        resolved, compression = value, None  # the budget in tokens: no ρ set it
+    else:
+        compression = fraction("compression", compression)
+        resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
+    for policy in policies:
+        try:
+            check_policy_fits(limits, model, tokenizer, prompt_ids, policy, resolved, compression, max_new)
+        except ValueError as error:
+            label = setting_label(policy)
+            # among several compared, which one: "layers='99' names a layer beyond ..." named none
+            if len(policies) > 1 and not str(error).startswith(label):
+                raise ValueError(f"{label}: {error}") from None
+            raise
+    return Request(model, tokenizer, prompt_ids, resolved, max_new, sampling, compression, prompt, bool(chat))
+
+
+def check_policy_fits(limits: Limits, model, tokenizer, prompt_ids: list[int], policy: Policy, budget: int,
+                      compression: float | None, max_new: int) -> None:
+    """Raise ValueError with what to change where ``policy`` cannot run on this model and prompt at this budget
+    (set by ``compression``, or typed where that is None) for ``max_new`` tokens."""
+    try:
+        policy.reset(len(prompt_ids), budget, model.config.num_hidden_layers)
+    except BudgetTooSmall as error:
+        if compression is None:
+            raise ValueError(budget_too_small(limits, error, len(prompt_ids), max_new)) from None
+        # in compression mode no budget box is shown: name the compression that would do
+        raise ValueError(engine.at_compression(error, compression, len(prompt_ids))) from None
+    engine.check_policy(model, tokenizer, prompt_ids, policy)  # e.g. a RoPE Expected Attention cannot undo
+    check_checkpoint_reached(limits, policy, len(prompt_ids), budget, max_new)
+
+
+def budget_too_small(limits: Limits, error: BudgetTooSmall, prompt_len: int, max_new: int) -> str:
+    """A typed budget within a policy's reserved entries: its message, unless no budget above them would
+    evict anything in this run (one that holds every token fed is refused as well); then only what would do:
+    lower what reserves them, or more new tokens (within this app's limit)."""
+    fed = prompt_len + max_new - 1  # the last token is generated, never fed back
+    if error.reserved + 1 < fed:
+        return str(error)
+    needed = error.reserved + 3 - prompt_len  # for a budget of reserved + 1 to sit below what they feed
+    options = [f"lower {error.shrink}"] if error.shrink else []
+    if needed <= limits.max_new_tokens:
+        options.append(f"allow at least {needed} new tokens")
+    return (f"budget {error.budget} must exceed {error.kept}, and a budget above {error.reserved} would hold all "
+            f"{fed} tokens this run feeds, evicting none; " + (" or ".join(options) if options else
+                                                                "give a longer prompt"))
+
+
+def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, budget: int, max_new: int) -> None:
+    """Refuse a run in which a checkpointed policy (AvoKV-E, R-KV, LazyEviction) would decode no token from a
+    cache it cut, saying what would: more new tokens, or a shorter interval.  A budget the run fills was
+    advice enough for the others, and led such a policy to a run that cut nothing; a checkpoint at the last
+    step cuts after the last forward pass, which nothing then reads."""
+    if not isinstance(policy, CheckpointPolicy) or (first := policy.late_first_checkpoint(prompt_len, budget,
+                                                                                          max_new)) is None:
+        return
+    last = max_new - 1  # the last decode step
+    # Enough for the next checkpoint too, so that a whole interval decodes from the first cut; at least one step.
+    wanted = [tokens for tokens in (first + policy.interval + 1, first + 2) if tokens <= limits.max_new_tokens]
+    options = [f"allow at least {wanted[0]} new tokens"] if wanted else []
+    if (widest := policy.widest_interval(prompt_len, budget, last - 1)) >= 1:
+        options.append(f"set interval to {widest} or less")
+    advice = " or ".join(options) or "choose a smaller budget and a shorter interval"
+    when = f"after this run's last step ({last})" if first > last else "at this run's last step, after its last forward"
+    raise ValueError(f"{setting_label(policy)} evicts only at its checkpoints, every {policy.interval} generated tokens "
+                     f"once the cache is over B = {budget}: the first here would be at step {first}, {when}, so no "
+                     f"token would be decoded from a cache it cut; {advice}")
+
+
+def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
+    """The loaded model, its tokenizer and the prompt's ids, for the on-demand analyses (probe, spectrum);
+    raises ValueError with what to change."""
+    if model_name not in limits.models:
+        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
+    model, tokenizer = get_model(limits, model_name)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
+                         "shorten it")
+    return model, tokenizer, prompt_ids
