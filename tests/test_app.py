@@ -726,7 +726,7 @@ def test_values_typed_past_a_sliders_end_reach_our_checks_and_are_named(tiny, mo
 
 
 def test_one_setting_typed_two_ways_is_named_as_one():
-    from kvviz.ui.app import compare_settings
+    from kvviz.ui.checks import compare_settings
 
     with pytest.raises(ValueError, match="^'inertia' and 'inertia alpha=0.8' are one setting, which the registry "
                                          "names 'inertia'; change a value or add another policy to compare$"):
@@ -1406,7 +1406,7 @@ def test_the_probe_step_goes_no_further_than_a_run_may_decode(client):
 def test_the_probe_and_spectrum_are_checked_before_they_run(tiny):
     """Refused by a check with no outputs, so that the last probe or spectrum on screen is not marked "Error";
     valid inputs pass the check silently."""
-    from kvviz.ui.app import make_probe_check, make_spectrum_check
+    from kvviz.ui.analyses import make_probe_check, make_spectrum_check
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
@@ -1503,7 +1503,7 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
     """0.24 against R-KV's 0.85 read as a bug in a browser review; it is a ranking that drops the damaging
     entries first, and the note says so, naming the policy, only where one is below 0.5."""
     import kvviz.probe
-    from kvviz.ui.app import make_probe_handler
+    from kvviz.ui.analyses import make_probe_handler
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
@@ -1544,7 +1544,7 @@ def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypat
     from ties' half credit.  The note names it, with the share, and its p-value is the exact one."""
     import kvviz.probe
     from kvviz.probe import auroc_p, top_decile
-    from kvviz.ui.app import make_probe_handler
+    from kvviz.ui.analyses import make_probe_handler
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
@@ -1986,7 +1986,8 @@ def test_a_long_settings_label_wraps_in_its_panels_title():
 def test_every_comparison_from_the_papers_runs_at_the_tabs_defaults(tiny):
     """Two to four distinct policies (distinct as policies, not only as labels), each accepted by the check
     on the tab's own example and settings, so that picking one and pressing Compare runs."""
-    from kvviz.ui.app import COMPARISONS, EXAMPLES, compare_settings, make_compare_check
+    from kvviz.ui.app import COMPARISONS, EXAMPLES, make_compare_check
+    from kvviz.ui.checks import compare_settings
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny

@@ -16,7 +16,7 @@ import torch
 
 from .. import engine
 from ..models import load_model
-from ..policies import REGISTRY, Policy, get_spec, setting_label
+from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label
 from ..policies.base import BudgetTooSmall
 from ..policies.checkpointed import CheckpointPolicy
 from .config import Limits
@@ -279,3 +279,48 @@ def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
                          "shorten it")
     return model, tokenizer, prompt_ids
+
+
+def policy_settings(entries, fewest: int, what: str) -> dict[str, str]:
+    """The chosen policies, each a name or a setting such as ``inertia alpha=0.5``, by label, each distinct
+    policy once (``inertia alpha=0.8`` is ``inertia``), ``fewest`` to four of them; ValueError with what to
+    change otherwise (the API may send anything)."""
+    if entries is None:
+        entries = []
+    if isinstance(entries, str):
+        entries = [entries]
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(entry, str) for entry in entries):
+        raise ValueError(f"give the policies as a list of names or settings such as 'inertia alpha=0.5', got "
+                         f"{entries!r:.80}")
+    settings, repeats = distinct_settings(entries)
+    if len(settings) < fewest and repeats:
+        entry, first, label = repeats[0]
+        same = (f"'{entry}' is given twice" if entry.strip() == first.strip() else
+                f"'{first}' and '{entry}' are one setting, which the registry names '{label}'")
+        raise ValueError(f"{same}; change a value or add another policy to {what}")
+    if not fewest <= len(settings) <= 4:
+        raise ValueError(f"choose {'two' if fewest == 2 else 'one'} to four policies to {what} (one policy twice "
+                         "needs two settings, e.g. 'inertia' and 'inertia alpha=0.5')")
+    return settings
+
+
+def distinct_settings(entries) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+    """Each distinct policy's first entry by label, and the entries that repeat one: (entry, the entry it
+    repeats, their label)."""
+    settings: dict[str, str] = {}
+    repeats = []
+    for entry in entries:
+        label = build_setting(entry)[0]
+        if label in settings:
+            repeats.append((entry, settings[label], label))
+        settings.setdefault(label, entry)
+    return settings, repeats
+
+
+def compare_settings(entries) -> dict[str, str]:
+    return policy_settings(entries, 2, "compare")
+
+
+def build_policies(settings: dict[str, str]) -> dict[str, Policy]:
+    """A fresh policy for each label (a run leaves state in its policies)."""
+    return {label: build_setting(entry)[1] for label, entry in settings.items()}

@@ -1,0 +1,163 @@
+"""The Compare tab's analyses run on their own button, on the tab's model, prompt and policies: the oracle
+damage probe (each policy's utility ranked against the damage of removing each entry, and AvoKV-E's
+attention-only blindspot) and the scorer spectrum (InertiaKV §5.1: how far each scorer ranks the cache from
+last-query attention).  Each is checked first, so that a refusal leaves the last result as it was."""
+
+from __future__ import annotations
+
+import logging
+
+import gradio as gr
+import numpy as np
+import pandas as pd
+
+from .checks import (build_policies, model_and_prompt, policy_settings, refused, refusing, release_memory, unexpected,
+                     whole_number)
+from .config import Limits
+from .figures import blindspot_figure, spectrum_figure, spectrum_layers_figure
+
+log = logging.getLogger(__name__)
+
+# The probe table's headers in words, which wrap: "average_precision" held its column wide, and the table's
+# last columns were cut at a 1000-px window
+SPECTRUM_HEADERS = {"layer_spearman": "Spearman at the layer", "layer_jaccard": "top-B Jaccard at the layer",
+                    "utility_spearman": "Spearman through the EMA", "utility_jaccard": "top-B Jaccard through the EMA"}
+PROBE_HEADERS = {"auroc": "AUROC", "auroc_p": "AUROC p", "average_precision": "average precision",
+                 "topk_recall": "top-k recall", "false_safe_rate": "false-safe rate", "spearman": "Spearman"}
+
+
+def make_spectrum_check(limits: Limits):
+    """The spectrum's inputs checked before it runs, with no outputs: a refusal is the toast alone, and the last
+    spectrum stays on screen unmarked (raised by the run itself, it would mark every output "Error")."""
+    from ..spectrum import check_layer
+
+    def check_spectrum(model_name, prompt, chat, steps, layer):
+        with refusing("checking the spectrum's inputs"):
+            whole_number("the steps compared", steps, 1, 64)
+            layer = None if layer is None or not str(layer).strip() else whole_number("the layer", str(layer).strip(), 0)
+            model, _, _ = model_and_prompt(limits, model_name, prompt, chat)
+            check_layer(model, layer)
+    return check_spectrum
+
+
+def probe_step(limits: Limits, step) -> int:
+    """The probe's step, checked: it decodes that many tokens before probing, so no more than a run may
+    decode here (the probe has no Stop, and every run of the model waits behind it)."""
+    step = whole_number("the probe step", step, 1)
+    if step > limits.max_new_tokens:
+        raise ValueError(f"the probe step is {step}: the probe decodes that many tokens first, and this server "
+                         f"decodes at most {limits.max_new_tokens} (its max new tokens); choose a step up to "
+                         f"{limits.max_new_tokens}")
+    return step
+
+
+def make_probe_check(limits: Limits):
+    """The probe's inputs checked before it runs, as :func:`make_spectrum_check` does for the spectrum."""
+    from ..probe import check_fits
+
+    def check_probe(model_name, prompt, names, chat, step, sample):
+        with refusing("checking the probe's inputs"):
+            policy_settings(names, 1, "rank")
+            model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+            check_fits(model, prompt_ids, probe_step(limits, step), 8)
+            whole_number("entries sampled (0 = all)", sample, 0)
+    return check_probe
+
+
+def make_spectrum_handler(limits: Limits):
+    def run_spectrum(model_name, prompt, chat, steps, layer):
+        from ..spectrum import spectrum
+
+        try:
+            steps = whole_number("the steps compared", steps, 1, 64)
+            layer = None if layer is None or not str(layer).strip() else whole_number("the layer", str(layer).strip(), 0)
+            model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+            result = spectrum(model, prompt_ids, steps=steps, layer=layer)
+        except ValueError as error:
+            raise refused(str(error)) from None
+        except Exception as error:
+            raise unexpected("the scorer spectrum", error) from None
+        finally:
+            release_memory()
+        rows = pd.DataFrame([{key: round(value, 3) if isinstance(value, float) else value for key, value in row.items()}
+                             for row in result.table()]).rename(columns=SPECTRUM_HEADERS)
+        cross = result.cross_layer_summary()
+        note = (f"Steps 1–{result.steps[-1]} of the full-cache greedy run ({result.cache_sizes[-1]} entries at the "
+                f"end), top-B at 10%; layer {result.layer} of 0-{result.num_layers - 1}. Attention's own agreement between "
+                f"layers: top-B Jaccard {cross['cross_layer_jaccard']:.3f} (sd over layer pairs "
+                f"{cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn between steps "
+                + ("n/a (one step has none to compare with)." if np.isnan(cross["layer_churn"])
+                   else f"{cross['layer_churn']:.3f}."))
+        return rows, note, spectrum_figure(result), spectrum_layers_figure(result)
+
+    return run_spectrum
+
+
+def make_probe_handler(limits: Limits):
+    def run_probe(model_name, prompt, names, chat, step, sample):
+        from ..probe import (aligned_quality, blindspot_at, check_fits, probe, protection_note, tied_rankings,
+                             top_decile)
+
+        try:
+            settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
+            names = list(settings)
+            model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+            step = probe_step(limits, step)
+            sample = whole_number("entries sampled (0 = all)", sample, 0)  # empty is refused: 0 means all
+            check_fits(model, prompt_ids, step, 8)
+            policies = build_policies(settings)
+            result = probe(model, tokenizer, prompt_ids, step, policies=policies, sample=sample or None, future=8)
+            protected = protection_note(policies, len(prompt_ids), step)
+            quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
+            # p-values to 2 significant digits: rounded to 4 decimals, 3e-7 read as 0
+            rows = pd.DataFrame([{"policy": n, **{k: float(f"{v:.2g}") if k == "auroc_p" else round(v, 4)
+                                                  for k, v in q.items()}} for n, q in quality.items()])
+            rows = rows.rename(columns=PROBE_HEADERS)
+            try:
+                spot, spot_note = blindspot_at(model, tokenizer, prompt_ids, result)
+            except Exception as error:  # the ranking above stands; only the blindspot is lost
+                log.exception("blindspot failed")
+                spot, spot_note = None, f"it failed ({type(error).__name__})"
+        except ValueError as error:
+            raise refused(str(error)) from None
+        except Exception as error:
+            raise unexpected("the probe", error) from None
+        finally:
+            release_memory()
+        missing = sorted(set(names) - set(result.utilities))
+        # Below chance reads as a bug; it is a ranking that keeps the harmless entries and drops the damaging
+        # ones (AvoKV-E on SmolLM2, whose 0.9-weighted key redundancy marks a needle's digits as replaceable)
+        inverted = [name for name, q in quality.items() if q.get("auroc", 0.5) < 0.5]
+        below = [name for name in inverted if quality[name].get("auroc_p", 0.0) < 0.05]  # not chance either
+        within = [name for name in inverted if name not in below]
+        ranked = int(aligned.sum()) if aligned is not None else len(result.damage)
+        high_damage = int(top_decile(result.damage[aligned] if aligned is not None else result.damage).sum())
+        tied = [f"{name} ({share:.0%})" for name, share in tied_rankings(
+            {name: result.utilities[name] for name in quality}, aligned).items()]
+        note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
+                f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
+                + (f" Ranked over the {int(aligned.sum())} entries every policy judged ({int((~aligned).sum())} left"
+                   " out: a protected tail, sinks or a window some policy never judges)."
+                   if aligned is not None and not aligned.all() else "")
+                + (f" {protected[0].upper()}{protected[1:]}." if protected else "")
+                + (f" AUROC below 0.5 ({auroc_list(quality, below)}): worse than chance, that ranking puts the "
+                   "entries whose removal hurt most among the least useful." if below else "")
+                + (f" AUROC below 0.5 ({auroc_list(quality, within)}), but with this few high-damage entries not "
+                   "distinguishable from chance (Mann-Whitney p >= 0.05)." if within else "")
+                + (f" Mostly one tied score: {', '.join(tied)} of the ranked entries share it, so that AUROC "
+                   "comes largely from ties' half credit (its p-value counts the ties)." if tied else "")
+                + f" Blindspot: {spot_note}."
+                + (f"\n\n*The columns: high damage is the top decile (k = {high_damage} of {ranked} entries); AUROC "
+                   "and average precision rank it by each policy's utility; AUROC p: against chance (0.5), two-sided "
+                   "Mann-Whitney, exact, counting ties; top-k recall: the share of the k in a policy's k highest "
+                   "utilities; false-safe rate: the share in its k lowest, the first it would evict; Spearman: "
+                   "utility against damage over all of them.*" if quality else ""))
+        return rows, note, gr.update(value=blindspot_figure(spot) if spot else None, visible=spot is not None)
+
+    return run_probe
+
+
+def auroc_list(quality: dict[str, dict], names: list[str]) -> str:
+    """``"tova 0.24, p = 0.012"`` for each of ``names``: the probe's AUROC and its p-value against chance."""
+    return "; ".join(f"{name} {quality[name]['auroc']:.2f}, p = {quality[name].get('auroc_p', float('nan')):.3f}"
+                     for name in names)
