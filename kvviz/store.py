@@ -672,10 +672,12 @@ class Store:
         return frame.iloc[order].reset_index(drop=True)
 
     def where_run(self, policies: list[str]) -> pd.DataFrame:
-        """Where each of ``policies`` has quality rows, whatever the filters: its distinct (policy, source,
-        task), so that a figure drawing none of one can say where its rows are."""
-        where, params = self._filters(None, None, None, list(policies))
-        return self.frame(f"SELECT DISTINCT policy, source, task FROM results WHERE {where} ORDER BY ALL", params)
+        """Where each of ``policies`` has rows, whatever the filters: its distinct (policy, source, task,
+        metric) and whether the metric is a quality one (the figures draw no other), so that a figure drawing
+        none of one can say where its rows are, or that they are not quality."""
+        return self.frame(
+            "SELECT DISTINCT policy, source, task, metric, list_contains(?, metric) AS quality FROM results "
+            "WHERE list_contains(?, policy) ORDER BY ALL", [list(QUALITY_METRICS), list(policies)])
 
     def options(self, column: str, source: str | None = None) -> list[str]:
         """The distinct values of a filter column, of one source's rows or of all."""

@@ -65,7 +65,9 @@ def test_a_picked_policy_with_no_rows_for_the_filters_is_named_with_where_its_ro
     named, nor is a name that merely begins with it."""
     write_rows(tmp_path / "p", [{"source": "paper", "sweep": "p", "model": "m", "task": task, "policy": policy,
                                  "metric": "string_match", "params": {}, "compression": 0.5, "sample": 0,
-                                 "score": 1.0} for task in ("A", "B") for policy in ("thinkv (impl.)", "full")])
+                                 "score": 1.0} for task in ("A", "B") for policy in ("thinkv (impl.)", "full")]
+               + [{"source": "paper", "sweep": "p", "model": "m", "task": "A", "policy": "attention only",
+                   "metric": "auroc", "params": {}, "compression": None, "sample": 0, "score": 0.7}])
     store = sweep_store(tmp_path, ["tova"])  # measured tova and full on tasks t and needle_grid
     title = figures(query(store, ALL, ALL, ["thinkv (impl.)", "tova"], "measured"))["quality"].layout.title.text
     assert "thinkv (impl.): no rows for these filters (its rows: paper on A, B)" in title and "tova:" not in title
@@ -75,7 +77,10 @@ def test_a_picked_policy_with_no_rows_for_the_filters_is_named_with_where_its_ro
     assert "no rows for these filters" not in title  # drawn there
     # "thinkv" would be drawn only by a setting of itself: "thinkv (impl.)" is another policy
     title = figures(query(store, ALL, "A", ["thinkv", "thinkv (impl.)"], ALL))["quality"].layout.title.text
-    assert "thinkv: no rows for these filters, nor any other" in title
+    assert "thinkv: no rows at all" in title
+    # rows of a damage probe's ranking, not quality: said so, not "no rows"
+    title = figures(query(store, ALL, ALL, ["attention only"], ALL))["quality"].layout.title.text
+    assert "attention only: only auroc rows (A: a damage probe's ranking" in title
 
 
 def test_the_full_cache_line_spans_the_same_x_in_every_panel_that_shares_an_axis():

@@ -1104,13 +1104,19 @@ def absent_note(store: Store, quality: pd.DataFrame, policies: list[str] | None)
     where = store.where_run(absent)
     parts = []
     for policy in absent:
-        rows = where[where.policy == policy]
+        rows = where[(where.policy == policy) & where.quality]
+        others = where[(where.policy == policy) & ~where.quality]
         places = []
         for source in rows.source.unique():
-            tasks = rows[rows.source == source].task.tolist()
+            tasks = rows[rows.source == source].task.unique().tolist()
             places.append(f"{source} on {', '.join(tasks[:4])}" + (", ..." if len(tasks) > 4 else ""))
-        parts.append(f"{policy}: no rows for these filters" + (f" (its rows: {' and '.join(places)})" if places
-                                                               else ", nor any other"))
+        if places:
+            parts.append(f"{policy}: no rows for these filters (its rows: {' and '.join(places)})")
+        elif len(others):  # AvoKV-E's ranking of damage (AUROC, AP): what the Compare tab's probe measures
+            parts.append(f"{policy}: only {', '.join(others.metric.unique())} rows ({', '.join(others.task.unique())}: "
+                         "a damage probe's ranking, as the Compare tab's probe measures), which no figure here draws")
+        else:
+            parts.append(f"{policy}: no rows at all")
     return "; ".join(parts)
 
 
