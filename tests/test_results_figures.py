@@ -234,3 +234,21 @@ def test_a_speed_panels_sweeps_wrap_under_what_it_holds():
     assert all(len(line) <= SWEEPS_WIDTH for line in lines)
     assert sorted(name.strip() for line in lines[1:] for name in line.split(",") if name.strip()) == sorted(sweeps)
     assert fig.layout.margin.t >= 50 + 22 * 2 + PANEL_TITLE_HEIGHT * len(lines)  # the title's notes, then these
+
+
+def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(tmp_path):
+    """Lines of notes and parentheticals were cut at the right edge of a figure in a 1000-px window (the page's
+    768-px column): every small line under a title holds at most NOTE_WIDTH characters, every title's first
+    line TITLE_WIDTH, whatever the filters (the shipped store, each source, every setting shown)."""
+    import re
+
+    from kvviz.ui.results import NOTE_WIDTH, TITLE_WIDTH
+
+    for source in (ALL, "measured", "paper"):
+        for settings in (False, True):
+            for figure in query(Store(), ALL, ALL, [], source, settings=settings)[0::3]:
+                text = figure.layout.title.text or ""
+                first, *small = text.split("<br>")
+                assert len(re.sub("<[^>]+>", "", first)) <= TITLE_WIDTH, first
+                for line in small:
+                    assert len(re.sub("<[^>]+>", "", line)) <= NOTE_WIDTH, line

@@ -36,7 +36,9 @@ NOTE_HEIGHT = 22  # pixels of top margin per small line under a figure's title (
 TITLE_PAD = 12  # pixels above a title hung from the top of its figure
 PANEL_TITLE_HEIGHT = 16  # pixels of top margin per line of the first row's panel titles
 LEGEND_ROW = 30  # pixels a browser gives each legend entry of a line-and-marker trace
-NOTE_WIDTH = 120  # characters on one note line: a longer one runs past a narrow figure's edge
+# Characters on one note line, and on a title's first line: longer ones ran past the edge of a figure in a
+# 1000-px window (the page's 768-px column: ~115 small characters, ~70 of the title's)
+NOTE_WIDTH, TITLE_WIDTH = 105, 70
 # Marker per model in the measured-vs-paper panels, named in a note under the title.
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon")
 GLYPHS = {"circle": "●", "square": "■", "diamond": "◆", "triangle-up": "▲", "x": "✕", "star": "★", "cross": "✚",
@@ -262,7 +264,7 @@ def _note_lines(note: str) -> list[str]:
     spaces; none for an empty note."""
     head, colon, rest = note.partition("): ")
     if len(note) > NOTE_WIDTH and colon:
-        return [head + "):", *_note_lines(rest)]
+        return [*textwrap.wrap(head + "):", NOTE_WIDTH), *_note_lines(rest)]
     lines: list[str] = []
     for part in note.split("; ") if note else []:
         if lines and len(lines[-1]) + 2 + len(part) <= NOTE_WIDTH:
@@ -336,8 +338,9 @@ def _on_cut_axes(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 # Of a figure's plot width, between panels with a right-hand axis: its ticks, its title and the next panel's
-# ticks side by side (at 0.1, a 1000-px figure's titles ran over the next panel's ticks)
-Y2_SPACING = 0.14
+# ticks side by side (at 0.1, a 1000-px figure's titles ran over the next panel's ticks; at 0.14, those of a
+# figure in a 1000-px window, whose legend leaves its two panels ~380 px)
+Y2_SPACING = 0.22
 
 
 def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = None, columns: int = 3,
@@ -391,9 +394,15 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
     # What the figure is and which rows it shows on the first line; the parenthetical, which can run past a
     # narrow figure's edge and hide that, on a second.
     head, paren, rest = title.partition(" (")
-    text = head + (f" · {' · '.join(fixed)}" if fixed else "") + (f"<br><sup>({rest}</sup>" if paren else "")
-    text += "".join(f"<br><sup>{note}</sup>" for note in notes)
-    small = int(bool(paren)) + len(notes)  # lines under the title's own
+    rows_shown = " · ".join(fixed)
+    # each note wrapped as well: a line longer than a figure in a 1000-px window is cut at its edge
+    small_lines = [*_note_lines(f"({rest}" if paren else ""), *(line for note in notes for line in _note_lines(note))]
+    if fixed and len(head) + 3 + len(rows_shown) > TITLE_WIDTH:  # the rows it shows on a small line of their own
+        small_lines.insert(0, rows_shown)
+    elif fixed:
+        head += f" · {rows_shown}"
+    text = head + "".join(f"<br><sup>{line}</sup>" for line in small_lines)
+    small = len(small_lines)  # lines under the title's own
     top = MARGIN["t"] + NOTE_HEIGHT * small + PANEL_TITLE_HEIGHT * title_lines
     # Hung from the top: centred in the margin (Plotly's default), seven notes reached the panel titles
     fig.update_layout(title=dict(text=text, yref="container", y=1, yanchor="top", pad=dict(t=TITLE_PAD)),
@@ -699,9 +708,10 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
         notes.append("speed: one line per sweep (" + ", ".join(f"{GLYPHS.get(symbols[run], symbols[run])} {run}"
                                                               for run in runs)
                      + "): runs at other times differ in machine load")
+    # two panels a row: each has a right-hand axis, whose title ran over the next panel's ticks three a row
     fig, panels = _facets(frame, "Refresh interval r: quality and decode speed (r: decode steps between scorings; "
                           "bars: ± 1 standard error)",
-                          "mean score", y2label="decode tok/s (measured)",
+                          "mean score", y2label="decode tok/s (measured)", columns=2,
                           notes=[line for note in notes for line in _note_lines(note)])
     palette, shown = {}, set()
 
@@ -868,6 +878,7 @@ def _speed_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
 def _title(fig: go.Figure, title: str, notes: list[str]) -> None:
     """``title`` with each note on a small line of its own below it (one long line would run past the edge),
     and the top margin and height that make room for them."""
+    notes = [line for note in notes for line in _note_lines(note)]  # a line longer than the figure is cut
     # Anchored at the top: centred in the margin (Plotly's default) it would run into panel titles under it
     fig.update_layout(title=dict(text="<br>".join([title, *(f"<sup>{note}</sup>" for note in notes)]),
                                  yref="container", y=1, yanchor="top", pad=dict(t=TITLE_PAD)),
@@ -934,10 +945,12 @@ def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for thes
     if frame.empty:
         return _empty(go.Figure(), empty)
     panels = list(_with_budgets(frame).groupby(["policy", "compression", "absolute_budget"], dropna=False))
-    columns = min(5, len(panels))
+    # three a row: five in a 1000-px window ran each panel's depth labels over its neighbour's cells and its
+    # title into the next one's
+    columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     titles = ["full cache" if p == "full" else f"{p} {_cut_label(c, b)}" for (p, c, b), _ in panels]
-    fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.03,
+    fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.07,
                         vertical_spacing=0.12 / max(rows, 1) + 0.04)
     for index, (_, part) in enumerate(panels):
         pivot = part.pivot_table(index="depth", columns="length", values="score")
@@ -946,8 +959,9 @@ def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for thes
                         textfont=dict(size=9),
                         hovertemplate="length %{x}<br>depth %{y}<br>ROUGE-L %{z:.2f}<extra></extra>",
                         row=index // columns + 1, col=index % columns + 1)
-    fig.update_layout(title="Needle in a haystack: ROUGE-L F by context length (x, prompt tokens) and needle depth "
-                            "(y, share of the context before it)", height=80 + 200 * rows, margin=MARGIN)
+    fig.update_layout(title=dict(text="Needle in a haystack: ROUGE-L F by context length and needle depth<br><sup>"
+                                      "x: the context in prompt tokens; y: the share of it before the needle</sup>"),
+                      height=100 + 200 * rows, margin={**MARGIN, "t": MARGIN["t"] + NOTE_HEIGHT})
     fig.update_annotations(font_size=10)
     return fig
 
