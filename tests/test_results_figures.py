@@ -252,3 +252,33 @@ def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(tmp_path):
                 assert len(re.sub("<[^>]+>", "", first)) <= TITLE_WIDTH, first
                 for line in small:
                     assert len(re.sub("<[^>]+>", "", line)) <= NOTE_WIDTH, line
+
+
+def test_an_empty_figure_says_which_filter_empties_it(tmp_path):
+    """A model only a paper reports, under the measured source, emptied every figure with a bare "no rows for
+    these filters"; now each says the model has paper rows only.  Policies = the reference alone says so, not
+    that nothing pairs; a sweep of settings alone points to the settings box where the figure draws settings."""
+    write_rows(tmp_path / "p", [{"source": "paper", "sweep": "p", "model": "big", "task": "A", "policy": policy,
+                                 "metric": "string_match", "params": {}, "compression": 0.5, "sample": 0,
+                                 "score": 1.0} for policy in ("tova", "full")])
+    write_rows(tmp_path / "i", [{"source": "measured", "sweep": "i", "model": "m", "task": "t", "policy": "avokv",
+                                 "metric": "string_match", "params": {"interval": 16}, "compression": 0.5,
+                                 "sample": 0, "score": 1.0}])
+    store = sweep_store(tmp_path, ["tova", "h2o"])
+
+    def empties(*args, **kwargs) -> dict:
+        drawn = figures(query(store, *args, **kwargs))
+        return {name: [note.text for note in fig.layout.annotations if "these filters" in str(note.text)]
+                for name, fig in drawn.items()}
+
+    said = empties("big", ALL, [], "measured")
+    assert said["quality"] == ["no rows for these filters<br>model big has only paper rows: choose Source paper or (all)"]
+    assert said["speed"][0].endswith("<br>model big has only paper rows: choose Source paper or (all)")
+    assert empties("m", ALL, [], "measured")["quality"] == []  # it has measured rows: nothing to say
+    paired = figures(query(store, ALL, ALL, ["tova"], "measured", reference="tova"))["paired"]
+    assert [note.text for note in paired.layout.annotations] == [
+        "the policies chosen are only the reference, tova: pick another in Policies, or another reference"]
+    said = empties(ALL, ALL, [], "measured", sweeps=["i"])
+    assert said["quality"] == ["no rows for these filters<br>1 other setting hidden: tick 'Other parameter settings "
+                               "too'"]
+    assert said["alpha"] == ["no rows for these filters"]  # the settings box does not fill it

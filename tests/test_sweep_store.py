@@ -516,7 +516,11 @@ def test_max_length_hits_figure_says_what_is_missing(tmp_path):
     assert not figure.data and figure.layout.annotations[0].text.startswith(
         "none of the 6 measured rows for these filters records max-length hits (hit_max_tokens)")
     figure = query(store, "(all)", "(all)", [], "paper")[3]
-    assert figure.layout.annotations[0].text.startswith("no measured rows for these filters (papers print")
+    assert figure.layout.annotations[0].text == ("the papers print max-length hits per table, not per run: choose "
+                                                 "the measured source")
+    figure = query(store, "(all)", "no such task", [], "measured")[3]  # measured, none: no word of the papers
+    assert figure.layout.annotations[0].text == "no measured rows for these filters"
+
 
 def test_results_command_prints_max_length_hits_only_where_rows_record_them(tmp_path, capsys):
     from kvviz.cli import main

@@ -584,13 +584,13 @@ def _readable_range(fig: go.Figure, values: pd.Series, row: int, col: int) -> No
     fig.update_yaxes(range=[middle - 0.6 * least, middle + 0.6 * least], row=row, col=col, secondary_y=False)
 
 
-def _hits_figure(frame: pd.DataFrame, colours: Colours, settings: bool = False) -> go.Figure:
+def _hits_figure(frame: pd.DataFrame, colours: Colours, settings: bool = False, empty: str | None = None) -> go.Figure:
     """The quality figure's panels and lines for the share of generations that reached max_new_tokens instead
-    of ending, from the groups where some row records it (rows written before the field do not)."""
+    of ending, from the groups where some row records it (rows written before the field do not).  ``empty``:
+    what to say when there are no rows (default: that there are none measured for these filters)."""
     recorded = frame[frame.recorded > 0]
     if recorded.empty:
-        return _empty(go.Figure(), "no measured rows for these filters (papers print max-length hits per table, "
-                                   "not per run)" if frame.empty else
+        return _empty(go.Figure(), (empty or "no measured rows for these filters") if frame.empty else
                       f"none of the {int(frame.rows.sum())} measured rows for these filters records max-length hits "
                       "(hit_max_tokens): they were written before sweeps recorded it; a new sweep records it")
     fig = _line_figure(recorded, "compression", "hit_rate", f"Max-length hits vs {_versus(recorded)} (share of "
@@ -1052,7 +1052,9 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     if task not in (None, "needle_grid"):
         grid, grid_empty = grid.iloc[0:0], f"the grid is the task needle_grid: choose it (or {ALL}) as the Task"
     unpaired = ("papers print no per-sample scores: choose the measured source to pair samples"
-                if source == "paper" else None)
+                if source == "paper" else
+                f"the policies chosen are only the reference, {reference}: pick another in Policies, or another "
+                "reference" if reference and policies and set(policies) <= {reference, "full"} else None)
     figures = [
         (_line_figure(quality, "compression", "score",
                       f"Quality vs {_versus(quality)} ("
@@ -1060,7 +1062,8 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
                       + "; bars: ± 1 standard error"
                       f"{_draws_note(quality)})", "compression ρ", "mean score", colours, notes=quality_notes), quality,
          "quality_vs_compression"),
-        (_hits_figure(hits, colours, settings), hits, "max_length_hits"),
+        (_hits_figure(hits, colours, settings, "the papers print max-length hits per table, not per run: choose "
+                      "the measured source" if source == "paper" else None), hits, "max_length_hits"),
         (_paired_figure(differences, reference, colours, unpaired, paired_held), differences,
          f"paired_vs_{reference}"),
         (_comparison_figure(comparison, suite, colours, suite_lines), comparison, f"measured_vs_paper_{suite}"),
@@ -1072,8 +1075,17 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
         (_cache_figure(speed, colours), speed, "quality_vs_cache"),
         (_grid_figure(grid, grid_empty), grid, "needle_grid"),
     ]
+    # An empty figure says which filter empties it: a source without the chosen model's, task's or sweep's rows,
+    # or (in the figures that the settings box fills) the settings it hides
+    hint = empty_filters_hint(store, model, task, source, sweeps)
+    hidden_hint = f"{len(hidden)} other setting{'s' * (len(hidden) > 1)} hidden: tick '{SETTINGS_BOX}'" \
+        if len(hidden) else ""
     out = []
-    for figure, frame, name in figures:
+    for index, (figure, frame, name) in enumerate(figures):
+        why = hint or (hidden_hint if index in (0, 1, 2, 6, 7) else "")  # quality, hits, paired, speed, cache
+        for note in figure.layout.annotations if why else ():
+            if str(note.text).endswith("these filters"):
+                note.text += f"<br>{why}"
         _legend_room(figure)
         out += [figure, frame.round(4), gr.update(value=_csv(frame, name))]  # the CSV keeps full precision
     return tuple(out)
@@ -1101,6 +1113,22 @@ def with_reference(policies: list[str] | None) -> list[str] | None:
     """The policies a figure draws for the Policies filter ``policies`` (None: all): those and the full cache,
     the reference each of them is read against (its dotted line, its panel of the grid, its speed)."""
     return [*policies, *(["full"] if "full" not in policies else [])] if policies else None
+
+
+def empty_filters_hint(store: Store, model: str | None, task: str | None, source: str | None,
+                       sweeps: tuple | None) -> str:
+    """Which of the chosen model, task or sweeps has no rows of the chosen source, and what to choose instead:
+    a paper's model or benchmark under the measured source emptied every figure without a reason."""
+    if source is None:
+        return ""
+    other = "paper" if source == "measured" else "measured"
+    for column, values in (("model", [model] if model else []), ("task", [task] if task else []),
+                           ("sweep", list(sweeps or []))):
+        missing = [value for value in values if value not in store.options(column, source=source)]
+        if missing:
+            return (f"{column} {', '.join(missing)} has only {other} rows: choose Source {other} or (all)"
+                    if all(value in store.options(column, source=other) for value in missing) else "")
+    return ""
 
 
 def absent_note(store: Store, quality: pd.DataFrame, policies: list[str] | None) -> str:
