@@ -481,7 +481,12 @@ class Store:
         family = self._family("refresh")
         return self.frame(
             f"""
-            SELECT source, model, task, compression, absolute_budget, refresh, avg(score) AS score,
+            SELECT source, model, task, compression, absolute_budget, refresh,
+                   -- r = 0 is no schedule of refreshes but InertiaKV's Score-Free point: the table and its CSV
+                   -- say so, not only this docstring
+                   CASE WHEN refresh = 0 THEN 'score-free: scored at step 1 only'
+                        WHEN refresh = 1 THEN 'every step' ELSE 'every ' || refresh || ' steps' END AS scoring,
+                   avg(score) AS score,
                    stddev_samp(score) / sqrt(count(*)) AS stderr, avg(decode_tok_s) AS decode_tok_s,
                    count(*) AS samples, string_agg(DISTINCT sweep, ', ' ORDER BY sweep) AS sweeps FROM (
                 SELECT *, coalesce(TRY_CAST(json_extract_string(params, '$.refresh') AS INTEGER),

@@ -180,6 +180,8 @@ def test_store_figures_queries_on_handmade_rows(tmp_path):
     # inertia-lazy with refresh 8 is r = 8; score-free r = 0.
     assert refresh[["refresh", "score", "decode_tok_s"]].values.tolist() == [
         [0, 0.1, 13.0], [1, 0.75, 10.0], [8, 0.2, 12.0]]
+    # r = 0 read as "every step" in a CSV: each row says how it scored
+    assert refresh.scoring.tolist() == ["score-free: scored at step 1 only", "every step", "every 8 steps"]
     grid = store.needle_grid()
     assert grid[["length", "depth", "score"]].values.tolist() == [[1000, 0.5, 0.4]]
     both = store.quality_vs_compression(task="t", policies=["inertia"])
