@@ -612,17 +612,18 @@ class Store:
             """, [list(QUALITY_METRICS), FULL_CACHE_FLOOR]).fetchall()]
 
     def needle_grid(self, model=None, policies=None, source=None, sweeps=None) -> pd.DataFrame:
-        """Mean score per (policy, compression or absolute budget, context length, needle depth) of the
-        needle-in-a-haystack grid."""
+        """Mean score per (model, policy, compression or absolute budget, context length, needle depth) of the
+        needle-in-a-haystack grid (two models' grids are never averaged into one)."""
         where, params = self._filters("needle_grid", model, source, policies, sweeps)
         return self.frame(
             f"""
-            SELECT source, policy, {self._CUT},
+            SELECT source, model, policy, {self._CUT},
                    TRY_CAST(json_extract_string(meta, '$.length') AS INTEGER) AS length,
                    TRY_CAST(json_extract_string(meta, '$.depth') AS DOUBLE) AS depth,
                    avg(score) AS score, count(*) AS samples
             FROM results WHERE setting = '{{}}' AND {where}
-            GROUP BY ALL ORDER BY source, policy, absolute_budget NULLS FIRST, compression NULLS FIRST, length, depth
+            GROUP BY ALL ORDER BY source, model, policy, absolute_budget NULLS FIRST, compression NULLS FIRST, length,
+                                  depth
             """, params)
 
     def paired_scores(self, reference: str, task=None, model=None, policies=None, settings: bool = False,

@@ -282,3 +282,17 @@ def test_an_empty_figure_says_which_filter_empties_it(tmp_path):
     assert said["quality"] == ["no rows for these filters<br>1 other setting hidden: tick 'Other parameter settings "
                                "too'"]
     assert said["alpha"] == ["no rows for these filters"]  # the settings box does not fill it
+
+
+def test_two_models_needle_grids_are_never_averaged_into_one(tmp_path):
+    """The grid query grouped by policy and cut, not model: a second model's grid would have been averaged into
+    the first's cells (1.0 and 0.0 drawn as 0.5).  Each model gets its panels, named, and its own rows."""
+    base = {"source": "measured", "sweep": "g", "task": "needle_grid", "metric": "string_match", "params": {},
+            "policy": "tova", "compression": 0.5, "sample": 0, "meta": {"length": 1000, "depth": 0.5}}
+    write_rows(tmp_path / "g", [{**base, "model": "a", "score": 1.0}, {**base, "model": "b", "score": 0.0}])
+    store = Store(tmp_path)
+    grid = store.needle_grid()
+    assert grid[["model", "score"]].values.tolist() == [["a", 1.0], ["b", 0.0]]
+    drawn = figures(query(store, ALL, ALL, [], ALL))["grid"]
+    assert [trace.z.tolist() for trace in drawn.data] == [[[1.0]], [[0.0]]]
+    assert [note.text for note in drawn.layout.annotations] == ["a<br>tova ρ=0.5", "b<br>tova ρ=0.5"]

@@ -944,12 +944,14 @@ def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for thes
     written in it."""
     if frame.empty:
         return _empty(go.Figure(), empty)
-    panels = list(_with_budgets(frame).groupby(["policy", "compression", "absolute_budget"], dropna=False))
+    panels = list(_with_budgets(frame).groupby(["model", "policy", "compression", "absolute_budget"], dropna=False))
+    several = frame.model.nunique() > 1  # a panel per model too, named
     # three a row: five in a 1000-px window ran each panel's depth labels over its neighbour's cells and its
     # title into the next one's
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
-    titles = ["full cache" if p == "full" else f"{p} {_cut_label(c, b)}" for (p, c, b), _ in panels]
+    titles = [(f"{m}<br>" if several else "") + ("full cache" if p == "full" else f"{p} {_cut_label(c, b)}")
+              for (m, p, c, b), _ in panels]
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=titles, horizontal_spacing=0.07,
                         vertical_spacing=0.12 / max(rows, 1) + 0.04)
     for index, (_, part) in enumerate(panels):
@@ -961,7 +963,8 @@ def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for thes
                         row=index // columns + 1, col=index % columns + 1)
     fig.update_layout(title=dict(text="Needle in a haystack: ROUGE-L F by context length and needle depth<br><sup>"
                                       "x: the context in prompt tokens; y: the share of it before the needle</sup>"),
-                      height=100 + 200 * rows, margin={**MARGIN, "t": MARGIN["t"] + NOTE_HEIGHT})
+                      height=100 + 200 * rows + PANEL_TITLE_HEIGHT * several,
+                      margin={**MARGIN, "t": MARGIN["t"] + NOTE_HEIGHT + PANEL_TITLE_HEIGHT * several})
     fig.update_annotations(font_size=10)
     return fig
 
