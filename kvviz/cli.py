@@ -376,7 +376,8 @@ def cmd_scorers(args) -> int:
     span = lambda first, last: f"{first}" if first == last else f"{first}-{last}"
     sizes, keep = result.cache_sizes, result.budgets
     print(f"scorers against attention over decode steps {span(1, result.steps[-1])} of a full-cache greedy run "
-          f"({span(sizes[0], sizes[-1])} entries); top-B at {1 - args.compression:.0%} (B = {span(keep[0], keep[-1])})")
+          f"({span(sizes[0], sizes[-1])} entries); top-B at {100 * (1 - args.compression):.3g}% "  # 0.1%, not 0%
+          f"(B = {span(keep[0], keep[-1])})")
     level = f"layer {result.layer} of {result.num_layers}"
     print(f"{'':<12}{level:^20}{'InertiaKV utility':^20}")
     print(f"{'scorer':<12}" + f"{'Spearman':>10}{'Jaccard':>10}" * 2)

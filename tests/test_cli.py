@@ -879,6 +879,14 @@ def test_scorers_steps_past_the_context_names_steps(capsys):
     assert "beyond the model's context of 4096; choose --steps" in err and "max_new_tokens" not in err
 
 
+def test_scorers_names_a_small_top_b_share_as_it_is(capsys):
+    """At compression 0.999 the header said 'top-B at 0%' for a B of 1."""
+    from kvviz.cli import main
+
+    assert main(["scorers", *TINY, "--prompt", TEXT, "--steps", "2", "--compression", "0.999"]) == 0
+    assert "top-B at 0.1% (B = 1)" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_the_parser_is_built_without_torch_or_transformers():
     """Every subcommand's --help, and every mistyped option, is answered before a model library loads: they
     cost the command line seconds on each call (6 s on a 2-core machine) before it printed a word."""
