@@ -11,8 +11,7 @@ import gradio as gr
 import numpy as np
 import pandas as pd
 
-from .checks import (build_policies, model_and_prompt, policy_settings, refused, refusing, release_memory, unexpected,
-                     whole_number)
+from .checks import build_policies, model_and_prompt, policy_settings, refusing, release_memory, whole_number
 from .config import Limits
 from .figures import blindspot_figure, spectrum_figure, spectrum_layers_figure
 
@@ -69,14 +68,12 @@ def make_spectrum_handler(limits: Limits):
         from ..spectrum import spectrum
 
         try:
-            steps = whole_number("the steps compared", steps, 1, 64)
-            layer = None if layer is None or not str(layer).strip() else whole_number("the layer", str(layer).strip(), 0)
-            model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
-            result = spectrum(model, prompt_ids, steps=steps, layer=layer)
-        except ValueError as error:
-            raise refused(str(error)) from None
-        except Exception as error:
-            raise unexpected("the scorer spectrum", error) from None
+            with refusing("the scorer spectrum"):
+                steps = whole_number("the steps compared", steps, 1, 64)
+                layer = None if layer is None or not str(layer).strip() else whole_number("the layer",
+                                                                                          str(layer).strip(), 0)
+                model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+                result = spectrum(model, prompt_ids, steps=steps, layer=layer)
         finally:
             release_memory()
         rows = pd.DataFrame([{key: round(value, 3) if isinstance(value, float) else value for key, value in row.items()}
@@ -99,29 +96,26 @@ def make_probe_handler(limits: Limits):
                              top_decile)
 
         try:
-            settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
-            names = list(settings)
-            model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
-            step = probe_step(limits, step)
-            sample = whole_number("entries sampled (0 = all)", sample, 0)  # empty is refused: 0 means all
-            check_fits(model, prompt_ids, step, 8)
-            policies = build_policies(settings)
-            result = probe(model, tokenizer, prompt_ids, step, policies=policies, sample=sample or None, future=8)
-            protected = protection_note(policies, len(prompt_ids), step)
-            quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
-            # p-values to 2 significant digits: rounded to 4 decimals, 3e-7 read as 0
-            rows = pd.DataFrame([{"policy": n, **{k: float(f"{v:.2g}") if k == "auroc_p" else round(v, 4)
-                                                  for k, v in q.items()}} for n, q in quality.items()])
-            rows = rows.rename(columns=PROBE_HEADERS)
-            try:
-                spot, spot_note = blindspot_at(model, tokenizer, prompt_ids, result)
-            except Exception as error:  # the ranking above stands; only the blindspot is lost
-                log.exception("blindspot failed")
-                spot, spot_note = None, f"it failed ({type(error).__name__})"
-        except ValueError as error:
-            raise refused(str(error)) from None
-        except Exception as error:
-            raise unexpected("the probe", error) from None
+            with refusing("the probe"):
+                settings = policy_settings(names, 1, "rank")  # each costs a decode of its own
+                names = list(settings)
+                model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+                step = probe_step(limits, step)
+                sample = whole_number("entries sampled (0 = all)", sample, 0)  # empty is refused: 0 means all
+                check_fits(model, prompt_ids, step, 8)
+                policies = build_policies(settings)
+                result = probe(model, tokenizer, prompt_ids, step, policies=policies, sample=sample or None, future=8)
+                protected = protection_note(policies, len(prompt_ids), step)
+                quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
+                # p-values to 2 significant digits: rounded to 4 decimals, 3e-7 read as 0
+                rows = pd.DataFrame([{"policy": n, **{k: float(f"{v:.2g}") if k == "auroc_p" else round(v, 4)
+                                                      for k, v in q.items()}} for n, q in quality.items()])
+                rows = rows.rename(columns=PROBE_HEADERS)
+                try:
+                    spot, spot_note = blindspot_at(model, tokenizer, prompt_ids, result)
+                except Exception as error:  # the ranking above stands; only the blindspot is lost
+                    log.exception("blindspot failed")
+                    spot, spot_note = None, f"it failed ({type(error).__name__})"
         finally:
             release_memory()
         missing = sorted(set(names) - set(result.utilities))

@@ -1083,9 +1083,11 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     hint = empty_filters_hint(store, model, task, source, sweeps)
     hidden_hint = f"{len(hidden)} other setting{'s' * (len(hidden) > 1)} hidden: tick '{SETTINGS_BOX}'" \
         if len(hidden) else ""
+    drawn_with_settings = {"quality_vs_compression", "max_length_hits", f"paired_vs_{reference}", "speed_vs_quality",
+                           "quality_vs_cache"}
     out = []
-    for index, (figure, frame, name) in enumerate(figures):
-        why = hint or (hidden_hint if index in (0, 1, 2, 6, 7) else "")  # quality, hits, paired, speed, cache
+    for figure, frame, name in figures:
+        why = hint or (hidden_hint if name in drawn_with_settings else "")
         for note in figure.layout.annotations if why else ():
             if str(note.text).endswith("these filters"):
                 note.text += f"<br>{why}"
@@ -1127,10 +1129,13 @@ def empty_filters_hint(store: Store, model: str | None, task: str | None, source
     other = "paper" if source == "measured" else "measured"
     for column, values in (("model", [model] if model else []), ("task", [task] if task else []),
                            ("sweep", list(sweeps or []))):
-        missing = [value for value in values if value not in store.options(column, source=source)]
+        if not values:
+            continue
+        have = set(store.options(column, source=source))  # one query a column, not one a value
+        missing = [value for value in values if value not in have]
         if missing:
             return (f"{column} {', '.join(missing)} has only {other} rows: choose Source {other} or (all)"
-                    if all(value in store.options(column, source=other) for value in missing) else "")
+                    if set(missing) <= set(store.options(column, source=other)) else "")
     return ""
 
 
