@@ -72,6 +72,8 @@ sweeps: $(STAMP)
 		done; wait; \
 		$(VENV)/bin/kvviz bench run configs/$$name.toml --status | tail -1; \
 	done
+	# the damage-ranking sweep (AvoKV-E's Table 3 measured): one process, a trace at a time
+	HF_HUB_OFFLINE=1 $(VENV)/bin/kvviz bench ranking configs/ranking-arithmetic.toml
 
 clean:
 	rm -rf $(VENV)

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -597,9 +598,38 @@ def cmd_bench(args) -> int:
             written = sweep.run(config, out, shard=(args.shard, args.shards))
         print(f"{written} new rows in {out}")
         return 0
+    if args.bench == "ranking":
+        return _bench_ranking(args)
     if args.out:  # refused before the model loads, not by a traceback after the measurements
         _check_writable(args.out, "--out", "results.jsonl")
     return {"speed": speed.main, "probe": probe_cost.main}[args.bench](args)
+
+
+def _bench_ranking(args) -> int:
+    """Run (or resume, or count) a damage-ranking sweep into the store's folder for it."""
+    from . import store
+    from .bench import ranking, sweep
+
+    config = ranking.load_config(args.config)
+    out = Path(args.out) if args.out else store.ROOT / config["name"]
+    sweep.check_store(config, out)  # rows of another config in that folder: neither counted nor added to
+    if args.status:
+        progress = ranking.status(config, out)
+        for task, (finished, total) in progress.items():
+            print(f"{config['name']} {task}: {finished} of {total} traces")
+        return 0
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; a ranking sweep writes a folder (its rows and config), "
+                         "so give a folder path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"the sweep's folder {str(out)!r} cannot be made ({error.strerror or error}); "
+                         "choose another --out") from None
+    (out / "config.toml").write_bytes(Path(args.config).read_bytes())
+    written = ranking.run(config, out)
+    print(f"{written} new rows in {out}")
+    return 0
 
 
 def cmd_results(args) -> int:
@@ -649,12 +679,17 @@ def cmd_results(args) -> int:
         return 0
     if args.vs:
         return _print_paired(store, root, args, policies)
+    if args.ranking:
+        return _print_ranking(store, args, policies)
     frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings)
     others = store.other_settings(args.task, args.model, policies, args.source)
     others_here = store.other_settings(args.task, args.model, policies, args.source, per_table=True)
     if frame.empty and len(others):  # e.g. AvoKV-E run only at interval=16
         raise ValueError("these filters match only rows with non-default parameters (" + _settings_listed(others)
                          + "): add --settings to list them")
+    if frame.empty and len(store.damage_ranking(args.task, args.model, policies, args.source, settings=True)):
+        raise ValueError("these filters match only damage-ranking rows (AUROC, AP, ...: how a policy ranks the "
+                         "damage of removing one entry): add --ranking to print them")
     if frame.empty:  # each value is stored (checked above), but not in combination
         raise ValueError("no rows for these filters together; drop one, or see `kvviz results --help`")
     if args.csv:
@@ -701,6 +736,49 @@ def cmd_results(args) -> int:
         print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
               f"rows): {_settings_listed(others)}; --settings lists each setting as its own row, --vs POLICY "
               "--settings pairs them, and the app's Results tab plots the α and refresh sweeps")
+    return 0
+
+
+RANKING_COLUMNS = {"auroc": "AUROC", "ap": "AP", "topk_recall": "top-k rec", "false_safe_rate": "false-safe",
+                   "spearman": "Spearman"}
+
+
+def _print_ranking(store, args, policies) -> int:
+    """Per source, model and task, each policy's damage ranking (AvoKV-E's Table 3 metrics): a measured cell is
+    the mean over traces ± its standard error, a paper cell the printed figure."""
+    import pandas as pd
+
+    frame = store.damage_ranking(args.task, args.model, policies, args.source, settings=args.settings)
+    if frame.empty:
+        raise ValueError("no damage-ranking rows for these filters; run `kvviz bench ranking "
+                         "configs/ranking-arithmetic.toml`, or drop a filter")
+    if args.csv:
+        frame.to_csv(sys.stdout, index=False)
+        return 0
+    for (source, model, task), part in frame.groupby(["source", "model", "task"], sort=False):
+        measured = source == "measured"
+        cells = part.assign(cell=[f"{score:.3f}" + (f" ± {stderr:.3f}" if measured and stderr == stderr else "")
+                                  for score, stderr in zip(part.score, part.stderr)])
+        table = cells.pivot(index="policy", columns="metric", values="cell")
+        table = table[[metric for metric in RANKING_COLUMNS if metric in table]].rename(columns=RANKING_COLUMNS)
+        table = table.loc[part[part.metric == "auroc"].sort_values("score", ascending=False).policy] \
+            if (part.metric == "auroc").any() else table
+        if measured:
+            counts = part.groupby("policy")[["traces", "candidates"]].max()
+            table["traces"] = counts.traces.astype(int)
+            table["ranked"] = counts.candidates.astype(int)
+            heading = (f"mean over traces ± standard error; probed at step {part.step.iloc[0]}; ranked: entries "
+                       "every policy judged, summed over traces")
+        else:
+            # what every row's note says after naming its own row ("row 'attention only'; ranking vs ...")
+            shared = {re.sub(r"^row '[^']*'; ", "", note) for note in part.notes.dropna()}
+            heading = part.paper.iloc[0] + (f": {shared.pop()}" if len(shared) == 1 else "")
+        print(f"\n{task} · {model} · {source} · damage ranking ({heading})")
+        with pd.option_context("display.width", 200, "display.max_colwidth", 40):
+            print(table.to_string())
+    print("\n(high damage: the top decile of each trace's oracle damage; top-k rec: its share among the k highest "
+          "utilities; false-safe: its share among the k lowest, the first evicted (random: about 0.1); AUROC 0.5 "
+          "and Spearman 0 are chance)")
     return 0
 
 
@@ -952,6 +1030,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ray: run every shard as a Ray task, each writing rows-<i>.jsonl (default: %(default)s)")
     run.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one on loopback)")
     run.add_argument("--status", action="store_true", help="only print how many cells are done, per task")
+    rank = bench_sub.add_parser("ranking", help="run (or resume) a damage-ranking sweep (AvoKV-E's Table 3 "
+                                "measured) from a TOML config")
+    rank.add_argument("config", help="a ranking sweep's TOML file, e.g. configs/ranking-arithmetic.toml")
+    rank.add_argument("--out", help="folder for rows and config (default: the repository's results_db/<name>)")
+    rank.add_argument("--status", action="store_true", help="only print how many traces are done, per task")
     bench.set_defaults(func=cmd_bench)
 
     res = sub.add_parser("results", help="print the stored sweeps (results_db/) as tables")
@@ -965,6 +1048,9 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--settings", action="store_true", help="also every other parameter setting run (the α "
                      "and refresh sweeps, ablations), each its own row such as 'avokv interval=16'; with --vs, "
                      "paired against the reference at its defaults")
+    res.add_argument("--ranking", action="store_true", help="the damage-ranking rows instead (AUROC, AP, top-k "
+                     "recall, false-safe rate, Spearman of each policy's utility against oracle damage: AvoKV-E's "
+                     "Table 3 and `kvviz bench ranking`)")
     res.add_argument("--csv", action="store_true", help="the long table as CSV instead")
     res.add_argument("--root", help="results folder (default: the repository's results_db/)")
     res.set_defaults(func=cmd_results)

@@ -60,6 +60,9 @@ SHOWN_LINES = 5
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
 QUALITY_METRICS = ("score", "accuracy", "string_match", "exact_match", "rouge_l", "token_f1", "math",
                    "edit_similarity")
+# Metrics of how well a policy's utility ranks oracle damage (AvoKV-E's Table 3; `kvviz bench ranking`), one
+# row per trace and metric: drawn by their own figure, never averaged with a quality score.
+RANKING_METRICS = ("auroc", "ap", "topk_recall", "false_safe_rate", "spearman")
 # Parameters that only label a row (Table 1 prints its budget as "10%"; compression already says it).
 LABEL_PARAMS = ("kv_budget",)
 # The benchmark each measured task stands in for, so that measured rows can sit next to a paper's
@@ -253,8 +256,9 @@ class Store:
         # since it has neither; a cell generated with other settings (max_new_tokens, chat template) is another
         # experiment and stays.
         # The experiment a measured row belongs to; a cell is that plus its draw.
+        # A ranking sweep stores five metrics of one trace and policy: each its own row, never one mean.
         experiment = ["model", "task", "sample", "seed", "policy", "setting", *self._CUT_BY.values(), "prompt_len",
-                      *GENERATION]
+                      "metric", *GENERATION]
         # ``ran_in``: every sweep that ran the row's experiment (a row written by hand, without a sweep name,
         # by its folder), so that a sweep's filter keeps the cells it shares with a sweep kept in its place.
         single = "source IS DISTINCT FROM 'measured' OR sample IS NULL"
@@ -298,7 +302,7 @@ class Store:
         # not name its sweep (written by hand, not by the runner) is named by its folder.
         for model, task, sweeps, settings in self.con.execute(
                 "WITH mixed AS (SELECT model, task, policy, setting, compression, absolute_budget FROM results "
-                "WHERE source = 'measured' GROUP BY ALL "
+                "WHERE source = 'measured' AND list_contains(?, metric) GROUP BY ALL "
                 "HAVING count(DISTINCT (max_new_tokens, chat, temperature, top_p, dtype)) > 1) "
                 "SELECT model, task, list(DISTINCT coalesce(sweep, folder) ORDER BY coalesce(sweep, folder)), "
                 "list(DISTINCT max_new_tokens || ' new tokens, chat ' || chat || CASE WHEN temperature > 0 THEN "
@@ -307,7 +311,7 @@ class Store:
                 "FROM results JOIN mixed USING (model, task, policy, setting) "
                 "WHERE source = 'measured' AND results.compression IS NOT DISTINCT FROM mixed.compression "
                 "AND results.absolute_budget IS NOT DISTINCT FROM mixed.absolute_budget "
-                "GROUP BY model, task ORDER BY model, task").fetchall():
+                "GROUP BY model, task ORDER BY model, task", [list(QUALITY_METRICS)]).fetchall():
             self.problems.append(f"{model} / {task}: sweeps {', '.join(sweeps)} generated with different settings "
                                  f"({'; '.join(sorted(settings))}) are averaged together; give one of them "
                                  "another task label to keep them apart")
@@ -416,14 +420,14 @@ class Store:
                "absolute_budget": "CASE WHEN policy = 'full' THEN NULL ELSE absolute_budget END"}
     _CUT = ", ".join(f"{expression} AS {name}" for name, expression in _CUT_BY.items())
 
-    def _filters(self, task, model, source, policies, sweeps=None) -> tuple[str, list]:
-        """The WHERE clause of the filters (None: any), ``sweeps`` a list of sweep names: rows any of them ran."""
+    def _filters(self, task, model, source, policies, sweeps=None, metrics=QUALITY_METRICS) -> tuple[str, list]:
+        """The WHERE clause of the filters (None: any), ``sweeps`` a list of sweep names: rows any of them ran;
+        rows of ``metrics`` only (quality scores, unless a query asks for others)."""
         sql = ("(? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR source = ?) "
                "AND (? IS NULL OR list_contains(?, policy)) AND (?::VARCHAR[] IS NULL OR list_has_any(ran_in, ?)) "
                "AND list_contains(?, metric)")
         sweeps = list(sweeps) if sweeps else None
-        return sql, [task, task, model, model, source, source, policies, policies, sweeps, sweeps,
-                     list(QUALITY_METRICS)]
+        return sql, [task, task, model, model, source, source, policies, policies, sweeps, sweeps, list(metrics)]
 
     def quality_vs_compression(self, task: str | None = None, model: str | None = None,
                                policies: list[str] | None = None, source: str | None = None,
@@ -676,6 +680,30 @@ class Store:
             *(frame[c].iloc[i] for c in ("source", "model", "task") if per_table), frame.policy.iloc[i],
             _setting_order(frame.setting.iloc[i])))
         return frame.iloc[order].reset_index(drop=True)
+
+    def damage_ranking(self, task=None, model=None, policies=None, source=None, settings: bool = False,
+                       sweeps=None) -> pd.DataFrame:
+        """How well each policy's utility ranks the oracle damage of removing one entry (AvoKV-E's Table 3):
+        per (source, model, task, policy, metric) the mean over traces, its standard error and ``traces``
+        (a measured trace is one probe of one sample, :mod:`kvviz.bench.ranking`; a paper row is its pooled
+        figure, one), ``candidates`` (measured: the entries ranked, summed over traces), ``step`` (the decode
+        step probed) and ``notes`` (a paper row's provenance).  A trace whose metric is undefined (Spearman of a
+        constant utility) is left out of that metric's mean and count (undefined in every trace: no row).  Each
+        policy at its defaults, and with ``settings`` every setting run, named by what it changes."""
+        where, params = self._filters(task, model, source, policies, sweeps, metrics=RANKING_METRICS)
+        frame = self.frame(
+            f"""
+            SELECT source, paper, model, task, policy, setting, metric, avg(score) AS score,
+                   stddev_samp(score) / sqrt(count(score)) AS stderr, count(score) AS traces,
+                   sum(TRY_CAST(json_extract_string(meta, '$.aligned') AS INTEGER)) AS candidates,
+                   string_agg(DISTINCT json_extract_string(meta, '$.step'), ', ') AS step,
+                   string_agg(DISTINCT coalesce(sweep, folder), ', ' ORDER BY coalesce(sweep, folder)) AS sweeps,
+                   any_value(notes) AS notes
+            FROM results WHERE (setting = '{{}}' OR ?) AND {where}
+            GROUP BY source, paper, model, task, policy, setting, metric HAVING count(score) > 0
+            ORDER BY source, model, task, policy, setting, metric
+            """, [settings, *params])
+        return named_by_setting(frame)
 
     def where_run(self, policies: list[str]) -> pd.DataFrame:
         """Where each of ``policies`` has rows, whatever the filters: its distinct (policy, source, task,

@@ -939,6 +939,80 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     return fig
 
 
+# AvoKV-E's Table 3 metrics as panels: title, and a random ranking's value (the dotted line).  High damage is
+# the top decile, so a random ranking finds a tenth of it among any k entries and has that precision.
+RANKING_PANELS = {"auroc": ("AUROC", 0.5), "ap": ("average precision", 0.1), "topk_recall": ("top-k recall", 0.1),
+                  "false_safe_rate": ("false-safe rate (lower is better)", 0.1), "spearman": ("Spearman", 0.0)}
+RANKING_BAR = 17  # pixels per bar of a ranking panel
+PAPER_GREY = "#A0A0A0"  # a paper scorer that is none of our policies ('attention only')
+
+
+def _ranking_labels(frame: pd.DataFrame) -> pd.Series:
+    """Each row's bar label: the policy; a paper's scorer as ``AvoKV-E: attention only``; and where measured rows
+    come from more than one model or task, the measured ones with theirs."""
+    measured = frame.source == "measured"
+    several = frame[measured][["model", "task"]].drop_duplicates().shape[0] > 1
+    return pd.Series([f"{row.paper}: {row.policy}" if row.source == "paper"
+                      else f"{row.policy} · {row.model}, {row.task}" if several else row.policy
+                      for row in frame.itertuples()], index=frame.index)
+
+
+def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()) -> go.Figure:
+    """AvoKV-E's oracle ranking table as bars: a panel per metric, a bar per scorer (measured: the mean over
+    traces with ± 1 standard error; a paper's: its printed, pooled figure, hatched), the scorers in the order of
+    their AUROC within each source, and a random ranking's value dotted."""
+    if frame.empty:
+        return _empty(go.Figure(), "no damage-ranking rows for these filters (run `kvviz bench ranking "
+                                   "configs/ranking-arithmetic.toml`)")
+    frame = frame.assign(paper=frame.paper.fillna("paper"))  # a paper row may not say which paper
+    frame = frame.assign(label=_ranking_labels(frame))
+    auroc = frame[frame.metric == "auroc"].set_index("label").score
+    order = sorted(frame.label.unique(), key=lambda label: (
+        not frame[frame.label == label].source.eq("measured").any(), -auroc.get(label, -np.inf), label))
+    metrics = [metric for metric in RANKING_PANELS if metric in set(frame.metric)]
+    columns = min(3, len(metrics))
+    grid_rows = -(-len(metrics) // columns)
+    fig = make_subplots(rows=grid_rows, cols=columns, shared_yaxes=True, horizontal_spacing=0.03,
+                        vertical_spacing=0.1, subplot_titles=[RANKING_PANELS[m][0] for m in metrics])
+    for index, metric in enumerate(metrics):
+        row, col = index // columns + 1, index % columns + 1
+        part = frame[frame.metric == metric].set_index("label").reindex(order).dropna(subset=["score"])
+        paper = part.source == "paper"
+        fig.add_bar(
+            x=part.score, y=part.index, orientation="h", row=row, col=col, showlegend=False,
+            marker=dict(color=[colours(policy) or PAPER_GREY for policy in part.policy],
+                        pattern=dict(shape=["/" if p else "" for p in paper], solidity=0.4)),
+            error_x=dict(array=part.stderr.fillna(0), thickness=1, width=3, color="#404040"),
+            customdata=np.stack([part.model, part.task, part.traces.astype(int),
+                                 part.candidates.fillna(0).astype(int), part.stderr.fillna(0)], axis=-1),
+            hovertemplate=("%{y}<br>" + RANKING_PANELS[metric][0] + " %{x:.3f} ± %{customdata[4]:.3f}<br>"
+                           "%{customdata[0]} · %{customdata[1]}<br>%{customdata[2]} trace(s), "
+                           "%{customdata[3]} entries ranked<extra></extra>"))
+        chance = RANKING_PANELS[metric][1]
+        fig.add_vline(x=chance, line_dash="dot", line_color="grey", row=row, col=col)
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], tickfont=dict(size=10))
+    fig.update_annotations(font_size=11)
+    measured = frame[frame.source == "measured"]
+    papers = frame[frame.source == "paper"]
+    lines = []
+    if len(measured):
+        lines.append(f"solid: measured, the mean over {int(measured.traces.max())} traces ± 1 standard error "
+                     f"({', '.join(sorted(set(measured.model)))} on {', '.join(sorted(set(measured.task)))})")
+    if len(papers):
+        lines.append(f"hatched: {', '.join(sorted(set(papers.paper)))}'s printed figures, pooled "
+                     f"({', '.join(sorted(set(papers.model)))} on {', '.join(sorted(set(papers.task)))}): "
+                     "compare orders, not levels")
+    lines.append("dotted: a random ranking (high damage = the top decile of a trace's oracle damage)")
+    _title(fig, "Damage ranking: each utility against the oracle damage of one entry",
+           [*lines, *notes])
+    bars = len(order)
+    panel = max(RANKING_BAR * bars, 120)
+    fig.update_layout(height=fig.layout.height - 400 + grid_rows * (panel + 60) + 40,
+                      margin_t=fig.layout.margin.t + PANEL_TITLE_HEIGHT, margin_l=10)
+    fig.update_yaxes(automargin=True)
+    return fig
+
+
 def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for these filters") -> go.Figure:
     """One heatmap (depth × context length) per (policy, compression or absolute budget), each cell's score
     written in it."""
@@ -1054,6 +1128,16 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     grid_empty = "no needle-grid rows for these filters"
     if task not in (None, "needle_grid"):
         grid, grid_empty = grid.iloc[0:0], f"the grid is the task needle_grid: choose it (or {ALL}) as the Task"
+    # The papers' ranking table is the reference this figure exists for: like Measured vs paper, model, task and
+    # source leave it (and the measured rows) alone; the policies, and for measured rows the sweeps, apply
+    ranking = pd.concat([store.damage_ranking(None, None, policies, "measured", settings=settings, sweeps=sweeps),
+                         store.damage_ranking(None, None, policies, "paper")], ignore_index=True)
+    ranking_hidden = [] if settings else sorted(
+        set(store.damage_ranking(None, None, policies, "measured", settings=True, sweeps=sweeps).policy)
+        - set(ranking.policy))
+    ranking_notes = [f"{len(ranking_hidden)} other setting{'s' * (len(ranking_hidden) > 1)} hidden "
+                     f"({', '.join(ranking_hidden[:4])}{', ...' * (len(ranking_hidden) > 4)}): tick '{SETTINGS_BOX}'"
+                     ] if ranking_hidden else []
     unpaired = ("papers print no per-sample scores: choose the measured source to pair samples"
                 if source == "paper" else
                 f"the policies chosen are only the reference, {reference}: pick another in Policies, or another "
@@ -1077,6 +1161,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
         (_speed_figure(speed, colours), speed, "speed_vs_quality"),
         (_cache_figure(speed, colours), speed, "quality_vs_cache"),
         (_grid_figure(grid, grid_empty), grid, "needle_grid"),
+        (_ranking_figure(ranking, colours, ranking_notes), ranking, "damage_ranking"),
     ]
     # An empty figure says which filter empties it: a source without the chosen model's, task's or sweep's rows,
     # or (in the figures that the settings box fills) the settings it hides
@@ -1162,9 +1247,9 @@ def absent_note(store: Store, quality: pd.DataFrame, policies: list[str] | None)
             places.append(f"{source} on {', '.join(tasks[:4])}" + (", ..." if len(tasks) > 4 else ""))
         if places:
             parts.append(f"{policy}: no rows for these filters (its rows: {' and '.join(places)})")
-        elif len(others):  # AvoKV-E's ranking of damage (AUROC, AP): what the Compare tab's probe measures
+        elif len(others):  # AvoKV-E's ranking of damage (AUROC, AP): the Damage ranking figure draws them
             parts.append(f"{policy}: only {', '.join(others.metric.unique())} rows ({', '.join(others.task.unique())}: "
-                         "a damage probe's ranking, as the Compare tab's probe measures), which no figure here draws")
+                         f"a damage probe's ranking), drawn under '{SECTIONS[-1]}'")
         else:
             parts.append(f"{policy}: no rows at all")
     return "; ".join(parts)
@@ -1202,7 +1287,8 @@ def default_reference(policies: list[str]) -> str | None:
 # The start of the settings box's label, which the quality figure names where it hides other settings
 SETTINGS_BOX = "Other parameter settings too"
 SECTIONS = ("Quality vs compression", "Max-length hits vs compression", "Paired differences", "Measured vs paper", "α sensitivity",
-            "Refresh interval", "Quality vs decode speed", "Quality vs cache held", "Needle in a haystack grid")
+            "Refresh interval", "Quality vs decode speed", "Quality vs cache held", "Needle in a haystack grid",
+            "Damage ranking (AvoKV-E Table 3)")
 
 
 # A reader of the papers takes a near-zero row for a broken implementation: say where it comes from
@@ -1273,6 +1359,14 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "apart, whatever the interval (a few differing samples among many ties make it "
                             "narrow). Measured rows only.")
                 reference = gr.Dropdown(measured, value=default_reference(measured), label="Reference policy")
+            if title == SECTIONS[-1]:
+                gr.Markdown("How well each policy's utility at one decode step ranks what removing each entry "
+                            "would cost: the damage probe (the Compare tab's, and `kvviz probe`) removes one "
+                            "entry at a time and measures the KL of the next tokens; the top decile of a trace's "
+                            "damage is high damage. A measured trace is one probe of one sample "
+                            "(`kvviz bench ranking`), ranked over the entries every policy judged; the paper "
+                            "pools its traces. The policy filter applies, and the sweeps to measured rows; "
+                            "model, task and source do not.")
             if title == "Quality vs decode speed":
                 gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
                             "may come from another machine (results_db/README.md says which), so compare speeds "

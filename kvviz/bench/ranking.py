@@ -1,0 +1,210 @@
+"""Damage-ranking sweep: AvoKV-E's oracle ranking table (its Table 3) measured on our own traces.
+
+For each sample of a task the model decodes greedily with the full cache; at decode step ``step`` the damage
+probe (:mod:`kvviz.probe`) removes each candidate entry in turn and replays the next ``future`` tokens, and
+every policy's utility at that step is read from its own run up to there.  Per trace (sample) it then asks how
+well each utility ranks that trace's damage, over the entries every policy judged (:func:`probe.aligned_quality`,
+the high-damage label the top decile *within the trace*, as AvoKV-E's Appendix D labels): AUROC, average
+precision, top-k recall, false-safe rate and Spearman.  Each (trace, policy, metric) is one row of the results
+store (``metric`` = ``auroc``, ``ap``, ``topk_recall``, ``false_safe_rate``, ``spearman``, as the paper rows
+name them), so the Results tab draws the mean over traces with its standard error next to the paper's numbers.
+
+The paper pools 5,440 candidates from 30 DeepSeek-R1 AIME-2024 traces; here a trace is one probe step of a
+short generation of a small model, so compare which policy ranks better, not the levels.
+
+A config (``configs/ranking-arithmetic.toml``)::
+
+    name = "ranking-arithmetic"
+    model = "SmolLM2-135M-Instruct"
+    chat = true
+    seed = 0
+    step = 48            # the decode step probed in each trace
+    future = 8           # tokens replayed after it (AvoKV-E's W_fut)
+    tasks = [{ name = "arithmetic_reasoning", samples = 16 }]
+    policies = ["inertia", "tova", "rkv", "avokv"]
+
+Run (resumable, one trace at a time) with ``kvviz bench ranking configs/ranking-arithmetic.toml``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..models import DEFAULT_MODEL
+from . import sweep
+
+KEYS = ("name", "model", "device", "dtype", "chat", "seed", "step", "future", "sample", "batch", "tasks", "policies")
+# The row's metric name (as the paper rows spell it) -> the key of probe.ranking_quality's result.
+METRICS = {"auroc": "auroc", "ap": "average_precision", "topk_recall": "topk_recall",
+           "false_safe_rate": "false_safe_rate", "spearman": "spearman"}
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a ranking config and check all of it (:func:`validate`) before any model is loaded."""
+    try:
+        with open(path, "rb") as handle:
+            config = tomllib.load(handle)
+    except OSError as error:
+        raise ValueError(f"cannot read ranking config {path}: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"ranking config {path} is not valid TOML: {error}") from None
+    validate(config, str(path))
+    return config
+
+
+def validate(config: dict, source: str = "the ranking config") -> None:
+    """Check every key; a problem is a ValueError naming ``source``, the key and what to change."""
+    from ..policies import make_policy
+    from ..policies.base import Policy
+
+    def refuse(where: str, message: str) -> ValueError:
+        return ValueError(f"ranking config {source}: {where}: {message}")
+
+    unknown = sorted(set(config) - set(KEYS))
+    if unknown:
+        raise refuse(f"key {unknown[0]!r}", f"not a ranking setting; the keys are {', '.join(KEYS)}")
+    for required in ("name", "tasks", "policies", "step"):
+        if required not in config:
+            raise ValueError(f"ranking config {source} has no {required!r}")
+    for key, least in (("step", 1), ("future", 1), ("sample", 2), ("batch", 1)):
+        if key in config and not (sweep._is_int(config[key]) and config[key] >= least):
+            raise refuse(f"key {key!r}", f"must be a whole number >= {least}, got {config[key]!r}")
+    if not isinstance(config["policies"], list) or len(config["policies"]) < 2:
+        raise refuse("key 'policies'", "list at least two policies to rank against each other, e.g. "
+                                       'policies = ["inertia", "avokv"]')
+    for index, entry in enumerate(config["policies"]):
+        if isinstance(entry, dict) and ("compression" in entry or "budget" in entry):
+            raise refuse(f"policies[{index}]", "a probe scores the whole cache, at no compression or budget: "
+                                               "drop compression and budget")
+    # The rest as a sweep reads it (name, model, chat, seed, the tasks, each policy's name and params, a
+    # setting listed twice), at ρ = 0, which no policy refuses.
+    try:
+        sweep.validate({**{k: v for k, v in config.items() if k in sweep.TOP_LEVEL}, "compression": [0.0]}, source)
+    except ValueError as error:
+        raise ValueError(str(error).replace("sweep config", "ranking config", 1)) from None
+    for name, params in sweep.policy_settings(config):
+        if type(make_policy(name, **dict(params))).utility is Policy.utility:  # full, streaming, random
+            raise refuse(f"policies ({name})", "keeps no per-entry utility, so it ranks nothing; leave it out")
+
+
+def cell_key(task: str, sample: int, setting: tuple, metric: str) -> str:
+    """One row's key: never a sweep cell's, whose fifth element is a compression or a budget, not a metric."""
+    name, params = setting
+    return json.dumps([task, sample, name, [list(pair) for pair in params], metric])
+
+
+def traces(config: dict) -> list[tuple[dict, str, int]]:
+    """Every (task, label, sample) of the config, in order."""
+    return [(task, sweep.task_label(task), sample) for task in config["tasks"]
+            for sample in range(sweep.sample_count(task))]
+
+
+def status(config: dict, out_dir: str | Path) -> dict[str, tuple[int, int]]:
+    """Finished and total traces per task label in ``out_dir`` (a trace is finished when all its rows are)."""
+    done = sweep.finished_cells(out_dir)
+    settings = sweep.policy_settings(config)
+    counts: dict[str, list[int]] = {}
+    for _, label, sample in traces(config):
+        entry = counts.setdefault(label, [0, 0])
+        entry[0] += all(cell_key(label, sample, s, m) in done for s in settings for m in METRICS)
+        entry[1] += 1
+    return {label: (finished, total) for label, (finished, total) in counts.items()}
+
+
+def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, progress: bool = True) -> int:
+    """Probe every unfinished trace of ``config`` and write its rows to ``out_dir/rows.jsonl``; returns the
+    rows written.  A trace's rows are written together once it is probed, so a stopped run loses at most the
+    trace in progress, and a rerun continues with it."""
+    from ..models import load_model
+    from ..trace import model_dtype
+
+    out_dir = Path(out_dir)
+    source = repr(config.get("name"))
+    validate(config, source)
+    sweep.check_store(config, out_dir)
+    rows = sweep.RowFile(out_dir / "rows.jsonl")
+    settings = sweep.policy_settings(config)
+    todo = [(task, label, sample) for task, label, sample in traces(config)
+            if not all(cell_key(label, sample, s, m) in rows.done for s in settings for m in METRICS)]
+    if not todo:
+        return 0
+    model_name = config.get("model", DEFAULT_MODEL)
+    device = config.get("device", "cpu")
+    if model is None:
+        model, tokenizer = load_model(model_name, device=device, dtype=config.get("dtype"))
+    seed = int(config.get("seed", 0))
+    meta = sweep.provenance(model_name, device, seed, model_dtype(model))
+    written = 0
+    bar = tqdm(total=len(todo), desc=config["name"], unit="trace", disable=not progress, file=sys.stderr)
+    try:
+        for task, label, sample in todo:
+            written += _probe_trace(config, task, label, sample, settings, model, tokenizer, seed, meta, rows,
+                                    warn=written == 0)
+            bar.set_postfix_str(f"{label}#{sample}")
+            bar.update()
+    finally:
+        bar.close()
+    return written
+
+
+def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settings: list[tuple], model, tokenizer,
+                 seed: int, meta: dict, rows: sweep.RowFile, warn: bool = False) -> int:
+    """Probe one trace and append its (policy, metric) rows that are not stored yet; returns how many."""
+    from .. import engine, probe
+    from ..policies import make_policy, setting_label
+
+    chat = config.get("chat", True)
+    step, future = int(config["step"]), int(config.get("future", 8))
+    sample = sweep.make_sample(task, tokenizer, sample_index, seed, chat)
+    prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=chat)
+    where = f"{label} sample {sample_index}"
+    try:
+        probe.check_fits(model, prompt_ids, step, future, step_name="step", future_name="future")
+    except ValueError as error:
+        raise ValueError(f"ranking config {config['name']!r}: {where}: {error}") from None
+    built = [make_policy(name, **dict(params)) for name, params in settings]
+    names = [setting_label(policy) for policy in built]  # as the store and the Compare tab name them
+    policies = dict(zip(names, built))
+    if warn:  # what the policies never judge at this step: said once, as `kvviz probe` says it
+        note = probe.protection_note(policies, len(prompt_ids), step)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    start = time.perf_counter()
+    candidates = config.get("sample")
+    result = probe.probe(model, tokenizer, prompt_ids, step, policies=policies, sample=candidates,
+                         seed=sweep._sample_seed(seed, f"{label}/candidates", sample_index), future=future,
+                         batch=int(config.get("batch", 16)))
+    try:
+        quality, aligned = probe.aligned_quality(result.utilities, result.damage)
+    except ValueError as error:
+        raise ValueError(f"ranking config {config['name']!r}: {where}: {error}") from None
+    seconds = time.perf_counter() - start
+    high_damage = int(probe.top_decile(result.damage[aligned]).sum())
+    written = 0
+    for setting, name in zip(settings, names):
+        for metric, key in METRICS.items():
+            cell = cell_key(label, sample_index, setting, metric)
+            if cell in rows.done:
+                continue
+            value = quality[name][key]
+            rows.append({
+                "cell": cell, "source": "measured", "sweep": config["name"], "task": label, "sample": sample_index,
+                "policy": setting[0], "params": dict(setting[1]), "compression": None, "absolute_budget": None,
+                "prompt_len": len(prompt_ids), "max_new_tokens": step + future, "chat": chat,
+                "temperature": 0.0, "top_p": 1.0, "metric": metric,
+                # undefined (a utility constant over the entries: Spearman has no order to correlate) is
+                # stored as null, which the store's means leave out, never as NaN, which it refuses
+                "score": None if value != value else value,
+                "meta": {"step": step, "future": future, "candidates": len(result.candidates),
+                         "aligned": int(aligned.sum()), "high_damage": high_damage,
+                         **({"auroc_p": quality[name]["auroc_p"]} if metric == "auroc" else {})},
+                "seconds": seconds, **meta,
+            })
+            written += 1
+    return written
