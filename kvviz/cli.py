@@ -650,15 +650,21 @@ def cmd_results(args) -> int:
     if policies == []:  # e.g. --policies , : otherwise "no rows for these filters together"
         raise ValueError("--policies names no policy; give registry names, e.g. --policies inertia,tova, or leave "
                          "it out for every policy")
+    sweeps = [name.strip() for name in args.sweeps.split(",") if name.strip()] if args.sweeps else None
+    if sweeps == []:
+        raise ValueError("--sweeps names no sweep; give folder names under results_db/, e.g. --sweeps sweep-2k, or "
+                         "leave it out for every sweep")
     _check_filters(store, root, {"--task": ("task", [args.task] if args.task else []),
                                  "--model": ("model", [args.model] if args.model else []),
-                                 "--policies": ("policy", policies or [])})
+                                 "--policies": ("policy", policies or []),
+                                 "--sweeps": ("sweep", sweeps or [])})
+    args.sweep_list = sweeps  # for the paired and ranking tables
     if args.paper and args.vs:
         raise ValueError("--paper and --vs are two different tables; give one of them")
     if args.settings and args.paper:
         raise ValueError("--paper compares each policy at its defaults: drop --settings")
-    ignored = [flag for flag, value in (("--task", args.task), ("--model", args.model), ("--source", args.source))
-               if value]
+    ignored = [flag for flag, value in (("--task", args.task), ("--model", args.model), ("--source", args.source),
+                                        ("--sweeps", args.sweeps)) if value]
     if args.paper and ignored:  # the comparison is every model's paper and measured rows over the suite's tasks
         raise ValueError(f"--paper compares every model's paper and measured rows over all of {args.paper}'s tasks, "
                          f"which {' and '.join(ignored)} would not change: drop {' and '.join(ignored)} "
@@ -681,13 +687,14 @@ def cmd_results(args) -> int:
         return _print_paired(store, root, args, policies)
     if args.ranking:
         return _print_ranking(store, args, policies)
-    frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings)
-    others = store.other_settings(args.task, args.model, policies, args.source)
-    others_here = store.other_settings(args.task, args.model, policies, args.source, per_table=True)
+    frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings,
+                                         sweeps=sweeps)
+    others = store.other_settings(args.task, args.model, policies, args.source, sweeps)
+    others_here = store.other_settings(args.task, args.model, policies, args.source, sweeps, per_table=True)
     if frame.empty and len(others):  # e.g. AvoKV-E run only at interval=16
         raise ValueError("these filters match only rows with non-default parameters (" + _settings_listed(others)
                          + "): add --settings to list them")
-    if frame.empty and len(store.damage_ranking(args.task, args.model, policies, args.source, settings=True)):
+    if frame.empty and len(store.damage_ranking(args.task, args.model, policies, args.source, True, sweeps)):
         raise ValueError("these filters match only damage-ranking rows (AUROC, AP, ...: how a policy ranks the "
                          "damage of removing one entry): add --ranking to print them")
     if frame.empty:  # each value is stored (checked above), but not in combination
@@ -695,7 +702,7 @@ def cmd_results(args) -> int:
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
-    measured = store.speed_vs_quality(args.task, args.model, policies, settings=args.settings)
+    measured = store.speed_vs_quality(args.task, args.model, policies, settings=args.settings, sweeps=sweeps)
     # Compression and budget cells come from different sweeps, run at other times under other loads: a mean
     # over both would compare nothing, so each kind gets its own speed column where a table holds both
     kinds = measured.assign(kind=measured.absolute_budget.isna().map({True: "ρ", False: "B"}))
@@ -730,7 +737,8 @@ def cmd_results(args) -> int:
             print(f"{len(hidden)} other setting{'s' * (len(hidden) > 1)} hidden "
                   f"({', '.join(setting_names(hidden.policy, hidden.setting))}): use --settings")
     if args.source != "paper":  # papers print no per-run max-length hits
-        _print_max_length_hits(store.max_length_hits(args.task, args.model, policies, settings=args.settings))
+        _print_max_length_hits(store.max_length_hits(args.task, args.model, policies, settings=args.settings,
+                                                     sweeps=sweeps))
     # The whole list, and where else the settings are shown, once under all the tables.
     if len(others) and not args.settings:
         print(f"\nnot in these tables: {int(others.rows.sum())} rows with non-default parameters (policy, setting, "
@@ -748,7 +756,8 @@ def _print_ranking(store, args, policies) -> int:
     the mean over traces ± its standard error, a paper cell the printed figure."""
     import pandas as pd
 
-    frame = store.damage_ranking(args.task, args.model, policies, args.source, settings=args.settings)
+    frame = store.damage_ranking(args.task, args.model, policies, args.source, settings=args.settings,
+                                 sweeps=args.sweep_list)
     if frame.empty:
         raise ValueError("no damage-ranking rows for these filters; run `kvviz bench ranking "
                          "configs/ranking-arithmetic.toml`, or drop a filter")
@@ -809,9 +818,12 @@ def _print_paired(store, root: Path, args, policies) -> int:
                          f"{', '.join(measured) or 'none'}")
     if args.source == "paper":
         raise ValueError("--vs pairs measured samples; the papers print aggregates, not samples: drop --source paper")
-    table = paired_table(store.paired_scores(args.vs, args.task, args.model, policies, settings=args.settings))
-    if table.empty and store.quality_vs_compression(args.task, args.model, [args.vs], "measured").empty:
-        others = store.other_settings(args.task, args.model, [args.vs], "measured")
+    sweeps = args.sweep_list
+    table = paired_table(store.paired_scores(args.vs, args.task, args.model, policies, settings=args.settings,
+                                             sweeps=sweeps))
+    if table.empty and store.quality_vs_compression(args.task, args.model, [args.vs], "measured",
+                                                    sweeps=sweeps).empty:
+        others = store.other_settings(args.task, args.model, [args.vs], "measured", sweeps)
         if len(others):  # pairs are made against the reference at its defaults
             raise ValueError(f"--vs {args.vs}: under these filters {args.vs} ran only with non-default parameters "
                              f"({_settings_listed(others)}), and pairs are made against its defaults; pick a "
@@ -825,7 +837,7 @@ def _print_paired(store, root: Path, args, policies) -> int:
     print(f"paired difference policy − {args.vs} on the same samples: mean Δ [95% paired-bootstrap interval] "
           f"wins/ties/losses; * the exact sign test says they differ (p < {ALPHA})")
     # The reference's cache counts as much as the policies': every name of the table, the reference's too
-    held = store.speed_vs_quality(args.task, args.model, settings=args.settings)
+    held = store.speed_vs_quality(args.task, args.model, settings=args.settings, sweeps=sweeps)
     for (model, task), part in table.groupby(["model", "task"], sort=False):
         cells = part.assign(cell=[
             f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/{row.losses}"
@@ -1042,6 +1054,8 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--model", help="one model name")
     res.add_argument("--policies", help="comma-separated registry names")
     res.add_argument("--source", choices=("measured", "paper"), help="only measured or only paper rows")
+    res.add_argument("--sweeps", help="comma-separated sweep names (folders under results_db/): only the cells they "
+                     "ran, e.g. to compare decode speeds within one run")
     res.add_argument("--paper", metavar="SUITE", help="measured vs paper on this benchmark, e.g. RULER")
     res.add_argument("--vs", metavar="POLICY", help="each policy's paired difference to this one on the same "
                      "samples, with a bootstrap confidence interval and wins/ties/losses, e.g. --vs inertia")

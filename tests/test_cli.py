@@ -468,6 +468,7 @@ def _store_root(folder):
     (["--task", "bogus"], "--task bogus: not in the results under"),
     (["--policies", "inertia,bogus"], "--policies bogus: not in the results under"),
     (["--model", "bogus"], "--model bogus: not in the results under"),
+    (["--sweeps", "mini,bogus"], "--sweeps bogus: not in the results under"),
 ])
 def test_results_names_an_unknown_filter_value_and_the_stored_ones(filters, message, tmp_path, capsys):
     from kvviz.cli import main
@@ -476,7 +477,8 @@ def test_results_names_an_unknown_filter_value_and_the_stored_ones(filters, mess
     assert main(["results", "--root", str(root), *filters]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err
-    stored = {"--task": "single_needle", "--policies": "full, inertia", "--model": "tiny-random-llama"}[filters[0]]
+    stored = {"--task": "single_needle", "--policies": "full, inertia", "--model": "tiny-random-llama",
+              "--sweeps": "mini"}[filters[0]]
     assert f"stored: {stored}" in err
 
 
@@ -487,6 +489,29 @@ def test_results_with_an_empty_policies_list_says_so(tmp_path, capsys):
     assert main(["results", "--root", str(_store_root(tmp_path)), "--policies", ","]) == 2
     assert capsys.readouterr().err == ("kvviz: error: --policies names no policy; give registry names, e.g. "
                                        "--policies inertia,tova, or leave it out for every policy\n")
+
+
+def test_results_sweeps_keeps_the_cells_those_sweeps_ran(tmp_path, capsys):
+    """The tab's Sweeps filter, on the command line: a second sweep's sample of inertia scored 0, so the mean
+    over both sweeps is 0.5, over either alone 1 or 0."""
+    from kvviz.cli import main
+
+    root = _store_root(tmp_path)
+    other = root / "other"
+    other.mkdir()
+    (other / "rows.jsonl").write_text(json.dumps(
+        {"sweep": "other", "source": "measured", "model": "tiny-random-llama", "task": "single_needle",
+         "policy": "inertia", "params": {}, "compression": 0.5, "metric": "string_match", "score": 0.0, "sample": 1,
+         "seed": 0, "max_new_tokens": 8, "chat": False}) + "\n")
+
+    def inertia(*flags) -> str:
+        assert main(["results", "--root", str(root), "--policies", "inertia", *flags]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("inertia")).split()[1]
+
+    assert (inertia(), inertia("--sweeps", "mini"), inertia("--sweeps", "other")) == ("0.500", "1.000", "0.000")
+    assert inertia("--sweeps", "mini,other") == "0.500"
+    assert main(["results", "--root", str(root), "--paper", "RULER", "--sweeps", "mini"]) == 2
+    assert "drop --sweeps" in capsys.readouterr().err
 
 
 def test_results_with_valid_filters_prints_the_table(tmp_path, capsys):
