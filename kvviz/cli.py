@@ -683,10 +683,10 @@ def cmd_results(args) -> int:
         for note in suite_notes(frame, store.left_out_of_suite(args.paper, policies), args.paper):
             print(note)
         return 0
+    if args.ranking:
+        return _print_ranking_paired(store, root, args, policies) if args.vs else _print_ranking(store, args, policies)
     if args.vs:
         return _print_paired(store, root, args, policies)
-    if args.ranking:
-        return _print_ranking(store, args, policies)
     frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings,
                                          sweeps=sweeps)
     others = store.other_settings(args.task, args.model, policies, args.source, sweeps)
@@ -788,6 +788,40 @@ def _print_ranking(store, args, policies) -> int:
     print("\n(high damage: the top decile of each trace's oracle damage; top-k rec: its share among the k highest "
           "utilities; false-safe: its share among the k lowest, the first evicted (random: about 0.1); AUROC 0.5 "
           "and Spearman 0 are chance)")
+    return 0
+
+
+def _print_ranking_paired(store, root: Path, args, policies) -> int:
+    """Per model and task, each policy's damage-ranking metrics minus ``--vs``'s on the same traces: mean Δ,
+    its paired-bootstrap interval, wins/ties/losses and the sign test, as ``--vs`` prints for quality."""
+    import pandas as pd
+
+    from .stats import ALPHA, paired_table
+
+    if args.source == "paper":
+        raise ValueError("--vs pairs measured traces; the papers print pooled figures: drop --source paper")
+    pairs = store.ranking_pairs(args.vs, args.task, args.model, policies, settings=args.settings,
+                                sweeps=args.sweep_list)
+    if pairs.empty:
+        ranked = sorted(set(store.damage_ranking(source="measured").policy))
+        raise ValueError(f"--vs {args.vs}: no measured damage-ranking traces pair with it under these filters; "
+                         f"ranked: {', '.join(ranked) or 'none'} (under {root})")
+    table = paired_table(pairs).merge(pairs[["task", "metric"]].drop_duplicates(), on="task")
+    if args.csv:
+        table.to_csv(sys.stdout, index=False)
+        return 0
+    print(f"damage ranking, paired difference policy − {args.vs} on the same traces: mean Δ [95% paired-bootstrap "
+          f"interval] wins/ties/losses; * the exact sign test says they differ (p < {ALPHA}); a false-safe rate "
+          "is better lower, so there a negative Δ is the better ranking")
+    table = table.assign(task=table.task.str.rsplit(": ", n=1).str[0])
+    for (model, task), part in table.groupby(["model", "task"], sort=False):
+        cells = part.assign(cell=[f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/"
+                                  f"{row.losses}" + (" *" if row.significant else "") for row in part.itertuples()])
+        grid = cells.pivot(index="policy", columns="metric", values="cell")
+        grid = grid[[metric for metric in RANKING_COLUMNS if metric in grid]].rename(columns=RANKING_COLUMNS)
+        print(f"\n{task} · {model} · vs {args.vs} ({int(part.pairs.max())} traces)")
+        with pd.option_context("display.width", 250, "display.max_colwidth", 40):
+            print(grid.to_string())
     return 0
 
 

@@ -705,6 +705,31 @@ class Store:
             """, [settings, *params])
         return named_by_setting(frame)
 
+    def ranking_pairs(self, reference: str, task=None, model=None, policies=None, settings: bool = False,
+                      sweeps=None) -> pd.DataFrame:
+        """Each measured trace's damage-ranking metric under a policy next to ``reference``'s (at its defaults)
+        on the same trace, for paired comparisons (:func:`kvviz.stats.paired_table`, which reads ``metric`` as
+        the task): same model, task, sample, seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL),
+        ``task`` (the row's task and metric, ``"t: auroc"``), ``metric``, ``policy``, ``compression``,
+        ``absolute_budget`` (NULL), ``sample``, ``score``, ``reference_score``."""
+        where, params = self._filters(task, model, "measured", None, sweeps, metrics=RANKING_METRICS)
+        frame = self.frame(
+            f"""
+            WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ?) AND score IS NOT NULL AND {where})
+            SELECT p.model, NULL::VARCHAR AS suite, p.task || ': ' || p.metric AS task, p.metric, p.policy,
+                   p.setting, NULL::DOUBLE AS compression, NULL::INTEGER AS absolute_budget, p.sample, p.score,
+                   r.score AS reference_score
+            FROM rows p JOIN rows r
+              ON r.policy = ? AND r.setting = '{{}}' AND NOT (p.policy = r.policy AND p.setting = '{{}}')
+             AND p.model = r.model AND p.task = r.task AND p.metric = r.metric AND p.sample = r.sample
+             AND p.seed IS NOT DISTINCT FROM r.seed AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
+             AND p.max_new_tokens IS NOT DISTINCT FROM r.max_new_tokens
+             AND json_extract_string(p.meta, '$.step') IS NOT DISTINCT FROM json_extract_string(r.meta, '$.step')
+            WHERE (? IS NULL OR list_contains(?, p.policy))
+            ORDER BY p.model, p.task, p.metric, p.policy, p.setting, p.sample
+            """, [settings, *params, reference, policies, policies])
+        return named_by_setting(frame)
+
     def where_run(self, policies: list[str]) -> pd.DataFrame:
         """Where each of ``policies`` has rows, whatever the filters: its distinct (policy, source, task,
         metric) and whether the metric is a quality one (the figures draw no other), so that a figure drawing

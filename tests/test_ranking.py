@@ -183,3 +183,21 @@ def test_results_prints_the_ranking_table_and_points_to_it(tmp_path, capsys):
     assert lines[measured + 3].split()[:3] == ["inertia", "0.850", "±"]  # by AUROC, then tova
     assert lines[measured + 4].split()[:3] == ["tova", "0.650", "±"]
     assert "AIME24 · R1 · paper · damage ranking (AvoKV-E" in out
+
+
+def test_results_pairs_ranking_metrics_trace_by_trace(tmp_path, capsys):
+    """tova's AUROC is 0.2 under inertia's in each of the two traces: Δ −0.2 with a degenerate interval, 0 wins,
+    2 losses, which two traces cannot make significant (sign test p = 0.5); the other metrics tie."""
+    from kvviz.cli import main
+
+    store = ranking_store(tmp_path)
+    pairs = store.ranking_pairs("inertia", policies=["tova"])
+    assert len(pairs) == 2 * 5 and set(pairs.task) == {f"t: {metric}" for metric in ranking.METRICS}
+    assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia", "--policies", "tova"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("tova"))
+    assert row.split("  ")[0:1] == ["tova"]
+    assert "-0.200 [-0.200, -0.200] 0/0/2" in row and "*" not in row
+    assert row.count("+0.000 [+0.000, +0.000] 0/2/0") == 4
+    assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia", "--source", "paper"]) == 2
+    assert "the papers print pooled figures" in capsys.readouterr().err

@@ -1366,7 +1366,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "damage is high damage. A measured trace is one probe of one sample "
                             "(`kvviz bench ranking`), ranked over the entries every policy judged; the paper "
                             "pools its traces. The policy filter applies, and the sweeps to measured rows; "
-                            "model, task and source do not.")
+                            "model, task and source do not. `kvviz results --ranking --vs inertia` pairs "
+                            "the policies trace by trace (bootstrap interval and sign test).")
             if title == "Quality vs decode speed":
                 gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
                             "may come from another machine (results_db/README.md says which), so compare speeds "
