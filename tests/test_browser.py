@@ -676,7 +676,8 @@ def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_p
     # a page of its own beside the app's, which the other tests go on using
     page = page.context.browser.new_page(viewport={"width": 900, "height": 800})
     try:
-        for section in ("Quality vs compression", "Paired differences", "Measured vs paper", "Refresh interval"):
+        for section in ("Quality vs compression", "Paired differences", "Measured vs paper", "Refresh interval",
+                        "Damage ranking (AvoKV-E Table 3)"):
             path = tmp_path / "figure.html"
             figures[section].update_layout(width=900).write_html(path, include_plotlyjs=True)
             page.goto(path.as_uri())

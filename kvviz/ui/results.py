@@ -996,8 +996,8 @@ def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()
     papers = frame[frame.source == "paper"]
     lines = []
     if len(measured):
-        lines.append(f"solid: measured, the mean over {int(measured.traces.max())} traces ± 1 standard error "
-                     f"({', '.join(sorted(set(measured.model)))} on {', '.join(sorted(set(measured.task)))})")
+        lines.append(f"solid: measured, the mean over {int(measured.traces.max())} traces ± 1 standard error; "
+                     f"{', '.join(sorted(set(measured.model)))} on {', '.join(sorted(set(measured.task)))}")
     if len(papers):
         lines.append(f"hatched: {', '.join(sorted(set(papers.paper)))}'s printed figures, pooled "
                      f"({', '.join(sorted(set(papers.model)))} on {', '.join(sorted(set(papers.task)))}): "
