@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvviz.bench import sweep
+from kvviz.bench import ranking, sweep
 from kvviz.store import HELD_OVER_WHY, Store, setting_names
 
 CONFIG = Path(__file__).parent / "fixtures" / "sweep_tiny.toml"
@@ -1027,8 +1027,14 @@ def test_compression_cell_keys_are_those_the_shipped_sweeps_stored():
     shipped = sorted(p.name for p in (REPOSITORY / "results_db").iterdir() if (p / "config.toml").exists())
     makefile = (REPOSITORY / "Makefile").read_text()
     reproduced = re.search(r"^SWEEPS \?= ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\\n", " ").split()
-    assert sorted(reproduced) == shipped  # `make sweeps` reruns every shipped sweep, and only those
-    for name in shipped:
+    ranked = re.findall(r"kvviz bench ranking configs/(\S+)\.toml", makefile)  # damage-ranking sweeps
+    assert sorted(reproduced + ranked) == shipped  # `make sweeps` reruns every shipped sweep, and only those
+    for name in ranked:  # every trace's five metrics of every setting
+        config = ranking.load_config(REPOSITORY / "configs" / f"{name}.toml")
+        assert sweep.finished_cells(REPOSITORY / "results_db" / name) == {
+            ranking.cell_key(label, sample, setting, metric) for _, label, sample in ranking.traces(config)
+            for setting in sweep.policy_settings(config) for metric in ranking.METRICS}, name
+    for name in sorted(set(shipped) - set(ranked)):
         config = sweep.load_config(REPOSITORY / "configs" / f"{name}.toml")
         stored = sweep.finished_cells(REPOSITORY / "results_db" / name)
         assert stored == {cell.key for cell in sweep.cells(config)}, name
