@@ -702,6 +702,25 @@ def test_results_figures_keep_their_titles_notes_and_panel_titles_apart_at_900_p
         page.close()
 
 
+def test_a_long_chosen_preset_ends_in_an_ellipsis_before_the_dropdown_arrow(page, app_url):
+    """At 1400 px the Compare tab's presets sit in a 260-px box beside the views: a chosen name ran under the
+    box's arrow, cut mid-word.  Its text now stops short of the arrow and ends in an ellipsis."""
+    wide = page.context.browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        wide.goto(app_url)
+        wide.get_by_role("tab", name="Compare").click()
+        box = wide.get_by_label("Comparisons from the papers")
+        box.wait_for()
+        drawn = box.evaluate("""e => { const s = getComputedStyle(e), r = e.getBoundingClientRect();
+            const arrow = e.closest('.wrap-inner').querySelector('.icon-wrap').getBoundingClientRect();
+            return {overflow: s.textOverflow, textRight: r.right - parseFloat(s.paddingRight),
+                    arrowLeft: arrow.left, cut: e.scrollWidth > e.clientWidth}; }""")
+        assert drawn["cut"]  # the name is longer than its box at this width
+        assert drawn["overflow"] == "ellipsis" and drawn["textRight"] <= drawn["arrowLeft"], drawn
+    finally:
+        wide.close()
+
+
 def test_a_narrow_window_puts_the_views_below_the_settings_at_the_page_width(page, app_url):
     """At 900 px each tab's views go below its settings, at nearly the page's width (beside them they had
     ~370 px: the tables broke numbers mid-digit); at 1400 px they sit beside the settings."""

@@ -1570,12 +1570,20 @@ def stopped_while_loading(note):
     return "\n".join([*kept, "*Stopped before the run started.*"]).strip()
 
 
+# A chosen name longer than its box (the Compare tab's presets beside the views) ran under the box's arrow,
+# cut mid-word: it ends in an ellipsis before the arrow instead, and the open list shows it whole.  A style
+# in the page rather than launch(css=...), so that every way the app is launched gets it.
+APP_CSS = ".secondary-wrap input { text-overflow: ellipsis; padding-right: 24px !important; }"
+
+
 def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
     limits = limits or Limits.from_env()
     policy_choices = [(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()]
     # Gradio's copies of the downloads expire after two hours, checked hourly (else they pile up for good).
     with gr.Blocks(title="kvviz", delete_cache=(3600, 7200)) as app:
-        gr.Markdown("# kvviz\nWatch what a KV-cache eviction policy keeps and drops while the model decodes.")
+        # the style travels with the heading: an element of its own took a row's gap of the page
+        gr.Markdown("# kvviz\nWatch what a KV-cache eviction policy keeps and drops while the model decodes."
+                    f"<style>{APP_CSS}</style>", sanitize_html=False)
         with gr.Tab("Live") as live_tab:
             with gr.Row():
                 with gr.Column(scale=1):
