@@ -582,16 +582,7 @@ def cmd_bench(args) -> int:
         if args.ray_address and args.backend != "ray":
             raise ValueError("--ray-address applies to --backend ray only; add --backend ray or drop --ray-address")
         sweep.check_shard(args.shard if args.backend == "local" else 0, args.shards)
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {str(out)!r} is a file; a sweep writes a folder (its rows and config), so "
-                             "give a folder path")
-        sweep.check_store(config, out)  # before config.toml is overwritten with this config
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"the sweep's folder {str(out)!r} cannot be made ({error.strerror or error}); "
-                             "choose another --out") from None
-        (out / "config.toml").write_bytes(Path(args.config).read_bytes())
+        _sweep_folder(config, args.config, out)
         if args.backend == "ray":
             written = sweep.run_ray(config, out, args.shards, args.ray_address)
         else:
@@ -618,18 +609,27 @@ def _bench_ranking(args) -> int:
         for task, (finished, total) in progress.items():
             print(f"{config['name']} {task}: {finished} of {total} traces")
         return 0
+    _sweep_folder(config, args.config, out)
+    written = ranking.run(config, out)
+    print(f"{written} new rows in {out}")
+    return 0
+
+
+def _sweep_folder(config: dict, config_path: str, out: Path) -> None:
+    """Make a sweep's folder and put its config there, refusing a file in its place or a folder of another
+    config's rows (before this config overwrites the config that made them)."""
+    from .bench import sweep
+
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; a ranking sweep writes a folder (its rows and config), "
-                         "so give a folder path")
+        raise ValueError(f"--out {str(out)!r} is a file; a sweep writes a folder (its rows and config), so "
+                         "give a folder path")
+    sweep.check_store(config, out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ValueError(f"the sweep's folder {str(out)!r} cannot be made ({error.strerror or error}); "
                          "choose another --out") from None
-    (out / "config.toml").write_bytes(Path(args.config).read_bytes())
-    written = ranking.run(config, out)
-    print(f"{written} new rows in {out}")
-    return 0
+    (out / "config.toml").write_bytes(Path(config_path).read_bytes())
 
 
 def cmd_results(args) -> int:
@@ -659,8 +659,9 @@ def cmd_results(args) -> int:
                                  "--policies": ("policy", policies or []),
                                  "--sweeps": ("sweep", sweeps or [])})
     args.sweep_list = sweeps  # for the paired and ranking tables
-    if args.paper and args.vs:
-        raise ValueError("--paper and --vs are two different tables; give one of them")
+    if args.paper and (args.vs or args.ranking):
+        raise ValueError(f"--paper and {'--vs' if args.vs else '--ranking'} are two different tables; give one of "
+                         "them")
     if args.settings and args.paper:
         raise ValueError("--paper compares each policy at its defaults: drop --settings")
     ignored = [flag for flag, value in (("--task", args.task), ("--model", args.model), ("--source", args.source),
@@ -751,20 +752,28 @@ RANKING_COLUMNS = {"auroc": "AUROC", "ap": "AP", "topk_recall": "top-k rec", "fa
                    "spearman": "Spearman"}
 
 
-def _print_ranking(store, args, policies) -> int:
-    """Per source, model and task, each policy's damage ranking (AvoKV-E's Table 3 metrics): a measured cell is
-    the mean over traces ± its standard error, a paper cell the printed figure."""
-    import pandas as pd
-
+def _ranking_frame(store, args, policies):
+    """The damage-ranking rows for the filters, or a ValueError saying whether another filter has some."""
     frame = store.damage_ranking(args.task, args.model, policies, args.source, settings=args.settings,
                                  sweeps=args.sweep_list)
     if frame.empty:
-        raise ValueError("no damage-ranking rows for these filters; run `kvviz bench ranking "
-                         "configs/ranking-arithmetic.toml`, or drop a filter")
+        if len(store.damage_ranking(settings=True)):
+            raise ValueError("no damage-ranking rows for these filters together (`kvviz results --ranking "
+                             "--settings` lists every one); drop a filter")
+        raise ValueError("no damage-ranking rows stored; run `kvviz bench ranking configs/ranking-arithmetic.toml`")
+    return frame
+
+
+def _print_ranking(store, args, policies) -> int:
+    """Per source, model, task and sweep, each policy's damage ranking (AvoKV-E's Table 3 metrics): a measured
+    cell is the mean over traces ± its standard error, a paper cell the printed figure."""
+    import pandas as pd
+
+    frame = _ranking_frame(store, args, policies)
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
-    for (source, model, task), part in frame.groupby(["source", "model", "task"], sort=False):
+    for (source, model, task, sweep), part in frame.groupby(["source", "model", "task", "sweep"], sort=False):
         measured = source == "measured"
         cells = part.assign(cell=[f"{score:.3f}" + (f" ± {stderr:.3f}" if measured and stderr == stderr else "")
                                   for score, stderr in zip(part.score, part.stderr)])
@@ -773,11 +782,13 @@ def _print_ranking(store, args, policies) -> int:
         table = table.loc[part[part.metric == "auroc"].sort_values("score", ascending=False).policy] \
             if (part.metric == "auroc").any() else table
         if measured:
-            counts = part.groupby("policy")[["traces", "candidates"]].max()
+            counts = part.groupby("policy")[["traces", "candidates", "past_end"]].max()
             table["traces"] = counts.traces.astype(int)
             table["ranked"] = counts.candidates.astype(int)
-            heading = (f"mean over traces ± standard error; probed at step {part.step.iloc[0]}; ranked: entries "
-                       "every policy judged, summed over traces")
+            past_end = int(counts.past_end.max())
+            heading = (f"{sweep}: mean over traces ± standard error; probed at step {part.step.iloc[0]}; ranked: "
+                       "entries every policy judged, summed over traces"
+                       + (f"; in {past_end} trace(s) the answer ended before the replay did" if past_end else ""))
         else:
             # what every row's note says after naming its own row ("row 'attention only'; ranking vs ...")
             shared = {re.sub(r"^row '[^']*'; ", "", note) for note in part.notes.dropna()}
@@ -785,40 +796,57 @@ def _print_ranking(store, args, policies) -> int:
         print(f"\n{task} · {model} · {source} · damage ranking ({heading})")
         with pd.option_context("display.width", 200, "display.max_colwidth", 40):
             print(table.to_string())
+    if not args.settings:  # as the quality tables say what they leave out
+        every = store.damage_ranking(args.task, args.model, policies, args.source, settings=True,
+                                     sweeps=args.sweep_list)
+        hidden = sorted(set(every.policy) - set(frame.policy))
+        if hidden:
+            print(f"\n{len(hidden)} other setting{'s' * (len(hidden) > 1)} hidden ({', '.join(hidden)}): "
+                  "use --settings")
     print("\n(high damage: the top decile of each trace's oracle damage; top-k rec: its share among the k highest "
           "utilities; false-safe: its share among the k lowest, the first evicted (random: about 0.1); AUROC 0.5 "
-          "and Spearman 0 are chance)")
+          "and Spearman 0 are chance; `--vs POLICY` pairs the policies trace by trace)")
     return 0
 
 
 def _print_ranking_paired(store, root: Path, args, policies) -> int:
-    """Per model and task, each policy's damage-ranking metrics minus ``--vs``'s on the same traces: mean Δ,
-    its paired-bootstrap interval, wins/ties/losses and the sign test, as ``--vs`` prints for quality."""
+    """Per model, task and sweep, each policy's damage-ranking metrics against ``--vs``'s on the same traces:
+    mean Δ, its paired-bootstrap interval, wins/ties/losses and the sign test, as ``--vs`` prints for quality.
+    The false-safe rate is better lower, so its Δ is the reduction (reference − policy): a win is a better
+    ranking in every column."""
     import pandas as pd
 
     from .stats import ALPHA, paired_table
 
     if args.source == "paper":
         raise ValueError("--vs pairs measured traces; the papers print pooled figures: drop --source paper")
+    if policies and set(policies) <= {args.vs}:
+        raise ValueError(f"the policies chosen are only the reference, {args.vs}: add another to --policies, or "
+                         "drop it")
     pairs = store.ranking_pairs(args.vs, args.task, args.model, policies, settings=args.settings,
                                 sweeps=args.sweep_list)
     if pairs.empty:
         ranked = sorted(set(store.damage_ranking(source="measured").policy))
         raise ValueError(f"--vs {args.vs}: no measured damage-ranking traces pair with it under these filters; "
                          f"ranked: {', '.join(ranked) or 'none'} (under {root})")
+    lower_better = pairs.metric == "false_safe_rate"
+    pairs = pairs.assign(score=pairs.score.where(~lower_better, -pairs.score),
+                         reference_score=pairs.reference_score.where(~lower_better, -pairs.reference_score))
     table = paired_table(pairs).merge(pairs[["task", "metric"]].drop_duplicates(), on="task")
     if args.csv:
         table.to_csv(sys.stdout, index=False)
         return 0
-    print(f"damage ranking, paired difference policy − {args.vs} on the same traces: mean Δ [95% paired-bootstrap "
-          f"interval] wins/ties/losses; * the exact sign test says they differ (p < {ALPHA}); a false-safe rate "
-          "is better lower, so there a negative Δ is the better ranking")
+    print(f"damage ranking, paired difference policy − {args.vs} on the same traces (false-safe: {args.vs} − "
+          "policy, the reduction, so that in every column + and a win are the better ranking): mean Δ [95% "
+          f"paired-bootstrap interval] wins/ties/losses; * the exact sign test says they differ (p < {ALPHA}; "
+          "each test on its own: among many policies and metrics, some stars are chance)")
     table = table.assign(task=table.task.str.rsplit(": ", n=1).str[0])
+    columns = {**RANKING_COLUMNS, "false_safe_rate": "false-safe ↓"}
     for (model, task), part in table.groupby(["model", "task"], sort=False):
         cells = part.assign(cell=[f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/"
                                   f"{row.losses}" + (" *" if row.significant else "") for row in part.itertuples()])
         grid = cells.pivot(index="policy", columns="metric", values="cell")
-        grid = grid[[metric for metric in RANKING_COLUMNS if metric in grid]].rename(columns=RANKING_COLUMNS)
+        grid = grid[[metric for metric in columns if metric in grid]].rename(columns=columns)
         print(f"\n{task} · {model} · vs {args.vs} ({int(part.pairs.max())} traces)")
         with pd.option_context("display.width", 250, "display.max_colwidth", 40):
             print(grid.to_string())

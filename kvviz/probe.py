@@ -42,6 +42,8 @@ class ProbeResult:
     # policy -> the terms of its decision at the probed step (AvoKV-E's p, N(p), N(b), ...) per candidate,
     # NaN where it judged none (its protected tail)
     terms: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    # the prompt and its full-cache continuation (step + future tokens, decoded past any end-of-sequence)
+    sequence: list[int] = field(default_factory=list)
 
     @property
     def candidates_per_second(self) -> float:
@@ -216,7 +218,7 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
     start = time.perf_counter()
     harm = damage(model, sequence, cache_len, candidates.tolist(), future=future, batch=batch)
     seconds = time.perf_counter() - start
-    result = ProbeResult(step, candidates, harm, seconds)
+    result = ProbeResult(step, candidates, harm, seconds, sequence=sequence)
     for name, policy in (policies or {}).items():
         try:
             utility, terms = policy_utility_at(model, tokenizer, prompt_ids, policy, step)

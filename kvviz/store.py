@@ -247,6 +247,11 @@ class Store:
                                    for name, default in GENERATION.items())
         select += ", " + " AND ".join(f'value."{name}" IS NULL AND settings."{name}" IS NULL'
                                       for name in GENERATION) + " AS unknown_settings, split_part(shard, '/', 1) AS folder"
+        # A damage-ranking row belongs to its sweep's probe (its step, and the entries all of that sweep's
+        # policies judged): two ranking sweeps of one sample are two experiments, never one row or one mean.
+        select += (f""", CASE WHEN list_contains({list(RANKING_METRICS)}, json_extract_string(value."metric", '$')) """
+                   """THEN coalesce(json_extract_string(value."sweep", '$'), split_part(shard, '/', 1)) END """
+                   "AS ranking_sweep")
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
         # ``policy`` = the registry name that states the row's parameters with the fewest changes, and
         # ``setting`` = those changes ('{}' at its defaults), both from the policy as run (the inner SELECT);
@@ -258,7 +263,7 @@ class Store:
         # The experiment a measured row belongs to; a cell is that plus its draw.
         # A ranking sweep stores five metrics of one trace and policy: each its own row, never one mean.
         experiment = ["model", "task", "sample", "seed", "policy", "setting", *self._CUT_BY.values(), "prompt_len",
-                      "metric", *GENERATION]
+                      "metric", "ranking_sweep", *GENERATION]
         # ``ran_in``: every sweep that ran the row's experiment (a row written by hand, without a sweep name,
         # by its folder), so that a sweep's filter keeps the cells it shares with a sweep kept in its place.
         single = "source IS DISTINCT FROM 'measured' OR sample IS NULL"
@@ -684,24 +689,29 @@ class Store:
     def damage_ranking(self, task=None, model=None, policies=None, source=None, settings: bool = False,
                        sweeps=None) -> pd.DataFrame:
         """How well each policy's utility ranks the oracle damage of removing one entry (AvoKV-E's Table 3):
-        per (source, model, task, policy, metric) the mean over traces, its standard error and ``traces``
-        (a measured trace is one probe of one sample, :mod:`kvviz.bench.ranking`; a paper row is its pooled
-        figure, one), ``candidates`` (measured: the entries ranked, summed over traces), ``step`` (the decode
-        step probed) and ``notes`` (a paper row's provenance).  A trace whose metric is undefined (Spearman of a
+        per (source, model, task, sweep, policy, metric) the mean over traces, its standard error and
+        ``traces`` (a measured trace is one probe of one sample, :mod:`kvviz.bench.ranking`; a paper row is its
+        pooled figure, one), ``candidates`` (measured: the entries ranked, summed over the traces counted),
+        ``step`` (the decode step probed), ``past_end`` (traces whose full-cache answer ended before the
+        probe's replay did) and ``notes`` (a paper row's provenance).  Two ranking sweeps are never averaged:
+        each probed its own step over the entries its own policies all judged.  A trace whose metric is undefined (Spearman of a
         constant utility) is left out of that metric's mean and count (undefined in every trace: no row).  Each
         policy at its defaults, and with ``settings`` every setting run, named by what it changes."""
         where, params = self._filters(task, model, source, policies, sweeps, metrics=RANKING_METRICS)
         frame = self.frame(
             f"""
-            SELECT source, paper, model, task, policy, setting, metric, avg(score) AS score,
-                   stddev_samp(score) / sqrt(count(score)) AS stderr, count(score) AS traces,
-                   sum(TRY_CAST(json_extract_string(meta, '$.aligned') AS INTEGER)) AS candidates,
+            SELECT source, paper, model, task, coalesce(sweep, folder) AS sweep, policy, setting, metric,
+                   avg(score) AS score, stddev_samp(score) / sqrt(count(score)) AS stderr, count(score) AS traces,
+                   sum(TRY_CAST(json_extract_string(meta, '$.aligned') AS INTEGER)) FILTER (score IS NOT NULL)
+                       AS candidates,
                    string_agg(DISTINCT json_extract_string(meta, '$.step'), ', ') AS step,
-                   string_agg(DISTINCT coalesce(sweep, folder), ', ' ORDER BY coalesce(sweep, folder)) AS sweeps,
+                   count(*) FILTER (TRY_CAST(json_extract_string(meta, '$.ended_at') AS INTEGER)
+                                    < TRY_CAST(json_extract_string(meta, '$.step') AS INTEGER)
+                                      + TRY_CAST(json_extract_string(meta, '$.future') AS INTEGER)) AS past_end,
                    any_value(notes) AS notes
             FROM results WHERE (setting = '{{}}' OR ?) AND {where}
-            GROUP BY source, paper, model, task, policy, setting, metric HAVING count(score) > 0
-            ORDER BY source, model, task, policy, setting, metric
+            GROUP BY ALL HAVING count(score) > 0
+            ORDER BY source, model, task, sweep, policy, setting, metric
             """, [settings, *params])
         return named_by_setting(frame)
 
@@ -709,19 +719,22 @@ class Store:
                       sweeps=None) -> pd.DataFrame:
         """Each measured trace's damage-ranking metric under a policy next to ``reference``'s (at its defaults)
         on the same trace, for paired comparisons (:func:`kvviz.stats.paired_table`, which reads ``metric`` as
-        the task): same model, task, sample, seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL),
-        ``task`` (the row's task and metric, ``"t: auroc"``), ``metric``, ``policy``, ``compression``,
+        the task): same sweep (one probe, over the entries all its policies judged), model, task, sample,
+        seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL),
+        ``task`` (the row's task, sweep and metric, ``"t · s: auroc"``), ``metric``, ``policy``, ``compression``,
         ``absolute_budget`` (NULL), ``sample``, ``score``, ``reference_score``."""
         where, params = self._filters(task, model, "measured", None, sweeps, metrics=RANKING_METRICS)
         frame = self.frame(
             f"""
             WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ?) AND score IS NOT NULL AND {where})
-            SELECT p.model, NULL::VARCHAR AS suite, p.task || ': ' || p.metric AS task, p.metric, p.policy,
+            SELECT p.model, NULL::VARCHAR AS suite, p.task || ' · ' || p.ranking_sweep || ': ' || p.metric AS task,
+                   p.metric, p.policy,
                    p.setting, NULL::DOUBLE AS compression, NULL::INTEGER AS absolute_budget, p.sample, p.score,
                    r.score AS reference_score
             FROM rows p JOIN rows r
               ON r.policy = ? AND r.setting = '{{}}' AND NOT (p.policy = r.policy AND p.setting = '{{}}')
              AND p.model = r.model AND p.task = r.task AND p.metric = r.metric AND p.sample = r.sample
+             AND p.ranking_sweep = r.ranking_sweep
              AND p.seed IS NOT DISTINCT FROM r.seed AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
              AND p.max_new_tokens IS NOT DISTINCT FROM r.max_new_tokens
              AND json_extract_string(p.meta, '$.step') IS NOT DISTINCT FROM json_extract_string(r.meta, '$.step')

@@ -56,6 +56,55 @@ def test_a_ranking_sweep_stores_each_traces_ranking_quality_and_resumes(tmp_path
             assert row["score"] * k == pytest.approx(round(row["score"] * k))
         if row["metric"] in ("auroc", "ap", "topk_recall", "false_safe_rate"):
             assert 0 <= row["score"] <= 1
+    # recency's utility is the position: no two entries tie, so its largest tie is one entry of those ranked
+    assert first[("recency", "auroc")]["meta"]["largest_tie"] == pytest.approx(1 / meta["aligned"])
+    # where the full-cache answer ended: the first end-of-sequence among the new tokens, else null
+    eos = engine.eos_ids(model, tokenizer)
+    new = result.sequence[len(prompt_ids):]
+    assert len(new) == 6 + 3
+    assert meta["ended_at"] == next((i + 1 for i, token in enumerate(new) if token in eos), None)
+
+
+def test_a_stopped_ranking_sweep_reruns_only_what_it_lacks(tmp_path, tiny):
+    """A kill between a trace's rows leaves some of them: the rerun probes that trace again and writes only
+    the rows it lacks, under the same keys."""
+    model, tokenizer = tiny
+    config = {**CONFIG, "tasks": [{"name": "arithmetic_reasoning", "samples": 1}], "policies": ["tova", "recency"]}
+    assert ranking.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 10
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    (tmp_path / "rows.jsonl").write_text("".join(line + "\n" for line in lines[:7]))
+    assert ranking.status(config, tmp_path) == {"arithmetic_reasoning": (0, 1)}
+    assert ranking.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 3
+    again = rows(tmp_path)
+    assert len(again) == 10 == len({row["cell"] for row in again})
+    assert [row["score"] for row in again] == pytest.approx([json.loads(line)["score"] for line in lines])
+
+
+def test_kvviz_bench_ranking_writes_its_folder_and_refuses_another_configs(tmp_path, capsys, monkeypatch):
+    """The command: the config beside the rows, --status counting traces, and refusals before a model loads
+    (a file as --out, a folder holding another config's rows)."""
+    from kvviz import models
+    from kvviz.cli import main
+
+    path = tmp_path / "rank.toml"
+    path.write_text('name = "rank-cli"\nmodel = "tiny-random-llama"\nstep = 4\nfuture = 2\n'
+                    'tasks = [{ name = "arithmetic_reasoning", samples = 1 }]\npolicies = ["tova", "recency"]\n')
+    out = tmp_path / "out"
+    assert main(["bench", "ranking", str(path), "--out", str(out)]) == 0
+    assert (out / "config.toml").read_bytes() == path.read_bytes() and len(rows(out)) == 10
+    assert main(["bench", "ranking", str(path), "--out", str(out), "--status"]) == 0
+    assert "rank-cli arithmetic_reasoning: 1 of 1 traces" in capsys.readouterr().out
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model loaded before the refusal")
+
+    monkeypatch.setattr(models, "load_model", loaded)
+    (tmp_path / "file").write_text("")
+    assert main(["bench", "ranking", str(path), "--out", str(tmp_path / "file")]) == 2
+    assert "is a file; a sweep writes a folder" in capsys.readouterr().err
+    path.write_text(path.read_text().replace("step = 4", "step = 5"))
+    assert main(["bench", "ranking", str(path), "--out", str(out)]) == 2
+    assert "holds rows of a different config" in capsys.readouterr().err and "step" in path.read_text()
 
 
 def test_an_undefined_metric_is_stored_as_null_not_nan(tmp_path, tiny, monkeypatch):
@@ -81,14 +130,13 @@ def test_an_undefined_metric_is_stored_as_null_not_nan(tmp_path, tiny, monkeypat
 
 def test_the_store_keeps_a_traces_metrics_apart_and_averages_each_over_traces(tmp_path):
     """Rows of one trace and policy differ only in their metric: keyed without it, the store would have
-    averaged AUROC with AP into one row.  A metric undefined in one trace counts in neither mean nor count.
-    The quality figures never see these rows, and a quality sweep of the same task generated with other
-    settings is not reported as mixed with them."""
+    averaged AUROC with AP into one row.  A metric undefined in one trace counts in neither mean nor count,
+    nor in the entries ranked; the quality figures never see these rows."""
     base = {"source": "measured", "sweep": "r", "model": "m", "task": "t", "params": {}, "compression": None,
             "prompt_len": 40, "max_new_tokens": 14, "chat": True, "temperature": 0.0, "top_p": 1.0}
     scores = {"auroc": (0.6, 0.8), "ap": (0.2, 0.3), "spearman": (0.5, None)}
     write_rows(tmp_path / "r", [{**base, "sample": sample, "policy": "tova", "metric": metric, "score": values[sample],
-                                 "meta": {"aligned": 30 + sample, "step": 8}}
+                                 "meta": {"aligned": 30 + sample, "step": 8, "future": 6, "ended_at": 10 + 5 * sample}}
                                 for metric, values in scores.items() for sample in (0, 1)])
     write_rows(tmp_path / "q", [{**base, "sweep": "q", "sample": 0, "policy": "tova", "metric": "math",
                                  "score": 1.0, "max_new_tokens": 256, "compression": 0.5}])
@@ -99,14 +147,41 @@ def test_the_store_keeps_a_traces_metrics_apart_and_averages_each_over_traces(tm
     assert table.loc["auroc", "stderr"] == pytest.approx(np.std([0.6, 0.8], ddof=1) / np.sqrt(2))
     assert table.loc["ap", "score"] == pytest.approx(0.25)
     assert (table.loc["spearman", "score"], table.loc["spearman", "traces"]) == (0.5, 1)
-    assert table.loc["auroc", "candidates"] == 61 and table.loc["auroc", "step"] == "8"
+    assert table.loc["auroc", "candidates"] == 61 and table.loc["spearman", "candidates"] == 30
+    assert table.loc["auroc", "step"] == "8"
+    assert table.loc["auroc", "past_end"] == 1  # sample 0 ended at 10, before its replay's 8 + 6
     quality = store.quality_vs_compression()
     assert quality.policy.tolist() == ["tova"] and quality.score.tolist() == [1.0]  # the math row alone
 
 
+def test_two_ranking_sweeps_of_one_sample_stay_two_experiments(tmp_path):
+    """The same samples probed by two sweeps (another step, or another set of policies whose aligned entries
+    differ): before, the store kept one sweep's row of a shared policy, or averaged both into one mean of
+    twice the traces.  Each sweep keeps its own rows, means and pairs."""
+    base = {"source": "measured", "model": "m", "task": "t", "params": {}, "compression": None, "prompt_len": 40,
+            "chat": True, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 14, "metric": "auroc"}
+    auroc = {"ra": {"tova": (0.9, 0.9), "inertia": (0.5, 0.5)}, "rb": {"tova": (0.7, 0.7), "recency": (0.8, 0.8)}}
+    for sweep_name, scores in auroc.items():
+        write_rows(tmp_path / sweep_name, [{**base, "sweep": sweep_name, "sample": sample, "policy": policy,
+                                            "score": values[sample], "meta": {"aligned": 30, "step": 8}}
+                                           for policy, values in scores.items() for sample in (0, 1)])
+    store = Store(tmp_path)
+    table = store.damage_ranking()
+    tova = table[table.policy == "tova"].set_index("sweep")
+    assert tova.score.to_dict() == pytest.approx({"ra": 0.9, "rb": 0.7}) and tova.traces.tolist() == [2, 2]
+    assert store.damage_ranking(sweeps=["rb"]).set_index("policy").score.to_dict() == pytest.approx(
+        {"tova": 0.7, "recency": 0.8})
+    pairs = store.ranking_pairs("tova")  # each sweep's policy against that sweep's tova only
+    assert sorted(zip(pairs.policy, (pairs.score - pairs.reference_score).round(6))) == [
+        ("inertia", -0.4), ("inertia", -0.4), ("recency", 0.1), ("recency", 0.1)]
+    figure, _ = ranking_figure(store, ALL, ALL, [], "measured")
+    assert set(figure.data[0].y) == {"tova · ra", "inertia · ra", "tova · rb", "recency · rb"}
+
+
 @pytest.mark.parametrize("change, message", [
     ({"policies": ["full", "tova"]}, "policies (full): keeps no per-entry utility, so it ranks nothing"),
-    ({"policies": ["tova"]}, "list at least two policies"),
+    ({"policies": ["tova"]}, "give at least two settings to rank"),
+    ({"policies": ["snapkv", "tova"]}, "policies (snapkv): scores entries only when it compresses the prompt"),
     ({"policies": [{"name": "tova", "compression": [0.5]}, "h2o"]}, "drop compression and budget"),
     ({"policies": [{"name": "inertia", "params": {"alpha": 0.0}}, "single-step"]}, "spelt another way"),
     ({"step": 0}, "key 'step': must be a whole number >= 1, got 0"),
@@ -120,14 +195,29 @@ def test_a_bad_ranking_config_is_refused_with_what_to_change(change, message):
     assert message in str(error.value) and str(error.value).startswith("ranking config 'x'")
 
 
-def ranking_store(tmp_path: Path) -> Store:
+def test_a_ranking_config_is_judged_at_the_probes_cache_not_a_sweeps_budget():
+    """Read as a sweep at ρ = 0, a 100-token needle with AvoKV-E's delay at 120 was refused (B = 100 under its
+    protected 124), with advice to give the policy compressions, which a ranking config refuses; the probe
+    scores with the whole cache.  One entry of two settings is two settings.  Prompt plus step plus future
+    past the model's context is refused before a model loads."""
+    needle = {**CONFIG, "tasks": [{"name": "single_needle", "length": 100, "samples": 1}]}
+    ranking.validate({**needle, "policies": [{"name": "avokv", "params": {"delay": 120}}, "tova"]})
+    ranking.validate({**CONFIG, "policies": [{"name": "inertia", "params": {"alpha": [0.5, 0.8]}}]})
+    ranking.check_lengths(needle, 109, "'x'")  # 100 + step 6 + future 3
+    with pytest.raises(ValueError, match=r"^ranking config 'x': tasks\[0\] \(single_needle\): length 100 \+ "
+                                         r"step \+ future 9 exceeds the context .* lower length to at most 99$"):
+        ranking.check_lengths(needle, 108, "'x'")
+
+
+def ranking_store(tmp_path: Path, tova_false_safe: float = 0.3) -> Store:
     """Measured tova and inertia over two traces (inertia ranks better), a hidden setting of inertia, and the
-    paper's avokv and 'attention only' rows."""
+    paper's avokv and 'attention only' rows; every other metric 0.3 (tova's false-safe rate: as given)."""
     base = {"source": "measured", "sweep": "r", "model": "m", "task": "t", "compression": None, "prompt_len": 40,
             "meta": {"aligned": 30, "step": 8}}
     auroc = {("tova", ()): (0.6, 0.7), ("inertia", ()): (0.8, 0.9), ("inertia", (("alpha", 0.5),)): (0.5, 0.5)}
     write_rows(tmp_path / "r", [{**base, "sample": sample, "policy": name, "params": dict(params), "metric": metric,
-                                 "score": values[sample] if metric == "auroc" else 0.3}
+                                 "score": values[sample] if metric == "auroc" else
+                                 tova_false_safe if (name, metric) == ("tova", "false_safe_rate") else 0.3}
                                 for (name, params), values in auroc.items() for sample in (0, 1)
                                 for metric in ranking.METRICS])
     write_rows(tmp_path / "paper", [{"source": "paper", "sweep": "paper", "paper": "AvoKV-E", "model": "R1",
@@ -153,7 +243,8 @@ def test_the_ranking_figure_draws_a_panel_per_metric_measured_and_paper_side_by_
     # measured first, each source by AUROC; the paper's scorers named with the paper and hatched
     assert list(auroc.y) == ["inertia", "tova", "AvoKV-E: avokv", "AvoKV-E: attention only"]
     assert list(auroc.x) == pytest.approx([0.85, 0.65, 0.9, 0.89])
-    assert list(auroc.error_x.array) == pytest.approx([0.05, 0.05, 0, 0])
+    assert list(auroc.error_x.array)[:2] == pytest.approx([0.05, 0.05])
+    assert list(auroc.error_x.array)[2:] == [None, None]  # a printed figure has no error bar, not a zero one
     assert list(auroc.marker.pattern.shape) == ["", "", "/", "/"]
     assert list(figure.layout.yaxis.categoryarray) == list(auroc.y)[::-1]  # top to bottom as listed
     assert {shape.x0 for shape in figure.layout.shapes} == {0.5, 0.1, 0.0}  # a random ranking's values
@@ -192,12 +283,21 @@ def test_results_pairs_ranking_metrics_trace_by_trace(tmp_path, capsys):
 
     store = ranking_store(tmp_path)
     pairs = store.ranking_pairs("inertia", policies=["tova"])
-    assert len(pairs) == 2 * 5 and set(pairs.task) == {f"t: {metric}" for metric in ranking.METRICS}
+    assert len(pairs) == 2 * 5 and set(pairs.task) == {f"t · r: {metric}" for metric in ranking.METRICS}
     assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia", "--policies", "tova"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("tova"))
-    assert row.split("  ")[0:1] == ["tova"]
     assert "-0.200 [-0.200, -0.200] 0/0/2" in row and "*" not in row
     assert row.count("+0.000 [+0.000, +0.000] 0/2/0") == 4
+    # a higher false-safe rate is the worse ranking: tova's 0.5 against inertia's 0.3 is a reduction of −0.2
+    # and two losses, not two wins
+    root = tmp_path / "worse"
+    ranking_store(root, tova_false_safe=0.5)
+    assert main(["results", "--root", str(root), "--ranking", "--vs", "inertia", "--policies", "tova"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("metric"))
+    row = next(line for line in out.splitlines() if line.startswith("tova"))
+    assert header.split()[1:] == ["AUROC", "AP", "top-k", "rec", "false-safe", "↓", "Spearman"]
+    assert row.count("-0.200 [-0.200, -0.200] 0/0/2") == 2  # AUROC, and the false-safe rate's reduction
     assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia", "--source", "paper"]) == 2
     assert "the papers print pooled figures" in capsys.readouterr().err

@@ -12,16 +12,22 @@ name them), so the Results tab draws the mean over traces with its standard erro
 The paper pools 5,440 candidates from 30 DeepSeek-R1 AIME-2024 traces; here a trace is one probe step of a
 short generation of a small model, so compare which policy ranks better, not the levels.
 
-A config (``configs/ranking-arithmetic.toml``)::
+A config (the keys; ``configs/ranking-arithmetic.toml`` is the shipped one)::
 
-    name = "ranking-arithmetic"
+    name = "my-ranking"  # its folder under results_db/
     model = "SmolLM2-135M-Instruct"
     chat = true
     seed = 0
-    step = 48            # the decode step probed in each trace
+    step = 64            # the decode step probed in each trace
     future = 8           # tokens replayed after it (AvoKV-E's W_fut)
-    tasks = [{ name = "arithmetic_reasoning", samples = 16 }]
-    policies = ["inertia", "tova", "rkv", "avokv"]
+    sample = 64          # optional: a seeded sample of the candidates (default: every entry before the step)
+    tasks = [{ name = "arithmetic_reasoning", samples = 20 }]
+    policies = ["inertia", "tova", "rkv", "avokv", { name = "avokv", params = { lambda_b = 0.0 } }]
+
+A row's ``meta`` also says where the full-cache answer ended (``ended_at``, new tokens; null past step +
+future: a trace that ends sooner replays tokens after its answer) and the share of the ranked entries that
+the policy's largest tie holds (``largest_tie``: AP, top-k recall and the false-safe rate break ties by
+position, AUROC gives them half credit).
 
 Run (resumable, one trace at a time) with ``kvviz bench ranking configs/ranking-arithmetic.toml``.
 """
@@ -31,14 +37,16 @@ from __future__ import annotations
 import json
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from ..models import DEFAULT_MODEL
+from ..policies.snapkv import SnapKV
 from . import sweep
 
+# What the sweep validator is given as the budget: past any cache, so that it judges no policy's budget rule.
+NO_BUDGET = 2**31 - 1
 KEYS = ("name", "model", "device", "dtype", "chat", "seed", "step", "future", "sample", "batch", "tasks", "policies")
 # The row's metric name (as the paper rows spell it) -> the key of probe.ranking_quality's result.
 METRICS = {"auroc": "auroc", "ap": "average_precision", "topk_recall": "topk_recall",
@@ -47,14 +55,11 @@ METRICS = {"auroc": "auroc", "ap": "average_precision", "topk_recall": "topk_rec
 
 def load_config(path: str | Path) -> dict:
     """Read a ranking config and check all of it (:func:`validate`) before any model is loaded."""
-    try:
-        with open(path, "rb") as handle:
-            config = tomllib.load(handle)
-    except OSError as error:
-        raise ValueError(f"cannot read ranking config {path}: {error.strerror or error}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"ranking config {path} is not valid TOML: {error}") from None
+    config = sweep.read_toml(path, "ranking config")
     validate(config, str(path))
+    context = sweep.model_context(config.get("model", DEFAULT_MODEL))
+    if context is not None:  # else the probe checks each prompt once the model is loaded
+        check_lengths(config, context, str(path))
     return config
 
 
@@ -75,22 +80,41 @@ def validate(config: dict, source: str = "the ranking config") -> None:
     for key, least in (("step", 1), ("future", 1), ("sample", 2), ("batch", 1)):
         if key in config and not (sweep._is_int(config[key]) and config[key] >= least):
             raise refuse(f"key {key!r}", f"must be a whole number >= {least}, got {config[key]!r}")
-    if not isinstance(config["policies"], list) or len(config["policies"]) < 2:
-        raise refuse("key 'policies'", "list at least two policies to rank against each other, e.g. "
-                                       'policies = ["inertia", "avokv"]')
+    if not isinstance(config["policies"], list):
+        raise refuse("key 'policies'", 'must be a list, e.g. policies = ["inertia", "avokv"]')
     for index, entry in enumerate(config["policies"]):
         if isinstance(entry, dict) and ("compression" in entry or "budget" in entry):
             raise refuse(f"policies[{index}]", "a probe scores the whole cache, at no compression or budget: "
                                                "drop compression and budget")
     # The rest as a sweep reads it (name, model, chat, seed, the tasks, each policy's name and params, a
-    # setting listed twice), at ρ = 0, which no policy refuses.
+    # setting listed twice), at a budget no cache reaches: the probe scores with the cache whole, so no
+    # policy's own budget rule (a protected tail longer than B) can refuse a cell here.
     try:
-        sweep.validate({**{k: v for k, v in config.items() if k in sweep.TOP_LEVEL}, "compression": [0.0]}, source)
+        sweep.validate({**{k: v for k, v in config.items() if k in sweep.TOP_LEVEL}, "budget": [NO_BUDGET]}, source)
     except ValueError as error:
         raise ValueError(str(error).replace("sweep config", "ranking config", 1)) from None
-    for name, params in sweep.policy_settings(config):
-        if type(make_policy(name, **dict(params))).utility is Policy.utility:  # full, streaming, random
+    settings = sweep.policy_settings(config)
+    if len(settings) < 2:
+        raise refuse("key 'policies'", "give at least two settings to rank against each other, e.g. "
+                                       'policies = ["inertia", "avokv"]')
+    for name, params in settings:
+        policy = make_policy(name, **dict(params))
+        if type(policy).utility is Policy.utility:  # full, streaming, random
             raise refuse(f"policies ({name})", "keeps no per-entry utility, so it ranks nothing; leave it out")
+        if isinstance(policy, SnapKV):  # it scores only when it compresses the prompt, which a probe never does
+            raise refuse(f"policies ({name})", "scores entries only when it compresses the prompt at prefill, and "
+                                               "a probe keeps the cache whole; leave it out")
+
+
+def check_lengths(config: dict, context: int, source: str) -> None:
+    """Refuse a task whose prompt length plus ``step + future`` decoded tokens exceeds the model's context,
+    as a sweep refuses one past its ``max_new_tokens`` (before the model loads, where its config says)."""
+    decoded = int(config["step"]) + int(config.get("future", 8))
+    try:
+        sweep.check_lengths({**config, "max_new_tokens": decoded}, context, source)
+    except ValueError as error:
+        raise ValueError(str(error).replace("sweep config", "ranking config", 1)
+                         .replace("max_new_tokens", "step + future")) from None
 
 
 def cell_key(task: str, sample: int, setting: tuple, metric: str) -> str:
@@ -121,9 +145,6 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, progre
     """Probe every unfinished trace of ``config`` and write its rows to ``out_dir/rows.jsonl``; returns the
     rows written.  A trace's rows are written together once it is probed, so a stopped run loses at most the
     trace in progress, and a rerun continues with it."""
-    from ..models import load_model
-    from ..trace import model_dtype
-
     out_dir = Path(out_dir)
     source = repr(config.get("name"))
     validate(config, source)
@@ -134,12 +155,8 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, progre
             if not all(cell_key(label, sample, s, m) in rows.done for s in settings for m in METRICS)]
     if not todo:
         return 0
-    model_name = config.get("model", DEFAULT_MODEL)
-    device = config.get("device", "cpu")
-    if model is None:
-        model, tokenizer = load_model(model_name, device=device, dtype=config.get("dtype"))
+    model, tokenizer, meta = sweep.loaded(config, model, tokenizer)
     seed = int(config.get("seed", 0))
-    meta = sweep.provenance(model_name, device, seed, model_dtype(model))
     written = 0
     bar = tqdm(total=len(todo), desc=config["name"], unit="trace", disable=not progress, file=sys.stderr)
     try:
@@ -180,12 +197,24 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
     result = probe.probe(model, tokenizer, prompt_ids, step, policies=policies, sample=candidates,
                          seed=sweep._sample_seed(seed, f"{label}/candidates", sample_index), future=future,
                          batch=int(config.get("batch", 16)))
+    unscored = [name for name in names if name not in result.utilities]
+    if unscored:  # a policy whose utility exists only after some event this probe never reached
+        raise ValueError(f"ranking config {config['name']!r}: {where}: {', '.join(unscored)} had no utility at "
+                         f"step {step}; leave {'it' if len(unscored) == 1 else 'them'} out")
     try:
         quality, aligned = probe.aligned_quality(result.utilities, result.damage)
     except ValueError as error:
         raise ValueError(f"ranking config {config['name']!r}: {where}: {error}") from None
     seconds = time.perf_counter() - start
     high_damage = int(probe.top_decile(result.damage[aligned]).sum())
+    # Where the full-cache answer ended (new tokens up to its end-of-sequence; null: not within step + future):
+    # the probe decodes past it, so a trace that ends before step + future replays tokens after its answer
+    eos = engine.eos_ids(model, tokenizer)
+    generated = result.sequence[len(prompt_ids):]
+    ended = next((index + 1 for index, token in enumerate(generated) if token in eos), None)
+    # AP, top-k recall and the false-safe rate break ties by position, AUROC gives them half credit: how much
+    # of each ranking one tied score is says how far to trust the first three
+    ties = {name: probe.largest_tie(result.utilities[name][aligned]) for name in names}
     written = 0
     for setting, name in zip(settings, names):
         for metric, key in METRICS.items():
@@ -202,7 +231,8 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
                 # stored as null, which the store's means leave out, never as NaN, which it refuses
                 "score": None if value != value else value,
                 "meta": {"step": step, "future": future, "candidates": len(result.candidates),
-                         "aligned": int(aligned.sum()), "high_damage": high_damage,
+                         "aligned": int(aligned.sum()), "high_damage": high_damage, "ended_at": ended,
+                         "largest_tie": ties[name],
                          **({"auroc_p": quality[name]["auroc_p"]} if metric == "auroc" else {})},
                 "seconds": seconds, **meta,
             })

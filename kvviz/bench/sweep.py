@@ -73,15 +73,20 @@ class Cell:
         return f"B={self.budget}" if self.budget is not None else f"rho={self.compression:g}"
 
 
-def load_config(path: str | Path) -> dict:
-    """Read a sweep config and check all of it (:func:`validate`) before any model is loaded."""
+def read_toml(path: str | Path, what: str = "sweep config") -> dict:
+    """A config file's TOML, or a ValueError naming ``what`` and the file: unreadable, or not TOML."""
     try:
         with open(path, "rb") as handle:
-            config = tomllib.load(handle)
+            return tomllib.load(handle)
     except OSError as error:
-        raise ValueError(f"cannot read sweep config {path}: {error.strerror or error}") from None
+        raise ValueError(f"cannot read {what} {path}: {error.strerror or error}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"sweep config {path} is not valid TOML: {error}") from None
+        raise ValueError(f"{what} {path} is not valid TOML: {error}") from None
+
+
+def load_config(path: str | Path) -> dict:
+    """Read a sweep config and check all of it (:func:`validate`) before any model is loaded."""
+    config = read_toml(path)
     validate(config, str(path))
     context = model_context(config.get("model", DEFAULT_MODEL))
     if context is not None:  # else run() checks once the model is loaded, still before decoding
@@ -697,6 +702,17 @@ def provenance(model_name: str, device: str, seed: int, dtype: str = "") -> dict
             "machine": platform.node(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def loaded(config: dict, model=None, tokenizer=None) -> tuple:
+    """The config's model and tokenizer (loaded unless given) and the provenance its rows record."""
+    from ..models import load_model
+
+    model_name = config.get("model", DEFAULT_MODEL)
+    device = config.get("device", "cpu")
+    if model is None:
+        model, tokenizer = load_model(model_name, device=device, dtype=config.get("dtype"))
+    return model, tokenizer, provenance(model_name, device, int(config.get("seed", 0)), model_dtype(model))
+
+
 def _sample_seed(seed: int, task: str, index: int) -> int:
     return int(hashlib.sha256(f"{seed}/{task}/{index}".encode()).hexdigest()[:8], 16)
 
@@ -705,8 +721,6 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
         progress: bool = True) -> int:
     """Run every unfinished cell of ``config`` whose sample falls in shard ``index`` of ``shards`` (samples are
     dealt round-robin); return the rows written."""
-    from ..models import load_model
-
     out_dir = Path(out_dir)
     index, shards = shard
     source = repr(config.get("name"))  # messages read "sweep config 'name': ..."
@@ -723,13 +737,9 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     todo = [c for c in grid if (c.task, c.sample) in mine and c.key not in done]
     if not todo:
         return 0
-    model_name = config.get("model", DEFAULT_MODEL)
-    device = config.get("device", "cpu")
-    if model is None:
-        model, tokenizer = load_model(model_name, device=device, dtype=config.get("dtype"))
+    model, tokenizer, meta = loaded(config, model, tokenizer)
     check_lengths(config, model.config.max_position_embeddings, source)
     seed = int(config.get("seed", 0))
-    meta = provenance(model_name, device, seed, model_dtype(model))
     tasks = {task_label(t): t for t in config["tasks"]}
     max_new = int(config.get("max_new_tokens", 32))
     for note in check_cells(config, source, tasks, todo, model, tokenizer, seed, max_new):

@@ -949,11 +949,11 @@ PAPER_GREY = "#A0A0A0"  # a paper scorer that is none of our policies ('attentio
 
 def _ranking_labels(frame: pd.DataFrame) -> pd.Series:
     """Each row's bar label: the policy; a paper's scorer as ``AvoKV-E: attention only``; and where measured rows
-    come from more than one model or task, the measured ones with theirs."""
+    come from more than one ranking sweep (another model, task or step), the measured ones with their sweep."""
     measured = frame.source == "measured"
-    several = frame[measured][["model", "task"]].drop_duplicates().shape[0] > 1
+    several = frame[measured].sweep.nunique() > 1
     return pd.Series([f"{row.paper}: {row.policy}" if row.source == "paper"
-                      else f"{row.policy} · {row.model}, {row.task}" if several else row.policy
+                      else f"{row.policy} · {row.sweep}" if several else row.policy
                       for row in frame.itertuples()], index=frame.index)
 
 
@@ -982,7 +982,9 @@ def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()
             x=part.score, y=part.index, orientation="h", row=row, col=col, showlegend=False,
             marker=dict(color=[colours(policy) or PAPER_GREY for policy in part.policy],
                         pattern=dict(shape=["/" if p else "" for p in paper], solidity=0.4)),
-            error_x=dict(array=part.stderr.fillna(0), thickness=1, width=3, color="#404040"),
+            # none for a paper's figure or a lone trace (a zero-width bar would read as certainty)
+            error_x=dict(array=[None if value != value else value for value in part.stderr], thickness=1, width=3,
+                         color="#404040"),
             customdata=np.stack([part.model, part.task, part.traces.astype(int),
                                  part.candidates.fillna(0).astype(int), part.stderr.fillna(0)], axis=-1),
             hovertemplate=("%{y}<br>" + RANKING_PANELS[metric][0] + " %{x:.3f} ± %{customdata[4]:.3f}<br>"
@@ -998,6 +1000,9 @@ def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()
     if len(measured):
         lines.append(f"solid: measured, the mean over {int(measured.traces.max())} traces ± 1 standard error; "
                      f"{', '.join(sorted(set(measured.model)))} on {', '.join(sorted(set(measured.task)))}")
+    past_end = int(measured.past_end.max()) if len(measured) else 0
+    if past_end:  # the probe decodes past the end of a short answer: its replay there is not the answer's
+        lines.append(f"in {past_end} trace(s) the full-cache answer ended before the probe's replay did")
     if len(papers):
         lines.append(f"hatched: {', '.join(sorted(set(papers.paper)))}'s printed figures, pooled "
                      f"({', '.join(sorted(set(papers.model)))} on {', '.join(sorted(set(papers.task)))}): "
