@@ -183,6 +183,7 @@ def test_two_ranking_sweeps_of_one_sample_stay_two_experiments(tmp_path):
     ({"policies": ["tova"]}, "give at least two settings to rank"),
     ({"policies": ["snapkv", "tova"]}, "policies (snapkv): scores entries only when it compresses the prompt"),
     ({"policies": [{"name": "tova", "compression": [0.5]}, "h2o"]}, "drop compression and budget"),
+    ({"policies": [{"name": "tova", "foo": 1}, "h2o"]}, "unknown key 'foo'; a policy table has name and params"),
     ({"policies": [{"name": "inertia", "params": {"alpha": 0.0}}, "single-step"]}, "spelt another way"),
     ({"step": 0}, "key 'step': must be a whole number >= 1, got 0"),
     ({"sample": 1}, "key 'sample': must be a whole number >= 2"),

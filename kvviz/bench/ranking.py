@@ -91,8 +91,9 @@ def validate(config: dict, source: str = "the ranking config") -> None:
     # policy's own budget rule (a protected tail longer than B) can refuse a cell here.
     try:
         sweep.validate({**{k: v for k, v in config.items() if k in sweep.TOP_LEVEL}, "budget": [NO_BUDGET]}, source)
-    except ValueError as error:
-        raise ValueError(str(error).replace("sweep config", "ranking config", 1)) from None
+    except ValueError as error:  # in a ranking config's words: a policy table here has no cut of the cache
+        raise ValueError(str(error).replace("sweep config", "ranking config", 1)
+                         .replace("has name, params and compression or budget", "has name and params")) from None
     settings = sweep.policy_settings(config)
     if len(settings) < 2:
         raise refuse("key 'policies'", "give at least two settings to rank against each other, e.g. "
