@@ -301,4 +301,4 @@ def test_results_pairs_ranking_metrics_trace_by_trace(tmp_path, capsys):
     assert header.split()[1:] == ["AUROC", "AP", "top-k", "rec", "false-safe", "↓", "Spearman"]
     assert row.count("-0.200 [-0.200, -0.200] 0/0/2") == 2  # AUROC, and the false-safe rate's reduction
     assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia", "--source", "paper"]) == 2
-    assert "the papers print pooled figures" in capsys.readouterr().err
+    assert "the papers print one figure over all their traces" in capsys.readouterr().err

@@ -959,7 +959,7 @@ def _ranking_labels(frame: pd.DataFrame) -> pd.Series:
 
 def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()) -> go.Figure:
     """AvoKV-E's oracle ranking table as bars: a panel per metric, a bar per scorer (measured: the mean over
-    traces with ± 1 standard error; a paper's: its printed, pooled figure, hatched), the scorers in the order of
+    traces with ± 1 standard error; a paper's: its one printed figure, hatched), the scorers in the order of
     their AUROC within each source, and a random ranking's value dotted."""
     if frame.empty:
         return _empty(go.Figure(), "no damage-ranking rows for these filters (run `kvviz bench ranking "
@@ -1004,8 +1004,8 @@ def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()
     if past_end:  # the probe decodes past the end of a short answer: its replay there is not the answer's
         lines.append(f"in {past_end} trace(s) the full-cache answer ended before the probe's replay did")
     if len(papers):
-        lines.append(f"hatched: {', '.join(sorted(set(papers.paper)))}'s printed figures, pooled "
-                     f"({', '.join(sorted(set(papers.model)))} on {', '.join(sorted(set(papers.task)))}): "
+        lines.append(f"hatched: {', '.join(sorted(set(papers.paper)))}'s printed figures, over all its traces "
+                     f"({', '.join(sorted(set(papers.model)))}, {', '.join(sorted(set(papers.task)))}): "
                      "compare orders, not levels")
     lines.append("dotted: a random ranking (high damage = the top decile of a trace's oracle damage)")
     _title(fig, "Damage ranking: each utility against the oracle damage of one entry",
@@ -1370,9 +1370,10 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
                             "entry at a time and measures the KL of the next tokens; the top decile of a trace's "
                             "damage is high damage. A measured trace is one probe of one sample "
                             "(`kvviz bench ranking`), ranked over the entries every policy judged; the paper "
-                            "pools its traces. The policy filter applies, and the sweeps to measured rows; "
-                            "model, task and source do not. `kvviz results --ranking --vs inertia` pairs "
-                            "the policies trace by trace (bootstrap interval and sign test).")
+                            "prints one figure over its 5,440 candidates from 30 traces. The policy filter "
+                            "applies, and the sweeps to measured rows; model, task and source do not. "
+                            "`kvviz results --ranking --vs inertia` pairs the policies trace by trace (bootstrap "
+                            "interval and sign test).")
             if title == "Quality vs decode speed":
                 gr.Markdown("Decode speed as each cell recorded it on the machine it ran on. Cells rerun later "
                             "may come from another machine (results_db/README.md says which), so compare speeds "
