@@ -819,7 +819,8 @@ def _print_ranking_paired(store, root: Path, args, policies) -> int:
     from .stats import ALPHA, paired_table
 
     if args.source == "paper":
-        raise ValueError("--vs pairs measured traces; the papers print one figure over all their traces: drop --source paper")
+        raise ValueError("--vs pairs measured traces; the papers print one figure over all their traces: drop "
+                         "--source paper")
     if policies and set(policies) <= {args.vs}:
         raise ValueError(f"the policies chosen are only the reference, {args.vs}: add another to --policies, or "
                          "drop it")

@@ -691,12 +691,13 @@ class Store:
         """How well each policy's utility ranks the oracle damage of removing one entry (AvoKV-E's Table 3):
         per (source, model, task, sweep, policy, metric) the mean over traces, its standard error and
         ``traces`` (a measured trace is one probe of one sample, :mod:`kvviz.bench.ranking`; a paper row is its
-        pooled figure, one), ``candidates`` (measured: the entries ranked, summed over the traces counted),
+        one printed figure), ``candidates`` (measured: the entries ranked, summed over the traces counted),
         ``step`` (the decode step probed), ``past_end`` (traces whose full-cache answer ended before the
         probe's replay did) and ``notes`` (a paper row's provenance).  Two ranking sweeps are never averaged:
-        each probed its own step over the entries its own policies all judged.  A trace whose metric is undefined (Spearman of a
-        constant utility) is left out of that metric's mean and count (undefined in every trace: no row).  Each
-        policy at its defaults, and with ``settings`` every setting run, named by what it changes."""
+        each probed its own step over the entries its own policies all judged.  A trace whose metric is
+        undefined (Spearman of a constant utility) is left out of that metric's mean and count (undefined in
+        every trace: no row).  Each policy at its defaults, and with ``settings`` every setting run, named by
+        what it changes."""
         where, params = self._filters(task, model, source, policies, sweeps, metrics=RANKING_METRICS)
         frame = self.frame(
             f"""
@@ -720,9 +721,9 @@ class Store:
         """Each measured trace's damage-ranking metric under a policy next to ``reference``'s (at its defaults)
         on the same trace, for paired comparisons (:func:`kvviz.stats.paired_table`, which reads ``metric`` as
         the task): same sweep (one probe, over the entries all its policies judged), model, task, sample,
-        seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL),
-        ``task`` (the row's task, sweep and metric, ``"t · s: auroc"``), ``metric``, ``policy``, ``compression``,
-        ``absolute_budget`` (NULL), ``sample``, ``score``, ``reference_score``."""
+        seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL), ``task`` (the row's task, sweep and
+        metric, ``"t · s: auroc"``), ``metric``, ``policy``, ``compression``, ``absolute_budget`` (NULL),
+        ``sample``, ``score``, ``reference_score``."""
         where, params = self._filters(task, model, "measured", None, sweeps, metrics=RANKING_METRICS)
         frame = self.frame(
             f"""

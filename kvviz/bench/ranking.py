@@ -9,8 +9,8 @@ precision, top-k recall, false-safe rate and Spearman.  Each (trace, policy, met
 store (``metric`` = ``auroc``, ``ap``, ``topk_recall``, ``false_safe_rate``, ``spearman``, as the paper rows
 name them), so the Results tab draws the mean over traces with its standard error next to the paper's numbers.
 
-The paper prints one figure over 5,440 candidates from 30 DeepSeek-R1 AIME-2024 traces; here a trace is one probe step of a
-short generation of a small model, so compare which policy ranks better, not the levels.
+The paper prints one figure over 5,440 candidates from 30 DeepSeek-R1 AIME-2024 traces; here a trace is one
+probe step of a short generation of a small model, so compare which policy ranks better, not the levels.
 
 A config (the keys; ``configs/ranking-arithmetic.toml`` is the shipped one)::
 
