@@ -874,11 +874,13 @@ def _print_paired(store, root: Path, args, policies) -> int:
     import pandas as pd
 
     from .stats import ALPHA, paired_table
+    from .store import QUALITY_METRICS
 
-    measured = store.options("policy", source="measured")
+    measured = store.options("policy", source="measured", metrics=QUALITY_METRICS)
     if args.vs not in measured:  # paper rows name policies too, but have no samples to pair
-        raise ValueError(f"--vs {args.vs}: no measured rows of that policy under {root}; measured: "
-                         f"{', '.join(measured) or 'none'}")
+        raise ValueError(f"--vs {args.vs}: no measured quality rows of that policy under {root}"
+                         + (" (only damage-ranking rows: add --ranking)" if args.vs in store.options(
+                             "policy", source="measured") else "") + f"; measured: {', '.join(measured) or 'none'}")
     if args.source == "paper":
         raise ValueError("--vs pairs measured samples; the papers print aggregates, not samples: drop --source paper")
     sweeps = args.sweep_list

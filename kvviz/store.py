@@ -752,11 +752,14 @@ class Store:
             "SELECT DISTINCT policy, source, task, metric, list_contains(?, metric) AS quality FROM results "
             "WHERE list_contains(?, policy) ORDER BY ALL", [list(QUALITY_METRICS), list(policies)])
 
-    def options(self, column: str, source: str | None = None) -> list[str]:
-        """The distinct values of a filter column, of one source's rows or of all."""
+    def options(self, column: str, source: str | None = None, metrics: tuple[str, ...] | None = None) -> list[str]:
+        """The distinct values of a filter column, of one source's rows or of all, and of rows of ``metrics``
+        only where given (``QUALITY_METRICS``: the policies the quality figures draw)."""
         if column not in ("task", "model", "policy", "source", "sweep"):
             raise ValueError(f"no filter on {column!r}")
         values = "unnest(ran_in)" if column == "sweep" else column  # a shared cell counts for every sweep it ran in
+        metrics = list(metrics) if metrics else None
         return [row[0] for row in self.con.execute(
-            f"SELECT DISTINCT * FROM (SELECT {values} AS value FROM results WHERE (? IS NULL OR source = ?)) "
-            "WHERE value IS NOT NULL ORDER BY 1", [source, source]).fetchall()]
+            f"SELECT DISTINCT * FROM (SELECT {values} AS value FROM results WHERE (? IS NULL OR source = ?) "
+            "AND (?::VARCHAR[] IS NULL OR list_contains(?, metric))) WHERE value IS NOT NULL ORDER BY 1",
+            [source, source, metrics, metrics]).fetchall()]

@@ -11,7 +11,7 @@ import pytest
 from kvviz import engine, probe
 from kvviz.bench import ranking, sweep
 from kvviz.policies import make_policy
-from kvviz.store import Store
+from kvviz.store import QUALITY_METRICS, Store
 from kvviz.ui.results import ALL, SECTIONS, query
 
 CONFIG = {"name": "rank-tiny", "model": "tiny-random-llama", "step": 6, "future": 3, "seed": 0,
@@ -302,3 +302,29 @@ def test_results_pairs_ranking_metrics_trace_by_trace(tmp_path, capsys):
     assert row.count("-0.200 [-0.200, -0.200] 0/0/2") == 2  # AUROC, and the false-safe rate's reduction
     assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia", "--source", "paper"]) == 2
     assert "the papers print one figure over all their traces" in capsys.readouterr().err
+
+
+def test_a_policy_only_ranked_is_no_quality_reference_and_is_marked_so(tmp_path, capsys):
+    """recency ran only in the ranking sweep: the quality --vs and the tab's reference box leave it out (pairing
+    against it finds no samples), --vs says to add --ranking, and the Policies box marks it."""
+    from kvviz.cli import main
+
+    store = ranking_store(tmp_path)
+    write_rows(tmp_path / "q", [{"source": "measured", "sweep": "q", "model": "m", "task": "q", "policy": policy,
+                                 "params": {}, "compression": 0.5, "metric": "string_match", "score": 1.0,
+                                 "sample": 0} for policy in ("full", "tova")])
+    store = Store(tmp_path)
+    assert store.options("policy", source="measured", metrics=QUALITY_METRICS) == ["full", "tova"]
+    assert "inertia" in store.options("policy", source="measured")
+    assert main(["results", "--root", str(tmp_path), "--vs", "inertia"]) == 2
+    assert "(only damage-ranking rows: add --ranking); measured: full, tova" in capsys.readouterr().err
+    import gradio as gr
+
+    from kvviz.ui.results import build_results_tab
+
+    with gr.Blocks() as app:
+        build_results_tab(app, store)
+    boxes = {block.label: block for block in app.blocks.values() if isinstance(block, gr.Dropdown)}
+    assert ("inertia (damage ranking only)", "inertia") in boxes["Policies (none = all)"].choices
+    assert ("attention only (paper only)", "attention only") in boxes["Policies (none = all)"].choices
+    assert [value for _, value in boxes["Reference policy"].choices] == ["full", "tova"]

@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 
 from kvviz.policies import make_policy, setting_label
-from kvviz.store import ROOT, Store, setting_names
+from kvviz.store import QUALITY_METRICS, RANKING_METRICS, ROOT, Store, setting_names
 from kvviz.ui.results import Colours, query
 
 
@@ -115,7 +115,7 @@ def test_policies_at_their_defaults_are_clearly_distinct(store, colours):
     all), and further than the pinks the review found too close (inertia #FF6692, tova #FB00D1 and
     inertia alpha=0.9 #FC0080: 10-18 apart); two names shared #B68100."""
     assert 17 < distance("#FF6692", "#FB00D1") < 19 and distance("#FC0080", "#FF6692") < 12
-    measured = store.options("policy", source="measured")
+    measured = store.options("policy", source="measured", metrics=QUALITY_METRICS)  # the quality figure's
     everything = store.options("policy")
     assert len(measured) >= 18 and len(everything) >= 28
     closest = min((distance(colours(a), colours(b)), a, b) for a, b in itertools.combinations(measured, 2))
@@ -177,10 +177,14 @@ def shipped_rows():
 def test_a_setting_is_named_as_the_compare_tab_names_it(store):
     """``inertia`` at alpha = 0 is the registry's ``single-step`` (the Compare tab's label for it): the store
     names every measured row by :func:`kvviz.policies.setting_label` of the policy it ran."""
-    expected = {setting_label(make_policy(row["policy"], **row["params"])) for row in shipped_rows()
-                if row.get("source") == "measured"}
-    named = set(store.options("policy", source="measured")) | set(settings_of(store, "measured"))
-    assert named == expected
+    def names(metrics) -> set[str]:
+        return {setting_label(make_policy(row["policy"], **row["params"])) for row in shipped_rows()
+                if row.get("source") == "measured" and row["metric"] in metrics}
+
+    named = set(store.options("policy", source="measured", metrics=QUALITY_METRICS)) | set(
+        settings_of(store, "measured"))
+    assert named == names(QUALITY_METRICS)
+    assert set(store.damage_ranking(source="measured", settings=True).policy) == names(RANKING_METRICS)
     assert "single-step" in named and not [name for name in named if name.startswith("inertia alpha=0 ")
                                            or name in ("inertia alpha=0", "inertia alpha=0.0")]
     # the paper's alpha = 0 column too
@@ -193,8 +197,9 @@ def test_the_two_spellings_of_single_step_are_one_line_and_no_sample_counts_twic
     cells = defaultdict(dict)  # (task, compression) -> cell -> score
     spellings = defaultdict(set)
     for row in shipped_rows():
-        if row.get("source") != "measured" or setting_label(make_policy(row["policy"], **row["params"])) != "single-step":
-            continue
+        if row.get("source") != "measured" or row["metric"] not in QUALITY_METRICS \
+                or setting_label(make_policy(row["policy"], **row["params"])) != "single-step":
+            continue  # a ranking sweep's rows are no generation's score
         cell = (row["sample"], row["seed"], row["prompt_len"], row.get("draw") or 0)
         cells[row["task"], row["compression"]].setdefault(cell, row["score"])
         spellings[cell + (row["task"], row["compression"])].add((row["policy"], json.dumps(row["params"])))

@@ -136,7 +136,7 @@ def test_results_command_prints_paired_differences(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--vs", "tova"], "no measured rows of that policy"),
+    (["--vs", "tova"], "no measured quality rows of that policy"),
     (["--vs", "inertia", "--source", "paper"], "drop --source paper"),
     (["--vs", "inertia", "--paper", "RULER"], "give one of them"),
 ])

@@ -25,7 +25,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from ..stats import paired_table
-from ..store import FULL_CACHE_FLOOR, Store, held_over_note, setting_names, suite_notes
+from ..store import FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, setting_names, suite_notes
 
 ALL = "(all)"
 # Not D3 after Plotly: its first hues repeat Plotly's (blue, orange, green, red, purple, pink); nor the
@@ -144,9 +144,9 @@ class Colours:
     @classmethod
     def of(cls, store: Store) -> "Colours":
         """Measured policies first: they share figures most, so they get the most distinct colours; policies
-        only the papers report come after; then each other setting run, as --settings names it (measured
-        ones first), a shade of its policy's colour."""
-        measured = store.options("policy", source="measured")
+        only the papers report, or only a damage-ranking sweep ranked (one figure each), come after; then each
+        other setting run, as --settings names it (measured ones first), a shade of its policy's colour."""
+        measured = store.options("policy", source="measured", metrics=QUALITY_METRICS)
         policies = [name for name in store.options("policy") if name not in measured]
         others, run = store.other_settings(), store.other_settings(source="measured")
         settings = dict(zip(setting_names(others.policy, others.setting), others.policy))
@@ -1095,7 +1095,7 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     # The full cache is what every policy is read against, not one of them: the figures that draw it keep it
     drawn = with_reference(policies)
     quality = store.quality_vs_compression(task, model, drawn, source, settings=settings, sweeps=sweeps)
-    references = store.options("policy", source="measured")
+    references = store.options("policy", source="measured", metrics=QUALITY_METRICS)
     reference = reference if reference in references else default_reference(references)
     differences = paired(store, reference, task, model, tuple(policies) if policies else None, settings, sweeps) \
         if reference and source != "paper" else paired_table(pd.DataFrame())  # papers print no samples
@@ -1320,9 +1320,12 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
     with gr.Row():
         model = gr.Dropdown([ALL, *store.options("model")], value=ALL, label="Model")
         task = gr.Dropdown([ALL, *store.options("task")], value=ALL, label="Task")
-        measured = store.options("policy", source="measured")
-        # names only a paper reports (its ablations, methods not implemented here) are marked as such
-        policies = gr.Dropdown([name if name in measured else (f"{name} (paper only)", name)
+        measured = store.options("policy", source="measured", metrics=QUALITY_METRICS)
+        ranked = store.options("policy", source="measured")
+        # names only a paper reports (its ablations, methods not implemented here), or only a damage-ranking
+        # sweep ranked, are marked as such
+        policies = gr.Dropdown([name if name in measured else (f"{name} (damage ranking only)", name)
+                                if name in ranked else (f"{name} (paper only)", name)
                                 for name in store.options("policy")], value=[], multiselect=True,
                                label="Policies (none = all)")
         # measured first: paper scores are on each benchmark's own scale (0-100, 0-1, %), ours are 0-1
