@@ -185,28 +185,35 @@ def check_fits(model, prompt_ids: list[int], step: int, future: int, step_name: 
 
 
 def damage_inputs(model, tokenizer, prompt_ids: list[int], step: int, *, future: int = 8, sample: int | None = None,
-                  seed: int = 0) -> tuple[list[int], int, np.ndarray]:
+                  seed: int = 0, generated_only: bool = False) -> tuple[list[int], int, np.ndarray]:
     """What :func:`damage` is given for the probe at decode step ``step``: the sequence (prompt plus its
     full-cache continuation), the cache length it replays after, and the candidate positions.
 
     Step ``step`` feeds position ``P = prompt_len + step - 1``; the cache the decision is made on holds
-    ``0 .. P`` (``P + 1`` entries), the candidates are drawn from ``0 .. P - 1`` (``sample`` of them, seeded, or
-    all with ``sample=None``) and the replay starts at ``P + 1``.  ``kvviz probe``, the app and ``kvviz bench
-    probe`` all go through here, so that the benchmark times the very computation the probe runs.
+    ``0 .. P`` (``P + 1`` entries), the candidates are drawn from ``0 .. P - 1`` (from ``prompt_len .. P - 1``,
+    the entries the model generated, with ``generated_only``; ``sample`` of them, seeded, or all with
+    ``sample=None``) and the replay starts at ``P + 1``.  ``kvviz probe``, the app and ``kvviz bench probe``
+    all go through here, so that the benchmark times the very computation the probe runs.
     """
+    prefix_len = len(prompt_ids) + step - 1  # P: the position step `step` feeds
+    first = len(prompt_ids) if generated_only else 0
+    if prefix_len - first < 1:
+        raise ValueError(f"at step {step} the model has generated no entry before the one the step feeds: "
+                         "probe step 2 or later to rank generated entries")
     # Tokens up to P + future: prompt_len + step + future in all.
     full = list(decode(model, tokenizer, prompt_ids, FullCache(), max_new_tokens=step + future, ignore_eos=True))
     sequence = list(prompt_ids) + [e.new_token_id for e in full]
-    prefix_len = len(prompt_ids) + step - 1  # P: the position step `step` feeds
-    candidates = np.arange(prefix_len)
-    if sample is not None and sample < prefix_len:
-        candidates = np.sort(np.random.default_rng(seed).choice(prefix_len, size=sample, replace=False))
+    candidates = np.arange(first, prefix_len)
+    if sample is not None and sample < candidates.size:
+        candidates = np.sort(np.random.default_rng(seed).choice(candidates, size=sample, replace=False))
     return sequence, prefix_len + 1, candidates
 
 
 def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[str, Policy] | None = None,
-          sample: int | None = None, seed: int = 0, future: int = 8, batch: int = 16) -> ProbeResult:
-    """Run the damage probe at decode step ``step`` (>= 1) and collect each policy's utility there."""
+          sample: int | None = None, seed: int = 0, future: int = 8, batch: int = 16,
+          generated_only: bool = False) -> ProbeResult:
+    """Run the damage probe at decode step ``step`` (>= 1) and collect each policy's utility there (over the
+    generated entries only, with ``generated_only``: :func:`damage_inputs`)."""
     if step < 1:
         raise ValueError(f"the probe step must be >= 1 (a decode step), got {step}")
     if sample is not None and sample < 1:
@@ -214,7 +221,7 @@ def probe(model, tokenizer, prompt_ids: list[int], step: int, *, policies: dict[
     for policy in (policies or {}).values():  # refused now, not after the probe's own decoding
         check_policy(model, tokenizer, prompt_ids, policy)
     sequence, cache_len, candidates = damage_inputs(model, tokenizer, prompt_ids, step, future=future, sample=sample,
-                                                    seed=seed)
+                                                    seed=seed, generated_only=generated_only)
     start = time.perf_counter()
     harm = damage(model, sequence, cache_len, candidates.tolist(), future=future, batch=batch)
     seconds = time.perf_counter() - start
@@ -301,13 +308,20 @@ def tied_rankings(utilities: dict[str, np.ndarray], aligned: np.ndarray | None) 
     return {name: share for name, share in shares.items() if share >= MOSTLY_TIED}
 
 
+def keep_order(utility: np.ndarray) -> np.ndarray:
+    """Indices from the entry a policy keeps longest to the one it evicts first: highest utility first, and
+    within a tie the newest (later index) first, as :func:`kvviz.policies.base.lowest` evicts the oldest of a
+    tie first.  The entries are in position order."""
+    utility = np.asarray(utility, dtype=np.float64)
+    return np.lexsort((-np.arange(utility.size), -utility))
+
+
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Mean of the precision at each positive, ranking by score descending (ties: stable order)."""
+    """Mean of the precision at each positive, ranking in :func:`keep_order` (scores in position order)."""
     labels = np.asarray(labels, dtype=bool)
     if not labels.any():
         return float("nan")
-    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
-    hits = labels[order]
+    hits = labels[keep_order(scores)]
     precision = np.cumsum(hits) / np.arange(1, hits.size + 1)
     return float(precision[hits].mean())
 
@@ -349,11 +363,13 @@ def ranking_quality(utility: np.ndarray, damage_values: np.ndarray) -> dict[str,
 
     AvoKV-E's Table 3 reports a false-safe rate, "damaging entries assigned to the apparently safe-to-evict
     region", without a formula.  Here it is the mirror of top-k recall: the share of high-damage entries
-    among the k lowest utilities, the first k a policy would evict (a random ranking: about 0.1).
+    among the k lowest utilities, the first k a policy would evict (a random ranking: about 0.1).  AP, top-k
+    recall and the false-safe rate break ties as the policies do (:func:`keep_order`; the entries in position
+    order); AUROC and Spearman give ties half credit and average ranks.
     """
     labels = top_decile(damage_values)
     k = int(labels.sum())
-    order = np.argsort(-utility, kind="stable")  # highest utility first
+    order = keep_order(utility)
     return {
         "auroc": auroc(utility, labels),
         "auroc_p": auroc_p(utility, labels),

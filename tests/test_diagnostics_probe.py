@@ -10,7 +10,8 @@ import torch
 import kvviz
 from kvviz import diagnostics as dx
 from kvviz.cache import SlotCache
-from kvviz.probe import aligned_quality, auroc, average_precision, check_fits, damage, probe, ranking_quality
+from kvviz.probe import (aligned_quality, auroc, average_precision, check_fits, damage, keep_order, probe,
+                         ranking_quality)
 from kvviz.trace import StepEvent, Trace
 
 
@@ -252,6 +253,22 @@ def test_auroc_and_average_precision_by_hand():
     quality = ranking_quality(utility, damage_values)
     assert quality["topk_recall"] == 0.5 and quality["false_safe_rate"] == 0.5
     assert ranking_quality(-damage_values, damage_values)["false_safe_rate"] == 1.0  # evicts the damaging first
+
+
+def test_ranking_metrics_break_ties_as_the_policies_evict():
+    """Ten entries in position order, the newest (#9) the most damaging (k = 1), every utility tied.  A policy
+    evicts the oldest of a tie first (policies.base.lowest), so it keeps #9 longest: top-k recall 1, false-safe
+    0, AP 1.  Broken by array order instead, #0 would be 'kept' first: recall 0 and false-safe 1."""
+    from kvviz.policies.base import lowest
+
+    tied, damage_values = np.zeros(10), np.arange(10.0)
+    quality = ranking_quality(tied, damage_values)
+    assert (quality["topk_recall"], quality["false_safe_rate"], quality["average_precision"]) == (1.0, 0.0, 1.0)
+    assert quality["auroc"] == 0.5  # AUROC gives the tie half credit, whatever the order
+    evicted_first = lowest(torch.zeros(10), torch.arange(10), 9)
+    assert sorted(evicted_first.tolist()) == list(range(9))  # all but the newest
+    # Ties broken within a score only: entries #0 and #1 share the top score, #1 (newer) comes first
+    assert keep_order(np.array([5.0, 5, 1, 3])).tolist() == [1, 0, 3, 2]
 
 
 def test_auroc_p_value_against_chance_by_hand():
