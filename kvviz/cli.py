@@ -773,22 +773,30 @@ def _print_ranking(store, args, policies) -> int:
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
-    for (source, model, task, sweep), part in frame.groupby(["source", "model", "task", "sweep"], sort=False):
+    frame = frame.assign(paper=frame.paper.fillna(""))  # measured rows have none; groupby drops a null key
+    for (source, _, model, task, sweep), part in frame.groupby(["source", "paper", "model", "task", "sweep"],
+                                                               sort=False):
         measured = source == "measured"
         cells = part.assign(cell=[f"{score:.3f}" + (f" ± {stderr:.3f}" if measured and stderr == stderr else "")
                                   for score, stderr in zip(part.score, part.stderr)])
         table = cells.pivot(index="policy", columns="metric", values="cell")
         table = table[[metric for metric in RANKING_COLUMNS if metric in table]].rename(columns=RANKING_COLUMNS)
-        table = table.loc[part[part.metric == "auroc"].sort_values("score", ascending=False).policy] \
-            if (part.metric == "auroc").any() else table
+        # by AUROC, best first; a policy with no AUROC row (undefined in every trace) after them
+        by_auroc = list(part[part.metric == "auroc"].sort_values("score", ascending=False).policy)
+        table = table.loc[by_auroc + sorted(set(table.index) - set(by_auroc))]
         if measured:
-            counts = part.groupby("policy")[["traces", "candidates", "past_end"]].max()
+            counts = part.groupby("policy")[["traces", "candidates", "past_end", "ended_by_step",
+                                             "prompt_ranked"]].max()
             table["traces"] = counts.traces.astype(int)
-            table["ranked"] = counts.candidates.astype(int)
-            past_end = int(counts.past_end.max())
+            table["ranked"] = counts.candidates.map(lambda count: "?" if pd.isna(count) else int(count))
+            past_end, by_step = int(counts.past_end.max()), int(counts.ended_by_step.max())
+            prompt = counts.dropna(subset=["prompt_ranked", "candidates"])
             heading = (f"{sweep}: mean over traces ± standard error; probed at step {part.step.iloc[0]}; ranked: "
                        "entries every policy judged, summed over traces"
-                       + (f"; in {past_end} trace(s) the answer ended before the replay did" if past_end else ""))
+                       + (f", {prompt.prompt_ranked.iloc[0] / prompt.candidates.iloc[0]:.0%} of them the prompt's"
+                          if len(prompt) and prompt.candidates.iloc[0] else "")
+                       + (f"; in {past_end} trace(s) the answer ended within or before the replay"
+                          + (f" ({by_step} at or before the step)" if by_step else "") if past_end else ""))
         else:
             # what every row's note says after naming its own row ("row 'attention only'; ranking vs ...")
             shared = {re.sub(r"^row '[^']*'; ", "", note) for note in part.notes.dropna()}

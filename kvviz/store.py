@@ -692,8 +692,11 @@ class Store:
         per (source, model, task, sweep, policy, metric) the mean over traces, its standard error and
         ``traces`` (a measured trace is one probe of one sample, :mod:`kvviz.bench.ranking`; a paper row is its
         one printed figure), ``candidates`` (measured: the entries ranked, summed over the traces counted),
-        ``step`` (the decode step probed), ``past_end`` (traces whose full-cache answer ended before the
-        probe's replay did) and ``notes`` (a paper row's provenance).  Two ranking sweeps are never averaged:
+        ``step`` (the decode step probed), ``past_end`` (traces whose full-cache answer ended within the
+        probe's replay or before it: some of the replayed predictions follow the answer), ``ended_by_step``
+        (those that ended at or before the probed step: all of them do), ``prompt_ranked`` (measured: how many
+        of the ``candidates`` are prompt entries; NULL for rows written before the sweep recorded it) and
+        ``notes`` (a paper row's provenance).  Two ranking sweeps are never averaged:
         each probed its own step over the entries its own policies all judged.  A trace whose metric is
         undefined (Spearman of a constant utility) is left out of that metric's mean and count (undefined in
         every trace: no row).  Each policy at its defaults, and with ``settings`` every setting run, named by
@@ -707,8 +710,12 @@ class Store:
                        AS candidates,
                    string_agg(DISTINCT json_extract_string(meta, '$.step'), ', ') AS step,
                    count(*) FILTER (TRY_CAST(json_extract_string(meta, '$.ended_at') AS INTEGER)
-                                    < TRY_CAST(json_extract_string(meta, '$.step') AS INTEGER)
-                                      + TRY_CAST(json_extract_string(meta, '$.future') AS INTEGER)) AS past_end,
+                                    <= TRY_CAST(json_extract_string(meta, '$.step') AS INTEGER)
+                                       + TRY_CAST(json_extract_string(meta, '$.future') AS INTEGER)) AS past_end,
+                   count(*) FILTER (TRY_CAST(json_extract_string(meta, '$.ended_at') AS INTEGER)
+                                    <= TRY_CAST(json_extract_string(meta, '$.step') AS INTEGER)) AS ended_by_step,
+                   sum(TRY_CAST(json_extract_string(meta, '$.prompt_ranked') AS INTEGER)) FILTER (score IS NOT NULL)
+                       AS prompt_ranked,
                    any_value(notes) AS notes
             FROM results WHERE (setting = '{{}}' OR ?) AND {where}
             GROUP BY ALL HAVING count(score) > 0

@@ -12,7 +12,7 @@ from kvviz import engine, probe
 from kvviz.bench import ranking, sweep
 from kvviz.policies import make_policy
 from kvviz.store import QUALITY_METRICS, Store
-from kvviz.ui.results import ALL, SECTIONS, query
+from kvviz.ui.results import ALL, PAPER_GREY, SECTIONS, Colours, _ranking_caveats, query
 
 CONFIG = {"name": "rank-tiny", "model": "tiny-random-llama", "step": 6, "future": 3, "seed": 0,
           "tasks": [{"name": "arithmetic_reasoning", "samples": 2}],
@@ -63,6 +63,35 @@ def test_a_ranking_sweep_stores_each_traces_ranking_quality_and_resumes(tmp_path
     new = result.sequence[len(prompt_ids):]
     assert len(new) == 6 + 3
     assert meta["ended_at"] == next((i + 1 for i, token in enumerate(new) if token in eos), None)
+
+
+def test_candidates_generated_ranks_only_what_the_model_generated(tmp_path, tiny):
+    """With ``candidates = "generated"`` the probe removes only entries after the prompt: at step 6 the five
+    the model generated before the one step 6 feeds.  Each one's damage is the one the whole-cache probe
+    measures for it (removing one entry does not depend on which others are probed), and no ranked entry is
+    the prompt's; the default run counts its prompt entries among those it ranked."""
+    model, tokenizer = tiny
+    config = {**CONFIG, "tasks": [{"name": "arithmetic_reasoning", "samples": 1}], "policies": ["tova", "recency"]}
+    ranking.run(config, tmp_path / "all", model=model, tokenizer=tokenizer, progress=False)
+    ranking.run({**config, "candidates": "generated"}, tmp_path / "gen", model=model, tokenizer=tokenizer,
+                progress=False)
+    sample = sweep.make_sample(config["tasks"][0], tokenizer, 0, 0, True)
+    prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=True)
+    policies = {name: make_policy(name) for name in config["policies"]}
+    whole = probe.probe(model, tokenizer, prompt_ids, 6, policies=policies, future=3)
+    generated = probe.probe(model, tokenizer, prompt_ids, 6, policies=policies, future=3, generated_only=True)
+    assert generated.candidates.tolist() == list(range(len(prompt_ids), len(prompt_ids) + 5))
+    assert generated.damage == pytest.approx(whole.damage[len(prompt_ids):], rel=1e-4, abs=1e-7)
+    gen = {row["metric"]: row for row in rows(tmp_path / "gen") if row["policy"] == "tova"}
+    assert gen["auroc"]["meta"]["prompt_ranked"] == gen["auroc"]["meta"]["prompt_high_damage"] == 0
+    assert gen["auroc"]["meta"]["candidates"] == 5
+    everything = {row["metric"]: row for row in rows(tmp_path / "all") if row["policy"] == "tova"}["auroc"]["meta"]
+    _, aligned = probe.aligned_quality(whole.utilities, whole.damage)
+    ranked = whole.candidates[aligned]
+    assert everything["prompt_ranked"] == int((ranked < len(prompt_ids)).sum()) > 0
+    assert everything["aligned"] - everything["prompt_ranked"] == int((ranked >= len(prompt_ids)).sum())
+    with pytest.raises(ValueError, match="probe step 2 or later to rank generated entries"):
+        probe.damage_inputs(model, tokenizer, prompt_ids, 1, generated_only=True)
 
 
 def test_a_stopped_ranking_sweep_reruns_only_what_it_lacks(tmp_path, tiny):
@@ -150,8 +179,46 @@ def test_the_store_keeps_a_traces_metrics_apart_and_averages_each_over_traces(tm
     assert table.loc["auroc", "candidates"] == 61 and table.loc["spearman", "candidates"] == 30
     assert table.loc["auroc", "step"] == "8"
     assert table.loc["auroc", "past_end"] == 1  # sample 0 ended at 10, before its replay's 8 + 6
+    assert table.loc["auroc", "ended_by_step"] == 0  # after the probed step 8
     quality = store.quality_vs_compression()
     assert quality.policy.tolist() == ["tova"] and quality.score.tolist() == [1.0]  # the math row alone
+
+
+def test_where_an_answer_ended_is_counted_against_the_probes_replay(tmp_path):
+    """Step 8, future 6: the replay feeds new tokens 9..14.  An answer ending at token 14 feeds its end in the
+    replay, whose last prediction then follows the answer (counted); one ending at 8 or before ends at or
+    before the probed step (counted twice); at 15 or never (null), the replay is all answer."""
+    base = {"source": "measured", "sweep": "r", "model": "m", "task": "t", "params": {}, "compression": None,
+            "prompt_len": 40, "max_new_tokens": 14, "chat": True, "temperature": 0.0, "top_p": 1.0,
+            "policy": "tova", "metric": "auroc", "score": 0.5}
+    ends = [14, 8, 3, 15, None]
+    write_rows(tmp_path / "r", [{**base, "sample": sample, "meta": {"aligned": 30, "step": 8, "future": 6,
+                                                                      "ended_at": end, "prompt_ranked": 20}}
+                                for sample, end in enumerate(ends)])
+    table = Store(tmp_path).damage_ranking()
+    row = table.iloc[0]
+    assert (row.past_end, row.ended_by_step, row.traces) == (3, 2, 5)
+    assert (row.prompt_ranked, row.candidates) == (100, 150)
+    assert _ranking_caveats(table) == [
+        "in 3 trace(s) the full-cache answer ended within or before the probe's replay (2 at or before the probed "
+        "step)", "prompt entries among those ranked: 67% (the rest were generated)"]
+
+
+def test_results_ranking_prints_rows_without_entry_counts_and_without_auroc(tmp_path, capsys):
+    """Rows written without meta.aligned print '?' entries ranked, not a pandas error; a policy with no AUROC
+    row (undefined in every trace) is listed after those ranked by AUROC, not dropped."""
+    from kvviz.cli import main
+
+    base = {"source": "measured", "sweep": "r", "model": "m", "task": "t", "params": {}, "compression": None,
+            "prompt_len": 40, "sample": 0, "meta": {"step": 8}}
+    write_rows(tmp_path / "r", [{**base, "policy": "tova", "metric": "auroc", "score": 0.6},
+                                {**base, "policy": "tova", "metric": "ap", "score": 0.2},
+                                {**base, "policy": "recency", "metric": "ap", "score": 0.3}])
+    assert main(["results", "--root", str(tmp_path), "--ranking"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    body = [line.split() for line in lines if line.startswith(("tova", "recency"))]
+    assert [line[0] for line in body] == ["tova", "recency"]
+    assert body[0][-2:] == ["1", "?"] and body[1][1] == "NaN" and body[1][2] == "0.300"
 
 
 def test_two_ranking_sweeps_of_one_sample_stay_two_experiments(tmp_path):
@@ -189,6 +256,8 @@ def test_two_ranking_sweeps_of_one_sample_stay_two_experiments(tmp_path):
     ({"sample": 1}, "key 'sample': must be a whole number >= 2"),
     ({"compression": [0.5]}, "key 'compression': not a ranking setting"),
     ({"tasks": [{"name": "bogus", "samples": 1}]}, "ranking config 'x': tasks[0] (bogus): unknown task"),
+    ({"candidates": "prompt"}, "key 'candidates': must be 'all' or 'generated', got 'prompt'"),
+    ({"candidates": "generated", "step": 1}, "key 'step': with candidates = \"generated\" the step must be >= 2"),
 ])
 def test_a_bad_ranking_config_is_refused_with_what_to_change(change, message):
     with pytest.raises(ValueError) as error:
@@ -247,6 +316,12 @@ def test_the_ranking_figure_draws_a_panel_per_metric_measured_and_paper_side_by_
     assert list(auroc.error_x.array)[:2] == pytest.approx([0.05, 0.05])
     assert list(auroc.error_x.array)[2:] == [None, None]  # a printed figure has no error bar, not a zero one
     assert list(auroc.marker.pattern.shape) == ["", "", "/", "/"]
+    # a paper's scorer that is one of our policies has its colour; one that is none is grey
+    colours = Colours.of(store)
+    assert list(auroc.marker.color) == [colours("inertia"), colours("tova"), colours("avokv"), PAPER_GREY]
+    # the hover: a measured mean with its spread and counts; a printed figure with its provenance, no counts
+    assert "0.850 ± 0.050" in auroc.hovertext[0] and "2 trace(s), 60 entries ranked" in auroc.hovertext[0]
+    assert "0.900 (printed)<br>pooled" in auroc.hovertext[2] and "trace" not in auroc.hovertext[2]
     assert list(figure.layout.yaxis.categoryarray) == list(auroc.y)[::-1]  # top to bottom as listed
     assert {shape.x0 for shape in figure.layout.shapes} == {0.5, 0.1, 0.0}  # a random ranking's values
     title = figure.layout.title.text

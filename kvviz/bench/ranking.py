@@ -19,15 +19,18 @@ A config (the keys; ``configs/ranking-arithmetic.toml`` is the shipped one)::
     chat = true
     seed = 0
     step = 64            # the decode step probed in each trace
-    future = 8           # tokens replayed after it (AvoKV-E's W_fut)
+    future = 8           # tokens replayed after it (W_fut of AvoKV-E's Appendix D; Table 3 gives none)
     sample = 64          # optional: a seeded sample of the candidates (default: every entry before the step)
+    candidates = "generated"  # optional: rank only the entries the model generated (default "all": the
+                              # prompt's too, which a short prompt's chat template can outnumber)
     tasks = [{ name = "arithmetic_reasoning", samples = 20 }]
     policies = ["inertia", "tova", "rkv", "avokv", { name = "avokv", params = { lambda_b = 0.0 } }]
 
 A row's ``meta`` also says where the full-cache answer ended (``ended_at``, new tokens; null past step +
-future: a trace that ends sooner replays tokens after its answer) and the share of the ranked entries that
-the policy's largest tie holds (``largest_tie``: AP, top-k recall and the false-safe rate break ties by
-position, AUROC gives them half credit).
+future: a trace that ends sooner replays tokens after its answer), how many of the ranked and of the
+high-damage entries are the prompt's (``prompt_ranked``, ``prompt_high_damage``) and the share of the ranked
+entries that the policy's largest tie holds (``largest_tie``: AP, top-k recall and the false-safe rate break
+ties as the policies do, the oldest evicted first; AUROC gives them half credit).
 
 Run (resumable, one trace at a time) with ``kvviz bench ranking configs/ranking-arithmetic.toml``.
 """
@@ -47,7 +50,9 @@ from . import sweep
 
 # What the sweep validator is given as the budget: past any cache, so that it judges no policy's budget rule.
 NO_BUDGET = 2**31 - 1
-KEYS = ("name", "model", "device", "dtype", "chat", "seed", "step", "future", "sample", "batch", "tasks", "policies")
+KEYS = ("name", "model", "device", "dtype", "chat", "seed", "step", "future", "sample", "candidates", "batch", "tasks",
+        "policies")
+POOLS = ("all", "generated")  # the candidates key: every entry before the probed step, or the generated ones
 # The row's metric name (as the paper rows spell it) -> the key of probe.ranking_quality's result.
 METRICS = {"auroc": "auroc", "ap": "average_precision", "topk_recall": "topk_recall",
            "false_safe_rate": "false_safe_rate", "spearman": "spearman"}
@@ -80,6 +85,11 @@ def validate(config: dict, source: str = "the ranking config") -> None:
     for key, least in (("step", 1), ("future", 1), ("sample", 2), ("batch", 1)):
         if key in config and not (sweep._is_int(config[key]) and config[key] >= least):
             raise refuse(f"key {key!r}", f"must be a whole number >= {least}, got {config[key]!r}")
+    if config.get("candidates", "all") not in POOLS:
+        raise refuse("key 'candidates'", f"must be {' or '.join(map(repr, POOLS))}, got {config['candidates']!r}")
+    if config.get("candidates") == "generated" and int(config["step"]) < 2:
+        raise refuse("key 'step'", "with candidates = \"generated\" the step must be >= 2: at step 1 the "
+                                   "model has generated no entry to rank")
     if not isinstance(config["policies"], list):
         raise refuse("key 'policies'", 'must be a list, e.g. policies = ["inertia", "avokv"]')
     for index, entry in enumerate(config["policies"]):
@@ -197,7 +207,7 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
     candidates = config.get("sample")
     result = probe.probe(model, tokenizer, prompt_ids, step, policies=policies, sample=candidates,
                          seed=sweep._sample_seed(seed, f"{label}/candidates", sample_index), future=future,
-                         batch=int(config.get("batch", 16)))
+                         batch=int(config.get("batch", 16)), generated_only=config.get("candidates") == "generated")
     unscored = [name for name in names if name not in result.utilities]
     if unscored:  # a policy whose utility exists only after some event this probe never reached
         raise ValueError(f"ranking config {config['name']!r}: {where}: {', '.join(unscored)} had no utility at "
@@ -207,14 +217,17 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
     except ValueError as error:
         raise ValueError(f"ranking config {config['name']!r}: {where}: {error}") from None
     seconds = time.perf_counter() - start
-    high_damage = int(probe.top_decile(result.damage[aligned]).sum())
+    high = probe.top_decile(result.damage[aligned])
+    # A short prompt's entries (most of them the chat template's, the same in every trace) can outnumber the
+    # generated ones: how many of each count says what a ranking was mostly asked to tell apart
+    from_prompt = result.candidates[aligned] < len(prompt_ids)
     # Where the full-cache answer ended (new tokens up to its end-of-sequence; null: not within step + future):
     # the probe decodes past it, so a trace that ends before step + future replays tokens after its answer
     eos = engine.eos_ids(model, tokenizer)
     generated = result.sequence[len(prompt_ids):]
     ended = next((index + 1 for index, token in enumerate(generated) if token in eos), None)
-    # AP, top-k recall and the false-safe rate break ties by position, AUROC gives them half credit: how much
-    # of each ranking one tied score is says how far to trust the first three
+    # AP, top-k recall and the false-safe rate break ties as the policies do, AUROC gives them half credit:
+    # how much of each ranking one tied score is says how far to trust the first three
     ties = {name: probe.largest_tie(result.utilities[name][aligned]) for name in names}
     written = 0
     for setting, name in zip(settings, names):
@@ -232,7 +245,8 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
                 # stored as null, which the store's means leave out, never as NaN, which it refuses
                 "score": None if value != value else value,
                 "meta": {"step": step, "future": future, "candidates": len(result.candidates),
-                         "aligned": int(aligned.sum()), "high_damage": high_damage, "ended_at": ended,
+                         "aligned": int(aligned.sum()), "high_damage": int(high.sum()), "ended_at": ended,
+                         "prompt_ranked": int(from_prompt.sum()), "prompt_high_damage": int((from_prompt & high).sum()),
                          "largest_tie": ties[name],
                          **({"auroc_p": quality[name]["auroc_p"]} if metric == "auroc" else {})},
                 "seconds": seconds, **meta,

@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from ..policies import REGISTRY
 from ..stats import paired_table
 from ..store import FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, setting_names, suite_notes
 
@@ -944,7 +945,7 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
 RANKING_PANELS = {"auroc": ("AUROC", 0.5), "ap": ("average precision", 0.1), "topk_recall": ("top-k recall", 0.1),
                   "false_safe_rate": ("false-safe rate (lower is better)", 0.1), "spearman": ("Spearman", 0.0)}
 RANKING_BAR = 17  # pixels per bar of a ranking panel
-PAPER_GREY = "#A0A0A0"  # a paper scorer that is none of our policies ('attention only')
+PAPER_GREY = "#A0A0A0"  # a paper's scorer that is none of our policies ('attention only', 'ThinKV-style proxy')
 
 
 def _ranking_labels(frame: pd.DataFrame) -> pd.Series:
@@ -955,6 +956,38 @@ def _ranking_labels(frame: pd.DataFrame) -> pd.Series:
     return pd.Series([f"{row.paper}: {row.policy}" if row.source == "paper"
                       else f"{row.policy} · {row.sweep}" if several else row.policy
                       for row in frame.itertuples()], index=frame.index)
+
+
+def _ranking_hover(row, metric: str) -> str:
+    """A bar's hover: a measured mean with its standard error, traces and entries; a paper's printed figure
+    with where the paper says it comes from."""
+    if row.source == "paper":
+        where = "<br>".join(textwrap.wrap(row.notes, 80)) if isinstance(row.notes, str) else "the paper's figure"
+        return f"{row.label}<br>{metric} {row.score:.3f} (printed)<br>{where}"
+    spread = f" ± {row.stderr:.3f}" if pd.notna(row.stderr) else ""
+    entries = f", {int(row.candidates)} entries ranked" if pd.notna(row.candidates) else ""
+    return (f"{row.label}<br>{metric} {row.score:.3f}{spread}<br>{row.model} · {row.task} · {row.sweep}<br>"
+            f"{int(row.traces)} trace(s){entries}")
+
+
+def _ranking_caveats(measured: pd.DataFrame) -> list[str]:
+    """What qualifies the measured bars: traces whose replay ran past the answer's end, and how many of the
+    ranked entries were the prompt's (per sweep; every policy of a sweep ranks the same entries)."""
+    lines = []
+    past_end = int(measured.past_end.max()) if len(measured) else 0
+    if past_end:  # the probe decodes past the end of a short answer: its replay there is not the answer's
+        by_step = int(measured.ended_by_step.max())
+        lines.append(f"in {past_end} trace(s) the full-cache answer ended within or before the probe's replay"
+                     + (f" ({by_step} at or before the probed step)" if by_step else ""))
+    shares = []
+    for sweep, part in measured[measured.metric == "auroc"].groupby("sweep"):
+        part = part.dropna(subset=["prompt_ranked", "candidates"])
+        if len(part) and part.candidates.iloc[0]:
+            shares.append(f"{part.prompt_ranked.iloc[0] / part.candidates.iloc[0]:.0%}"
+                          + (f" in {sweep}" if measured.sweep.nunique() > 1 else ""))
+    if shares:
+        lines.append(f"prompt entries among those ranked: {', '.join(shares)} (the rest were generated)")
+    return lines
 
 
 def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()) -> go.Figure:
@@ -980,16 +1013,14 @@ def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()
         paper = part.source == "paper"
         fig.add_bar(
             x=part.score, y=part.index, orientation="h", row=row, col=col, showlegend=False,
-            marker=dict(color=[colours(policy) or PAPER_GREY for policy in part.policy],
+            marker=dict(color=[colours(row.policy) if row.source == "measured" or row.policy in REGISTRY
+                               else PAPER_GREY for row in part.itertuples()],
                         pattern=dict(shape=["/" if p else "" for p in paper], solidity=0.4)),
             # none for a paper's figure or a lone trace (a zero-width bar would read as certainty)
             error_x=dict(array=[None if value != value else value for value in part.stderr], thickness=1, width=3,
                          color="#404040"),
-            customdata=np.stack([part.model, part.task, part.traces.astype(int),
-                                 part.candidates.fillna(0).astype(int), part.stderr.fillna(0)], axis=-1),
-            hovertemplate=("%{y}<br>" + RANKING_PANELS[metric][0] + " %{x:.3f} ± %{customdata[4]:.3f}<br>"
-                           "%{customdata[0]} · %{customdata[1]}<br>%{customdata[2]} trace(s), "
-                           "%{customdata[3]} entries ranked<extra></extra>"))
+            hovertext=[_ranking_hover(row, RANKING_PANELS[metric][0]) for row in part.reset_index().itertuples()],
+            hovertemplate="%{hovertext}<extra></extra>")
         chance = RANKING_PANELS[metric][1]
         fig.add_vline(x=chance, line_dash="dot", line_color="grey", row=row, col=col)
     fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], tickfont=dict(size=10))
@@ -1000,9 +1031,7 @@ def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()
     if len(measured):
         lines.append(f"solid: measured, the mean over {int(measured.traces.max())} traces ± 1 standard error; "
                      f"{', '.join(sorted(set(measured.model)))} on {', '.join(sorted(set(measured.task)))}")
-    past_end = int(measured.past_end.max()) if len(measured) else 0
-    if past_end:  # the probe decodes past the end of a short answer: its replay there is not the answer's
-        lines.append(f"in {past_end} trace(s) the full-cache answer ended before the probe's replay did")
+    lines += _ranking_caveats(measured)
     if len(papers):
         lines.append(f"hatched: {', '.join(sorted(set(papers.paper)))}'s printed figures, over all its traces "
                      f"({', '.join(sorted(set(papers.model)))}, {', '.join(sorted(set(papers.task)))}): "
