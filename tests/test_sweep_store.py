@@ -1580,6 +1580,46 @@ def test_a_filter_changed_while_the_figures_are_drawn_is_queued_not_dropped(tmp_
     assert {event for _, event in results[0].targets} == {"load", "change"}
 
 
+def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defaults_first(tmp_path,
+                                                                                          monkeypatch):
+    """The store does not change while the app runs: a filter combination asked for again (every page load
+    asks for the defaults) reuses its figures instead of drawing them again; the served tab (``warm``) draws
+    the defaults as it is built.  Each call gets update dicts of its own (Gradio may consume them)."""
+    import threading
+
+    import gradio as gr
+
+    from kvviz.ui import results as tab
+
+    drawn = []
+    query = tab.query
+
+    def counted(store, *args):
+        drawn.append(args[:4])
+        return query(store, *args)
+
+    monkeypatch.setattr(tab, "query", counted)
+    with gr.Blocks() as app:
+        tab.build_results_tab(app, review_store(tmp_path), warm=True)
+    for thread in threading.enumerate():
+        if thread.name == "results-defaults":
+            thread.join(timeout=120)
+    assert len(drawn) == 1  # the defaults, before any page asked
+    handler = next(fn for fn in app.fns.values() if fn.api_name == "results").fn
+    defaults = [block.value for block in app.fns[next(key for key, fn in app.fns.items()
+                                                      if fn.api_name == "results")].inputs]
+    first = handler(*defaults)
+    again = handler(*defaults)
+    assert len(drawn) == 1 and first[0] is again[0]  # the same figure, not drawn again
+    assert first[2] == again[2] and first[2] is not again[2]
+    other = [*defaults]
+    other[3] = "paper"
+    handler(*other)
+    handler(*other)
+    handler(*defaults)
+    assert len(drawn) == 2 and drawn[1][3] == "paper"
+
+
 def test_the_quality_note_names_the_tasks_where_the_shipped_sweeps_put_avokv_near_zero():
     """The note under Quality vs compression explains AvoKV-E's near-zero rows; it named "the needle tasks"
     while the needle grid panel beside it showed AvoKV-E among the best.  It names the tasks, checked here

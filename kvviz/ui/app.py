@@ -1576,7 +1576,8 @@ def stopped_while_loading(note):
 APP_CSS = ".secondary-wrap input { text-overflow: ellipsis; padding-right: 24px !important; }"
 
 
-def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Blocks:
+def build_app(limits: Limits | None = None, store: Store | None = None, warm: bool = False) -> gr.Blocks:
+    """The whole app; ``warm`` (the served app) draws the Results tab's default figures as it is built."""
     limits = limits or Limits.from_env()
     policy_choices = [(f"{s.display} ({s.name})", s.name) for s in REGISTRY.values()]
     # Gradio's copies of the downloads expire after two hours, checked hourly (else they pile up for good).
@@ -1870,7 +1871,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None) -> gr.Bl
                 table.change(fit_columns, table, table, api_name=False, queue=False, show_progress="hidden")
 
         with gr.Tab("Results"):
-            build_results_tab(app, store)
+            build_results_tab(app, store, warm=warm)
 
         gr.api(make_generate_api(limits), api_name="generate", concurrency_limit=limits.runs_per_model, concurrency_id="model")
     return app
@@ -1892,7 +1893,7 @@ def check_served_models(limits: Limits) -> None:
 def launch(limits: Limits | None = None, **kwargs):
     limits = limits or Limits.from_env()
     check_served_models(limits)
-    app = build_app(limits)
+    app = build_app(limits, warm=True)
     app.queue(default_concurrency_limit=limits.runs_per_model, max_size=limits.queue_size)
     # Uploads are saved traces: a 64k-token prompt with 256 steps is ~13 MB; refuse what no trace needs.
     kwargs.setdefault("max_file_size", "100mb")

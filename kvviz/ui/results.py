@@ -945,6 +945,7 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
 RANKING_PANELS = {"auroc": ("AUROC", 0.5), "ap": ("average precision", 0.1), "topk_recall": ("top-k recall", 0.1),
                   "false_safe_rate": ("false-safe rate (lower is better)", 0.1), "spearman": ("Spearman", 0.0)}
 RANKING_BAR = 17  # pixels per bar of a ranking panel
+FILTERS_CACHED = 64  # filter combinations whose figures the tab keeps (a few MB each)
 PAPER_GREY = "#A0A0A0"  # a paper's scorer that is none of our policies ('attention only', 'ThinKV-style proxy')
 
 
@@ -1336,8 +1337,9 @@ QUALITY_NOTE = ("Measured rows are SmolLM2-135M on short synthetic tasks, not th
                 "`results_db/README.md` discusses each such row.")
 
 
-def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
-    """Lay out the tab inside the current Blocks context; figures render on load and on every filter change."""
+def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = False) -> None:
+    """Lay out the tab inside the current Blocks context; figures render on load and on every filter change,
+    each filter combination once (and with ``warm`` the defaults at once, in the background)."""
     store = store or Store()
     if store.problems:
         gr.Markdown("**Some results could not be read:**\n" + "\n".join(f"- {p}" for p in store.problems))
@@ -1417,10 +1419,23 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None) -> None:
             outputs += [plot, table, csv]
     filters = [model, task, policies, source, suite, reference, settings, sweeps]
 
+    # The store does not change while the app runs, so each filter combination is drawn once (3-8 s of this
+    # 2-core machine's time); every page load asks for the defaults, which are drawn as the app starts.
+    @functools.lru_cache(maxsize=FILTERS_CACHED)
+    def drawn(model_value, task_value, policy_values: tuple, source_value, suite_value, reference_value,
+              settings_value: bool, sweep_values: tuple) -> tuple:
+        return query(store, model_value, task_value, list(policy_values), source_value, suite_value, colours,
+                     reference_value, settings_value, list(sweep_values))
+
     def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value,
                 sweep_values=None):
-        return query(store, model_value, task_value, policy_values, source_value, suite_value, colours,
-                     reference_value, settings_value, sweep_values)
+        out = drawn(model_value, task_value, tuple(policy_values or ()), source_value, suite_value, reference_value,
+                    bool(settings_value), tuple(sweep_values or ()))
+        return tuple(dict(item) if isinstance(item, dict) else item for item in out)  # an update dict, each time anew
+
+    if warm:  # what a page load asks for first, drawn before anyone asks
+        threading.Thread(target=handler, args=[widget.value for widget in filters], name="results-defaults",
+                         daemon=True).start()
 
     # always_last: a filter changed while the figures for the last one are drawn is queued, not dropped
     # (Gradio's default, "once", ignored it, and the figures kept showing the earlier filters)

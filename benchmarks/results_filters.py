@@ -1,0 +1,56 @@
+"""What a Results-tab filter change costs, drawn afresh and asked for again (the tab keeps each combination's
+figures: the store does not change while the app runs).
+
+Builds the tab over the shipped results_db, then for a few filter combinations times the tab's own handler
+twice: the first call draws every figure (store queries, paired bootstrap, Plotly), the second returns what
+the first drew.  One JSON line per combination, times in seconds and the second as a share of the first.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/results_filters.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+
+import gradio as gr
+
+from kvviz.store import Store
+from kvviz.ui.results import ALL, build_results_tab
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the JSON lines here")
+    args = parser.parse_args()
+    with gr.Blocks() as app:
+        build_results_tab(app, Store())
+    function = next(fn for fn in app.fns.values() if fn.api_name == "results")
+    defaults = [block.value for block in function.inputs]
+    changes = {"defaults (a page load)": {}, "source: all": {3: ALL}, "source: paper": {3: "paper"},
+               "task: single_needle": {1: "single_needle"}, "policies: inertia, tova": {2: ["inertia", "tova"]},
+               "every setting": {6: True}}
+    lines = [{"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
+              "cpus": os.cpu_count(), "python": platform.python_version(), "gradio": gr.__version__}]
+    for name, change in changes.items():
+        values = [change.get(index, value) for index, value in enumerate(defaults)]
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            function.fn(*values)
+            times.append(time.perf_counter() - start)
+        lines.append({"filters": name, "first_s": round(times[0], 3), "again_s": round(times[1], 6),
+                      "again_vs_first": round(times[1] / times[0], 6)})
+    for line in lines:
+        print(json.dumps(line))
+    if args.out:
+        with open(args.out, "w") as file:
+            file.writelines(json.dumps(line) + "\n" for line in lines)
+
+
+if __name__ == "__main__":
+    main()
