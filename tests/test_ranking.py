@@ -242,7 +242,8 @@ def test_two_ranking_sweeps_of_one_sample_stay_two_experiments(tmp_path):
     assert sorted(zip(pairs.policy, (pairs.score - pairs.reference_score).round(6))) == [
         ("inertia", -0.4), ("inertia", -0.4), ("recency", 0.1), ("recency", 0.1)]
     figure, _ = ranking_figure(store, ALL, ALL, [], "measured")
-    assert set(figure.data[0].y) == {"tova · ra", "inertia · ra", "tova · rb", "recency · rb"}
+    # each sweep's bars together, by AUROC within it (sorted by AUROC alone, the sweeps would interleave)
+    assert list(figure.data[0].y) == ["tova · ra", "inertia · ra", "recency · rb", "tova · rb"]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -403,3 +404,29 @@ def test_a_policy_only_ranked_is_no_quality_reference_and_is_marked_so(tmp_path,
     assert ("inertia (damage ranking only)", "inertia") in boxes["Policies (none = all)"].choices
     assert ("attention only (paper only)", "attention only") in boxes["Policies (none = all)"].choices
     assert [value for _, value in boxes["Reference policy"].choices] == ["full", "tova"]
+
+
+def test_the_ranking_tables_in_results_db_readme_are_the_shipped_rows_means():
+    """results_db/README.md prints each shipped ranking sweep's means: every cell must be what the store
+    computes from the rows (rounded to 3 places), and every setting the sweep ranked must have its line."""
+    import re
+
+    text = (Path(__file__).parents[1] / "results_db" / "README.md").read_text()
+    store = Store()
+    for sweep_name in ("ranking-arithmetic", "ranking-arithmetic-generated"):
+        section = text.split(f"**`{sweep_name}/`")[1]
+        lines = section[section.index("| policy |"):].splitlines()
+        header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+        table = {}
+        for line in lines[2:]:
+            if not line.startswith("|"):
+                break
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            table[re.search(r"`([^`]+)`", cells[0]).group(1)] = [float(cell.replace("−", "-")) for cell in cells[1:]]
+        means = store.damage_ranking(source="measured", settings=True, sweeps=[sweep_name])
+        assert header[1:] == ["AUROC", "AP", "top-k recall", "false-safe", "Spearman"]
+        assert set(table) == set(means.policy)
+        for name, values in table.items():
+            measured = means[means.policy == name].set_index("metric").score
+            expected = [measured[metric] for metric in ("auroc", "ap", "topk_recall", "false_safe_rate", "spearman")]
+            assert values == pytest.approx(expected, abs=5e-4 + 1e-9), name

@@ -994,15 +994,18 @@ def _ranking_caveats(measured: pd.DataFrame) -> list[str]:
 def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()) -> go.Figure:
     """AvoKV-E's oracle ranking table as bars: a panel per metric, a bar per scorer (measured: the mean over
     traces with ± 1 standard error; a paper's: its one printed figure, hatched), the scorers in the order of
-    their AUROC within each source, and a random ranking's value dotted."""
+    their AUROC within each source and measured sweep, and a random ranking's value dotted."""
     if frame.empty:
         return _empty(go.Figure(), "no damage-ranking rows for these filters (run `kvviz bench ranking "
                                    "configs/ranking-arithmetic.toml`)")
     frame = frame.assign(paper=frame.paper.fillna("paper"))  # a paper row may not say which paper
     frame = frame.assign(label=_ranking_labels(frame))
     auroc = frame[frame.metric == "auroc"].set_index("label").score
+    sweep_of = frame.drop_duplicates("label").set_index("label").sweep
+    # measured first, each sweep's bars together (they ranked different entries), by AUROC within it
     order = sorted(frame.label.unique(), key=lambda label: (
-        not frame[frame.label == label].source.eq("measured").any(), -auroc.get(label, -np.inf), label))
+        not frame[frame.label == label].source.eq("measured").any(), str(sweep_of[label]),
+        -auroc.get(label, -np.inf), label))
     metrics = [metric for metric in RANKING_PANELS if metric in set(frame.metric)]
     columns = min(3, len(metrics))
     grid_rows = -(-len(metrics) // columns)
