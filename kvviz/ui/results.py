@@ -1427,8 +1427,11 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
     @functools.lru_cache(maxsize=FILTERS_CACHED)
     def drawn(model_value, task_value, policy_values: tuple, source_value, suite_value, reference_value,
               settings_value: bool, sweep_values: tuple) -> tuple:
-        return query(store, model_value, task_value, list(policy_values), source_value, suite_value, colours,
-                     reference_value, settings_value, list(sweep_values))
+        out = query(store, model_value, task_value, list(policy_values), source_value, suite_value, colours,
+                    reference_value, settings_value, list(sweep_values))
+        # kept as the JSON Gradio sends (a Plot passes its own PlotData through), not turned into it per request
+        return tuple(block.postprocess(value) if isinstance(block, gr.Plot) else value
+                     for block, value in zip(outputs, out))
 
     def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value,
                 sweep_values=None):
