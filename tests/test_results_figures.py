@@ -254,6 +254,19 @@ def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(tmp_path):
                     assert len(re.sub("<[^>]+>", "", line)) <= NOTE_WIDTH, line
 
 
+def test_every_figure_leaves_the_strip_the_modebar_shows_in_free():
+    """Plotly's modebar appears at the top right of a hovered figure and covered the end of a long title: every
+    titled figure hangs its title below a strip of MODEBAR_STRIP pixels, with that much more top margin."""
+    from kvviz.ui.results import MODEBAR_STRIP
+
+    for figure in query(Store(), ALL, ALL, [], ALL, settings=True)[0::3]:
+        if figure.layout.title.text:
+            title = figure.layout.title
+            assert (title.yref, title.y, title.yanchor) == ("container", 1, "top"), title.text[:40]
+            assert title.pad.t >= MODEBAR_STRIP + 8, title.text[:40]
+            assert figure.layout.margin.t >= title.pad.t + 20, title.text[:40]  # the title's line, under the strip
+
+
 def test_an_empty_figure_says_which_filter_empties_it(tmp_path):
     """A model only a paper reports, under the measured source, emptied every figure with a bare "no rows for
     these filters"; now each says the model has paper rows only.  Policies = the reference alone says so, not

@@ -1618,6 +1618,14 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
     handler(*other)
     handler(*defaults)
     assert len(drawn) == 2 and drawn[1][3] == "paper"
+    # a combination asked for by two requests at once is drawn once: the second waits for the first's figures
+    other[1] = "t"
+    threads = [threading.Thread(target=handler, args=other) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(drawn) == 3 and drawn[2][1] == "t"
 
 
 def test_the_quality_note_names_the_tasks_where_the_shipped_sweeps_put_avokv_near_zero():

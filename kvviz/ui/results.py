@@ -32,9 +32,12 @@ ALL = "(all)"
 # Not D3 after Plotly: its first hues repeat Plotly's (blue, orange, green, red, purple, pink); nor the
 # Dark24 hues closest to Plotly's (pink, red, violet, orange).
 PALETTE = qualitative.Plotly + [c for c in qualitative.Dark24 if c not in ("#E15F99", "#FB0D0D", "#DA16FF", "#EB663B")]
-MARGIN = dict(l=50, r=20, t=50, b=40)
+# Plotly's modebar (download, zoom, ...) shows at the top right of a hovered figure, over whatever is there:
+# every figure keeps this strip above its title free for it (a long title ran under it)
+MODEBAR_STRIP = 24
+MARGIN = dict(l=50, r=20, t=50 + MODEBAR_STRIP, b=40)
 NOTE_HEIGHT = 22  # pixels of top margin per small line under a figure's title (a browser draws them 21 apart)
-TITLE_PAD = 12  # pixels above a title hung from the top of its figure
+TITLE_PAD = 12 + MODEBAR_STRIP  # pixels above a title hung from the top of its figure
 PANEL_TITLE_HEIGHT = 16  # pixels of top margin per line of the first row's panel titles
 LEGEND_ROW = 30  # pixels a browser gives each legend entry of a line-and-marker trace
 # Characters on one note line, and on a title's first line: longer ones ran past the edge of a figure in a
@@ -884,7 +887,7 @@ def _title(fig: go.Figure, title: str, notes: list[str]) -> None:
     fig.update_layout(title=dict(text="<br>".join([title, *(f"<sup>{note}</sup>" for note in notes)]),
                                  yref="container", y=1, yanchor="top", pad=dict(t=TITLE_PAD)),
                       margin={**MARGIN, "t": MARGIN["t"] + NOTE_HEIGHT * len(notes)},
-                      height=400 + NOTE_HEIGHT * len(notes))
+                      height=400 + MODEBAR_STRIP + NOTE_HEIGHT * len(notes))
 
 
 def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
@@ -945,7 +948,7 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
 RANKING_PANELS = {"auroc": ("AUROC", 0.5), "ap": ("average precision", 0.1), "topk_recall": ("top-k recall", 0.1),
                   "false_safe_rate": ("false-safe rate (lower is better)", 0.1), "spearman": ("Spearman", 0.0)}
 RANKING_BAR = 17  # pixels per bar of a ranking panel
-FILTERS_CACHED = 64  # filter combinations whose figures the tab keeps (a few MB each)
+FILTERS_CACHED = 64  # filter combinations whose figures the tab keeps (under 1 MB each on the shipped store)
 PAPER_GREY = "#A0A0A0"  # a paper's scorer that is none of our policies ('attention only', 'ThinKV-style proxy')
 
 
@@ -1074,8 +1077,9 @@ def _grid_figure(frame: pd.DataFrame, empty: str = "no needle-grid rows for thes
                         hovertemplate="length %{x}<br>depth %{y}<br>ROUGE-L %{z:.2f}<extra></extra>",
                         row=index // columns + 1, col=index % columns + 1)
     fig.update_layout(title=dict(text="Needle in a haystack: ROUGE-L F by context length and needle depth<br><sup>"
-                                      "x: the context in prompt tokens; y: the share of it before the needle</sup>"),
-                      height=100 + 200 * rows + PANEL_TITLE_HEIGHT * several,
+                                      "x: the context in prompt tokens; y: the share of it before the needle</sup>",
+                                 yref="container", y=1, yanchor="top", pad=dict(t=TITLE_PAD)),
+                      height=100 + MODEBAR_STRIP + 200 * rows + PANEL_TITLE_HEIGHT * several,
                       margin={**MARGIN, "t": MARGIN["t"] + NOTE_HEIGHT + PANEL_TITLE_HEIGHT * several})
     fig.update_annotations(font_size=10)
     return fig
@@ -1433,10 +1437,17 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
         return tuple(block.postprocess(value) if isinstance(block, gr.Plot) else value
                      for block, value in zip(outputs, out))
 
+    drawing: dict[tuple, threading.Lock] = {}  # one lock per combination: asked for again while it is being
+    drawing_guard = threading.Lock()              # drawn (a page load during the warm-up), it waits for that draw
+
     def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value,
                 sweep_values=None):
-        out = drawn(model_value, task_value, tuple(policy_values or ()), source_value, suite_value, reference_value,
-                    bool(settings_value), tuple(sweep_values or ()))
+        key = (model_value, task_value, tuple(policy_values or ()), source_value, suite_value, reference_value,
+               bool(settings_value), tuple(sweep_values or ()))
+        with drawing_guard:
+            lock = drawing.setdefault(key, threading.Lock())
+        with lock:
+            out = drawn(*key)
         return tuple(dict(item) if isinstance(item, dict) else item for item in out)  # an update dict, each time anew
 
     if warm:  # what a page load asks for first, drawn before anyone asks
