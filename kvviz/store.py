@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,9 @@ class Store:
         self.kinds = policy_kinds() if kinds is None else kinds
         self._named: dict[tuple, tuple[str | None, str]] = {}
         self.con = duckdb.connect(":memory:")
+        # One connection, many threads (the app's sessions, its start-up drawing): a query and the fetch of its
+        # result go together, or one thread's fetch could return another's rows
+        self._lock = threading.RLock()
         self.con.execute("SET enable_progress_bar = false")  # a slow load on a busy machine drew one on stdout
         # null_handling="special": rows without params (or a policy) still get a setting, '{}'
         self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
@@ -417,7 +421,13 @@ class Store:
         self.con.execute(f"INSERT INTO sweep_settings VALUES (?{', ?' * len(GENERATION)})", [sweep.name, *values])
 
     def frame(self, sql: str, params: list | None = None) -> pd.DataFrame:
-        return self.con.execute(sql, params or []).df()
+        with self._lock:
+            return self.con.execute(sql, params or []).df()
+
+    def _column(self, sql: str, params: list) -> list:
+        """The first column of a query's rows."""
+        with self._lock:
+            return [row[0] for row in self.con.execute(sql, params).fetchall()]
 
     # How a row cut the cache, as the figures group it: its compression or its absolute budget, never both;
     # the full cache's rows (stored at a sweep's first compression, or at neither) have neither.
@@ -614,11 +624,11 @@ class Store:
 
     def comparable_suites(self) -> list[str]:
         """Benchmarks on which both a paper and a measurement have quality relative to a full cache."""
-        return [row[0] for row in self.con.execute(
+        return self._column(
             self._RELATIVE + """
             SELECT suite FROM relative GROUP BY suite
             HAVING count(DISTINCT origin = 'measured') = 2 ORDER BY suite
-            """, [list(QUALITY_METRICS), FULL_CACHE_FLOOR]).fetchall()]
+            """, [list(QUALITY_METRICS), FULL_CACHE_FLOOR])
 
     def needle_grid(self, model=None, policies=None, source=None, sweeps=None) -> pd.DataFrame:
         """Mean score per (model, policy, compression or absolute budget, context length, needle depth) of the
@@ -695,7 +705,8 @@ class Store:
         ``step`` (the decode step probed), ``past_end`` (traces whose full-cache answer ended within the
         probe's replay or before it: some of the replayed predictions follow the answer), ``ended_by_step``
         (those that ended at or before the probed step: all of them do), ``prompt_ranked`` (measured: how many
-        of the ``candidates`` are prompt entries; NULL for rows written before the sweep recorded it) and
+        of the ``candidates`` are prompt entries; NULL where a trace counted was written before the sweep
+        recorded it) and
         ``notes`` (a paper row's provenance).  Two ranking sweeps are never averaged:
         each probed its own step over the entries its own policies all judged.  A trace whose metric is
         undefined (Spearman of a constant utility) is left out of that metric's mean and count (undefined in
@@ -714,8 +725,11 @@ class Store:
                                        + TRY_CAST(json_extract_string(meta, '$.future') AS INTEGER)) AS past_end,
                    count(*) FILTER (TRY_CAST(json_extract_string(meta, '$.ended_at') AS INTEGER)
                                     <= TRY_CAST(json_extract_string(meta, '$.step') AS INTEGER)) AS ended_by_step,
-                   sum(TRY_CAST(json_extract_string(meta, '$.prompt_ranked') AS INTEGER)) FILTER (score IS NOT NULL)
-                       AS prompt_ranked,
+                   -- NULL unless every trace counted recorded it (rows written before it was would understate it)
+                   CASE WHEN count(json_extract_string(meta, '$.prompt_ranked')) FILTER (score IS NOT NULL)
+                             = count(score)
+                        THEN sum(TRY_CAST(json_extract_string(meta, '$.prompt_ranked') AS INTEGER))
+                                 FILTER (score IS NOT NULL) END AS prompt_ranked,
                    any_value(notes) AS notes
             FROM results WHERE (setting = '{{}}' OR ?) AND {where}
             GROUP BY ALL HAVING count(score) > 0
@@ -766,7 +780,7 @@ class Store:
             raise ValueError(f"no filter on {column!r}")
         values = "unnest(ran_in)" if column == "sweep" else column  # a shared cell counts for every sweep it ran in
         metrics = list(metrics) if metrics else None
-        return [row[0] for row in self.con.execute(
+        return self._column(
             f"SELECT DISTINCT * FROM (SELECT {values} AS value FROM results WHERE (? IS NULL OR source = ?) "
             "AND (?::VARCHAR[] IS NULL OR list_contains(?, metric))) WHERE value IS NOT NULL ORDER BY 1",
-            [source, source, metrics, metrics]).fetchall()]
+            [source, source, metrics, metrics])

@@ -1606,8 +1606,9 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
             thread.join(timeout=120)
     assert len(drawn) == 1  # the defaults, before any page asked
     handler = next(fn for fn in app.fns.values() if fn.api_name == "results").fn
-    defaults = [block.value for block in app.fns[next(key for key, fn in app.fns.items()
-                                                      if fn.api_name == "results")].inputs]
+    # what a page load sends: each widget's initial value as the browser gets it, through the widget's preprocess
+    inputs = next(fn for fn in app.fns.values() if fn.api_name == "results").inputs
+    defaults = [block.preprocess(block.get_config()["value"]) for block in inputs]
     first = handler(*defaults)
     again = handler(*defaults)
     assert len(drawn) == 1 and first[0] is again[0]  # the same figure, not drawn again
@@ -1626,6 +1627,38 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
     for thread in threads:
         thread.join(timeout=120)
     assert len(drawn) == 3 and drawn[2][1] == "t"
+
+
+def test_one_store_answers_threads_querying_it_at_once(tmp_path):
+    """The store's single DuckDB connection serves every session and the start-up drawing: without a lock
+    around each query and its fetch, one thread's fetch returned another's rows or failed outright."""
+    import threading
+
+    store = review_store(tmp_path)
+    expected = {"frame": store.frame("SELECT policy, count(*) AS n FROM results GROUP BY ALL ORDER BY ALL"),
+                "options": store.options("sweep")}
+    failures = []
+
+    def ask(which: str) -> None:
+        for _ in range(60):
+            try:
+                if which == "frame":
+                    got = store.frame("SELECT policy, count(*) AS n FROM results GROUP BY ALL ORDER BY ALL")
+                    same = got.equals(expected["frame"])
+                else:
+                    got = store.options("sweep")
+                    same = got == expected["options"]
+            except Exception as error:  # noqa: BLE001 -- counted: the test's point
+                got, same = error, False
+            if not same:
+                failures.append((which, got))
+
+    threads = [threading.Thread(target=ask, args=(which,)) for which in ("frame", "options") * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert failures == []
 
 
 def test_the_quality_note_names_the_tasks_where_the_shipped_sweeps_put_avokv_near_zero():
