@@ -73,9 +73,9 @@ sweeps: $(STAMP)
 		$(VENV)/bin/kvviz bench run configs/$$name.toml --status | tail -1; \
 	done
 	# the damage-ranking sweeps (AvoKV-E's Table 3 measured), a trace at a time: one one-thread process each
-	for name in ranking-arithmetic ranking-arithmetic-generated; do \
-		HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/kvviz bench ranking configs/$$name.toml & \
-	done; wait
+	pids=; for name in ranking-arithmetic ranking-arithmetic-generated; do \
+		HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/kvviz bench ranking configs/$$name.toml & pids="$$pids $$!"; \
+	done; for pid in $$pids; do wait $$pid || exit 1; done
 
 clean:
 	rm -rf $(VENV)

@@ -3,8 +3,8 @@ figures: the store does not change while the app runs).
 
 Builds the tab over the shipped results_db, then for a few filter combinations times the tab's own handler
 twice: the first call draws every figure (store queries, paired bootstrap, Plotly), the second returns what
-the first drew.  Gradio then turns the figures and tables into JSON on every request (``postprocess_s``,
-timed once).  One JSON line per combination, times in seconds, and a repeated request's time (handler plus
+the first drew (its figures already in the JSON Gradio sends).  Gradio still converts the tables and CSV
+downloads on every request (``postprocess_s``, timed once).  One JSON line per combination, times in seconds, and a repeated request's time (handler plus
 postprocess) as a share of the first's.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/results_filters.py [--out FILE]

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from kvviz import engine, probe
@@ -200,8 +201,18 @@ def test_where_an_answer_ended_is_counted_against_the_probes_replay(tmp_path):
     assert (row.past_end, row.ended_by_step, row.traces) == (3, 2, 5)
     assert (row.prompt_ranked, row.candidates) == (100, 150)
     assert _ranking_caveats(table) == [
-        "in 3 trace(s) the full-cache answer ended within or before the probe's replay (2 at or before the probed "
-        "step)", "prompt entries among those ranked: 67% (the rest were generated)"]
+        "in 3 trace(s) (2 at or before the probed step) the full-cache answer ended within or before the probe's "
+        "replay", "prompt entries among those ranked: 67% (the rest were generated)"]
+    # a trace of a sweep that recorded no prompt count leaves the share unknown, not understated
+    write_rows(tmp_path / "r2", [{**base, "sweep": "r2", "sample": 0, "meta": {"aligned": 30, "step": 8,
+                                                                               "future": 6, "ended_at": 9}},
+                                 {**base, "sweep": "r2", "sample": 1, "meta": {"aligned": 30, "step": 8, "future": 6,
+                                                                               "prompt_ranked": 20}}])
+    table = Store(tmp_path).damage_ranking()
+    assert pd.isna(table.set_index("sweep").loc["r2", "prompt_ranked"])
+    assert _ranking_caveats(table) == [
+        "in 3 trace(s) of r (2 at or before the probed step); 1 trace(s) of r2 the full-cache answer ended within "
+        "or before the probe's replay", "prompt entries among those ranked: 67% in r (the rest were generated)"]
 
 
 def test_results_ranking_prints_rows_without_entry_counts_and_without_auroc(tmp_path, capsys):

@@ -978,17 +978,22 @@ def _ranking_caveats(measured: pd.DataFrame) -> list[str]:
     """What qualifies the measured bars: traces whose replay ran past the answer's end, and how many of the
     ranked entries were the prompt's (per sweep; every policy of a sweep ranks the same entries)."""
     lines = []
-    past_end = int(measured.past_end.max()) if len(measured) else 0
-    if past_end:  # the probe decodes past the end of a short answer: its replay there is not the answer's
-        by_step = int(measured.ended_by_step.max())
-        lines.append(f"in {past_end} trace(s) the full-cache answer ended within or before the probe's replay"
-                     + (f" ({by_step} at or before the probed step)" if by_step else ""))
+    several = measured.sweep.nunique() > 1
+    # the probe decodes past the end of a short answer: its replay there is not the answer's
+    ended = []
+    for sweep, part in measured.groupby("sweep"):
+        past_end, by_step = int(part.past_end.max()), int(part.ended_by_step.max())
+        if past_end:
+            ended.append(f"{past_end} trace(s){f' of {sweep}' if several else ''}"
+                         + (f" ({by_step} at or before the probed step)" if by_step else ""))
+    if ended:
+        lines.append(f"in {'; '.join(ended)} the full-cache answer ended within or before the probe's replay")
     shares = []
     for sweep, part in measured[measured.metric == "auroc"].groupby("sweep"):
         part = part.dropna(subset=["prompt_ranked", "candidates"])
         if len(part) and part.candidates.iloc[0]:
             shares.append(f"{part.prompt_ranked.iloc[0] / part.candidates.iloc[0]:.0%}"
-                          + (f" in {sweep}" if measured.sweep.nunique() > 1 else ""))
+                          + (f" in {sweep}" if several else ""))
     if shares:
         lines.append(f"prompt entries among those ranked: {', '.join(shares)} (the rest were generated)")
     return lines
