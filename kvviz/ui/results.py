@@ -962,16 +962,16 @@ def _ranking_labels(frame: pd.DataFrame) -> pd.Series:
                       for row in frame.itertuples()], index=frame.index)
 
 
-def _ranking_hover(row, metric: str) -> str:
+def _ranking_hover(bar, metric: str) -> str:
     """A bar's hover: a measured mean with its standard error, traces and entries; a paper's printed figure
     with where the paper says it comes from."""
-    if row.source == "paper":
-        where = "<br>".join(textwrap.wrap(row.notes, 80)) if isinstance(row.notes, str) else "the paper's figure"
-        return f"{row.label}<br>{metric} {row.score:.3f} (printed)<br>{where}"
-    spread = f" ± {row.stderr:.3f}" if pd.notna(row.stderr) else ""
-    entries = f", {int(row.candidates)} entries ranked" if pd.notna(row.candidates) else ""
-    return (f"{row.label}<br>{metric} {row.score:.3f}{spread}<br>{row.model} · {row.task} · {row.sweep}<br>"
-            f"{int(row.traces)} trace(s){entries}")
+    if bar.source == "paper":
+        where = "<br>".join(textwrap.wrap(bar.notes, 80)) if isinstance(bar.notes, str) else "the paper's figure"
+        return f"{bar.label}<br>{metric} {bar.score:.3f} (printed)<br>{where}"
+    spread = f" ± {bar.stderr:.3f}" if pd.notna(bar.stderr) else ""
+    entries = f", {int(bar.candidates)} entries ranked" if pd.notna(bar.candidates) else ""
+    return (f"{bar.label}<br>{metric} {bar.score:.3f}{spread}<br>{bar.model} · {bar.task} · {bar.sweep}<br>"
+            f"{int(bar.traces)} trace(s){entries}")
 
 
 def _ranking_caveats(measured: pd.DataFrame) -> list[str]:
@@ -1025,13 +1025,13 @@ def _ranking_figure(frame: pd.DataFrame, colours: Colours, notes: list[str] = ()
         paper = part.source == "paper"
         fig.add_bar(
             x=part.score, y=part.index, orientation="h", row=row, col=col, showlegend=False,
-            marker=dict(color=[colours(row.policy) if row.source == "measured" or row.policy in REGISTRY
-                               else PAPER_GREY for row in part.itertuples()],
+            marker=dict(color=[colours(bar.policy) if bar.source == "measured" or bar.policy in REGISTRY
+                               else PAPER_GREY for bar in part.itertuples()],
                         pattern=dict(shape=["/" if p else "" for p in paper], solidity=0.4)),
             # none for a paper's figure or a lone trace (a zero-width bar would read as certainty)
             error_x=dict(array=[None if value != value else value for value in part.stderr], thickness=1, width=3,
                          color="#404040"),
-            hovertext=[_ranking_hover(row, RANKING_PANELS[metric][0]) for row in part.reset_index().itertuples()],
+            hovertext=[_ranking_hover(bar, RANKING_PANELS[metric][0]) for bar in part.reset_index().itertuples()],
             hovertemplate="%{hovertext}<extra></extra>")
         chance = RANKING_PANELS[metric][1]
         fig.add_vline(x=chance, line_dash="dot", line_color="grey", row=row, col=col)
