@@ -64,6 +64,8 @@ SWEEPS ?= sweep-2k sweep-2k-inertia needle-grid reasoning-budget reasoning-budge
 	sweep-2k-expected-attention needle-grid-expected-attention sweep-2k-kvzip reasoning-budget-lazyeviction \
 	reasoning-budget-sampled-lazyeviction
 SHARDS ?= 2
+# The damage-ranking sweeps (AvoKV-E's Table 3 measured), run by `kvviz bench ranking`
+RANKINGS ?= ranking-arithmetic ranking-arithmetic-generated
 sweeps: $(STAMP)
 	for name in $(SWEEPS); do \
 		for i in $$(seq 0 $$(($(SHARDS) - 1))); do \
@@ -73,7 +75,7 @@ sweeps: $(STAMP)
 		$(VENV)/bin/kvviz bench run configs/$$name.toml --status | tail -1; \
 	done
 	# the damage-ranking sweeps (AvoKV-E's Table 3 measured), a trace at a time: one one-thread process each
-	pids=; for name in ranking-arithmetic ranking-arithmetic-generated; do \
+	pids=; for name in $(RANKINGS); do \
 		HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/kvviz bench ranking configs/$$name.toml & pids="$$pids $$!"; \
 	done; for pid in $$pids; do wait $$pid || exit 1; done
 
