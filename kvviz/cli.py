@@ -769,6 +769,8 @@ def _print_ranking(store, args, policies) -> int:
     cell is the mean over traces ± its standard error, a paper cell the printed figure."""
     import pandas as pd
 
+    from .store import ranking_caveats
+
     frame = _ranking_frame(store, args, policies)
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
@@ -785,16 +787,15 @@ def _print_ranking(store, args, policies) -> int:
         by_auroc = list(part[part.metric == "auroc"].sort_values("score", ascending=False).policy)
         table = table.loc[by_auroc + sorted(set(table.index) - set(by_auroc))]
         if measured:
-            counts = part.groupby("policy")[["traces", "candidates", "past_end", "ended_by_step",
-                                             "prompt_ranked"]].max()
+            counts = part.groupby("policy")[["traces", "candidates"]].max()
             table["traces"] = counts.traces.astype(int)
             table["ranked"] = counts.candidates.map(lambda count: "?" if pd.isna(count) else int(count))
-            past_end, by_step = int(counts.past_end.max()), int(counts.ended_by_step.max())
-            prompt = counts.dropna(subset=["prompt_ranked", "candidates"])
+            caveats = ranking_caveats(part).iloc[0]
+            past_end, by_step = int(caveats.past_end), int(caveats.ended_by_step)
             heading = (f"{sweep}: mean over traces ± standard error; probed at step {part.step.iloc[0]}; ranked: "
                        "entries every policy judged, summed over traces"
-                       + (f", {prompt.prompt_ranked.iloc[0] / prompt.candidates.iloc[0]:.0%} of them the prompt's"
-                          if len(prompt) and prompt.candidates.iloc[0] else "")
+                       + (f", {caveats.prompt_share:.0%} of them the prompt's"
+                          if caveats.prompt_share == caveats.prompt_share else "")
                        + (f"; in {past_end} trace(s) the answer ended within or before the replay"
                           + (f" ({by_step} at or before the step)" if by_step else "") if past_end else ""))
         else:

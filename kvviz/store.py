@@ -175,6 +175,18 @@ def held_over_note(frame: pd.DataFrame) -> str:
             + (", on the task that held the most" if several else "") + f"): {cells}{HELD_OVER_WHY}")
 
 
+def ranking_caveats(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per measured sweep of :meth:`Store.damage_ranking` rows, what qualifies its means: ``past_end`` and
+    ``ended_by_step`` (traces, as there) and ``prompt_share``, the share of the ranked entries that are the
+    prompt's (NaN: not recorded).  Every policy of a sweep ranks the same entries, so any of its rows that
+    counts every trace says."""
+    measured = frame[frame.source == "measured"].sort_values("traces", ascending=False, kind="stable")
+    return pd.DataFrame({
+        sweep: {"past_end": int(part.past_end.max()), "ended_by_step": int(part.ended_by_step.max()),
+                "prompt_share": next(iter((part.prompt_ranked / part.candidates).dropna()), float("nan"))}
+        for sweep, part in measured.groupby("sweep")}).T
+
+
 def suite_notes(frame: pd.DataFrame, left_out: pd.DataFrame, suite: str) -> list[str]:
     """What :meth:`Store.paper_comparison`'s ``frame`` averages: per model, the measured tasks, and those
     :meth:`Store.left_out_of_suite` names (``left_out``), with why; the paper side as printed."""
@@ -706,9 +718,9 @@ class Store:
         probe's replay or before it: some of the replayed predictions follow the answer), ``ended_by_step``
         (those that ended at or before the probed step: all of them do), ``prompt_ranked`` (measured: how many
         of the ``candidates`` are prompt entries; NULL where a trace counted was written before the sweep
-        recorded it) and
-        ``notes`` (a paper row's provenance).  Two ranking sweeps are never averaged:
-        each probed its own step over the entries its own policies all judged.  A trace whose metric is
+        recorded it) and ``notes`` (a paper row's provenance); :func:`ranking_caveats` sums these up per sweep.
+        Two ranking sweeps are never averaged: each probed its own step over the entries its own policies all
+        judged.  A trace whose metric is
         undefined (Spearman of a constant utility) is left out of that metric's mean and count (undefined in
         every trace: no row).  Each policy at its defaults, and with ``settings`` every setting run, named by
         what it changes."""

@@ -26,7 +26,8 @@ from plotly.subplots import make_subplots
 
 from ..policies import REGISTRY
 from ..stats import paired_table
-from ..store import FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, setting_names, suite_notes
+from ..store import (FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, ranking_caveats, setting_names,
+                     suite_notes)
 
 ALL = "(all)"
 # Not D3 after Plotly: its first hues repeat Plotly's (blue, orange, green, red, purple, pink); nor the
@@ -978,22 +979,16 @@ def _ranking_caveats(measured: pd.DataFrame) -> list[str]:
     """What qualifies the measured bars: traces whose replay ran past the answer's end, and how many of the
     ranked entries were the prompt's (per sweep; every policy of a sweep ranks the same entries)."""
     lines = []
-    several = measured.sweep.nunique() > 1
+    caveats = ranking_caveats(measured)
+    several = len(caveats) > 1
     # the probe decodes past the end of a short answer: its replay there is not the answer's
-    ended = []
-    for sweep, part in measured.groupby("sweep"):
-        past_end, by_step = int(part.past_end.max()), int(part.ended_by_step.max())
-        if past_end:
-            ended.append(f"{past_end} trace(s){f' of {sweep}' if several else ''}"
-                         + (f" ({by_step} at or before the probed step)" if by_step else ""))
+    ended = [f"{int(row.past_end)} trace(s){f' of {sweep}' if several else ''}"
+             + (f" ({int(row.ended_by_step)} at or before the probed step)" if row.ended_by_step else "")
+             for sweep, row in caveats.iterrows() if row.past_end]
     if ended:
         lines.append(f"in {'; '.join(ended)} the full-cache answer ended within or before the probe's replay")
-    shares = []
-    for sweep, part in measured[measured.metric == "auroc"].groupby("sweep"):
-        part = part.dropna(subset=["prompt_ranked", "candidates"])
-        if len(part) and part.candidates.iloc[0]:
-            shares.append(f"{part.prompt_ranked.iloc[0] / part.candidates.iloc[0]:.0%}"
-                          + (f" in {sweep}" if several else ""))
+    shares = [f"{row.prompt_share:.0%}" + (f" in {sweep}" if several else "")
+              for sweep, row in caveats.iterrows() if row.prompt_share == row.prompt_share]
     if shares:
         lines.append(f"prompt entries among those ranked: {', '.join(shares)} (the rest were generated)")
     return lines
