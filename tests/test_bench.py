@@ -558,7 +558,7 @@ def test_resuming_with_a_different_config_is_refused_and_the_store_is_untouched(
     capsys.readouterr()
     stored = {p.name: p.read_bytes() for p in out.iterdir()}
     assert sorted(stored) == ["config.toml", "rows.jsonl"] and stored["config.toml"] == first.read_bytes()
-    other = write_config(tmp_path / "other.toml", tasks='[{ name = "single_needle", length = 220, samples = 2 }]')
+    other = write_config(tmp_path / "other.toml", tasks='[{ name = "single_needle", length = 240, samples = 1 }]')
     for status in ([], ["--status"]):  # --status too: another config's counts would mean nothing
         assert main(["bench", "run", str(other), "--out", str(out), *status]) == 2
         assert capsys.readouterr().err == (f"kvviz: error: {out} holds rows of a different config "
@@ -570,6 +570,48 @@ def test_resuming_with_a_different_config_is_refused_and_the_store_is_untouched(
     same.write_text("# a comment\n" + first.read_text().replace("[0.5]", "[ 0.5 ]"))
     assert main(["bench", "run", str(same), "--out", str(out)]) == 0
     assert capsys.readouterr().out == f"0 new rows in {out}\n"
+
+
+def test_raising_samples_grows_a_finished_sweep_to_the_rows_of_a_fresh_run(tmp_path, capsys):
+    """More samples of the same tasks is the same experiment extended: the stored rows stay as they are, the
+    new samples' rows are those a fresh run of the larger config writes, and fewer samples is refused."""
+    small = write_config(tmp_path / "small.toml", tasks='[{ name = "single_needle", length = 220, samples = 1 }]')
+    large = write_config(tmp_path / "large.toml", tasks='[{ name = "single_needle", length = 220, samples = 3 }]')
+    grown, fresh = tmp_path / "grown", tmp_path / "fresh"
+    assert main(["bench", "run", str(small), "--out", str(grown)]) == 0
+    first = (grown / "rows.jsonl").read_text()
+    assert main(["bench", "run", str(large), "--out", str(grown)]) == 0
+    assert main(["bench", "run", str(large), "--out", str(fresh)]) == 0
+    capsys.readouterr()
+    assert (grown / "rows.jsonl").read_text().startswith(first)
+    assert (grown / "config.toml").read_bytes() == large.read_bytes()
+
+    def measured(folder):  # what a cell measured, not when or how fast
+        rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
+        return sorted((row["cell"], row["score"], row["prediction"], row["max_cache"], row["meta"]) for row in rows)
+
+    assert {json.loads(line)["sample"] for line in (grown / "rows.jsonl").read_text().splitlines()} == {0, 1, 2}
+    assert measured(grown) == measured(fresh)
+    stored = (grown / "rows.jsonl").read_bytes()
+    assert main(["bench", "run", str(small), "--out", str(grown)]) == 2
+    assert "holds rows of a different config" in capsys.readouterr().err
+    assert (grown / "rows.jsonl").read_bytes() == stored
+
+
+@pytest.mark.parametrize("change, grows", [
+    ({}, True),
+    ({"tasks": [{"name": "single_needle", "length": 220, "samples": 5}]}, True),
+    ({"tasks": [{"name": "single_needle", "length": 220, "samples": 1}]}, False),  # fewer
+    ({"tasks": [{"name": "single_needle", "length": 240, "samples": 5}]}, False),  # another prompt length
+    ({"tasks": [{"name": "single_needle", "length": 220, "samples": 2},
+                {"name": "single_needle", "length": 240, "samples": 1}]}, False),  # another task
+    ({"tasks": [{"name": "single_needle", "length": 220, "samples": 5, "label": "x"}]}, False),
+    ({"max_new_tokens": 4}, False),
+    ({"seed": 1}, False),  # a key the first config left to its default
+])
+def test_grown_allows_only_more_samples_of_the_same_tasks(change, grows):
+    previous = {"name": "t", "max_new_tokens": 3, "tasks": [{"name": "single_needle", "length": 220, "samples": 2}]}
+    assert sweep.grown(previous, {**previous, **change}) is grows
 
 
 @pytest.mark.parametrize("flags, message", [

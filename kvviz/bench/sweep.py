@@ -474,7 +474,9 @@ def check_shard(index: int, shards: int) -> None:
 
 def check_store(config: dict, out_dir: str | Path) -> None:
     """Refuse to add rows to a folder whose rows came from a different config: a resumed sweep would then
-    mix two experiments under one name (and the CLI would overwrite the config that made the old rows)."""
+    mix two experiments under one name (and the CLI would overwrite the config that made the old rows).
+
+    A config that only raises tasks' ``samples`` is the same experiment grown (:func:`grown`): it resumes."""
     out_dir = Path(out_dir)
     saved = out_dir / "config.toml"
     if not saved.exists() or not any(p.stat().st_size for p in out_dir.glob("rows*.jsonl")):
@@ -484,10 +486,29 @@ def check_store(config: dict, out_dir: str | Path) -> None:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{saved} is not valid TOML ({error}); restore it, or pass --out with a new folder") \
             from None
-    if previous != config:
+    if previous != config and not grown(previous, config):
         changed = sorted(key for key in previous.keys() | config.keys() if previous.get(key) != config.get(key))
         raise ValueError(f"{out_dir} holds rows of a different config ({saved} differs in {', '.join(changed)}); "
                          f"pass --out with a new folder, or resume with {saved}")
+
+
+def grown(previous: dict, config: dict) -> bool:
+    """``config`` is ``previous`` with more samples of some of its tasks and nothing else changed.
+
+    Sample ``i`` of a task is the same whatever the count (its prompt and seeds come from ``i``; a benchmark's
+    are its first records), so the rows of ``previous`` are rows of ``config``, and a sweep is extended by
+    raising ``samples`` and running it again.  Fewer samples is not growth: the rows past the new count
+    would be stored under a config that does not ask for them.
+    """
+    if previous.keys() != config.keys() or any(previous[key] != config[key] for key in previous if key != "tasks"):
+        return False
+    old, new = previous.get("tasks"), config.get("tasks")
+    if not (isinstance(old, list) and isinstance(new, list) and len(old) == len(new)):
+        return False
+    return all(isinstance(before, dict) and isinstance(after, dict) and before.keys() == after.keys()
+               and all(before[key] == after[key] for key in before if key != "samples")
+               and isinstance(before.get("samples"), int) and isinstance(after.get("samples"), int)
+               and after["samples"] >= before["samples"] for before, after in zip(old, new))
 
 
 def setting_grids(config: dict) -> dict[tuple, tuple[list, list]]:
