@@ -347,6 +347,12 @@ def test_results_tab_shows_figures_and_filters(page):
         "String(p.layout.title.text).split('<br>')[0].endsWith(' · paper') && "
         "p.data.every(t => t.line.dash !== 'solid'); }",
         timeout=30_000)  # one source left: named once in the title, every line a paper's (dashed)
+    # a closed section gets the new filters' figure too (sent after the open ones), not its pending note
+    page.get_by_text("Paired differences", exact=True).first.click()
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => (p.layout.annotations || [])"
+        ".some(a => String(a.text).startsWith('papers print no per-sample scores')))", timeout=30_000)
+    page.get_by_text("Paired differences", exact=True).first.click()
     page.screenshot(path=str(ARTIFACTS / "results-tab.png"), full_page=True)
     assert titles_under_chips(page) == []
 

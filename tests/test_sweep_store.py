@@ -1593,23 +1593,26 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
     from kvviz.ui import results as tab
 
     drawn = []
-    query = tab.query
+    sections = tab.sections
 
     def counted(store, *args):
         drawn.append(args[:4])
-        return query(store, *args)
+        return sections(store, *args)
 
-    monkeypatch.setattr(tab, "query", counted)
+    monkeypatch.setattr(tab, "sections", counted)
     with gr.Blocks() as app:
         tab.build_results_tab(app, review_store(tmp_path), warm=True)
     for thread in threading.enumerate():
-        if thread.name == "results-defaults":
+        if thread.name == "results-draw":
             thread.join(timeout=120)
     assert len(drawn) == 1  # the defaults, before any page asked
-    handler = next(fn for fn in app.fns.values() if fn.api_name == "results").fn
+    results = next(fn for fn in app.fns.values() if fn.api_name == "results")
+
+    def handler(*values):
+        return list(results.fn(*values))[-1]  # what the page shows once every section is in
+
     # what a page load sends: each widget's initial value as the browser gets it, through the widget's preprocess
-    inputs = next(fn for fn in app.fns.values() if fn.api_name == "results").inputs
-    defaults = [block.preprocess(block.get_config()["value"]) for block in inputs]
+    defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
     first = handler(*defaults)
     again = handler(*defaults)
     assert len(drawn) == 1 and first[0] is again[0]  # the same figure, not drawn again
@@ -1628,6 +1631,81 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
     for thread in threads:
         thread.join(timeout=120)
     assert len(drawn) == 3 and drawn[2][1] == "t"
+
+
+def test_the_open_sections_are_sent_first_and_the_others_then_without_them(tmp_path, monkeypatch):
+    """A new filter combination's sections open at load are sent as soon as they are drawn, the closed ones
+    then showing that they are being drawn (not the earlier filters' figures); the last update sends every
+    section (what an API client gets).  Asked for again, everything comes in one update."""
+    import threading
+
+    import gradio as gr
+
+    from kvviz.ui import results as tab
+
+    sections = tab.sections
+    release = threading.Event()
+
+    def held(*args):  # the closed sections wait until the test has seen the open ones
+        for index, section in sections(*args):
+            if tab.SECTIONS[index] not in tab.OPEN:
+                release.wait(timeout=120)
+            yield index, section
+
+    monkeypatch.setattr(tab, "sections", held)
+    with gr.Blocks() as app:
+        tab.build_results_tab(app, review_store(tmp_path))
+    results = next(fn for fn in app.fns.values() if fn.api_name == "results")
+    defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
+    updates = results.fn(*defaults)
+    first = next(updates)
+    opened = [tab.SECTIONS.index(title) for title in tab.OPEN]
+    assert opened == [0, 3]
+    for index in range(len(tab.SECTIONS)):
+        figure, table, csv = first[3 * index:3 * index + 3]
+        if index in opened:
+            assert isinstance(figure, gr.components.plot.PlotData) and len(table.columns) and \
+                csv["value"].endswith(".csv")
+        else:
+            assert figure is tab.PENDING[0] and table is tab.PENDING[1] and csv == {"__type__": "update", "value": None}
+    assert "drawing for the new filters" in tab.PENDING[0].layout.annotations[0].text
+    release.set()
+    last = next(updates)
+    assert list(updates) == []
+    for index in range(len(tab.SECTIONS)):
+        figure, table, csv = last[3 * index:3 * index + 3]
+        assert isinstance(figure, gr.components.plot.PlotData) and table is not tab.PENDING[1] and \
+            csv["value"].endswith(".csv")
+        if index in opened:
+            assert figure is first[3 * index]  # drawn once
+    again = list(results.fn(*defaults))
+    assert len(again) == 1
+    assert [again[0][3 * index] for index in range(len(tab.SECTIONS))] == \
+        [last[3 * index] for index in range(len(tab.SECTIONS))]
+
+
+def test_a_failed_drawing_is_raised_to_the_request_and_drawn_again_next_time(tmp_path, monkeypatch):
+    import gradio as gr
+
+    from kvviz.ui import results as tab
+
+    sections, calls = tab.sections, []
+
+    def failing_once(*args):
+        calls.append(args[1:5])
+        if len(calls) == 1:
+            raise RuntimeError("the store went away")
+        yield from sections(*args)
+
+    monkeypatch.setattr(tab, "sections", failing_once)
+    with gr.Blocks() as app:
+        tab.build_results_tab(app, review_store(tmp_path))
+    results = next(fn for fn in app.fns.values() if fn.api_name == "results")
+    defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
+    with pytest.raises(RuntimeError, match="the store went away"):
+        list(results.fn(*defaults))
+    assert len(list(results.fn(*defaults))[-1]) == 3 * len(tab.SECTIONS)
+    assert len(calls) == 2
 
 
 def test_one_store_answers_threads_querying_it_at_once(tmp_path):

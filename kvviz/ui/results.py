@@ -15,6 +15,7 @@ import math
 import tempfile
 import textwrap
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import gradio as gr
@@ -950,6 +951,7 @@ RANKING_PANELS = {"auroc": ("AUROC", 0.5), "ap": ("average precision", 0.1), "to
                   "false_safe_rate": ("false-safe rate (lower is better)", 0.1), "spearman": ("Spearman", 0.0)}
 RANKING_BAR = 17  # pixels per bar of a ranking panel
 FILTERS_CACHED = 64  # filter combinations whose figures the tab keeps (under 1 MB each on the shipped store)
+
 PAPER_GREY = "#A0A0A0"  # a paper's scorer that is none of our policies ('attention only', 'ThinKV-style proxy')
 
 
@@ -1119,6 +1121,15 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
           colours: Colours | None = None, reference: str | None = None, settings: bool = False,
           sweeps: list[str] | None = None):
     """Every figure, its table and its CSV for the current filters, in the tab's output order."""
+    drawn = dict(sections(store, model, task, policies, source, suite, colours, reference, settings, sweeps))
+    return tuple(item for index in range(len(SECTIONS)) for item in drawn[index])
+
+
+def sections(store: Store, model: str, task: str, policies: list[str], source: str, suite: str | None = None,
+             colours: Colours | None = None, reference: str | None = None, settings: bool = False,
+             sweeps: list[str] | None = None):
+    """:func:`query`'s sections one at a time, as ``(index in SECTIONS, (figure, table, CSV update))``: those
+    open when the tab loads (``OPEN``) first, which a reader then sees while the others are drawn."""
     model = None if model in (None, ALL) else model
     task = None if task in (None, ALL) else task
     source = None if source in (None, ALL) else source
@@ -1134,8 +1145,6 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
     quality = store.quality_vs_compression(task, model, drawn, source, settings=settings, sweeps=sweeps)
     references = store.options("policy", source="measured", metrics=QUALITY_METRICS)
     reference = reference if reference in references else default_reference(references)
-    differences = paired(store, reference, task, model, tuple(policies) if policies else None, settings, sweeps) \
-        if reference and source != "paper" else paired_table(pd.DataFrame())  # papers print no samples
     hits = store.max_length_hits(task, model, drawn, settings=settings, sweeps=sweeps)
     comparison = store.paper_comparison(suite, policies)
     suite_lines = suite_notes(comparison, store.left_out_of_suite(suite, policies), suite) if len(comparison) else []
@@ -1151,18 +1160,26 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
         names = setting_names(hidden.policy, hidden.setting)
         quality_notes.append(f"{len(names)} other setting{'s' * (len(names) > 1)} hidden ({', '.join(names[:4])}"
                     + (", ..." if len(names) > 4 else "") + f"): tick '{SETTINGS_BOX}'")
-    if reference and not differences.empty:
-        reference_held = store.speed_vs_quality(task, model, [reference], sweeps=sweeps)
-        paired_held = _note_lines(held_over_note(pd.concat(
-            [speed[speed.policy.isin(differences.policy)], reference_held])))
-    else:
-        paired_held = []
-    # A suite's panel averages every task of it that pairs; Measured vs paper leaves out those its full cache
-    # fails, so "mean of 3 tasks" here and "mean over 2" there need their tasks named
-    suites = differences[differences.tasks != differences.task][["task", "tasks"]].drop_duplicates() \
-        if not differences.empty else differences
-    paired_held = [f"{row.task}: {row.tasks} (a difference needs no full cache: none is left out)"
-                   for row in suites.itertuples()] + paired_held
+
+    def paired_section() -> tuple:
+        # seconds of resampling: drawn after the sections open at load
+        differences = paired(store, reference, task, model, tuple(policies) if policies else None, settings,
+                             sweeps) if reference and source != "paper" else paired_table(pd.DataFrame())
+        if reference and not differences.empty:
+            reference_held = store.speed_vs_quality(task, model, [reference], sweeps=sweeps)
+            paired_held = _note_lines(held_over_note(pd.concat(
+                [speed[speed.policy.isin(differences.policy)], reference_held])))
+        else:
+            paired_held = []
+        # A suite's panel averages every task of it that pairs; Measured vs paper leaves out those its full
+        # cache fails, so "mean of 3 tasks" here and "mean over 2" there need their tasks named
+        suites = differences[differences.tasks != differences.task][["task", "tasks"]].drop_duplicates() \
+            if not differences.empty else differences
+        paired_held = [f"{row.task}: {row.tasks} (a difference needs no full cache: none is left out)"
+                       for row in suites.itertuples()] + paired_held
+        return _paired_figure(differences, reference, colours, unpaired, paired_held), differences, \
+            f"paired_vs_{reference}"
+
     if source == "paper":  # the papers report no per-run decode speed or max-length hits
         speed, hits = speed.iloc[0:0], hits.iloc[0:0]
     # The grid is a task of its own: another task chosen leaves it empty, saying why
@@ -1184,26 +1201,27 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
                 if source == "paper" else
                 f"the policies chosen are only the reference, {reference}: pick another in Policies, or another "
                 "reference" if reference and policies and set(policies) <= {reference, "full"} else None)
-    figures = [
-        (_line_figure(quality, "compression", "score",
-                      f"Quality vs {_versus(quality)} ("
-                      + ("every setting run, each its own line" if settings else "each policy at its defaults")
-                      + "; bars: ± 1 standard error"
-                      f"{_draws_note(quality)})", "compression ρ", "mean score", colours, notes=quality_notes), quality,
-         "quality_vs_compression"),
-        (_hits_figure(hits, colours, settings, "the papers print max-length hits per table, not per run: choose "
-                      "the measured source" if source == "paper" else None), hits, "max_length_hits"),
-        (_paired_figure(differences, reference, colours, unpaired, paired_held), differences,
-         f"paired_vs_{reference}"),
-        (_comparison_figure(comparison, suite, colours, suite_lines), comparison, f"measured_vs_paper_{suite}"),
-        (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV; bars: ± 1 standard error; a cut run at "
-                      "fewer than three α: markers only)", "α", "mean score", join_fewer_than=3), alpha,
-         "alpha_sensitivity"),
-        (_refresh_figure(refresh), refresh, "refresh_curve"),
-        (_speed_figure(speed, colours), speed, "speed_vs_quality"),
-        (_cache_figure(speed, colours), speed, "quality_vs_cache"),
-        (_grid_figure(grid, grid_empty), grid, "needle_grid"),
-        (_ranking_figure(ranking, colours, ranking_notes), ranking, "damage_ranking"),
+    # each section's (figure, table, CSV name), built when it is its turn; in SECTIONS order
+    builders = [
+        lambda: (_line_figure(quality, "compression", "score",
+                              f"Quality vs {_versus(quality)} ("
+                              + ("every setting run, each its own line" if settings else "each policy at its defaults")
+                              + "; bars: ± 1 standard error"
+                              f"{_draws_note(quality)})", "compression ρ", "mean score", colours,
+                              notes=quality_notes), quality, "quality_vs_compression"),
+        lambda: (_hits_figure(hits, colours, settings, "the papers print max-length hits per table, not per run: "
+                              "choose the measured source" if source == "paper" else None), hits, "max_length_hits"),
+        paired_section,
+        lambda: (_comparison_figure(comparison, suite, colours, suite_lines), comparison,
+                 f"measured_vs_paper_{suite}"),
+        lambda: (_line_figure(alpha, "alpha", "score", "α sensitivity (InertiaKV; bars: ± 1 standard error; a cut "
+                              "run at fewer than three α: markers only)", "α", "mean score", join_fewer_than=3),
+                 alpha, "alpha_sensitivity"),
+        lambda: (_refresh_figure(refresh), refresh, "refresh_curve"),
+        lambda: (_speed_figure(speed, colours), speed, "speed_vs_quality"),
+        lambda: (_cache_figure(speed, colours), speed, "quality_vs_cache"),
+        lambda: (_grid_figure(grid, grid_empty), grid, "needle_grid"),
+        lambda: (_ranking_figure(ranking, colours, ranking_notes), ranking, "damage_ranking"),
     ]
     # An empty figure says which filter empties it: a source without the chosen model's, task's or sweep's rows,
     # or (in the figures that the settings box fills) the settings it hides
@@ -1212,15 +1230,14 @@ def query(store: Store, model: str, task: str, policies: list[str], source: str,
         if len(hidden) else ""
     drawn_with_settings = {"quality_vs_compression", "max_length_hits", f"paired_vs_{reference}", "speed_vs_quality",
                            "quality_vs_cache"}
-    out = []
-    for figure, frame, name in figures:
+    for index in sorted(range(len(SECTIONS)), key=lambda index: SECTIONS[index] not in OPEN):
+        figure, frame, name = builders[index]()
         why = hint or (hidden_hint if name in drawn_with_settings else "")
         for note in figure.layout.annotations if why else ():
             if str(note.text).endswith("these filters"):
                 note.text += f"<br>{why}"
         _legend_room(figure)
-        out += [figure, frame.round(4), gr.update(value=_csv(frame, name))]  # the CSV keeps full precision
-    return tuple(out)
+        yield index, (figure, frame.round(4), gr.update(value=_csv(frame, name)))  # the CSV keeps full precision
 
 
 def legend_entries(fig: go.Figure) -> int:
@@ -1331,6 +1348,48 @@ SETTINGS_BOX = "Other parameter settings too"
 SECTIONS = ("Quality vs compression", "Max-length hits vs compression", "Paired differences", "Measured vs paper", "α sensitivity",
             "Refresh interval", "Quality vs decode speed", "Quality vs cache held", "Needle in a haystack grid",
             "Damage ranking (AvoKV-E Table 3)")
+OPEN = ("Quality vs compression", "Measured vs paper")  # the sections open when the tab loads
+# What a closed section shows while the open ones are already drawn for new filters: no figure, table or
+# download of the earlier filters under the new ones
+PENDING = (_empty(go.Figure(layout=dict(height=160, margin=dict(t=20, b=20))),
+                  "drawing for the new filters: a few seconds"),
+           pd.DataFrame({"table": ["drawing for the new filters"]}), gr.update(value=None))
+
+
+class Drawing:
+    """One filter combination's sections, drawn in a thread of its own and read by every request for it.
+
+    The thread, not a request, draws: a request that goes away (a filter changed again, a closed page)
+    leaves no half-drawn combination behind, and requests for it while it is drawn wait for the same
+    figures.  ``parts`` maps a section's index in ``SECTIONS`` to its (figure, table, CSV update), as
+    ``keep(index, section)`` returns them; ``opened`` is set once the ``OPEN`` sections are drawn, ``done``
+    once all are (both also when drawing failed, with ``error`` set).
+    """
+
+    def __init__(self, sections, keep):
+        self.parts: dict[int, tuple] = {}
+        self.error: Exception | None = None
+        self.opened, self.done = threading.Event(), threading.Event()
+        threading.Thread(target=self._draw, args=(sections, keep), name="results-draw", daemon=True).start()
+
+    def _draw(self, sections, keep) -> None:
+        opened = {SECTIONS.index(title) for title in OPEN}
+        try:
+            for index, section in sections:
+                self.parts[index] = keep(index, section)
+                if opened <= self.parts.keys():
+                    self.opened.set()
+        except Exception as error:  # raised to each request for it, in the request's thread
+            self.error = error
+        finally:
+            self.opened.set()
+            self.done.set()
+
+    def outputs(self, pending: tuple | None = None) -> tuple:
+        """Every output in the tab's order: a drawn section's (an update dict anew each time: Gradio may
+        consume it), and ``pending`` for one not drawn yet."""
+        return tuple(dict(item) if isinstance(item, dict) else item
+                     for index in range(len(SECTIONS)) for item in self.parts.get(index, pending))
 
 
 # A reader of the papers takes a near-zero row for a broken implementation: say where it comes from
@@ -1381,7 +1440,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
     outputs = []
     suite = reference = None
     for title in SECTIONS:
-        with gr.Accordion(title, open=title in ("Quality vs compression", "Measured vs paper")):
+        with gr.Accordion(title, open=title in OPEN):
             if title == "Quality vs compression":
                 gr.Markdown(QUALITY_NOTE)
             if title == "Measured vs paper":
@@ -1427,32 +1486,47 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
     filters = [model, task, policies, source, suite, reference, settings, sweeps]
 
     # The store does not change while the app runs, so each filter combination is drawn once (3-8 s of this
-    # 2-core machine's time); every page load asks for the defaults, which are drawn as the app starts.
-    @functools.lru_cache(maxsize=FILTERS_CACHED)
-    def drawn(model_value, task_value, policy_values: tuple, source_value, suite_value, reference_value,
-              settings_value: bool, sweep_values: tuple) -> tuple:
-        out = query(store, model_value, task_value, list(policy_values), source_value, suite_value, colours,
-                    reference_value, settings_value, list(sweep_values))
+    # 2-core machine's time), the sections open at load first; every page load asks for the defaults, which
+    # are drawn as the app starts.
+    drawings: OrderedDict[tuple, Drawing] = OrderedDict()  # the last FILTERS_CACHED combinations, newest last
+    guard = threading.Lock()
+
+    def kept(index: int, section: tuple) -> tuple:
         # kept as the JSON Gradio sends (a Plot passes its own PlotData through), not turned into it per request
         return tuple(block.postprocess(value) if isinstance(block, gr.Plot) else value
-                     for block, value in zip(outputs, out))
+                     for block, value in zip(outputs[3 * index:3 * index + 3], section))
 
-    drawing: dict[tuple, threading.Lock] = {}  # one lock per combination: asked for again while it is being
-    drawing_guard = threading.Lock()              # drawn (a page load during the warm-up), it waits for that draw
+    def drawing_for(key: tuple) -> Drawing:
+        with guard:
+            drawing = drawings.get(key)
+            if drawing is None or drawing.error is not None:  # a failed drawing is tried again
+                model_value, task_value, policy_values, source_value, suite_value, reference_value, \
+                    settings_value, sweep_values = key
+                drawing = drawings[key] = Drawing(sections(
+                    store, model_value, task_value, list(policy_values), source_value, suite_value, colours,
+                    reference_value, settings_value, list(sweep_values)), kept)
+                if len(drawings) > FILTERS_CACHED:
+                    drawings.popitem(last=False)
+            drawings.move_to_end(key)
+            return drawing
 
     def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value,
                 sweep_values=None):
         key = (model_value, task_value, tuple(policy_values or ()), source_value, suite_value, reference_value,
                bool(settings_value), tuple(sweep_values or ()))
-        with drawing_guard:
-            lock = drawing.setdefault(key, threading.Lock())
-        with lock:
-            out = drawn(*key)
-        return tuple(dict(item) if isinstance(item, dict) else item for item in out)  # an update dict, each time anew
+        drawing = drawing_for(key)
+        drawing.opened.wait()
+        if not drawing.done.is_set():  # the open sections now; the others say they are being drawn
+            yield drawing.outputs(pending=PENDING)
+        drawing.done.wait()
+        if drawing.error is not None:
+            raise drawing.error
+        # every section, the open ones again: the last update is what an API client gets
+        yield drawing.outputs()
 
     if warm:  # what a page load asks for first, drawn before anyone asks
-        threading.Thread(target=handler, args=[widget.value for widget in filters], name="results-defaults",
-                         daemon=True).start()
+        drawing_for((*(widget.value for widget in filters[:2]), tuple(policies.value or ()),
+                     *(widget.value for widget in filters[3:6]), bool(settings.value), tuple(sweeps.value or ())))
 
     # always_last: a filter changed while the figures for the last one are drawn is queued, not dropped
     # (Gradio's default, "once", ignored it, and the figures kept showing the earlier filters)
