@@ -886,7 +886,8 @@ def _print_paired(store, root: Path, args, policies) -> int:
     from .store import QUALITY_METRICS
 
     measured = store.options("policy", source="measured", metrics=QUALITY_METRICS)
-    if args.vs not in measured:  # paper rows name policies too, but have no samples to pair
+    reference_policy, reference_setting = store.setting_of(args.vs)  # "avokv lambda_b=0": one of its settings
+    if reference_policy not in measured:  # paper rows name policies too, but have no samples to pair
         raise ValueError(f"--vs {args.vs}: no measured quality rows of that policy under {root}"
                          + (" (only damage-ranking rows: add --ranking)" if args.vs in store.options(
                              "policy", source="measured") else "") + f"; measured: {', '.join(measured) or 'none'}")
@@ -895,13 +896,14 @@ def _print_paired(store, root: Path, args, policies) -> int:
     sweeps = args.sweep_list
     table = paired_table(store.paired_scores(args.vs, args.task, args.model, policies, settings=args.settings,
                                              sweeps=sweeps))
-    if table.empty and store.quality_vs_compression(args.task, args.model, [args.vs], "measured",
-                                                    sweeps=sweeps).empty:
+    if table.empty and reference_setting == "{}" and store.quality_vs_compression(
+            args.task, args.model, [args.vs], "measured", sweeps=sweeps).empty:
         others = store.other_settings(args.task, args.model, [args.vs], "measured", sweeps)
         if len(others):  # pairs are made against the reference at its defaults
             raise ValueError(f"--vs {args.vs}: under these filters {args.vs} ran only with non-default parameters "
                              f"({_settings_listed(others)}), and pairs are made against its defaults; pick a "
-                             f"reference run at its defaults (e.g. --vs inertia --settings)")
+                             f"reference run at its defaults, or name a setting (e.g. --vs "
+                             f"'{_settings_listed(others).split(' (')[0]}')")
     if table.empty:
         raise ValueError(f"no measured samples pair with {args.vs} under these filters (same task, sample and "
                          f"compression); drop a filter or pick another --vs")
@@ -911,7 +913,8 @@ def _print_paired(store, root: Path, args, policies) -> int:
     print(f"paired difference policy − {args.vs} on the same samples: mean Δ [95% paired-bootstrap interval] "
           f"wins/ties/losses; * the exact sign test says they differ (p < {ALPHA})")
     # The reference's cache counts as much as the policies': every name of the table, the reference's too
-    held = store.speed_vs_quality(args.task, args.model, settings=args.settings, sweeps=sweeps)
+    held = store.speed_vs_quality(args.task, args.model, settings=args.settings or reference_setting != "{}",
+                                  sweeps=sweeps)
     for (model, task), part in table.groupby(["model", "task"], sort=False):
         cells = part.assign(cell=[
             f"{row.delta:+.3f} [{row.low:+.3f}, {row.high:+.3f}] {row.wins}/{row.ties}/{row.losses}"
@@ -1132,10 +1135,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "ran, e.g. to compare decode speeds within one run")
     res.add_argument("--paper", metavar="SUITE", help="measured vs paper on this benchmark, e.g. RULER")
     res.add_argument("--vs", metavar="POLICY", help="each policy's paired difference to this one on the same "
-                     "samples, with a bootstrap confidence interval and wins/ties/losses, e.g. --vs inertia")
+                     "samples, with a bootstrap confidence interval and wins/ties/losses, e.g. --vs inertia, or "
+                     "to one setting as --settings names it, e.g. --vs 'avokv lambda_b=0'")
     res.add_argument("--settings", action="store_true", help="also every other parameter setting run (the α "
                      "and refresh sweeps, ablations), each its own row such as 'avokv interval=16'; with --vs, "
-                     "paired against the reference at its defaults")
+                     "paired against the reference as --vs names it")
     res.add_argument("--ranking", action="store_true", help="the damage-ranking rows instead (AUROC, AP, top-k "
                      "recall, false-safe rate, Spearman of each policy's utility against oracle damage: AvoKV-E's "
                      "Table 3 and `kvviz bench ranking`)")

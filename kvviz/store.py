@@ -657,9 +657,21 @@ class Store:
                                   depth
             """, params)
 
+    def setting_of(self, name: str) -> tuple[str, str]:
+        """The (policy, setting) a stored setting's name stands for, as :func:`setting_names` writes it
+        (``"avokv lambda_b=0"``); a bare policy name is its defaults, ``"{}"``, and so is a name that no
+        stored setting has (which then matches no row)."""
+        policy = name.split(" ", 1)[0]
+        if policy != name:
+            for setting in self._column("SELECT DISTINCT setting FROM results WHERE policy = ?", [policy]):
+                if setting_names([policy], [setting])[0] == name:
+                    return policy, setting
+        return name, "{}"
+
     def paired_scores(self, reference: str, task=None, model=None, policies=None, settings: bool = False,
                       sweeps=None) -> pd.DataFrame:
-        """Each measured sample's score under a policy next to its score under ``reference`` (at its defaults)
+        """Each measured sample's score under a policy next to its score under ``reference`` (a policy at its
+        defaults, or one stored setting of it as :func:`setting_names` writes it, ``"inertia alpha=0.9"``)
         on the same prompt, for paired comparisons (:mod:`kvviz.stats`); every policy at its defaults, and with
         ``settings`` also every other parameter setting that was run (α and refresh sweeps, ablations), each
         named by what it changes (``"inertia alpha=0.9"``), the reference's own included.
@@ -673,12 +685,13 @@ class Store:
         where, params = self._filters(task, model, "measured", None, sweeps)
         frame = self.frame(
             f"""
-            WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ?) AND sample IS NOT NULL AND {where})
+            WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ? OR (policy = ? AND setting = ?))
+                                              AND sample IS NOT NULL AND {where})
             SELECT p.model, p.suite, p.task, p.policy, p.compression, p.absolute_budget, p.sample, p.score,
                    r.score AS reference_score, p.setting
             FROM rows p JOIN rows r
-              ON r.policy = ? AND r.setting = '{{}}' AND p.policy <> 'full'
-             AND NOT (p.policy = r.policy AND p.setting = '{{}}') AND p.model = r.model AND p.task = r.task
+              ON r.policy = ? AND r.setting = ? AND p.policy <> 'full'
+             AND NOT (p.policy = r.policy AND p.setting = r.setting) AND p.model = r.model AND p.task = r.task
              AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed
              AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
              AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat
@@ -687,7 +700,7 @@ class Store:
                                         AND p.absolute_budget IS NOT DISTINCT FROM r.absolute_budget))
             WHERE (? IS NULL OR list_contains(?, p.policy))
             ORDER BY p.model, p.task, p.policy, p.setting, p.absolute_budget NULLS FIRST, p.compression, p.sample
-            """, [settings, *params, reference, policies, policies])
+            """, [settings, *self.setting_of(reference), *params, *self.setting_of(reference), policies, policies])
         return frame.assign(policy=setting_names(frame.policy, frame.setting))
 
     def other_settings(self, task=None, model=None, policies=None, source=None, sweeps=None,
@@ -751,8 +764,8 @@ class Store:
 
     def ranking_pairs(self, reference: str, task=None, model=None, policies=None, settings: bool = False,
                       sweeps=None) -> pd.DataFrame:
-        """Each measured trace's damage-ranking metric under a policy next to ``reference``'s (at its defaults)
-        on the same trace, for paired comparisons (:func:`kvviz.stats.paired_table`, which reads ``metric`` as
+        """Each measured trace's damage-ranking metric under a policy next to ``reference``'s (a policy at its
+        defaults, or one stored setting of it: :meth:`setting_of`) on the same trace, for paired comparisons (:func:`kvviz.stats.paired_table`, which reads ``metric`` as
         the task): same sweep (one probe, over the entries all its policies judged), model, task, sample,
         seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL), ``task`` (the row's task, sweep and
         metric, ``"t · s: auroc"``), ``metric``, ``policy``, ``compression``, ``absolute_budget`` (NULL),
@@ -760,13 +773,14 @@ class Store:
         where, params = self._filters(task, model, "measured", None, sweeps, metrics=RANKING_METRICS)
         frame = self.frame(
             f"""
-            WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ?) AND score IS NOT NULL AND {where})
+            WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ? OR (policy = ? AND setting = ?))
+                                              AND score IS NOT NULL AND {where})
             SELECT p.model, NULL::VARCHAR AS suite, p.task || ' · ' || p.ranking_sweep || ': ' || p.metric AS task,
                    p.metric, p.policy,
                    p.setting, NULL::DOUBLE AS compression, NULL::INTEGER AS absolute_budget, p.sample, p.score,
                    r.score AS reference_score
             FROM rows p JOIN rows r
-              ON r.policy = ? AND r.setting = '{{}}' AND NOT (p.policy = r.policy AND p.setting = '{{}}')
+              ON r.policy = ? AND r.setting = ? AND NOT (p.policy = r.policy AND p.setting = r.setting)
              AND p.model = r.model AND p.task = r.task AND p.metric = r.metric AND p.sample = r.sample
              AND p.ranking_sweep = r.ranking_sweep
              AND p.seed IS NOT DISTINCT FROM r.seed AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
@@ -774,7 +788,7 @@ class Store:
              AND json_extract_string(p.meta, '$.step') IS NOT DISTINCT FROM json_extract_string(r.meta, '$.step')
             WHERE (? IS NULL OR list_contains(?, p.policy))
             ORDER BY p.model, p.task, p.metric, p.policy, p.setting, p.sample
-            """, [settings, *params, reference, policies, policies])
+            """, [settings, *self.setting_of(reference), *params, *self.setting_of(reference), policies, policies])
         return named_by_setting(frame)
 
     def where_run(self, policies: list[str]) -> pd.DataFrame:

@@ -391,6 +391,30 @@ def test_results_pairs_ranking_metrics_trace_by_trace(tmp_path, capsys):
     assert "the papers print one figure over all their traces" in capsys.readouterr().err
 
 
+def test_the_reference_can_be_one_setting_of_a_policy(tmp_path, capsys):
+    """--vs 'inertia alpha=0.5' pairs against that setting (AUROC 0.5 in both traces), not inertia's defaults:
+    tova's 0.6 and 0.7 are +0.1 and +0.2 over it, inertia's 0.8 and 0.9 +0.3 and +0.4; the setting itself is
+    not paired with itself.  A name that is no stored setting pairs with nothing and says so."""
+    from kvviz.cli import main
+
+    store = ranking_store(tmp_path)
+    assert store.setting_of("inertia") == ("inertia", "{}")
+    policy, setting = store.setting_of("inertia alpha=0.5")
+    assert policy == "inertia" and json.loads(setting) == {"alpha": 0.5}
+    assert store.setting_of("inertia alpha=0.7") == ("inertia alpha=0.7", "{}")
+    for settings in (False, True):  # the reference's rows are read whether or not other settings are shown
+        pairs = store.ranking_pairs("inertia alpha=0.5", settings=settings)
+        auroc = pairs[pairs.metric == "auroc"]
+        assert sorted(zip(auroc.policy, (auroc.score - auroc.reference_score).round(6))) == [
+            ("inertia", 0.3), ("inertia", 0.4), ("tova", 0.1), ("tova", 0.2)]
+    assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia alpha=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "vs inertia alpha=0.5 (2 traces)" in out
+    assert "+0.150 [+0.100, +0.200] 2/0/0" in next(line for line in out.splitlines() if line.startswith("tova"))
+    assert main(["results", "--root", str(tmp_path), "--ranking", "--vs", "inertia alpha=0.7"]) == 2
+    assert "no measured damage-ranking traces pair with it" in capsys.readouterr().err
+
+
 def test_a_policy_only_ranked_is_no_quality_reference_and_is_marked_so(tmp_path, capsys):
     """recency ran only in the ranking sweep: the quality --vs and the tab's reference box leave it out (pairing
     against it finds no samples), --vs says to add --ranking, and the Policies box marks it."""

@@ -135,6 +135,31 @@ def test_results_command_prints_paired_differences(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("model,task,policy,compression,absolute_budget,score,reference,delta")
 
 
+def test_the_reference_can_be_one_setting_of_a_policy(tmp_path, capsys):
+    """inertia at α = 0.5 scores 0 on single_needle's three samples at 0.9: against it, inertia's defaults
+    (0.5 there) are +0.5 on each and inertia-lazy's +0.5, +0.5 and 0 (it loses sample 2); the setting is not
+    paired with itself."""
+    paired_store(tmp_path)
+    base = {"source": "measured", "model": "m", "meta": {}, "metric": "string_match", "seed": 0, "prompt_len": 100,
+            "max_new_tokens": 24, "chat": True, "task": "single_needle", "policy": "inertia",
+            "params": {"alpha": 0.5}, "compression": 0.9, "score": 0.0}
+    (tmp_path / "alpha").mkdir()
+    (tmp_path / "alpha" / "rows.jsonl").write_text("".join(json.dumps({**base, "sample": sample}) + "\n"
+                                                           for sample in range(3)))
+    store = Store(tmp_path)
+    pairs = store.paired_scores("inertia alpha=0.5")
+    differences = {policy: sorted(part.score - part.reference_score) for policy, part in pairs.groupby("policy")}
+    assert differences == {"inertia": [0.5] * 3, "inertia-lazy": [0.0, 0.5, 0.5]}
+    assert set(pairs.task) == {"single_needle"} and set(pairs.compression) == {0.9}
+    assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia alpha=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "single_needle · m · vs inertia alpha=0.5" in out
+    assert "+0.333 [" in next(line for line in out.splitlines() if line.startswith("inertia-lazy"))
+    # a setting no row has is no reference
+    assert cli.main(["results", "--root", str(tmp_path), "--vs", "inertia alpha=0.7"]) == 2
+    assert "no measured quality rows of that policy" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--vs", "tova"], "no measured quality rows of that policy"),
     (["--vs", "inertia", "--source", "paper"], "drop --source paper"),
