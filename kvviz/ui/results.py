@@ -1510,11 +1510,15 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
             drawings.move_to_end(key)
             return drawing
 
+    def key_of(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value,
+               sweep_values=None) -> tuple:
+        return (model_value, task_value, tuple(policy_values or ()), source_value, suite_value, reference_value,
+                bool(settings_value), tuple(sweep_values or ()))
+
     def handler(model_value, task_value, policy_values, source_value, suite_value, reference_value, settings_value,
                 sweep_values=None):
-        key = (model_value, task_value, tuple(policy_values or ()), source_value, suite_value, reference_value,
-               bool(settings_value), tuple(sweep_values or ()))
-        drawing = drawing_for(key)
+        drawing = drawing_for(key_of(model_value, task_value, policy_values, source_value, suite_value,
+                                     reference_value, settings_value, sweep_values))
         drawing.opened.wait()
         if not drawing.done.is_set():  # the open sections now; the others say they are being drawn
             yield drawing.outputs(pending=PENDING)
@@ -1525,8 +1529,7 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
         yield drawing.outputs()
 
     if warm:  # what a page load asks for first, drawn before anyone asks
-        drawing_for((*(widget.value for widget in filters[:2]), tuple(policies.value or ()),
-                     *(widget.value for widget in filters[3:6]), bool(settings.value), tuple(sweeps.value or ())))
+        drawing_for(key_of(*(widget.value for widget in filters)))
 
     # always_last: a filter changed while the figures for the last one are drawn is queued, not dropped
     # (Gradio's default, "once", ignored it, and the figures kept showing the earlier filters)
