@@ -883,7 +883,7 @@ def _print_paired(store, root: Path, args, policies) -> int:
     import pandas as pd
 
     from .stats import ALPHA, paired_table
-    from .store import QUALITY_METRICS
+    from .store import QUALITY_METRICS, setting_names
 
     measured = store.options("policy", source="measured", metrics=QUALITY_METRICS)
     reference_policy, reference_setting = store.setting_of(args.vs)  # "avokv lambda_b=0": one of its settings
@@ -903,7 +903,7 @@ def _print_paired(store, root: Path, args, policies) -> int:
             raise ValueError(f"--vs {args.vs}: under these filters {args.vs} ran only with non-default parameters "
                              f"({_settings_listed(others)}), and pairs are made against its defaults; pick a "
                              f"reference run at its defaults, or name a setting (e.g. --vs "
-                             f"'{_settings_listed(others).split(' (')[0]}')")
+                             f"'{setting_names(others.policy, others.setting)[0]}')")
     if table.empty:
         raise ValueError(f"no measured samples pair with {args.vs} under these filters (same task, sample and "
                          f"compression); drop a filter or pick another --vs")

@@ -663,9 +663,10 @@ class Store:
         stored setting has (which then matches no row)."""
         policy = name.split(" ", 1)[0]
         if policy != name:
-            for setting in self._column("SELECT DISTINCT setting FROM results WHERE policy = ?", [policy]):
-                if setting_names([policy], [setting])[0] == name:
-                    return policy, setting
+            settings = self._column("SELECT DISTINCT setting FROM results WHERE policy = ?", [policy])
+            named = dict(zip(setting_names([policy] * len(settings), settings), settings))
+            if name in named:
+                return policy, named[name]
         return name, "{}"
 
     def paired_scores(self, reference: str, task=None, model=None, policies=None, settings: bool = False,
@@ -683,6 +684,7 @@ class Store:
         ``absolute_budget``, ``sample``, ``score``, ``reference_score``, ``setting``.
         """
         where, params = self._filters(task, model, "measured", None, sweeps)
+        named = self.setting_of(reference)  # (policy, setting)
         frame = self.frame(
             f"""
             WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ? OR (policy = ? AND setting = ?))
@@ -700,7 +702,7 @@ class Store:
                                         AND p.absolute_budget IS NOT DISTINCT FROM r.absolute_budget))
             WHERE (? IS NULL OR list_contains(?, p.policy))
             ORDER BY p.model, p.task, p.policy, p.setting, p.absolute_budget NULLS FIRST, p.compression, p.sample
-            """, [settings, *self.setting_of(reference), *params, *self.setting_of(reference), policies, policies])
+            """, [settings, *named, *params, *named, policies, policies])
         return frame.assign(policy=setting_names(frame.policy, frame.setting))
 
     def other_settings(self, task=None, model=None, policies=None, source=None, sweeps=None,
@@ -765,12 +767,13 @@ class Store:
     def ranking_pairs(self, reference: str, task=None, model=None, policies=None, settings: bool = False,
                       sweeps=None) -> pd.DataFrame:
         """Each measured trace's damage-ranking metric under a policy next to ``reference``'s (a policy at its
-        defaults, or one stored setting of it: :meth:`setting_of`) on the same trace, for paired comparisons (:func:`kvviz.stats.paired_table`, which reads ``metric`` as
-        the task): same sweep (one probe, over the entries all its policies judged), model, task, sample,
+        defaults, or one stored setting of it: :meth:`setting_of`) on the same trace, for paired comparisons
+        (:func:`kvviz.stats.paired_table`, which reads ``metric`` as the task): same sweep (one probe, over the entries all its policies judged), model, task, sample,
         seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL), ``task`` (the row's task, sweep and
         metric, ``"t · s: auroc"``), ``metric``, ``policy``, ``compression``, ``absolute_budget`` (NULL),
         ``sample``, ``score``, ``reference_score``."""
         where, params = self._filters(task, model, "measured", None, sweeps, metrics=RANKING_METRICS)
+        named = self.setting_of(reference)  # (policy, setting)
         frame = self.frame(
             f"""
             WITH rows AS (SELECT * FROM results WHERE (setting = '{{}}' OR ? OR (policy = ? AND setting = ?))
@@ -788,7 +791,7 @@ class Store:
              AND json_extract_string(p.meta, '$.step') IS NOT DISTINCT FROM json_extract_string(r.meta, '$.step')
             WHERE (? IS NULL OR list_contains(?, p.policy))
             ORDER BY p.model, p.task, p.metric, p.policy, p.setting, p.sample
-            """, [settings, *self.setting_of(reference), *params, *self.setting_of(reference), policies, policies])
+            """, [settings, *named, *params, *named, policies, policies])
         return named_by_setting(frame)
 
     def where_run(self, policies: list[str]) -> pd.DataFrame:

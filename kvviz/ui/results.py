@@ -951,7 +951,6 @@ RANKING_PANELS = {"auroc": ("AUROC", 0.5), "ap": ("average precision", 0.1), "to
                   "false_safe_rate": ("false-safe rate (lower is better)", 0.1), "spearman": ("Spearman", 0.0)}
 RANKING_BAR = 17  # pixels per bar of a ranking panel
 FILTERS_CACHED = 64  # filter combinations whose figures the tab keeps (under 1 MB each on the shipped store)
-
 PAPER_GREY = "#A0A0A0"  # a paper's scorer that is none of our policies ('attention only', 'ThinKV-style proxy')
 
 
