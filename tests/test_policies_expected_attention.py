@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
 import kvviz
@@ -103,32 +104,49 @@ def test_post_rope_queries_rotated_back_are_the_models_pre_rope_queries(family, 
                                    rtol=1e-4, atol=1e-5)
 
 
-def _reference_prefill_scores(model, ids, future, sinks):
-    """Expected Attention written out from the hooked pre-RoPE queries: population mean and covariance per
-    head, the mean of transformers' own rotations over the next ``future`` positions, then the formula."""
-    pre, views = _pre_rope_queries(model, ids)
-    n = len(ids)
-    cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(n, n + future)[None])
+def _reference_scores(model, queries, keys, values, scaling, start, future, sinks, *, covariance=True, vnorm=True,
+                      epsilon=0.0):
+    """Expected Attention written out: per head the population mean and covariance of the pre-RoPE
+    ``queries`` (per layer, ``(heads, m, dim)``, sinks already left out), the mean of transformers' own
+    rotations over positions ``start .. start + future - 1``, then the formula over the cached ``keys`` and
+    ``values`` (per layer, ``(kv heads, n, dim)``, post-RoPE); the first ``sinks`` entries score 0.  Returns
+    the layer-mean ``(n,)`` float64 scores."""
+    cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(start, start + future)[None])
     cos, sin = cos[0].double(), sin[0].double()
     dim = cos.shape[-1]
     eye = torch.eye(dim, dtype=torch.float64)
     rotation = torch.stack([(eye * c + rotate_half(eye) * s).T for c, s in zip(cos, sin)]).mean(0)
     per_layer = []
-    for layer, view in sorted(views.items()):
-        queries = pre[layer][:, sinks:].double()  # (heads, n - sinks, dim)
-        keys, values = view.keys.double(), view.values.double()
-        group = queries.shape[0] // keys.shape[0]
-        score = torch.zeros(keys.shape[0], n, dtype=torch.float64)
-        for head in range(queries.shape[0]):
-            mean = rotation @ queries[head].mean(0)
-            cov = rotation @ torch.cov(queries[head].T, correction=0) @ rotation.T
-            k = keys[head // group]
-            logits = view.scaling * k @ mean + view.scaling ** 2 / 2 * ((k @ cov) * k).sum(-1)
+    for layer in sorted(queries):
+        layer_queries = queries[layer].double()
+        layer_keys, layer_values = keys[layer].double(), values[layer].double()
+        n = layer_keys.shape[1]
+        group = layer_queries.shape[0] // layer_keys.shape[0]
+        score = torch.zeros(layer_keys.shape[0], n, dtype=torch.float64)
+        for head in range(layer_queries.shape[0]):
+            mean = rotation @ layer_queries[head].mean(0)
+            k = layer_keys[head // group]
+            logits = scaling * k @ mean
+            if covariance:
+                cov = rotation @ torch.cov(layer_queries[head].T, correction=0) @ rotation.T
+                logits = logits + scaling ** 2 / 2 * ((k @ cov) * k).sum(-1)
             probs = torch.zeros(n, dtype=torch.float64)
             probs[sinks:] = torch.softmax(logits[sinks:], -1)
             score[head // group] += probs / group
-        per_layer.append((score * values.norm(dim=-1)).mean(0))
+        if vnorm:
+            score = (score + epsilon) * layer_values.norm(dim=-1)
+            score[:, :sinks] = 0.0
+        per_layer.append(score.mean(0))
     return torch.stack(per_layer).mean(0)
+
+
+def _reference_prefill_scores(model, ids, future, sinks, **settings):
+    """The written-out scores of a prompt's entries from the hooked pre-RoPE queries and the cached keys."""
+    pre, views = _pre_rope_queries(model, ids)
+    return _reference_scores(model, {layer: pre[layer][:, sinks:] for layer in views},
+                             {layer: view.keys for layer, view in views.items()},
+                             {layer: view.values for layer, view in views.items()},
+                             views[0].scaling, len(ids), future, sinks, **settings)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -146,6 +164,23 @@ def test_prefill_keep_set_and_utility_equal_the_written_out_formula(family, tiny
     assert all(e.evicted.size == 0 for e in events[1:])  # prefill-time: nothing evicted while decoding
 
 
+@pytest.mark.parametrize("settings", [dict(covariance=False), dict(vnorm=False), dict(epsilon=0.5)])
+def test_each_setting_changes_the_prefill_scores_as_the_written_out_formula_does(tiny_prompt, settings):
+    """The mean query alone (no covariance term), no value norm, and ``(p + epsilon) * |v|``: each the
+    reference with that change, and each a different score from the default's."""
+    model, tokenizer = kvviz.models.tiny_model("llama")
+    budget, sinks = 30, 4
+    reference = _reference_prefill_scores(model, tiny_prompt, 512, sinks, **settings)
+    assert not torch.allclose(reference, _reference_prefill_scores(model, tiny_prompt, 512, sinks), rtol=1e-3)
+    policy = kvviz.make_policy("expected-attention", **settings)
+    event = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=1).trace.events[0]
+    ranked = sinks + torch.argsort(reference[sinks:], descending=True)
+    assert event.kept.tolist() == sorted(list(range(sinks)) + ranked[:budget - sinks].tolist())
+    kept = torch.from_numpy(event.kept)
+    torch.testing.assert_close(torch.from_numpy(event.utility)[sinks:].double(), reference[kept[sinks:]],
+                               rtol=1e-4, atol=1e-7)
+
+
 def test_decode_mode_evicts_the_lowest_reported_score_and_learns_from_every_query(tiny, tiny_prompt):
     model, tokenizer = tiny
     policy = kvviz.make_policy("expected-attention-decode")
@@ -158,6 +193,52 @@ def test_decode_mode_evicts_the_lowest_reported_score_and_learns_from_every_quer
         assert event.evicted.tolist() == [present[candidates][event.raw[candidates].argmin()]]
     steps = len(events) - 1
     assert {stats.count for stats in policy.stats.values()} == {len(tiny_prompt) - policy.sinks + steps}
+
+
+def test_decode_modes_first_step_equals_the_formula_with_its_query_added_and_the_window_moved_on(tiny_prompt):
+    """Step 1 of ``decode=True`` against a reference built apart from the engine: HF's DynamicCache holds the
+    prompt and the first generated token, the entries the prefill cut hidden from that token by an ordinary
+    attention mask.  The statistics are the prompt's queries (sinks left out) plus the new token's, the
+    rotation is averaged over the ``future`` positions after it, and the scores are over the entries
+    present: the prefill's keep set and the new token.  The lowest non-sink score is evicted."""
+    model, tokenizer = kvviz.models.tiny_model("llama")
+    budget, sinks, future = 30, 4, 64
+    policy = kvviz.make_policy("expected-attention-decode", future=future)
+    events = kvviz.run(model, tokenizer, tiny_prompt, policy, budget=budget, max_new_tokens=2).trace.events
+    n = len(tiny_prompt)
+    kept, step = torch.from_numpy(events[0].kept), events[1]
+    present = torch.cat([kept, torch.tensor([n])])
+    assert step.present.tolist() == present.tolist()
+
+    config = model.config
+    heads, width = config.num_attention_heads, config.num_attention_heads * config.head_dim
+    captured, hooks = {}, []
+    for index, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.q_proj.register_forward_hook(
+            lambda module, args, out, index=index: captured.setdefault(index, []).append(
+                out[0][..., :width].reshape(-1, heads, config.head_dim).transpose(0, 1))))
+    cache = DynamicCache(config=config)
+    mask = torch.zeros(1, n + 1, dtype=torch.long)
+    mask[0, present] = 1
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([tiny_prompt]), **{cache_kwarg(model): cache})
+            model(input_ids=torch.tensor([[step.token_id]]), attention_mask=mask, position_ids=torch.tensor([[n]]),
+                  **{cache_kwarg(model): cache})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers = range(config.num_hidden_layers)
+    queries = {layer: torch.cat([captured[layer][0][:, sinks:], captured[layer][1]], dim=1) for layer in layers}
+    keys = {layer: cache.layers[layer].keys[0][:, present] for layer in layers}
+    values = {layer: cache.layers[layer].values[0][:, present] for layer in layers}
+    scaling = config.head_dim ** -0.5
+    reference = _reference_scores(model, queries, keys, values, scaling, n + 1, future, sinks)
+    torch.testing.assert_close(torch.from_numpy(step.raw)[sinks:].double(), reference[sinks:], rtol=1e-4, atol=1e-7)
+    assert step.evicted.tolist() == [int(present[sinks + reference[sinks:].argmin()])]
+    # the window left where the prefill put it (from n, not n + 1) would be another score: the test tells them apart
+    stale = _reference_scores(model, queries, keys, values, scaling, n, future, sinks)
+    assert not torch.allclose(stale[sinks:], reference[sinks:], rtol=1e-4)
 
 
 def test_refuses_models_and_budgets_it_cannot_serve():

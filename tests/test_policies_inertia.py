@@ -141,6 +141,8 @@ def test_entropy_weights_layer_by_normalised_entropy():
     # Head entropies / ln 2: [.5, .5] -> 1, [1, 0] -> 0; mean 0.5.  Head-mean attention [.75, .25] -> [.375, .125].
     score = entropy_score(view(0, [[0.5, 0.5], [1.0, 0.0]]), torch.tensor([0, 1]))
     assert score.tolist() == pytest.approx([0.375, 0.125])
+    # One entry has no entropy to normalise (log 1 = 0): its attention, 1, as it is.
+    assert entropy_score(view(0, [[1.0], [1.0]]), torch.tensor([0])).tolist() == [1.0]
 
 
 def test_every_scorer_lives_in_scorers_and_gives_one_score_per_entry_as_documented():
@@ -163,6 +165,13 @@ def test_every_scorer_lives_in_scorers_and_gives_one_score_per_entry_as_document
     assert torch.equal(KeyDiff().score(layer_view, positions), SCORERS["keydiff"](layer_view, positions))
     assert torch.equal(KNorm().score(layer_view, positions), SCORERS["knorm"](layer_view, positions))
     assert SCORERS["recency"](layer_view, positions).tolist() == pytest.approx([0.1, 0.4, 0.5, 0.8, 1.0])
+    # Key scores are per KV head, then averaged: norms (1, 3) and (2, 2) over their means 2 and 2 give
+    # -(.5, 1.5) and -(1, 1), mean -(.75, 1.25); unit keys (1,0),(0,1) and (1,0),(1,0) have mean directions
+    # (1,1)/sqrt 2 and (1,0): cosines (.7071, .7071) and (1, 1), mean -(.8536, .8536).
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 3.0]], [[2.0, 0.0], [2.0, 0.0]]])
+    grouped = LayerView(0, torch.zeros(4, 2), keys, torch.ones_like(keys), 1.0)
+    assert SCORERS["knorm"](grouped, torch.tensor([0, 1])).tolist() == pytest.approx([-0.75, -1.25])
+    assert SCORERS["keydiff"](grouped, torch.tensor([0, 1])).tolist() == pytest.approx([-0.85355, -0.85355], abs=1e-5)
 
 
 def test_lowest_ties_go_oldest_first():

@@ -182,19 +182,20 @@ def test_avokv_evicts_only_at_checkpoints():
     assert max(sizes) <= policy.cache_bound(3, 8) == 6
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_avokvs_first_checkpoint_on_an_over_budget_prompt_reads_the_last_w_obs_queries(tiny, tiny_prompt, shared):
+@pytest.mark.parametrize("shared, prompt_queries", [(False, True), (True, True), (False, False), (True, False)])
+def test_avokvs_first_checkpoint_on_an_over_budget_prompt_reads_the_last_w_obs_queries(tiny, tiny_prompt, shared,
+                                                                                        prompt_queries):
     """O_t (Eq. 2) is the last W_obs query positions: at a checkpoint on step 1 that is the prompt's last 7
     queries and the step's own.  Read pressure p must be the eager model's attention from exactly those 8
     rows, mean over heads and rows, then over layers, for every candidate (entries <= P - W_delay); the same
-    through a shared prefill (decode_many, as sweeps and Compare run it)."""
+    through a shared prefill (decode_many, as sweeps and Compare run it).  With ``prompt_queries=False`` (decode
+    queries only) it is the step's own query alone."""
     import copy
 
-    import kvviz
     from kvviz.engine import decode, decode_many
 
     model, tokenizer = tiny
-    policy = make_policy("avokv", interval=16)
+    policy = make_policy("avokv", interval=16, prompt_queries=prompt_queries)
     if shared:
         event = next(e for who, e in decode_many(model, tokenizer, tiny_prompt,
                                                  {"avokv": policy, "tova": make_policy("tova")}, budget=40,
@@ -212,10 +213,10 @@ def test_avokvs_first_checkpoint_on_an_over_budget_prompt_reads_the_last_w_obs_q
     expected = np.mean([layer[0, :, rows, :].float().mean((0, 1)).numpy()[candidates] for layer in attentions], axis=0)
     present = event.present.tolist()
     measured = event.components["p"][[present.index(c) for c in candidates]]
-    np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-7)
-    # one query alone (the decode one) would be another read pressure: the test tells the two apart
+    # one query alone (the decode one) is another read pressure: the test tells the two apart
     alone = np.mean([layer[0, :, prompt_len, :].float().mean(0).numpy()[candidates] for layer in attentions], axis=0)
-    assert not np.allclose(measured, alone, rtol=1e-3)
+    assert not np.allclose(expected, alone, rtol=1e-3)
+    np.testing.assert_allclose(measured, expected if prompt_queries else alone, rtol=1e-4, atol=1e-7)
 
 
 def test_avokv_delay_rule_follows_the_budget():
@@ -264,6 +265,30 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
     assert np.isnan(terms["score"][5:]).all() and terms["importance"][:5] == pytest.approx([1 / 7] * 5)
     assert terms["score"][:5] == pytest.approx(0.1 * terms["importance"][:5] - 0.9 * terms["redundancy"][:5])
     assert terms["redundancy"][2] == terms["redundancy"][3] > terms["redundancy"][0] > terms["redundancy"][4]
+    # the softmax of the mean cosines (0, 0, .25, .25, -.5) itself
+    expected = np.exp([0, 0, 0.25, 0.25, -0.5]) / np.exp([0, 0, 0.25, 0.25, -0.5]).sum()
+    assert terms["redundancy"][:5] == pytest.approx(expected.tolist())
+    assert terms["redundancy"][:5] == pytest.approx([0.1933, 0.1933, 0.2481, 0.2481, 0.1172], abs=1e-4)
+
+
+def test_rkv_max_pools_importance_over_neighbouring_positions_not_slots():
+    """Five candidates at positions 0..4 held in shuffled slots, the newest (5) protected by window 1.  One
+    query [1, 0] at scale 1 against keys [log w, 0] gives attention w / sum(w): w = (.1, .5, .2, .05, .15) for
+    positions 0..4 and 1 for position 5, so a = (.05, .25, .1, .025, .075).  Max-pooled over 3 neighbouring
+    positions (the ends padded by nothing): (.25, .25, .25, .1, .075).  Pooled over the slots' order (positions
+    3, 0, 4, 1, 2) it would be (.075, .25, .25, .05, .25) by position."""
+    weights = {0: 0.1, 1: 0.5, 2: 0.2, 3: 0.05, 4: 0.15, 5: 1.0}
+    slots = torch.tensor([3, 0, 4, 1, 2, 5])  # slot -> position; the newest last, as a new token is written
+    keys = torch.tensor([[[float(np.log(weights[p])), 0.0] for p in slots.tolist()]])
+    policy = make_policy("rkv", interval=1, window=1, kernel=3, observe_window=1)
+    policy.reset(5, 4, 1)
+    policy.begin_step(1, slots[:5], 5)
+    policy.observe(LayerView(0, torch.tensor([[1.0, 0.0]]), keys, torch.ones_like(keys), 1.0), slots)
+    policy.select_evictions(1, slots, 4)
+    importance = policy.components(slots)["importance"]
+    by_position = {p: float(v) for p, v in zip(slots.tolist(), importance.tolist())}
+    assert [by_position[p] for p in range(5)] == pytest.approx([0.25, 0.25, 0.25, 0.1, 0.075])
+    assert np.isnan(by_position[5])  # protected: never judged
 
 
 # -------------------------------------------------------------------------------------------- LazyEviction
@@ -421,6 +446,22 @@ def test_h2o_accumulates_and_protects_the_recent_window():
     assert kept == [{1, 2, 3, 4}, {1, 2, 4, 5}]
 
 
+@pytest.mark.parametrize("recent, kept", [(0.0, {0, 1, 2, 4}), (0.5, {0, 1, 3, 4}), (1.0, {1, 2, 3, 4})])
+def test_h2os_recent_share_sets_which_entries_are_candidates(recent, kept):
+    """Prompt 0..3, B = 4, one step over 0..4 with attention (.3, .3, .2, .1, .1): one entry goes.
+    recent 0: every entry is a candidate; 3 and 4 tie at .1 and the older, 3, goes.  recent .5: the newest
+    2 are kept, candidates 0..2, the lowest is 2.  recent 1: the newest 4 are kept; only 0 is a candidate."""
+    assert drive(make_policy("h2o", recent=recent), 4, 4, [[[[0.3, 0.3, 0.2, 0.1, 0.1]]]])[0] == [kept]
+
+
+def test_h2os_recent_window_rounds_down_on_an_odd_budget():
+    """B = 5, recent .5: the window is int(2.5) = 2 entries, so candidates are 0..3 and 3 (.05) goes; a window
+    rounded up to 3 would leave 0..2 and evict 2 (.2)."""
+    kept, _ = drive(make_policy("h2o"), 5, 5, [[[[0.3, 0.25, 0.2, 0.05, 0.1, 0.1]]]])
+    assert kept == [{0, 1, 2, 4, 5}]
+    assert make_policy("h2o").pinned(5) == (0, 2)
+
+
 def test_streaming_keeps_sinks_and_recent():
     kept, scored = drive(make_policy("streaming", sinks=2), 6, 4, [[[[0.0] * 7]]] * 3)
     # B = 4: sinks {0, 1} + the 2 newest.
@@ -440,6 +481,18 @@ def test_random_is_seeded_and_respects_budget():
     assert kept_sets(1) == kept_sets(1)
     assert kept_sets(1) != kept_sets(2)
     assert all(len(k) == 10 for k in kept_sets(3))
+
+
+def test_random_evicts_every_entry_equally_often():
+    """Prompt 0..9, B = 8: step 1 over 11 entries evicts 3, each with probability 3/11.  Over 3,000 seeds each
+    entry's count is Binomial(3000, 3/11) (mean 818, sd 24): within 100 of the mean in every entry, about four
+    standard deviations; an oldest-first or newest-first bias would put some at 0 or 3,000."""
+    counts = np.zeros(11)
+    for seed in range(3000):
+        kept = drive(make_policy("random", seed=seed), 10, 8, [[[[0.0]]]])[0][0]
+        counts[list(set(range(11)) - kept)] += 1
+    assert counts.sum() == 9000
+    assert np.abs(counts - 3000 * 3 / 11).max() < 100
 
 
 def key_view(keys):
@@ -550,6 +603,22 @@ def test_decoupled_inertia_averages_layers_then_one_ema():
                                    [[[0.1, 0.5, 0.4]], [[0.3, 0.3, 0.4]]]])
     assert kept == [{0, 2}, {2, 3}]
     assert policy.utility(torch.tensor([2, 3])).tolist() == pytest.approx([0.4, 0.4])
+
+
+def test_decoupled_inertia_starts_an_entry_that_came_between_refreshes_at_its_first_score():
+    """alpha .5, refresh 2 (scoring steps 1 and 3), prompt 0..2, B = 3, one layer.
+    Step 1 over 0..3: s = (.1, .2, .3, .4), all first seen -> m = s; evict 0.
+    Step 2 (no scoring): 4 enters at the mean of the cached m, (.2 + .3 + .4) / 3 = .3; m over 1..4 is
+    (.2, .3, .4, .3) -> evict 1.
+    Step 3 over 2..5: s = (.4, .4, .05, .15).  2, 3: EMA, .5 * .3 + .5 * .4 = .35 and .4.  4 was never scored:
+    m = s = .05, and 5 likewise .15 -> evict 4.  Had 4's EMA run on from its entry value, m = .175 and 5
+    would go instead."""
+    policy = make_policy("inertia-decoupled", alpha=0.5, refresh=2)
+    steps = [[[[0.1, 0.2, 0.3, 0.4]]], [[[0.0] * 4]], [[[0.4, 0.4, 0.05, 0.15]]]]
+    kept, scored = drive(policy, 3, 3, steps)
+    assert scored == [True, False, True]
+    assert kept == [{1, 2, 3}, {2, 3, 4}, {2, 3, 5}]
+    assert policy.utility(torch.tensor([2, 3, 5])).tolist() == pytest.approx([0.35, 0.4, 0.15])
 
 
 def test_decoupled_last_k_layers():
