@@ -695,6 +695,39 @@ def test_shared_prefill_gives_the_same_runs_as_separate_prefills(tiny, tiny_prom
         assert [e.kept.tolist() for e in together[name]] == [e.kept.tolist() for e in alone]
 
 
+def test_a_stream_that_reaches_eos_drops_out_of_decode_many_while_the_others_go_on(tiny_prompt):
+    """Full cache and Recency at B = 20 write different texts; an EOS set to a token that only Recency's first
+    12 contain ends Recency there, and the full cache decodes its 12 tokens, each as it does alone."""
+    model, tokenizer = kvviz.load_model("tiny-random-llama")  # its own copy: the EOS is changed below
+    alone = {name: kvviz.run(model, tokenizer, tiny_prompt, name, budget=20, max_new_tokens=12).token_ids
+             for name in ("full", "recency")}
+    only_recency = [token for token in alone["recency"] if token not in alone["full"]]
+    assert only_recency, "the two texts must differ for this test"
+    stop = alone["recency"].index(only_recency[0]) + 1
+    assert stop < 12
+    model.generation_config.eos_token_id = [only_recency[0]]
+    together: dict[str, list[int]] = {"full": [], "recency": []}
+    for name, event in kvviz.engine.decode_many(model, tokenizer, tiny_prompt,
+                                                {name: kvviz.make_policy(name) for name in together}, budget=20,
+                                                max_new_tokens=12):
+        together[name].append(event.new_token_id)
+    assert together == {"full": alone["full"], "recency": alone["recency"][:stop]}
+
+
+def test_the_engines_own_refusals_say_what_to_change(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="give either a compression ratio or an absolute budget, not both"):
+        resolve_budget(50, compression=0.5, budget=10)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1, got 0"):
+        kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=0)
+    for top_p in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            kvviz.engine.Sampler(1.0, top_p)
+    shared = kvviz.engine.prefill(model, tiny_prompt[:-1])
+    with kvviz.scoring.installed(model), pytest.raises(ValueError, match="the shared prefill was made for another prompt"):
+        next(kvviz.engine.decode(model, tokenizer, tiny_prompt, kvviz.make_policy("tova"), budget=20, shared=shared))
+
+
 def test_a_shared_prefill_records_queries_up_to_its_byte_limit_and_a_policy_past_it_prefills_itself(
         tiny, tiny_prompt, monkeypatch):
     """Expected Attention reads every prompt query.  While they fit SHARED_QUERIES_BYTES the shared prefill
