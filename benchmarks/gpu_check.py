@@ -6,9 +6,11 @@ stdout and to ``--out`` / ``<out>-checks.jsonl`` as it is made):
 0. A one-line ``torch.compile`` probe: without a working compiler toolchain on the machine the compiled
    cases are left out (and said so) rather than each failing slowly.
 1. ``kvviz bench speed --device DEVICE --config CONFIG --contexts FIRST``: its JSON lines, unchanged, with
-   a time limit that keeps ``--checks-s`` for part 2 (inside it the static path, the targets, runs first
-   and configurations that would start too late become ``skipped`` rows); then a ``targets`` line
-   (issue 6's three targets at that context).
+   a time limit that keeps ``--checks-s`` for part 2 (inside it ``generate`` and the static rows the targets
+   need run first, whatever the limit; configurations that would start later become ``skipped`` rows); then
+   a ``targets`` line (issue 6's three targets at that context).  It runs as a child process, killed
+   ``--grace-s`` after its limit: a hang cannot eat the session, and a CUDA error that poisons a process
+   (an illegal memory access at 64k) cannot fail every exactness case after it.
 2. For tiny random Llama / Qwen2 models (float32) on the device: the static decode path -- eager, replayed
    from CUDA graphs, and with each layer through ``torch.compile`` -- against the reference engine on the
    same device: same tokens and keep sets at every step for InertiaKV (r = 1), InertiaKV-Lazy (r = 4) and
@@ -38,6 +40,8 @@ STARTED = time.perf_counter()  # --budget-s counts from here: the session's limi
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
@@ -138,6 +142,9 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
                     first = next((i for i, (a, b) in enumerate(zip(static.kept, expected)) if a != b), None)
                     case.update(tokens=static.token_ids == reference.token_ids, kept=static.kept == expected,
                                 first_different_step=first)
+                    if first is not None:  # one swapped pair reads as a near-tie; more as a real difference
+                        case.update(only_static_kept=sorted(set(static.kept[first]) - set(expected[first]))[:8],
+                                    only_reference_kept=sorted(set(expected[first]) - set(static.kept[first]))[:8])
                     return case["tokens"] and case["kept"]
 
                 equal = _case({"check": "static == reference", "device": device, "family": family,
@@ -227,6 +234,9 @@ def main() -> int:
     parser.add_argument("--checks-s", type=float, default=150.0,
                         help="time kept for the exactness checks, which run after the first context's speed rows")
     parser.add_argument("--build-s", type=float, default=40.0, help="allowance for building the --also model")
+    parser.add_argument("--grace-s", type=float, default=75.0,
+                        help="a speed run still going this long after its time limit is killed (the limit only "
+                        "stops configurations from starting; the target rows run past it)")
     parser.add_argument("--out", default="/tmp/kvviz-speed.jsonl", help="the speed rows (JSON lines); the checks "
                         "go to the same name with -checks")
     args = parser.parse_args()
@@ -241,32 +251,39 @@ def main() -> int:
     def left() -> float:
         return args.budget_s - (time.perf_counter() - STARTED)
 
-    from kvviz.cli import main as cli
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
     def speed(config: str, contexts: str, out: str, limit: float) -> list[dict]:
-        """``kvviz bench speed`` within ``limit`` seconds (out of time: its first configuration only, as 0
-        would mean no limit); its rows, or none if it failed outright."""
-        import gc
-
+        """``kvviz bench speed`` within ``limit`` seconds (out of time: the rows it always runs, as 0 would
+        mean no limit), in a child process killed ``--grace-s`` later; its rows, or none if it failed outright."""
         open(out, "w").close()  # a warm machine's rerun must not read the last run's rows as this one's
+        limit = max(1e-3, limit)
+        command = [sys.executable, "-c", "import sys; from kvviz.cli import main; sys.exit(main(sys.argv[1:]))",
+                   "bench", "speed", "--device", args.device, "--config", config,
+                   "--contexts", contexts, "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                   "--time-limit", f"{limit:.3f}", "--out", out, "--compile", "auto" if compiles else "off"]
+        # Its own process group, so that a kill also ends the compiler's worker processes; its lines go straight out.
+        child = subprocess.Popen(command, env=env, start_new_session=True)
         try:
-            cli(["bench", "speed", "--device", args.device, "--config", config, "--contexts", contexts, "--new-tokens",
-                 str(args.new_tokens), "--repeats", str(args.repeats), "--time-limit", f"{max(1e-3, limit):.3f}",
-                 "--out", out, "--compile", "auto" if compiles else "off"])
-        except Exception as error:  # noqa: BLE001 -- reported; the checks still run
-            report({"check": f"speed {config} {contexts}", **_failure(error)})
-        finally:
-            gc.collect()  # the 8B model and its caches go before the next one is built
-            if torch.device(args.device).type == "cuda":
-                torch.cuda.empty_cache()
-        try:
-            with open(out) as handle:
-                return [json.loads(line) for line in handle]
-        except (OSError, ValueError):
-            return []
+            if child.wait(timeout=limit + args.grace_s):
+                report({"check": f"speed {config} {contexts}", "error": f"exit status {child.returncode}"})
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            report({"check": f"speed {config} {contexts}",
+                    "error": f"killed {args.grace_s:g} s past its --time-limit of {limit:.0f} s"})
+        rows = []
+        with open(out) as handle:
+            for line in handle:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # the line a killed run was writing
+                    pass
+        return rows
 
-    # Order of value: the target context's speed rows (static path first inside it), then exactness, then
-    # the other contexts and the --also config with whatever time is left.
+    # Order of value: the target context's speed rows (generate and the target rows first inside it), then
+    # exactness, then the other contexts and the --also config with whatever time is left.
     compiles = compile_works(args.device)
     contexts = args.contexts.split(",")
     first = int(contexts[0])

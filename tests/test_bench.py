@@ -274,11 +274,19 @@ def test_speed_bench_stops_at_its_time_limit(tmp_path):
     assert {row["prompt_len"] for row in rows if row["what"] != "skipped"} == {96}  # the first context always starts
     assert [row for row in rows if row["what"] == "skipped"] == [
         {"what": "skipped", "prompt_len": 128, "why": "would not end within --time-limit 1e-09 s"}]
-    # Within it, past the limit, only the first configuration runs; the others are rows that say so.
+    # Within it, past the limit, only the rows issue 6's targets need run (generate, the static step without
+    # scoring, with full and with Lazy refresh); the others are rows that say so.
     first = [row for row in rows if row["prompt_len"] == 96 and row["what"] not in ("prefill", "context done")]
-    assert first[0]["what"] == "generate" and first[0]["decode_tok_s"] > 0
+    assert [row["what"] for row in first[:4]] == ["generate", "static-no-scoring", "static-inertia",
+                                                  "static-inertia-lazy"]
+    assert all(row["decode_tok_s"] > 0 for row in first[:4])
     assert len(first) == 9 and all(row["skipped"] == "not started within --time-limit 1e-09 s" and "decode_tok_s" not in row
-                                   for row in first[1:])
+                                   for row in first[4:])
+    # --no-static: generate alone
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
+                 "--no-static", "--time-limit", "1e-9", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [row["what"] for row in rows if row.get("decode_tok_s", 0) > 0] == ["generate"]
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96,128", "--new-tokens", "4", "--repeats", "1",
                  "--compile", "off", "--time-limit", "3600", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]

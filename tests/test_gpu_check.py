@@ -51,8 +51,12 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     code, checks, speed = run_check(tmp_path, "--budget-s", "1", "--checks-s", "0")
     assert code == 0
     rows = [row for row in speed if row.get("prompt_len") == 256 and row["what"] not in ("prefill", "context done")]
-    assert rows[0]["what"] == "generate" and rows[0]["decode_tok_s"] > 0  # one configuration always runs
-    assert all("skipped" in row for row in rows[1:]) and len(rows) == 9
+    # the rows issue 6's targets need run whatever the time; the rest are skipped
+    assert [row["what"] for row in rows if row.get("decode_tok_s", 0) > 0] == [
+        "generate", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
+    assert all("skipped" in row for row in rows[4:]) and len(rows) == 9
+    target = next(line for line in checks if line.get("check") == "targets")
+    assert "lazy_gain" in target and "scoring_overhead" in target
     names = [line.get("check") for line in checks]
     assert "exactness done" in names and "contexts 128 skipped" in names and "tiny skipped" in names
     # Out of time, the compiled cases (a cold compile each) give way; the eager ones, the verdict, still run.
@@ -62,14 +66,47 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     assert not (tmp_path / "speed-more.jsonl").exists()
 
 
-def test_a_failure_line_shows_where_it_failed_and_the_error_a_capture_masked():
-    """The device's output is all there is to debug with: the innermost frames (not the script's outer
-    ones), and the error that a failed CUDA-graph capture replaces with its own."""
+def test_a_speed_run_past_its_grace_is_killed_and_the_checks_still_run(tmp_path):
+    """With no time and no grace the speed run (a child process) is killed at once: a line says so, the
+    targets line has no figures, and the exactness checks run and pass as ever."""
+    code, checks, speed = run_check(tmp_path, "--budget-s", "1", "--checks-s", "0", "--grace-s", "0", "--also", "")
+    assert code == 0
+    killed = next(line for line in checks if line.get("check") == "speed tiny 256")
+    assert killed["error"].startswith("killed 0 s past its --time-limit")
+    target = next(line for line in checks if line.get("check") == "targets")
+    assert "inertia_tok_s" not in target and target["vs_paper_39.1"] is None
+    assert not any("decode_tok_s" in row for row in speed)
+    done = next(line for line in checks if line.get("check") == "exactness done")
+    assert done["all_equal"] is True
+
+
+def load_gpu_check():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_the_bfloat16_agreement_line_runs_on_cpu_as_it_will_on_the_device(monkeypatch):
+    """The script calls it on a GPU only, where it would run for the first time: here, on CPU (no graphs),
+    it must report how far the static bfloat16 step agrees with the engine, not an error."""
+    gpu_check = load_gpu_check()
+    lines = []
+    monkeypatch.setattr(gpu_check, "report", lines.append)
+    gpu_check.bfloat16_agreement("cpu", compiles=False)
+    assert len(lines) == 1 and "error" not in lines[0], lines
+    line = lines[0]
+    assert line["check"] == "bfloat16 agreement (reported, not required)" and line["compile"] is False
+    assert 0 <= line["tokens_equal_until"] <= 30 and 0 < line["kept_overlap_mean"] <= 1  # of 30 tokens
+    assert isinstance(line["fp32_logits"], bool)
+
+
+def test_a_failure_line_shows_where_it_failed_and_the_error_a_capture_masked():
+    """The device's output is all there is to debug with: the innermost frames (not the script's outer
+    ones), and the error that a failed CUDA-graph capture replaces with its own."""
+    gpu_check = load_gpu_check()
 
     def slot_of_the_new_token():
         raise IndexError("index 7 is out of bounds for dimension 2 with size 7")
