@@ -2092,6 +2092,81 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
     assert columns[2].startswith("inertia (to step") and columns[3].startswith("inertia alpha=0.3 (to step")
 
 
+def test_numbers_too_large_for_a_float_are_refused_with_the_range_not_an_overflow():
+    """JSON integers reach the API as Python ints of any size: float() of a 400-digit one overflows, and the
+    largest seed, 2**63 - 1, read through a float as 2**63 and was refused as out of range."""
+    from kvviz.ui.checks import fraction, whole_number
+
+    huge = 10**400
+    with pytest.raises(ValueError, match=r"^max new tokens must be between 1 and 30, got 1000"):
+        whole_number("max new tokens", huge, 1, 30)
+    assert whole_number("the seed", 2**63 - 1, 0, 2**63 - 1) == 2**63 - 1
+    with pytest.raises(ValueError, match="^compression must be a number, got 1000"):
+        fraction("compression", huge)
+    with pytest.raises(ValueError, match=r"^policy 'inertia': refresh must be between 0 and 64, got 1000"):
+        kvviz.make_policy("inertia", refresh=huge)
+    with pytest.raises(ValueError, match=r"^policy 'inertia': alpha must be between 0.0 and 1.0, got 1000"):
+        kvviz.make_policy("inertia", alpha=huge)
+
+
+def test_the_typed_numbers_and_an_empty_prompt_are_refused_before_the_model_loads(monkeypatch):
+    """A refusal that needs no model must not wait for a load of minutes (nor leave a model loaded)."""
+    from kvviz.ui import analyses, checks
+
+    def no_load(*args):
+        raise AssertionError("the model was loaded before a check that needs none")
+
+    monkeypatch.setattr(checks, "get_model", no_load)
+    limits = Limits(models=("not-loaded",), max_prompt_tokens=400, max_new_tokens=16)
+    tova = [kvviz.make_policy("tova")]
+    with pytest.raises(ValueError, match="the budget must be at least 1, got -5"):
+        checks.validate(limits, "not-loaded", PROMPT, "budget", 0.5, -5, 8, False, tova)
+    with pytest.raises(ValueError, match="the budget is empty"):
+        checks.validate(limits, "not-loaded", PROMPT, "budget", 0.5, None, 8, False, tova)
+    for compression in (1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"compression must be in \[0, 1\)"):
+            checks.validate(limits, "not-loaded", PROMPT, "compression", compression, 0, 8, False, tova)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        checks.model_and_prompt(limits, "not-loaded", "  ", True)
+    check_probe = analyses.make_probe_check(limits)
+    with pytest.raises(gr.Error, match="the probe step must be at least 1"):
+        check_probe("not-loaded", PROMPT, ["inertia"], False, 0, 0)
+    with pytest.raises(gr.Error, match="the prompt is empty"):
+        check_probe("not-loaded", "", ["inertia"], False, 4, 0)
+
+
+def test_a_failure_lets_go_of_what_its_frames_held_and_out_of_memory_says_what_to_change():
+    """The user's line for an unforeseen error; the failed call's frames are cleared, so that what they held
+    (a failed run's cache) is freed by the handler's release_memory while the error is still being raised."""
+    import gc
+    import weakref
+
+    import torch
+
+    from kvviz.ui.checks import unexpected
+
+    class Cache:
+        pass
+
+    def decode():
+        cache = Cache()
+        holder.append(weakref.ref(cache))
+        raise RuntimeError("a kernel failed")
+
+    holder = []
+    try:
+        decode()
+    except RuntimeError as error:
+        failure = unexpected("generation", error)
+        gc.collect()
+        assert holder[0]() is None  # freed although the error, and its traceback, are still alive here
+    assert failure.message == "generation failed: RuntimeError: a kernel failed"
+    for error in (MemoryError(), torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")):
+        assert unexpected("the comparison", error).message == (
+            "the comparison ran out of memory; shorten the prompt, generate fewer tokens or choose a smaller "
+            "budget, then try again")
+
+
 def test_a_budget_never_filled_is_refused_with_a_remedy_that_works(tiny):
     """Prompt L, n new tokens: the run feeds back L + n - 1 tokens, so a budget B evicts only if B < L + n - 1,
     i.e. with n >= B - L + 2 new tokens, offered only within the app's limit (16 here)."""
@@ -2422,6 +2497,28 @@ def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_st
     stats = app.make_open_handler(limits)(str(tmp_path / "short.parquet"))[1]
     assert stats.endswith("*no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 "
                           "here, and this run ended at step 7; the cache was not cut*")
+
+
+def test_an_opened_traces_views_are_sized_by_what_it_generated_not_by_a_number_in_its_file(tiny, tmp_path):
+    """max_new_tokens is metadata anyone can edit: 10**9 sized the views for a billion positions (gigabytes,
+    or the server killed).  A trace is shown for what it asked within the app's limit past what it ran."""
+    import pyarrow.parquet as pq
+
+    from kvviz.trace import Trace
+    from kvviz.ui import app, checks
+
+    checks._models[TINY] = tiny
+    limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30)
+    kvviz.run(*tiny, PROMPT, "inertia", chat=False, budget=20, max_new_tokens=6).trace.save(tmp_path / "run.parquet")
+    table = pq.read_table(tmp_path / "run.parquet")
+    meta = json.loads(table.schema.metadata[b"kvviz"])
+    for asked, expected in [(6, 6), (20, 20), (10**9, 6 + 30), (0, 6)]:  # 6 steps ran (the prefill and 5)
+        pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps({**meta, "max_new_tokens": asked})}),
+                       tmp_path / "edited.parquet")
+        trace = Trace.load(tmp_path / "edited.parquet")
+        assert len(trace.events) == 6 and app.opened_length(trace, limits) == expected
+    outputs = app.make_open_handler(limits)(str(tmp_path / "edited.parquet"))
+    assert "opened" in outputs[1]
 
 
 def test_the_retention_heatmap_labels_where_the_prompt_ends():

@@ -1702,7 +1702,8 @@ def test_a_failed_drawing_is_raised_to_the_request_and_drawn_again_next_time(tmp
         tab.build_results_tab(app, review_store(tmp_path))
     results = next(fn for fn in app.fns.values() if fn.api_name == "results")
     defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
-    with pytest.raises(RuntimeError, match="the store went away"):
+    with pytest.raises(gr.Error, match="drawing the results failed: RuntimeError: the store went away; change a "
+                                       "filter or reload"):
         list(results.fn(*defaults))
     assert len(list(results.fn(*defaults))[-1]) == 3 * len(tab.SECTIONS)
     assert len(calls) == 2

@@ -119,15 +119,19 @@ def coerce(policy: str, parameter: dict[str, Any], value: Any) -> Any:
                 raise refuse("a number") from None
         if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise refuse("a number")
-        if not math.isfinite(number):
+        if isinstance(number, float) and not math.isfinite(number):  # an int is finite (and may not fit a float)
             raise refuse("a finite number")
+        low, high = parameter.get("low"), parameter.get("high")
         if isinstance(default, int):
             if number != int(number):
                 raise refuse("a whole number")
             number = int(number)
         else:
-            number = float(number) + 0.0  # -0.0 is 0.0
-        low, high = parameter.get("low"), parameter.get("high")
+            try:
+                number = float(number) + 0.0  # -0.0 is 0.0
+            except OverflowError:  # a 400-digit integer
+                raise refuse(f"between {low} and {high}" if low is not None and high is not None
+                             else "a finite number") from None
         if (low is not None and number < low) or (high is not None and number > high):
             raise refuse(f"between {low} and {high}")
         return number

@@ -57,9 +57,10 @@ def make_probe_check(limits: Limits):
     def check_probe(model_name, prompt, names, chat, step, sample):
         with refusing("checking the probe's inputs"):
             policy_settings(names, 1, "rank")
-            model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
-            check_fits(model, prompt_ids, probe_step(limits, step), 8)
+            step = probe_step(limits, step)  # the typed numbers before a model load that can take minutes
             whole_number("entries sampled (0 = all)", sample, 0)
+            model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
+            check_fits(model, prompt_ids, step, 8)
     return check_probe
 
 

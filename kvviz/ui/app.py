@@ -558,6 +558,15 @@ def mark_previous_run(view: RunView | None, stats: str):
     return NOT_RUN + stats.removeprefix(NOT_RUN)
 
 
+def opened_length(trace: Trace, limits: Limits) -> int:
+    """The new tokens an opened trace's views are sized for: what it asked for, as when its run ended (blank
+    rows for what it did not generate), but never past what it generated plus this app's own limit -- a
+    file's max_new_tokens is only a number in its metadata, and 10**9 would size every view in gigabytes.
+    0 (a trace saved before it was recorded) reads as ending where it ended."""
+    ran = len(trace.events)
+    return max(ran, min(trace.max_new_tokens, ran + limits.max_new_tokens))
+
+
 def make_open_handler(limits: Limits):
     """Show a saved trace (the Live tab's download, or ``kvviz generate --trace``) as if its run had just ended."""
 
@@ -582,8 +591,7 @@ def make_open_handler(limits: Limits):
                         trace.policy, exc_info=True)
             tokens, pinned, interval, policy = None, (0, 0), None, None
         try:  # Trace.load checked what the views rely on; anything it missed is still one line, not "Error"
-            # max_new_tokens 0: a trace saved before it was recorded, read as ending where it asked to
-            view = RunView(trace.prompt_len, max(trace.max_new_tokens, len(trace.events)), trace.budget,
+            view = RunView(trace.prompt_len, opened_length(trace, limits), trace.budget,
                            tokens or [f"⟨{i}⟩" for i in trace.prompt_ids], pinned, interval, terms_key(policy))
             for event in trace.events:
                 view.add(event, event.text)

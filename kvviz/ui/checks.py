@@ -9,6 +9,7 @@ import gc
 import logging
 import math
 import threading
+import traceback
 from dataclasses import dataclass, field
 
 import gradio as gr
@@ -86,22 +87,26 @@ def whole_number(label: str, value, low: int, high: int | None = None) -> int:
     """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused."""
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ValueError(f"{label} is empty; type a whole number")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{label} must be a whole number, got {value!r}") from None
-    if not math.isfinite(number) or number != int(number):
-        raise ValueError(f"{label} must be a whole number, got {value!r}")
+    if isinstance(value, int):  # exactly: through a float, 2**63 - 1 read as 2**63 and a 400-digit one overflowed
+        number = value
+    else:
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{label} must be a whole number, got {value!r}") from None
+        if not math.isfinite(number) or number != int(number):
+            raise ValueError(f"{label} must be a whole number, got {value!r}")
+        number = int(number)
     if number < low or (high is not None and number > high):
-        raise ValueError(f"{label} must be between {low} and {high}, got {int(number)}" if high is not None
-                         else f"{label} must be at least {low}, got {int(number)}")
-    return int(number)
+        raise ValueError(f"{label} must be between {low} and {high}, got {number}" if high is not None
+                         else f"{label} must be at least {low}, got {number}")
+    return number
 
 
 def fraction(label: str, value) -> float:
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
         raise ValueError(f"{label} must be a number, got {value!r}") from None
 
 
@@ -111,9 +116,19 @@ def refused(message: str) -> gr.Error:
     return gr.Error(message, duration=None, print_exception=False)
 
 
+OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
+
+
 def unexpected(what: str, error: Exception) -> gr.Error:
-    """A failure no validation foresaw: logged with its traceback on the server, one line for the user."""
+    """A failure no validation foresaw: logged with its traceback on the server, one line for the user.
+
+    The failed call's frames are then cleared: the error's traceback (the new one's context) would keep a
+    failed run's cache alive through them while ``release_memory`` runs."""
     log.exception("%s failed", what)
+    traceback.clear_frames(error.__traceback__)  # a frame still executing (the caller's) is left as it is
+    if isinstance(error, OUT_OF_MEMORY):
+        return refused(f"{what} ran out of memory; shorten the prompt, generate fewer tokens or choose a smaller "
+                       "budget, then try again")
     return refused(f"{what} failed: {type(error).__name__}: {error}")
 
 
@@ -181,6 +196,13 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     """Check everything before any work; raise ValueError with what to change."""
     max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
     sampling = check_sampling(temperature, top_p, seed)
+    # the typed numbers too, before a model load that can take minutes
+    if budget_mode == "budget":
+        typed = whole_number("the budget", budget, 1)
+    else:
+        compression = fraction("compression", compression)
+        if not 0.0 <= compression < 1.0:  # NaN too
+            raise ValueError(f"compression must be in [0, 1), got {compression}")
     model, tokenizer = get_model(limits, model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
@@ -188,7 +210,7 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
                          "shorten it")
     engine.check_prompt(model, prompt_ids, max_new)
     if budget_mode == "budget":
-        value = whole_number("the budget", budget, 1)
+        value = typed
         # A budget above the prompt is the long-generation regime (AvoKV-E's): eviction starts once the
         # generated tokens fill it.  Only a budget that the whole run never reaches is refused.
         fed = len(prompt_ids) + max_new - 1  # the last token is generated, never fed back
@@ -202,7 +224,6 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
                              f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
         resolved, compression = value, None  # the budget in tokens: no ρ set it
     else:
-        compression = fraction("compression", compression)
         resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
     for policy in policies:
         try:
@@ -273,8 +294,10 @@ def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
     raises ValueError with what to change."""
     if model_name not in limits.models:
         raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
+    if not isinstance(prompt, str) or not prompt.strip():  # before a model load that can take minutes
+        raise ValueError("the prompt is empty; type or paste some text")
     model, tokenizer = get_model(limits, model_name)
-    prompt_ids = engine.encode_prompt(tokenizer, prompt or "", chat=chat)
+    prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the limit here is {limits.max_prompt_tokens}, "
                          "shorten it")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 import tempfile
 import textwrap
@@ -29,6 +30,9 @@ from ..policies import REGISTRY
 from ..stats import paired_table
 from ..store import (FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, ranking_caveats, setting_names,
                      suite_notes)
+from .checks import refused
+
+log = logging.getLogger(__name__)
 
 ALL = "(all)"
 # Not D3 after Plotly: its first hues repeat Plotly's (blue, orange, green, red, purple, pink); nor the
@@ -1378,7 +1382,8 @@ class Drawing:
                 self.parts[index] = keep(index, section)
                 if opened <= self.parts.keys():
                     self.opened.set()
-        except Exception as error:  # raised to each request for it, in the request's thread
+        except Exception as error:  # logged here, with its traceback; raised to each request for it as one line
+            log.exception("drawing the results failed")
             self.error = error
         finally:
             self.opened.set()
@@ -1522,8 +1527,10 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
         if not drawing.done.is_set():  # the open sections now; the others say they are being drawn
             yield drawing.outputs(pending=PENDING)
         drawing.done.wait()
-        if drawing.error is not None:
-            raise drawing.error
+        if drawing.error is not None:  # a line the user can read: with show_error off, a bare "Error" otherwise
+            error = drawing.error
+            raise refused(f"drawing the results failed: {type(error).__name__}: {error}; change a filter or "
+                          "reload the page to draw them again")
         # every section, the open ones again: the last update is what an API client gets
         yield drawing.outputs()
 
