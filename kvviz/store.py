@@ -283,16 +283,20 @@ class Store:
         # ``ran_in``: every sweep that ran the row's experiment (a row written by hand, without a sweep name,
         # by its folder), so that a sweep's filter keeps the cells it shares with a sweep kept in its place.
         single = "source IS DISTINCT FROM 'measured' OR sample IS NULL"
+        # Every row first, duplicates included, so that duplicates that disagree can be reported below
         self.con.execute(
-            f"CREATE TABLE generations AS SELECT *, CASE WHEN {single} THEN [coalesce(sweep, folder)] ELSE "
+            f"CREATE TEMP TABLE every_generation AS SELECT *, CASE WHEN {single} THEN [coalesce(sweep, folder)] ELSE "
             f"list(DISTINCT coalesce(sweep, folder) ORDER BY coalesce(sweep, folder)) OVER (PARTITION BY "
             f"{', '.join(experiment)}) END AS ran_in "
             "FROM (SELECT * REPLACE (named(policy, CAST(params AS VARCHAR)) "
             "AS policy) FROM (SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
             f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
-            "ON settings.folder = split_part(shard, '/', 1) WHERE problem = ''))) "
-            f"QUALIFY {single} OR row_number() OVER (PARTITION BY "
-            f"{', '.join(experiment)}, coalesce(draw, 0) ORDER BY sweep) = 1")
+            "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')))")
+        self.con.execute(
+            f"CREATE TABLE generations AS SELECT * FROM every_generation QUALIFY {single} OR row_number() OVER "
+            f"(PARTITION BY {', '.join(experiment)}, coalesce(draw, 0) ORDER BY sweep) = 1")
+        self._report_conflicting_duplicates(experiment, single)
+        self.con.execute("DROP TABLE every_generation")
         # One row per measured sample and cell: the mean over its draws (a greedy sweep has one draw, so its
         # rows are unchanged), so that every figure, count and paired test is per sample -- draws of one
         # prompt are not independent samples.  Grouped by the experiment alone (the draws may come from two
@@ -314,6 +318,39 @@ class Store:
                                  f"config.toml; read as the runner's defaults ({GENERATION['max_new_tokens']} new "
                                  "tokens, chat template on)")
         self._report_mixed_generation()
+        self._report_mixed_prompts()
+
+    def _report_conflicting_duplicates(self, experiment: list[str], single: str) -> None:
+        """Say where one cell (and draw) was stored twice with different scores or sample facts (``meta``: the
+        needle's depth, the keys) -- two sweeps that gave one task label other task options, a shard run again
+        on another machine --, since only one of them counts."""
+        for model, task, sweeps, cells in self.con.execute(
+                "SELECT model, task, list_sort(list_distinct(flatten(list(sweeps)))), count(*) FROM (SELECT model, "
+                "task, list(DISTINCT coalesce(sweep, folder)) AS sweeps FROM every_generation "
+                f"WHERE NOT ({single}) GROUP BY {', '.join(experiment)}, coalesce(draw, 0) "
+                "HAVING count(DISTINCT score) > 1 OR count(DISTINCT CAST(meta AS VARCHAR)) > 1) "
+                "GROUP BY model, task ORDER BY model, task").fetchall():
+            self.problems.append(f"{model} / {task}: {cells} cell(s) stored more than once with different scores "
+                                 "or sample facts "
+                                 f"(in {', '.join(sweeps)}); each counts once, as the first sweep's by name: "
+                                 "remove the rows of one, or give one sweep's task another label")
+
+    def _report_mixed_prompts(self) -> None:
+        """Say where one sample of a task was given prompts of different lengths by different sweeps (another
+        task length or other task options under one label): the figures would average them as one task."""
+        for model, task, sweeps, samples in self.con.execute(
+                "WITH mixed AS (SELECT model, task, sample, seed FROM results WHERE source = 'measured' "
+                "AND sample IS NOT NULL AND list_contains(?, metric) GROUP BY ALL "
+                "HAVING count(DISTINCT prompt_len) > 1) "
+                "SELECT r.model, r.task, list(DISTINCT coalesce(r.sweep, r.folder) ORDER BY coalesce(r.sweep, "
+                "r.folder)), count(DISTINCT r.sample) FROM results AS r JOIN mixed AS m ON r.model = m.model "
+                "AND r.task = m.task AND r.sample = m.sample AND r.seed IS NOT DISTINCT FROM m.seed "
+                "WHERE r.source = 'measured' AND list_contains(?, r.metric) "
+                "GROUP BY r.model, r.task ORDER BY r.model, r.task",
+                [list(QUALITY_METRICS), list(QUALITY_METRICS)]).fetchall():
+            self.problems.append(f"{model} / {task}: sweeps {', '.join(sweeps)} gave {samples} sample(s) prompts "
+                                 "of different lengths, which the figures average as one task; give one of them "
+                                 "another task label to keep them apart")
 
     def _report_mixed_generation(self) -> None:
         """Say where the figures average rows generated differently: the same task and policy from sweeps
@@ -677,9 +714,10 @@ class Store:
         ``settings`` also every other parameter setting that was run (α and refresh sweeps, ablations), each
         named by what it changes (``"inertia alpha=0.9"``), the reference's own included.
 
-        A pair is the same model, task, sample, seed, prompt length and generation settings, at the same
-        compression or absolute budget -- except against the full cache, which has neither and pairs with every
-        cut.  The full cache is not compared with another reference (it has no cut to pair at: compare against
+        A pair is the same model, task, sample, seed, prompt length, generation settings and number of draws
+        (the means of the same random streams: a sampled sweep still running has fewer draws of some cells), at
+        the same compression or absolute budget -- except against the full cache, which has neither and pairs
+        with every cut.  The full cache is not compared with another reference (it has no cut to pair at: compare against
         ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
         ``absolute_budget``, ``sample``, ``score``, ``reference_score``, ``setting``.
         """
@@ -697,7 +735,7 @@ class Store:
              AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed
              AND p.prompt_len IS NOT DISTINCT FROM r.prompt_len
              AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat
-             AND p.temperature = r.temperature AND p.top_p = r.top_p AND p.dtype = r.dtype
+             AND p.temperature = r.temperature AND p.top_p = r.top_p AND p.dtype = r.dtype AND p.draws = r.draws
              AND (r.policy = 'full' OR (p.compression IS NOT DISTINCT FROM r.compression
                                         AND p.absolute_budget IS NOT DISTINCT FROM r.absolute_budget))
             WHERE (? IS NULL OR list_contains(?, p.policy))

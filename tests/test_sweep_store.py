@@ -99,6 +99,36 @@ def test_rerun_skips_finished_cells_and_a_torn_line_is_dropped(tmp_path, tiny):
     assert sweep.status(config, tmp_path) == {"single_needle": (14, 14), "multi_key_needle": (4, 7)}
 
 
+def test_a_rows_file_has_one_writer_and_a_failed_write_leaves_no_part_row(tmp_path, monkeypatch):
+    """A second writer of the same file (the same shard started twice) is refused while the first holds it,
+    and accepted once it is done; a write that fails part-way is undone, so the next row is a line of its own."""
+    path = tmp_path / "rows.jsonl"
+    with sweep.RowFile(path) as first:
+        first.append({"cell": "a", "score": 1.0})
+        with pytest.raises(ValueError, match="is being written by another process .the same sweep and shard"):
+            sweep.RowFile(path)
+        real_write, calls = os.write, []
+
+        def half_then_full_disk(fd, data):
+            calls.append(len(data))
+            if len(calls) == 1:
+                return real_write(fd, data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(sweep.os, "write", half_then_full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            first.append({"cell": "b", "score": 0.0})
+        monkeypatch.undo()
+        assert len(calls) == 2  # the rest of the line was tried after the short write
+        assert path.read_text() == '{"cell": "a", "score": 1.0}\n'
+        first.append({"cell": "c", "score": 0.5})
+    with sweep.RowFile(path) as again:  # released: the next run resumes
+        assert again.done == {"a", "c"}
+    with sweep.RowFile(tmp_path / "nothing.jsonl"):  # a run with nothing left to do leaves no file behind
+        pass
+    assert not (tmp_path / "nothing.jsonl").exists()
+
+
 def test_sigkill_loses_at_most_the_cell_in_flight_and_never_duplicates(tmp_path):
     command = [sys.executable, "-m", "kvviz.cli", "bench", "run", str(CONFIG), "--out", str(tmp_path)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -647,6 +677,63 @@ def test_a_cell_run_by_two_sweeps_counts_once(tmp_path):
     assert quality[["policy", "score", "samples"]].values.tolist() == [["inertia", 0.5, 2]]
     # sample 0 once (two spellings of one experiment) plus sample 1, both at the default alpha
     assert store.alpha_sensitivity()[["alpha", "samples"]].values.tolist() == [[0.3, 1], [0.8, 2]]
+
+
+def test_a_cell_stored_twice_with_different_outcomes_is_reported(tmp_path):
+    """Two sweeps that gave one task label other options (sample 0's needle at another depth) or two runs of
+    one shard that disagree: the cell counts once, as before, and the store says which cells and where."""
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "prompt_len": 100,
+           "policy": "tova", "compression": 0.9, "metric": "string_match", "params": {}, "max_new_tokens": 8,
+           "chat": True}
+    write_rows(tmp_path / "a", [{**row, "sweep": "a", "score": 1.0, "meta": {"depth": 0.5}},
+                                {**row, "sweep": "a", "sample": 1, "score": 0.0, "meta": {"depth": 0.5}}])
+    write_rows(tmp_path / "b", [{**row, "sweep": "b", "score": 1.0, "meta": {"depth": 0.75}},  # same score
+                                {**row, "sweep": "b", "sample": 1, "score": 0.0, "meta": {"depth": 0.5}}])  # agrees
+    store = Store(tmp_path)
+    assert store.quality_vs_compression()[["score", "samples"]].values.tolist() == [[0.5, 2]]
+    assert store.problems == ["m / t: 1 cell(s) stored more than once with different scores or sample facts (in a, "
+                              "b); each counts once, as the first sweep's by name: remove the rows of one, or give "
+                              "one sweep's task another label"]
+    # one sweep's two shards disagreeing on a score
+    write_rows(tmp_path / "b", [])
+    (tmp_path / "a" / "rows-1.jsonl").write_text(json.dumps({**row, "sweep": "a", "sample": 1, "score": 1.0,
+                                                             "meta": {"depth": 0.5}}) + "\n")
+    store = Store(tmp_path)
+    assert len(store.problems) == 1 and store.problems[0].startswith("m / t: 1 cell(s) stored more than once") \
+        and "(in a)" in store.problems[0]
+
+
+def test_a_sample_given_prompts_of_two_lengths_is_reported(tmp_path):
+    """One task label at 1,000 and at 2,000 tokens in two sweeps: each is its own experiment (never paired
+    across lengths), but the figures average them as one task, which the store says."""
+    row = {"source": "measured", "model": "m", "task": "t", "sample": 0, "seed": 0, "policy": "tova",
+           "compression": 0.9, "metric": "string_match", "params": {}, "meta": {}, "max_new_tokens": 8, "chat": True}
+    write_rows(tmp_path / "short", [{**row, "sweep": "short", "prompt_len": 1000, "score": 1.0},
+                                    {**row, "sweep": "short", "policy": "full", "prompt_len": 1000, "score": 1.0}])
+    write_rows(tmp_path / "long", [{**row, "sweep": "long", "prompt_len": 2000, "score": 0.0},
+                                   {**row, "sweep": "long", "policy": "full", "prompt_len": 2000, "score": 1.0}])
+    store = Store(tmp_path)
+    assert store.problems == ["m / t: sweeps long, short gave 1 sample(s) prompts of different lengths, which the "
+                              "figures average as one task; give one of them another task label to keep them apart"]
+    pairs = store.paired_scores("full")
+    assert sorted(pairs[["score", "reference_score"]].values.tolist()) == [[0.0, 1.0], [1.0, 1.0]]  # per length
+    # one sweep's own samples differ in length (70 and 71 tokens): nothing to report
+    write_rows(tmp_path / "long", [{**row, "sweep": "long", "sample": 1, "prompt_len": 1001, "score": 0.0}])
+    assert Store(tmp_path).problems == []
+
+
+def test_a_sample_is_paired_only_with_as_many_draws_of_the_reference(tmp_path):
+    """A sampled sweep still running has four draws of the full cache and one of TOVA for a sample: their
+    means come from different random streams, so the sample is not paired until TOVA has its four."""
+    row = {"source": "measured", "model": "m", "task": "t", "seed": 0, "prompt_len": 100, "metric": "string_match",
+           "params": {}, "max_new_tokens": 8, "chat": True, "temperature": 0.6, "top_p": 0.95, "sweep": "a"}
+    full = [{**row, "policy": "full", "compression": 0.5, "sample": sample, "draw": draw, "score": 1.0}
+            for sample in (0, 1) for draw in range(4)]
+    tova = [{**row, "policy": "tova", "compression": 0.5, "sample": 0, "draw": draw, "score": 0.0} for draw in range(4)]
+    write_rows(tmp_path / "a", full + tova + [{**row, "policy": "tova", "compression": 0.5, "sample": 1, "draw": 0,
+                                               "score": 1.0}])
+    pairs = Store(tmp_path).paired_scores("full")
+    assert pairs[["sample", "score", "reference_score"]].values.tolist() == [[0, 0.0, 1.0]]
 
 
 def test_a_setting_is_named_by_the_registry_name_that_states_it_and_a_cell_counts_once(tmp_path):

@@ -160,7 +160,11 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, progre
     source = repr(config.get("name"))
     validate(config, source)
     sweep.check_store(config, out_dir)
-    rows = sweep.RowFile(out_dir / "rows.jsonl")
+    with sweep.RowFile(out_dir / "rows.jsonl") as rows:
+        return _run_traces(config, rows, model, tokenizer, progress)
+
+
+def _run_traces(config: dict, rows: sweep.RowFile, model, tokenizer, progress: bool) -> int:
     settings = sweep.policy_settings(config)
     todo = [(task, label, sample) for task, label, sample in traces(config)
             if not all(cell_key(label, sample, s, m) in rows.done for s in settings for m in METRICS)]

@@ -19,6 +19,7 @@ transformers versions, device, seed and date.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -624,25 +625,60 @@ def cells(config: dict) -> list[Cell]:
 
 
 class RowFile:
-    """Append-only JSONL whose every row is one complete, fsynced line."""
+    """Append-only JSONL whose every row is one complete, fsynced line, written by one process at a time.
+
+    Use it as a context manager: the file is locked (``flock``) from opening until the ``with`` ends or the
+    process dies, so that the same shard started twice is refused instead of running every cell again, and
+    the repair of a torn last line cannot cut rows that another writer has just appended."""
 
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.done = stored_cells(path) if path.exists() else set()  # read first: a bad line stops before any change
-        if path.exists():
+        self._created = not path.exists()  # removed again if no row comes: a run with nothing left adds no file
+        self._lock = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise ValueError(f"{path} is being written by another process (the same sweep and shard running "
+                             "already); let it finish or stop it, then rerun to resume") from None
+        try:
+            self.done = stored_cells(path)  # read first: a bad line stops before any change
             data = path.read_bytes()
             keep = data.rfind(b"\n") + 1  # drop a torn last line left by a kill mid-write
             if keep != len(data):
                 with open(path, "r+b") as handle:
                     handle.truncate(keep)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> RowFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._lock is not None:
+            if self._created and self.path.stat().st_size == 0:
+                self.path.unlink()
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     def append(self, row: dict) -> None:
         line = (json.dumps(row) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
-            os.fsync(fd)
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(line):  # os.write may write part of it (a full disk, a signal)
+                    written += os.write(fd, line[written:])
+                os.fsync(fd)
+            except BaseException:
+                os.ftruncate(fd, start)  # no part-row for the next one to be glued onto
+                raise
         finally:
             os.close(fd)
         self.done.add(row["cell"])
@@ -748,7 +784,12 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     validate(config, source)
     check_shard(index, shards)
     check_store(config, out_dir)
-    rows = RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl"))
+    with RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl")) as rows:
+        return _run_shard(config, out_dir, rows, index, shards, model, tokenizer, source, progress)
+
+
+def _run_shard(config: dict, out_dir: Path, rows: RowFile, index: int, shards: int, model, tokenizer,
+               source: str, progress: bool) -> int:
     # cells another sharding already finished are not rerun
     done = rows.done | finished_cells(out_dir, skip=rows.path)
     # Shard by sample, not by cell, so that each sample's prompt is prefilled by one shard only.
