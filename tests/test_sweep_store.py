@@ -787,12 +787,13 @@ def test_cells_generated_with_other_settings_are_other_experiments_and_the_mix_i
                               "true; 6 new tokens, chat true) are averaged together; give one of them another task "
                               "label to keep them apart"]
     # the same settings spelled out in one and read from the config in the other: one experiment, counted once
-    write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 6, "chat": True, "score": 0.0}])
+    # (with the same outcome: one that differed would be reported as a conflict)
+    write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 6, "chat": True, "score": 1.0}])
     store = Store(tmp_path)
     assert len(store.frame("SELECT * FROM results")) == 1 and not store.problems
     # a row that says nothing and has no config.toml: the runner's defaults, said so, and deduplicated with them
     (tmp_path / "long" / "config.toml").unlink()
-    write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 32, "chat": True, "score": 0.0}])
+    write_rows(tmp_path / "short", [{**row, "sweep": "short", "max_new_tokens": 32, "chat": True, "score": 1.0}])
     store = Store(tmp_path)
     assert store.frame("SELECT sweep, max_new_tokens, chat FROM results").values.tolist() == [["long", 32, True]]
     assert store.problems == ["long: 1 rows say neither max_new_tokens nor chat and their folder has no "
