@@ -320,14 +320,17 @@ class StaticInertia:
                 graphs[scoring].replay()
             elif captured:
                 # This step runs eagerly on a side stream (it also warms up cuBLAS and compiles), then the
-                # same step is recorded once; later steps of this variant replay the recording.
+                # same step is recorded once, on that same stream: BLAS handles and workspaces are created per
+                # stream on first use, which must not happen inside a capture (PyTorch's own
+                # make_graphed_callables captures on its warm-up stream for this).  Later steps of this
+                # variant replay the recording.
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     step(scoring)
                 torch.cuda.current_stream().wait_stream(side)
                 graphs[scoring] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[scoring]):  # recorded, not executed
+                with torch.cuda.graph(graphs[scoring], stream=side):  # recorded, not executed
                     step(scoring)
             else:
                 step(scoring)
