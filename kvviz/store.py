@@ -717,8 +717,8 @@ class Store:
         A pair is the same model, task, sample, seed, prompt length, generation settings and number of draws
         (the means of the same random streams: a sampled sweep still running has fewer draws of some cells), at
         the same compression or absolute budget -- except against the full cache, which has neither and pairs
-        with every cut.  The full cache is not compared with another reference (it has no cut to pair at: compare against
-        ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
+        with every cut.  The full cache is not compared with another reference (it has no cut to pair at:
+        compare against ``full`` instead).  Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``,
         ``absolute_budget``, ``sample``, ``score``, ``reference_score``, ``setting``.
         """
         where, params = self._filters(task, model, "measured", None, sweeps)

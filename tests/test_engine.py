@@ -724,7 +724,8 @@ def test_the_engines_own_refusals_say_what_to_change(tiny, tiny_prompt):
         with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
             kvviz.engine.Sampler(1.0, top_p)
     shared = kvviz.engine.prefill(model, tiny_prompt[:-1])
-    with kvviz.scoring.installed(model), pytest.raises(ValueError, match="the shared prefill was made for another prompt"):
+    refusal = "the shared prefill was made for another prompt"
+    with kvviz.scoring.installed(model), pytest.raises(ValueError, match=refusal):
         next(kvviz.engine.decode(model, tokenizer, tiny_prompt, kvviz.make_policy("tova"), budget=20, shared=shared))
 
 

@@ -88,7 +88,7 @@ def whole_number(label: str, value, low: int, high: int | None = None) -> int:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ValueError(f"{label} is empty; type a whole number")
     if isinstance(value, int):  # exactly: through a float, 2**63 - 1 read as 2**63 and a 400-digit one overflowed
-        number = value
+        number = int(value)  # True is 1
     else:
         try:
             number = float(value)
