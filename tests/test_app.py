@@ -2093,14 +2093,22 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
 
 
 def test_numbers_too_large_for_a_float_are_refused_with_the_range_not_an_overflow():
-    """JSON integers reach the API as Python ints of any size: float() of a 400-digit one overflows, and the
-    largest seed, 2**63 - 1, read through a float as 2**63 and was refused as out of range."""
+    """JSON integers reach the API as Python ints of any size: float() of a 400-digit one overflows, and an
+    integer went through a float before its range was checked (2**63 - 1 read as 2**63)."""
     from kvviz.ui.checks import fraction, whole_number
 
     huge = 10**400
     with pytest.raises(ValueError, match=r"^max new tokens must be between 1 and 30, got 1000"):
         whole_number("max new tokens", huge, 1, 30)
     assert whole_number("the seed", 2**63 - 1, 0, 2**63 - 1) == 2**63 - 1
+    from kvviz.ui.checks import check_sampling
+
+    # the page carries a seed as a double: the largest it keeps exactly is the largest accepted
+    assert check_sampling(0.6, 0.95, 2**53 - 1)["seed"] == 2**53 - 1
+    with pytest.raises(ValueError, match=r"^the seed must be between 0 and 9007199254740991, got 9007199254740992"):
+        check_sampling(0.6, 0.95, float(2**53))
+    with pytest.raises(ValueError, match="^temperature and top-p must be numbers"):
+        check_sampling(huge, 0.95, 0)
     with pytest.raises(ValueError, match="^compression must be a number, got 1000"):
         fraction("compression", huge)
     with pytest.raises(ValueError, match=r"^policy 'inertia': refresh must be between 0 and 64, got 1000"):

@@ -117,6 +117,7 @@ def refused(message: str) -> gr.Error:
 
 
 OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
+MAX_SEED = 2**53 - 1  # the largest whole number a double holds exactly
 
 
 def unexpected(what: str, error: Exception) -> gr.Error:
@@ -167,7 +168,7 @@ def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
     """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
     try:
         temperature, top_p = float(temperature or 0.0), float(1.0 if top_p is None else top_p)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"temperature and top-p must be numbers, got {temperature!r} and {top_p!r}") from None
     if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
         raise ValueError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature:g}")
@@ -175,8 +176,10 @@ def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
         raise ValueError(f"top-p must be above 0 and at most 1, got {top_p:g}")
     if temperature == 0:
         return {}
-    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank
-    return engine.Sampler(temperature, top_p, whole_number("the seed", seed, 0, 2**63 - 1)).settings()
+    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank.
+    # At most 2**53 - 1: the page and the Number input carry it as a double, which rounds a larger seed to
+    # another one silently (the run and its trace would name a seed nobody typed).
+    return engine.Sampler(temperature, top_p, whole_number("the seed", seed, 0, MAX_SEED)).settings()
 
 
 def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
