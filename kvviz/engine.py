@@ -39,8 +39,7 @@ def resolve_budget(prompt_len: int, *, compression: float | None = None, budget:
         return int(budget)
     if compression is None:
         return prompt_len
-    if not 0.0 <= compression < 1.0:
-        raise ValueError(f"compression must be in [0, 1), got {compression}")
+    check_compression(compression)
     value = compressed(prompt_len, compression)
     if value < 1:
         most = largest_compression(prompt_len, 1)
@@ -48,6 +47,12 @@ def resolve_budget(prompt_len: int, *, compression: float | None = None, budget:
         raise ValueError(f"compression {compression:g} leaves no cache for a {prompt_len}-token prompt; {fix}, "
                          "or use a longer prompt")
     return value
+
+
+def check_compression(compression: float) -> None:
+    """A compression ratio in [0, 1) (NaN is not); what any prompt needs before its own budget is worked out."""
+    if not 0.0 <= compression < 1.0:
+        raise ValueError(f"compression must be in [0, 1), got {compression}")
 
 
 def compressed(prompt_len: int, compression: float) -> int:

@@ -182,12 +182,17 @@ def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
     return engine.Sampler(temperature, top_p, whole_number("the seed", seed, 0, MAX_SEED)).settings()
 
 
+def check_prompt_text(prompt) -> None:
+    """Refuse an empty prompt, before anything loads."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty; type or paste some text")
+
+
 def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
     """What can be checked without the model; returns max new tokens.  Raises ValueError with what to change."""
     if model_name not in limits.models:
         raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("the prompt is empty; type or paste some text")
+    check_prompt_text(prompt)
     if budget_mode not in ("compression", "budget"):
         raise ValueError(f"size the cache by 'compression' or 'budget', got {budget_mode!r}")
     return whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
@@ -201,11 +206,10 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     sampling = check_sampling(temperature, top_p, seed)
     # the typed numbers too, before a model load that can take minutes
     if budget_mode == "budget":
-        typed = whole_number("the budget", budget, 1)
+        value = whole_number("the budget", budget, 1)
     else:
         compression = fraction("compression", compression)
-        if not 0.0 <= compression < 1.0:  # NaN too
-            raise ValueError(f"compression must be in [0, 1), got {compression}")
+        engine.check_compression(compression)
     model, tokenizer = get_model(limits, model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
@@ -213,7 +217,6 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
                          "shorten it")
     engine.check_prompt(model, prompt_ids, max_new)
     if budget_mode == "budget":
-        value = typed
         # A budget above the prompt is the long-generation regime (AvoKV-E's): eviction starts once the
         # generated tokens fill it.  Only a budget that the whole run never reaches is refused.
         fed = len(prompt_ids) + max_new - 1  # the last token is generated, never fed back
@@ -297,8 +300,7 @@ def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
     raises ValueError with what to change."""
     if model_name not in limits.models:
         raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
-    if not isinstance(prompt, str) or not prompt.strip():  # before a model load that can take minutes
-        raise ValueError("the prompt is empty; type or paste some text")
+    check_prompt_text(prompt)  # before a model load that can take minutes
     model, tokenizer = get_model(limits, model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
