@@ -624,6 +624,7 @@ def _sweep_folder(config: dict, config_path: str, out: Path) -> None:
         raise ValueError(f"--out {str(out)!r} is a file; a sweep writes a folder (its rows and config), so "
                          "give a folder path")
     sweep.check_store(config, out)
+    sweep.check_params_as_run(config, out)  # here too: a Ray task's refusal would come back as its traceback
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:

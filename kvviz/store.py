@@ -12,7 +12,8 @@ cell: the mean over a sampled sweep's draws of that sample (``draws`` says how m
 prompt never count as independent samples (a greedy sweep's rows are unchanged).
 
 Two derived columns keep comparisons honest: ``setting`` (the parameters a row changes from its policy's
-registry defaults, ``'{}'`` at the defaults) keeps α and refresh sweeps out of the per-policy curves, and
+registry defaults, ``'{}'`` at the defaults; read from every parameter it ran with, ``policy_params``, where the
+row records them, else from those its config spelled out) keeps α and refresh sweeps out of the per-policy curves, and
 ``suite`` (the benchmark a task belongs to: the RULER-style generators -> ``RULER``) pairs measured tasks
 with a paper's aggregate.  A row's ``policy`` is the registry name that states what it ran with the fewest
 changes, as the Compare tab labels a setting (:func:`kvviz.policies.setting_label`): ``inertia`` run with
@@ -41,7 +42,7 @@ COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table":
            "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
            "budget": "INTEGER", "max_cache": "INTEGER", "max_decode_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
            "temperature": "DOUBLE", "top_p": "DOUBLE", "dtype": "VARCHAR", "draw": "INTEGER",
-           "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR"}
+           "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR", "policy_params": "JSON"}
 # What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
 # how a problem names it.  Numbers must also be finite: one NaN score would make its whole group's mean NaN.
 ACCEPTED = {"VARCHAR": (("VARCHAR",), "a string"), "DOUBLE": (("BIGINT", "UBIGINT", "DOUBLE"), "a finite number"),
@@ -254,7 +255,12 @@ class Store:
             return (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
                     if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})')
 
-        select = ", ".join(f'{read(name, kind)} AS "{name}"' for name, kind in COLUMNS.items() if name not in GENERATION)
+        # A row's ``params`` are what its policy ran with: every parameter where the row records them
+        # (``policy_params``, written since a changed registry default could otherwise relabel old rows), else
+        # the ones its config spelled out (the rest were the defaults of the day).
+        select = ", ".join(f'{read(name, kind)} AS "{name}"' for name, kind in COLUMNS.items()
+                           if name not in (*GENERATION, "params", "policy_params"))
+        select += ', coalesce(value."policy_params", value."params") AS "params"'
         # Rows written before they carried their generation settings take them from their sweep's config, and
         # failing that the runner's defaults (counted in unknown_settings and reported below).
         measured = """json_extract_string(value."source", '$') = 'measured'"""  # papers print no such settings

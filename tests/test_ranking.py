@@ -48,6 +48,7 @@ def test_a_ranking_sweep_stores_each_traces_ranking_quality_and_resumes(tmp_path
     for name in CONFIG["policies"]:
         assert first[(name, "auroc")]["score"] == pytest.approx(quality[name]["auroc"])
         assert first[(name, "topk_recall")]["score"] == pytest.approx(quality[name]["topk_recall"])
+        assert first[(name, "auroc")]["policy_params"] == policies[name].params()  # all it ran with
     meta = first[("tova", "auroc")]["meta"]
     assert (meta["step"], meta["future"], meta["aligned"]) == (6, 3, int(aligned.sum()))
     k = meta["high_damage"]

@@ -99,6 +99,35 @@ def test_rerun_skips_finished_cells_and_a_torn_line_is_dropped(tmp_path, tiny):
     assert sweep.status(config, tmp_path) == {"single_needle": (14, 14), "multi_key_needle": (4, 7)}
 
 
+def test_rows_record_every_parameter_and_a_resume_under_a_changed_default_is_refused(tmp_path, tiny):
+    """A row records all that its policy ran with, not only what the config spelled; a default that changed
+    between a sweep and its resume would otherwise file the old and the new rows as one setting."""
+    config = sweep.load_config(CONFIG)
+    model, tokenizer = tiny
+    sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False)
+    first = rows(tmp_path)
+    streaming = next(r for r in first if r["policy"] == "streaming")
+    assert (streaming["params"], streaming["policy_params"]) == ({}, {"sinks": 4})  # the field's default
+    single = next(r for r in first if r["policy"] == "inertia" and r["params"] == {"alpha": 0.0})
+    assert single["policy_params"] == {"alpha": 0.0, "refresh": 1, "aggregation": "ema", "scorer": "attention",
+                                       "layers": "all"}
+    # rows from before rows recorded their parameters are not judged
+    legacy = [{key: value for key, value in row.items() if key != "policy_params"} for row in first]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in legacy[:-1]))
+    assert sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False) == 1
+    # the streaming rows as if run when sinks defaulted to 8
+    edited = [{**row, "policy_params": {"sinks": 8}} if row["policy"] == "streaming" else row for row in rows(tmp_path)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in edited[:-1]))
+    with pytest.raises(ValueError, match=r"holds rows of streaming run with other parameters than the code gives it "
+                                         r"now \(sinks = 8 then, 4 now: a default changed since"):
+        sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False)
+    assert len(rows(tmp_path)) == len(edited) - 1  # nothing written
+    # the old value spelled out in the config is that setting, and its rows resume
+    spelled = {**config, "policies": ["full", {"name": "streaming", "params": {"sinks": 8}},
+                                      {"name": "inertia", "params": {"alpha": [0.0, 0.8]}}]}
+    assert sweep.check_params_as_run(spelled, tmp_path) is None
+
+
 def test_a_rows_file_has_one_writer_and_a_failed_write_leaves_no_part_row(tmp_path, monkeypatch):
     """A second writer of the same file (the same shard started twice) is refused while the first holds it,
     and accepted once it is done; a write that fails part-way is undone, so the next row is a line of its own."""
@@ -768,6 +797,26 @@ def test_a_setting_is_named_by_the_registry_name_that_states_it_and_a_cell_count
     pairs = store.paired_scores("inertia")
     assert pairs[["policy", "sample", "score", "reference_score"]].values.tolist() == [
         ["single-step", 0, 1.0, 0.5], ["single-step", 1, 0.0, 0.0]]
+
+
+def test_a_row_is_named_by_every_parameter_it_ran_with_where_it_records_them(tmp_path):
+    """Rows that spelled no params but ran InertiaKV at α = 0.9 (a default since changed) are ``inertia
+    alpha=0.9``, apart from today's defaults; rows that record nothing more keep the spelled params' reading."""
+    row = {"source": "measured", "model": "m", "task": "t", "seed": 0, "prompt_len": 100, "compression": 0.9,
+           "metric": "string_match", "sweep": "s", "policy": "inertia", "params": {}}
+    full = {"alpha": 0.8, "refresh": 1, "aggregation": "ema", "scorer": "attention", "layers": "all"}
+    write_rows(tmp_path / "s", [{**row, "sample": 0, "score": 1.0, "policy_params": {**full, "alpha": 0.9}},
+                                {**row, "sample": 1, "score": 0.0, "policy_params": full},
+                                {**row, "sample": 2, "score": 0.5},
+                                {**row, "sample": 3, "score": 0.5, "policy_params": {**full, "alpha": 0.0}}])
+    quality = Store(tmp_path).quality_vs_compression(settings=True)
+    assert sorted(quality[["policy", "score", "samples"]].values.tolist()) == [
+        ["inertia", 0.25, 2], ["inertia alpha=0.9", 1.0, 1], ["single-step", 0.5, 1]]
+    assert Store(tmp_path).alpha_sensitivity()[["alpha", "score", "samples"]].values.tolist() == [
+        [0.0, 0.5, 1], [0.8, 0.25, 2], [0.9, 1.0, 1]]
+    write_rows(tmp_path / "s", [{**row, "sample": 0, "score": 1.0, "policy_params": [0.9]}])
+    assert Store(tmp_path).problems == ["s/rows.jsonl: skipped 1 of 1 rows (line 1: policy_params is [0.9], not an "
+                                        "object); fix or delete those lines"]
 
 
 def test_cells_generated_with_other_settings_are_other_experiments_and_the_mix_is_reported(tmp_path):

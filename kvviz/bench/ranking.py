@@ -160,6 +160,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, progre
     source = repr(config.get("name"))
     validate(config, source)
     sweep.check_store(config, out_dir)
+    sweep.check_params_as_run(config, out_dir)
     with sweep.RowFile(out_dir / "rows.jsonl") as rows:
         return _run_traces(config, rows, model, tokenizer, progress)
 
@@ -242,7 +243,8 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
             value = quality[name][key]
             rows.append({
                 "cell": cell, "source": "measured", "sweep": config["name"], "task": label, "sample": sample_index,
-                "policy": setting[0], "params": dict(setting[1]), "compression": None, "absolute_budget": None,
+                "policy": setting[0], "params": dict(setting[1]), "policy_params": policies[name].params(),
+                "compression": None, "absolute_budget": None,
                 "prompt_len": len(prompt_ids), "max_new_tokens": step + future, "chat": chat,
                 "temperature": 0.0, "top_p": 1.0, "metric": metric,
                 # undefined (a utility constant over the entries: Spearman has no order to correlate) is

@@ -493,6 +493,39 @@ def check_store(config: dict, out_dir: str | Path) -> None:
                          f"pass --out with a new folder, or resume with {saved}")
 
 
+def check_params_as_run(config: dict, out_dir: str | Path) -> None:
+    """Refuse to resume a folder whose rows ran one of ``config``'s settings with other parameters than the code
+    builds from it now: a registry default changed in between, and the new rows would join the old ones as one
+    setting.  Each row records every parameter its policy ran with (``policy_params``); rows from before they
+    did are not checked."""
+    from ..policies import make_policy
+
+    # As a row stores them: JSON numbers, lists for tuples
+    now = {(name, json.dumps(dict(params), sort_keys=True)): json.loads(json.dumps(make_policy(name, **dict(params))
+                                                                                   .params()))
+           for name, params in policy_settings(config)}
+    for shard in sorted(Path(out_dir).glob("rows*.jsonl")):
+        data = shard.read_bytes()
+        for line in data[:data.rfind(b"\n") + 1].splitlines():  # a torn last line is not a row
+            try:
+                row = json.loads(line)
+            except ValueError:  # not a row: the RowFile and finished_cells() name it
+                continue
+            ran, params = (row.get("policy_params"), row.get("params")) if isinstance(row, dict) else (None, None)
+            if not (isinstance(ran, dict) and isinstance(params, dict)):
+                continue
+            built = now.get((row.get("policy"), json.dumps(params, sort_keys=True)))
+            if built is not None and ran != built:
+                changed = ", ".join(f"{key} = {ran.get(key)!r} then, {built.get(key)!r} now"
+                                    for key in sorted(ran.keys() | built.keys()) if ran.get(key) != built.get(key))
+                spelled = _describe((row["policy"], tuple(sorted(params.items()))))
+                raise ValueError(
+                    f"{shard} holds rows of {spelled} run with other parameters than the code gives it now "
+                    f"({changed}: a default changed since, at commit {row.get('git_commit') or 'unknown'}); "
+                    "resuming would file both under one setting.  Pass --out with a new folder, or spell the old "
+                    "values out in the config's params to rerun under them")
+
+
 def grown(previous: dict, config: dict) -> bool:
     """``config`` is ``previous`` with more samples of some of its tasks and nothing else changed.
 
@@ -784,6 +817,7 @@ def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard:
     validate(config, source)
     check_shard(index, shards)
     check_store(config, out_dir)
+    check_params_as_run(config, out_dir)
     with RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl")) as rows:
         return _run_shard(config, out_dir, rows, index, shards, model, tokenizer, source, progress)
 
@@ -926,6 +960,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
         rows.append({
             "cell": cell.key, "source": "measured", "sweep": config["name"], "task": label,
             "sample": sample_index, "policy": cell.policy, "params": dict(cell.params),
+            "policy_params": policy.params(),
             "compression": cell.compression, "absolute_budget": cell.budget, "prompt_len": len(prompt_ids),
             "max_new_tokens": max_new, "temperature": temperature, "top_p": top_p, "draw": cell.draw,
             "chat": config.get("chat", True), "new_tokens": len(events), "hit_max_tokens": hit_max_tokens,
