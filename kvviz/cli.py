@@ -582,11 +582,11 @@ def cmd_bench(args) -> int:
         if args.ray_address and args.backend != "ray":
             raise ValueError("--ray-address applies to --backend ray only; add --backend ray or drop --ray-address")
         sweep.check_shard(args.shard if args.backend == "local" else 0, args.shards)
-        _sweep_folder(config, args.config, out)
+        text = _sweep_folder(config, args.config, out)
         if args.backend == "ray":
-            written = sweep.run_ray(config, out, args.shards, args.ray_address)
+            written = sweep.run_ray(config, out, args.shards, args.ray_address, config_text=text)
         else:
-            written = sweep.run(config, out, shard=(args.shard, args.shards))
+            written = sweep.run(config, out, shard=(args.shard, args.shards), config_text=text)
         print(f"{written} new rows in {out}")
         return 0
     if args.bench == "ranking":
@@ -609,28 +609,27 @@ def _bench_ranking(args) -> int:
         for task, (finished, total) in progress.items():
             print(f"{config['name']} {task}: {finished} of {total} traces")
         return 0
-    _sweep_folder(config, args.config, out)
-    written = ranking.run(config, out)
+    text = _sweep_folder(config, args.config, out)
+    written = ranking.run(config, out, config_text=text)
     print(f"{written} new rows in {out}")
     return 0
 
 
-def _sweep_folder(config: dict, config_path: str, out: Path) -> None:
-    """Make a sweep's folder and put its config there, refusing a file in its place or a folder of another
-    config's rows (before this config overwrites the config that made them)."""
+def _sweep_folder(config: dict, config_path: str, out: Path) -> bytes:
+    """Make a sweep's folder, refusing a file in its place or a folder of another config's rows (before the run
+    saves this config over the config that made them); returns the config file's text, which the run saves."""
     from .bench import sweep
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; a sweep writes a folder (its rows and config), so "
                          "give a folder path")
     sweep.check_store(config, out)
-    sweep.check_params_as_run(config, out)  # here too: a Ray task's refusal would come back as its traceback
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ValueError(f"the sweep's folder {str(out)!r} cannot be made ({error.strerror or error}); "
                          "choose another --out") from None
-    (out / "config.toml").write_bytes(Path(config_path).read_bytes())
+    return Path(config_path).read_bytes()
 
 
 def cmd_results(args) -> int:

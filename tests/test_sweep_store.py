@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pandas as pd
@@ -156,6 +157,33 @@ def test_a_rows_file_has_one_writer_and_a_failed_write_leaves_no_part_row(tmp_pa
     with sweep.RowFile(tmp_path / "nothing.jsonl"):  # a run with nothing left to do leaves no file behind
         pass
     assert not (tmp_path / "nothing.jsonl").exists()
+
+
+def test_a_folder_another_run_holds_takes_no_other_config_even_before_its_first_row(tmp_path):
+    """Two sweeps started into one folder with different configs: the second is refused while the first runs,
+    rows or none yet; the same config, or it grown, joins it (a second shard); once the first ends, a config
+    change is allowed again (no rows: nothing of the old config's to mix with)."""
+    config = sweep.load_config(CONFIG)
+    text = CONFIG.read_bytes()
+    other = {**config, "max_new_tokens": 7}
+    other_text = text.replace(b"max_new_tokens = 6", b"max_new_tokens = 7")
+    more = {**config, "tasks": [{**config["tasks"][0], "samples": 3}, config["tasks"][1]]}
+    more_text = text.replace(b"length = 220, samples = 2", b"length = 220, samples = 3")
+    assert tomllib.loads(other_text.decode()) == other and tomllib.loads(more_text.decode()) == more
+    with sweep.claim(tmp_path, config, text):
+        assert (tmp_path / "config.toml").read_bytes() == text
+        with pytest.raises(ValueError, match=f"another sweep is running in {tmp_path} with the config saved there"):
+            with sweep.claim(tmp_path, other, other_text):
+                pass
+        assert (tmp_path / "config.toml").read_bytes() == text  # not overwritten
+        with sweep.claim(tmp_path, config, text), sweep.claim(tmp_path, config):  # other shards, a Ray task
+            pass
+        with sweep.claim(tmp_path, more, more_text):
+            assert (tmp_path / "config.toml").read_bytes() == more_text
+        assert (tmp_path / sweep.RUNNING_LOCK).exists()  # while anyone holds the folder
+    with sweep.claim(tmp_path, other, other_text):
+        assert (tmp_path / "config.toml").read_bytes() == other_text
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.toml"]  # the lock file goes with the last
 
 
 def test_sigkill_loses_at_most_the_cell_in_flight_and_never_duplicates(tmp_path):

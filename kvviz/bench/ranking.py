@@ -152,16 +152,16 @@ def status(config: dict, out_dir: str | Path) -> dict[str, tuple[int, int]]:
     return {label: (finished, total) for label, (finished, total) in counts.items()}
 
 
-def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, progress: bool = True) -> int:
+def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, progress: bool = True,
+        config_text: bytes | None = None) -> int:
     """Probe every unfinished trace of ``config`` and write its rows to ``out_dir/rows.jsonl``; returns the
     rows written.  A trace's rows are written together once it is probed, so a stopped run loses at most the
-    trace in progress, and a rerun continues with it."""
+    trace in progress, and a rerun continues with it.  ``config_text``: the config file's text, saved in
+    ``out_dir`` (:func:`kvviz.bench.sweep.claim`)."""
     out_dir = Path(out_dir)
     source = repr(config.get("name"))
     validate(config, source)
-    sweep.check_store(config, out_dir)
-    sweep.check_params_as_run(config, out_dir)
-    with sweep.RowFile(out_dir / "rows.jsonl") as rows:
+    with sweep.claim(out_dir, config, config_text), sweep.RowFile(out_dir / "rows.jsonl") as rows:
         return _run_traces(config, rows, model, tokenizer, progress)
 
 

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -493,6 +495,80 @@ def check_store(config: dict, out_dir: str | Path) -> None:
                          f"pass --out with a new folder, or resume with {saved}")
 
 
+# Held shared by every process writing a sweep's rows (the shards, a Ray driver) for as long as it runs, so that
+# none can put another config in that folder meanwhile; the last to finish removes it.
+RUNNING_LOCK = ".sweep.lock"
+
+
+@contextmanager
+def claim(out_dir: str | Path, config: dict, config_text: bytes | None = None) -> Iterator[None]:
+    """Hold ``out_dir`` for a run of ``config`` while the ``with`` lasts; with ``config_text``, save it there
+    as ``config.toml`` first.
+
+    The checks (:func:`check_store`, :func:`check_params_as_run`), the saving and the claim are one step under
+    the folder's lock: two runs started together with different configs cannot both pass, and a config that
+    is neither the saved one nor that one grown is refused while another run holds the folder, even before it
+    has written a row."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    folder = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # only for the steps below: a waiting run waits for seconds at most
+        check_store(config, out_dir)
+        check_params_as_run(config, out_dir)
+        saved = out_dir / "config.toml"
+        if config_text is not None and not (saved.exists() and saved.read_bytes() == config_text):
+            try:
+                previous = tomllib.loads(saved.read_text())
+            except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):  # none, or none a run could have saved
+                previous = None
+            if previous is not None and previous != config and not grown(previous, config) \
+                    and _held(out_dir / RUNNING_LOCK):
+                raise ValueError(f"another sweep is running in {out_dir} with the config saved there ({saved}); "
+                                 "let it finish or stop it, or pass --out with a new folder")
+            saved.write_bytes(config_text)
+        running = os.open(out_dir / RUNNING_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+        fcntl.flock(running, fcntl.LOCK_SH)  # never waits: exclusive locks on it are only probes made under ours
+    finally:
+        os.close(folder)  # releases the folder's lock
+    try:
+        yield
+    finally:
+        _release(out_dir, running)
+
+
+def _release(out_dir: Path, running: int) -> None:
+    """Let go of a claim, and remove the lock file if no other run holds it, under the folder's lock (which
+    every open of that file is made under, so no run can be holding a removed file's lock)."""
+    try:
+        folder = os.open(out_dir, os.O_RDONLY)
+    except OSError:  # the folder itself is gone
+        os.close(running)
+        return
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        os.close(running)
+        if not _held(out_dir / RUNNING_LOCK):
+            (out_dir / RUNNING_LOCK).unlink(missing_ok=True)
+    finally:
+        os.close(folder)
+
+
+def _held(path: Path) -> bool:
+    """Whether any process holds ``path``'s lock (this one included, through another open of it)."""
+    try:
+        probe = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(probe)
+
+
 def check_params_as_run(config: dict, out_dir: str | Path) -> None:
     """Refuse to resume a folder whose rows ran one of ``config``'s settings with other parameters than the code
     builds from it now: a registry default changed in between, and the new rows would join the old ones as one
@@ -808,17 +884,17 @@ def _sample_seed(seed: int, task: str, index: int) -> int:
 
 
 def run(config: dict, out_dir: str | Path, *, model=None, tokenizer=None, shard: tuple[int, int] = (0, 1),
-        progress: bool = True) -> int:
+        progress: bool = True, config_text: bytes | None = None) -> int:
     """Run every unfinished cell of ``config`` whose sample falls in shard ``index`` of ``shards`` (samples are
-    dealt round-robin); return the rows written."""
+    dealt round-robin); return the rows written.  ``config_text``: the config file's text, saved in
+    ``out_dir`` (:func:`claim`)."""
     out_dir = Path(out_dir)
     index, shards = shard
     source = repr(config.get("name"))  # messages read "sweep config 'name': ..."
     validate(config, source)
     check_shard(index, shards)
-    check_store(config, out_dir)
-    check_params_as_run(config, out_dir)
-    with RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl")) as rows:
+    with claim(out_dir, config, config_text), \
+            RowFile(out_dir / (f"rows-{index}.jsonl" if shards > 1 else "rows.jsonl")) as rows:
         return _run_shard(config, out_dir, rows, index, shards, model, tokenizer, source, progress)
 
 
@@ -980,12 +1056,18 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     return written
 
 
-def run_ray(config: dict, out_dir: str | Path, shards: int, address: str | None = None) -> int:
+def run_ray(config: dict, out_dir: str | Path, shards: int, address: str | None = None,
+            config_text: bytes | None = None) -> int:
     """Run the shards as Ray tasks (a local Ray by default, or the cluster at ``address``); each writes its
     own ``rows-<i>.jsonl`` that the store unions.  Returns the rows written."""
+    check_shard(0, shards)
+    with claim(out_dir, config, config_text):  # held from before the first task starts until the last ends
+        return _run_ray(config, out_dir, shards, address)
+
+
+def _run_ray(config: dict, out_dir: str | Path, shards: int, address: str | None) -> int:
     import ray
 
-    check_shard(0, shards)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
