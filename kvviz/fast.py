@@ -192,8 +192,10 @@ class StaticInertia:
     """InertiaKV decoding over a static slot cache (attention scorer, all layers eligible).
 
     ``refresh`` as in :class:`~kvviz.policies.inertia.InertiaKV` (1 every step, r lazy, 0 score-free);
-    ``scoring=False`` never computes a score, so every utility stays 0 and the oldest entry goes: the
-    B-slot cache without scoring (a sliding window, equal to the ``recency`` policy) -- the speed baseline.
+    ``scoring=False`` is the B-slot cache without scoring or an eviction choice -- the speed baseline: its slots
+    are kept in position order, so the oldest entry is always in the slot after the newest one and a step
+    only moves a ring pointer (a sliding window, the ``recency`` policy's keep sets).  Its slowdown against a
+    scoring step is what scoring and eviction cost together.
     ``compile=True`` runs each layer through :func:`compiled_decode_layer`.
     """
 
@@ -263,15 +265,18 @@ class StaticInertia:
                 return StaticRun(tokens[:max_new_tokens], kept_log, first_token_time)
         slots = budget + 1
         size = cache.size
-        keys = [layer.keys[:, :, :size].clone() for layer in cache.layers]
-        values = [layer.values[:, :, :size].clone() for layer in cache.layers]
+        live = cache.live_positions()
+        # The ring needs the slots in position order, the oldest first (the scoring step takes any order).
+        order = live.argsort() if not self.scoring else torch.arange(size, device=live.device)
+        keys = [layer.keys[:, :, :size].index_select(2, order.to(layer.keys.device)) for layer in cache.layers]
+        values = [layer.values[:, :, :size].index_select(2, order.to(layer.values.device)) for layer in cache.layers]
         keys = [torch.cat([k, k.new_zeros(1, k.shape[1], slots - size, k.shape[3])], 2) for k in keys]
         values = [torch.cat([v, v.new_zeros(1, v.shape[1], slots - size, v.shape[3])], 2) for v in values]
         positions = torch.full((slots,), -1, dtype=torch.long, device=device)
-        positions[:size] = cache.live_positions().to(device)
+        positions[:size] = live[order].to(device)
         m = torch.zeros(slots, dtype=torch.float32, device=device)
         if self.scoring:
-            m[:size] = policy.m[cache.live_positions()].to(device)
+            m[:size] = policy.m[live[order]].to(device)
         free = torch.tensor([size], device=device)  # the empty slot takes the next token
         # The engine's cache has room for the whole prompt (8.6 GB at 64k on Llama-3.1-8B): from here on
         # only the B + 1 slots are live.
@@ -285,12 +290,13 @@ class StaticInertia:
         slot_ids = torch.arange(slots, device=device)
 
         def step(scoring: bool) -> None:  # in place only: a CUDA graph replays exactly these kernels
-            # A new token enters at 0 on scoring steps, else at the mean of the entries already cached,
-            # summed in float64 as the engine does (the mean must not depend on slot order).
-            m_enter = torch.zeros((), device=device) if scoring else \
-                (torch.where(slot_ids == free, 0.0, m.double()).sum() / (slots - 1)).float()
-            m.index_fill_(0, free, 0.0)
-            m.index_add_(0, free, m_enter.reshape(1))
+            if self.scoring:
+                # A new token enters at 0 on scoring steps, else at the mean of the entries already cached,
+                # summed in float64 as the engine does (the mean must not depend on slot order).
+                m_enter = torch.zeros((), device=device) if scoring else \
+                    (torch.where(slot_ids == free, 0.0, m.double()).sum() / (slots - 1)).float()
+                m.index_fill_(0, free, 0.0)
+                m.index_add_(0, free, m_enter.reshape(1))
             positions.index_copy_(0, free, position[0])
             hidden = model.model.embed_tokens(token)
             cos, sin = model.model.rotary_emb(hidden, position)
@@ -299,8 +305,11 @@ class StaticInertia:
                                          m if scoring else None, self.alpha, self.fp32_logits)
             logits = model.lm_head(model.model.norm(hidden))[0, -1]
             token.copy_(logits.argmax().reshape(1, 1))
-            lowest = torch.where(m == m.min(), positions, big).argmin()  # ties: the older position goes
-            free.copy_(lowest.reshape(1))
+            if self.scoring:
+                lowest = torch.where(m == m.min(), positions, big).argmin()  # ties: the older position goes
+                free.copy_(lowest.reshape(1))
+            else:  # the oldest entry sits in the next slot round
+                free.copy_((free + 1) % slots)
             position.add_(1)
 
         graphs: dict[bool, torch.cuda.CUDAGraph] = {}

@@ -63,9 +63,11 @@ def test_static_path_releases_the_engines_prompt_sized_cache_before_decoding(tin
 
 
 def test_static_path_without_scoring_is_a_sliding_window(tiny, tiny_prompt):
+    """The baseline's ring of 21 slots goes round twice in 48 static steps, and keeps what ``recency`` keeps."""
     model, tokenizer = tiny
-    static = StaticInertia(model, scoring=False).generate(tokenizer, tiny_prompt, 20, 20, record_kept=True)
-    reference = kvviz.run(model, tokenizer, tiny_prompt, "recency", budget=20, max_new_tokens=20)
+    static = StaticInertia(model, scoring=False).generate(tokenizer, tiny_prompt, 20, 50, record_kept=True)
+    reference = kvviz.run(model, tokenizer, tiny_prompt, "recency", budget=20, max_new_tokens=50)
+    assert len(static.token_ids) == 50
     assert static.token_ids == reference.token_ids
     assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
 
