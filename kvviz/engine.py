@@ -80,6 +80,14 @@ def at_compression(error: BudgetTooSmall, compression: float, prompt_len: int, *
             f"prompt, not more than {error.kept}: {fix}{error.instead}")
 
 
+def settle(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so that a host clock reads what it cost: on CUDA a forward returns
+    before its kernels ran, and the next sync (scores copied to the host, say) would bill them to whatever
+    came next.  Nothing to wait for elsewhere: a CPU op has run when it returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class EvictingCache(SlotCache):
     """A :class:`SlotCache` that applies ``policy`` under ``budget`` and records one event per step.
 
@@ -91,6 +99,7 @@ class EvictingCache(SlotCache):
         super().__init__(model.config.num_hidden_layers, capacity)
         scoring.install(model)
         self.policy, self.auto = policy, auto
+        self.device = model.device
         self._budget_args = {"budget": budget, "compression": compression}
         self.budget = budget
         self.step = -1
@@ -107,13 +116,17 @@ class EvictingCache(SlotCache):
         return self.policy.wants_layer(layer)
 
     def on_layer(self, view) -> None:
+        settle(self.device)  # the layer's forward so far is the forward's time, not the scoring's
         start = time.perf_counter()
         self.policy.observe(view, self.live_positions())
+        settle(self.device)
         self.score_seconds += time.perf_counter() - start
 
     def on_prefill_layer(self, view) -> None:
+        settle(self.device)
         start = time.perf_counter()
         self.policy.observe_prefill(view, self.live_positions())
+        settle(self.device)
         self.score_seconds += time.perf_counter() - start
 
     # -- step protocol --------------------------------------------------------------------------------
@@ -163,6 +176,7 @@ class EvictingCache(SlotCache):
         bound = self.final_bound if self.final_bound is not None else self.policy.cache_bound(self.budget, self.step)
         if bound is not None and slots.numel() and self.layers[0].capacity > bound + 1:
             self.resize(bound + 1)  # the prompt no longer fits the budget: hand its memory back once
+        settle(self.device)
         return evicted, raw, time.perf_counter() - start
 
     def kept_and_utility(self) -> tuple[np.ndarray, np.ndarray | None]:
@@ -351,6 +365,7 @@ def prefill(model, prompt_ids: list[int], window: int = 0) -> Prefill:
             logits = model(input_ids=torch.tensor([prompt_ids], device=model.device),
                            position_ids=torch.arange(len(prompt_ids), device=model.device)[None],
                            logits_to_keep=1, **{cache_kwarg(model): cache}).logits[0, -1]
+        settle(model.device)
         seconds = time.perf_counter() - start
     if recorder is None:
         return Prefill(list(prompt_ids), cache, logits, seconds)
@@ -401,6 +416,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
             last_logits = model(input_ids=torch.tensor([prompt_ids], device=device),
                                 position_ids=torch.arange(prompt_len, device=device)[None],
                                 logits_to_keep=1, **{cache_arg: cache}).logits[0, -1]
+    settle(device)
     t_forward = 0.0 if use_shared else time.perf_counter() - start - cache.score_seconds
     if policy.reconstructs:
         cache.score_seconds += reconstruct(model, tokenizer, cache, prompt_ids)
@@ -421,6 +437,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         with scoring.scoring(cache if scores else None):
             logits = model(input_ids=torch.tensor([[token]], device=device),
                            position_ids=torch.tensor([[position]], device=device), **{cache_arg: cache}).logits
+        settle(device)
         t_forward = time.perf_counter() - start - cache.score_seconds
         evicted, raw, t_evict = cache.finish_step()
         consumed, token = token, sampler(logits[0, -1])
@@ -489,6 +506,7 @@ def reconstruct(model, tokenizer, cache: EvictingCache, prompt_ids: list[int]) -
         cache.evict(torch.nonzero(cache.live_positions() >= prompt_len).flatten())
         cache.seen = prompt_len
     cache.resize(capacity)  # the repeat tokens grew the slots; hand that memory back
+    settle(device)
     return time.perf_counter() - start_time
 
 

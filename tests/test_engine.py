@@ -797,3 +797,27 @@ def test_run_names_its_own_keywords_and_refuses_what_it_would_ignore(tiny, tiny_
     seeded = [kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("random", seed=seed), budget=10,
                         max_new_tokens=6).trace for seed in (1, 2)]
     assert [e.evicted.tolist() for e in seeded[0].events] != [e.evicted.tolist() for e in seeded[1].events]
+
+
+def test_each_timed_part_of_a_step_waits_for_the_device_before_its_clock_is_read(tiny, tiny_prompt, monkeypatch):
+    """On CUDA a forward returns before its kernels have run: without a wait, the scores' copy to the host
+    would bill the layer's attention to scoring, and the forward would look free.  Each step waits after the
+    forward, before and after each layer's scoring, and at the end of the eviction: on a CPU a no-op."""
+    import kvviz.engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    engine_module.settle(torch.device("cpu"))
+    assert calls == []
+    engine_module.settle(torch.device("cuda", 0))
+    assert calls == [torch.device("cuda", 0)]
+
+    model, tokenizer = tiny
+    waits = []
+    monkeypatch.setattr(engine_module, "settle", lambda device: waits.append(device))
+    layers = model.config.num_hidden_layers
+    events = list(engine_module.decode(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), budget=20,
+                                       max_new_tokens=4, ignore_eos=True))
+    # the prefill: after its forward; then per decode step: the forward, 2 per scored layer, the eviction
+    assert len(events) == 4 and len(waits) == 1 + 3 * (1 + 2 * layers + 1)
+    assert set(waits) == {model.device}
