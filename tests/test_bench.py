@@ -29,8 +29,8 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     names = [row["what"] for row in rows[1:]]
     # The baseline, then the static path (a GPU run's targets), then the engine: the order rows are measured in.
     assert names == ["generate", "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free",
-                     "static-no-scoring-uncompiled", "static-inertia-uncompiled", "full", "inertia", "inertia-lazy",
-                     "score-free"]
+                     "static-no-scoring-uncompiled", "static-inertia-uncompiled", "static-inertia-lazy-uncompiled",
+                     "full", "inertia", "inertia-lazy", "score-free"]
     assert all(row["decode_tok_s"] > 0 for row in rows[1:])
     # Each rate against the generate row's, rounded to 3 places (from unrounded rates: half a unit of slack).
     generate = rows[1]
@@ -44,8 +44,10 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     assert static["static-no-scoring"]["setup_s"] > 0
     assert static["static-no-scoring"]["first_setup_s"] >= static["static-no-scoring"]["setup_s"]
     assert static["static-inertia-uncompiled"]["setup_s"] == 0
-    assert all("scoring_overhead_vs_no_scoring" in row for name, row in static.items()
+    assert all("scoring_eviction_share" in row for name, row in static.items()
                if not name.startswith("static-no-scoring"))
+    # In float32 the static step keeps what the engine keeps at this shape, from the same shared prefill
+    assert all(row["engine_tokens_equal"] and row["engine_kept_overlap"] == 1.0 for row in static.values())
 
 
 def test_speed_bench_times_chosen_policies_prefill_time_ones_from_the_shared_prefill(tmp_path):
@@ -291,6 +293,49 @@ def test_speed_bench_stops_at_its_time_limit(tmp_path):
                  "--compile", "off", "--time-limit", "3600", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert [row["prompt_len"] for row in rows if row["what"] == "context done"] == [96, 128]
+
+
+def test_a_row_that_fell_back_from_cudnn_keeps_its_note_and_the_others_their_rows(tmp_path, monkeypatch):
+    """The decode-shape fallback's note is text in a row of numbers: it must come out as it is, not fail the
+    rounding of that row (which ended the whole context)."""
+    from kvviz.bench import speed
+
+    monkeypatch.setattr(speed, "without_cudnn_on_failure", lambda run, cuda: (run(), "cuDNN attention disabled "
+                                                                              "after: RuntimeError: cuDNN error"))
+    out = tmp_path / "speed.jsonl"
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
+                 "--compile", "off", "--policies", "inertia", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()[2:-1]]
+    assert [row["what"] for row in rows] == ["generate", "static-no-scoring", "static-inertia", "static-inertia-lazy",
+                                             "static-score-free", "inertia"]
+    assert all(row["sdpa_fallback"] == "cuDNN attention disabled after: RuntimeError: cuDNN error"
+               and row["decode_tok_s"] > 0 for row in rows)
+
+
+def test_once_the_compiled_step_fails_its_uncompiled_rows_stand_in_for_the_targets(tmp_path, monkeypatch):
+    """A failed compile is not remembered: each compiled row would fail alike and spend its time doing so.
+    The first failure stops the other compiled static rows, and the uncompiled ones -- the targets' rows
+    now -- run past the time limit."""
+    from kvviz import fast
+
+    def broken():
+        def layer_step(*args, **kwargs):
+            raise RuntimeError("BackendCompilerFailed: no lowering")
+        return layer_step
+
+    monkeypatch.setattr(fast, "compiled_decode_layer", broken)
+    out = tmp_path / "speed.jsonl"
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
+                 "--compile", "on", "--time-limit", "1e-9", "--out", str(out)]) == 0
+    rows = {row["what"]: row for row in map(json.loads, out.read_text().splitlines()[2:-1])}
+    assert rows["static-no-scoring"]["error"].startswith("RuntimeError: BackendCompilerFailed: no lowering")
+    for name in ("static-inertia", "static-inertia-lazy"):
+        assert rows[name]["error"] == "not run: the compiled static step failed in static-no-scoring (see its row)"
+    assert [name for name, row in rows.items() if row.get("decode_tok_s", 0) > 0] == [
+        "generate", "static-no-scoring-uncompiled", "static-inertia-uncompiled", "static-inertia-lazy-uncompiled"]
+    assert "scoring_eviction_share" in rows["static-inertia-uncompiled"]
+    assert all("skipped" in rows[name] for name in ("static-score-free", "full", "inertia", "inertia-lazy",
+                                                    "score-free"))
 
 
 def test_probe_bench_compares_batched_with_one_at_a_time(tmp_path):

@@ -56,7 +56,7 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
         "generate", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
     assert all("skipped" in row for row in rows[4:]) and len(rows) == 9
     target = next(line for line in checks if line.get("check") == "targets")
-    assert "lazy_gain" in target and "scoring_overhead" in target
+    assert "lazy_gain" in target and "scoring_eviction_share" in target and target["engine_kept_overlap"] == 1.0
     names = [line.get("check") for line in checks]
     assert "exactness done" in names and "contexts 128 skipped" in names and "tiny skipped" in names
     # Out of time, the compiled cases (a cold compile each) give way; the eager ones, the verdict, still run.
@@ -124,3 +124,18 @@ def test_a_failure_line_shows_where_it_failed_and_the_error_a_capture_masked():
     assert record["error"] == "RuntimeError: operation failed due to a previous error during capture"
     assert record["during"] == "IndexError: index 7 is out of bounds for dimension 2 with size 7"
     assert "in slot_of_the_new_token" in record["trace"] and "deep(20)" not in record["trace"]
+
+
+def test_targets_are_judged_on_the_uncompiled_rows_when_compiling_failed():
+    gpu_check = load_gpu_check()
+    rows = [{"what": "generate", "prompt_len": 64, "decode_tok_s": 50.0},
+            {"what": "static-no-scoring", "prompt_len": 64, "error": "BackendCompilerFailed: ..."},
+            {"what": "static-inertia", "prompt_len": 64, "error": "not run: the compiled static step failed in ..."},
+            {"what": "static-no-scoring-uncompiled", "prompt_len": 64, "decode_tok_s": 200.0},
+            {"what": "static-inertia-uncompiled", "prompt_len": 64, "decode_tok_s": 160.0,
+             "scoring_eviction_share": 0.2, "engine_kept_overlap": 0.98},
+            {"what": "static-inertia-lazy-uncompiled", "prompt_len": 64, "decode_tok_s": 180.0}]
+    assert gpu_check.targets(rows, 64) == {
+        "check": "targets", "prompt_len": 64, "compiled": False, "inertia_tok_s": 160.0, "inertia_at_least_150": True,
+        "scoring_eviction_share": 0.2, "scoring_eviction_at_most_5_percent": False, "engine_kept_overlap": 0.98,
+        "lazy_gain": 1.125, "lazy_gain_at_most_1.05": False, "vs_paper_39.1": 4.09}
