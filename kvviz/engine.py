@@ -264,7 +264,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         if self.temperature == 0:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        scaled = logits.float().cpu() / self.temperature
+        if not torch.isfinite(scaled).all():  # T so small that logits / T overflow (1e-38): shifted by the
+            # largest logit, in float64, which holds any T > 0 (float32 reads 5e-324 as 0); the limit is greedy
+            shifted = logits.double().cpu()
+            scaled = ((shifted - shifted.max()) / self.temperature).float()
+        probs = torch.softmax(scaled, dim=-1)
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > self.top_p  # keep the smallest prefix reaching top_p
         sorted_probs[outside] = 0.0

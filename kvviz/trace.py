@@ -284,6 +284,13 @@ class Trace:
                 raise ValueError(f"{name}: row {index} is step {event.step}; a trace's steps run 0, 1, 2, ...")
             if not isinstance(event.text, str) or not _is_int(event.new_token_id):
                 raise ValueError(f"{name}: step {event.step} has no text or token id of the right type")
+            # the views' statistics add these up: a string among them failed there, not here
+            timed = (event.t_forward, event.t_score, event.t_evict)
+            if not (all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
+                        for t in timed) and _is_int(event.cache_bytes) and event.cache_bytes >= 0
+                    and isinstance(event.scored, bool)):
+                raise ValueError(f"{name}: step {event.step} has times, a cache size or a scored flag of the wrong "
+                                 "type (seconds >= 0, bytes a whole number, scored true or false)")
             end = self.prompt_len + event.step  # positions 0 .. end - 1 exist during step k
             for what, positions in (("kept", event.kept), ("evicted", event.evicted)):
                 if positions.size and (positions.min() < 0 or positions.max() >= end):

@@ -503,6 +503,9 @@ def test_sampler_draws_from_the_tempered_nucleus():
     np.testing.assert_allclose(frequencies(Sampler(2.0, 1.0, seed=0)), [0.4155, 0.3218, 0.2628], atol=0.03)
     with pytest.raises(ValueError, match="temperature"):
         Sampler(float("nan"))
+    # logits / T overflow float32 at such temperatures (inf - inf = NaN in the softmax): the limit is greedy
+    peaked = torch.tensor([3.0, 7.5, -2.0, 7.0])
+    assert all(Sampler(t, 1.0, seed=0)(peaked) == 1 for t in (1e-38, 1e-45, 5e-324))
 
 
 def test_sampling_is_seeded_and_top_p_near_zero_is_greedy(tiny, tiny_prompt):
@@ -632,6 +635,13 @@ def test_a_file_that_is_not_a_consistent_trace_is_refused_with_the_reason(tiny, 
         damaged.save(tmp_path / "bad.parquet")
         with pytest.raises(ValueError, match=message):
             kvviz.Trace.load(tmp_path / "bad.parquet")
+    # read by the views' statistics, which failed on them with a TypeError (a file written by other means)
+    for field, value in [("t_forward", "0.1"), ("t_evict", -1.0), ("t_score", float("nan")), ("cache_bytes", 1.5),
+                         ("scored", "yes")]:
+        damaged = kvviz.Trace.load(tmp_path / "ok.parquet")
+        setattr(damaged.events[2], field, value)
+        with pytest.raises(ValueError, match="bad: step 2 has times, a cache size or a scored flag of the wrong type"):
+            damaged.check("bad")
 
 
 def test_a_trace_saved_before_terms_were_recorded_still_loads(tiny, tiny_prompt, tmp_path):

@@ -223,7 +223,7 @@ REGISTRY: dict[str, PolicySpec] = by_name(
 def get_spec(name: str) -> PolicySpec:
     try:
         return REGISTRY[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: not a name at all (a list, from an API call)
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(REGISTRY)}") from None
 
 
