@@ -84,12 +84,22 @@ def test_generate_endpoint_streams_what_the_cli_keeps(client, capsys):
         ((PROMPT, "avokv", 0.5, 8, False, TINY, '{"normalise": "maybe"}'), "true or false"),
         ((PROMPT, "inertia", 0.5, 8, False, TINY, "[1]"), "JSON object"),
         ((PROMPT, "inertia", 0.5, 8, False, TINY, "{alpha: 1"), "not valid JSON"),
+        # a TypeError from deep inside before: a list where the policy's name goes
+        ((PROMPT, ["inertia"], 0.5, 8, False, TINY, "{}"), "unknown policy"),
     ],
 )
 def test_bad_input_gets_a_message_and_the_server_keeps_serving(client, args, message):
     with pytest.raises(Exception, match=message):
         client.predict(*args, api_name="/generate")
     assert client.predict(PROMPT, "full", 0.0, 3, False, TINY, "{}", api_name="/generate")["step"] == 2
+
+
+def test_generate_takes_params_as_an_object_too(client):
+    """Its signature says a JSON string; an object sent as itself (a TypeError from json.loads before) means
+    the same, and is checked the same."""
+    assert client.predict(PROMPT, "inertia", 0.5, 3, False, TINY, {"alpha": 0.5}, api_name="/generate")["step"] == 2
+    with pytest.raises(Exception, match="no parameter"):
+        client.predict(PROMPT, "inertia", 0.5, 3, False, TINY, {"alpah": 0.5}, api_name="/generate")
 
 
 def test_parameter_widgets_take_the_selected_policys_meaning():
@@ -1398,9 +1408,13 @@ def test_the_probe_step_goes_no_further_than_a_run_may_decode(client):
     with pytest.raises(Exception, match="the probe step is 5000: the probe decodes that many tokens first, and this "
                                         r"server decodes at most 3000 \(its max new tokens\); choose a step up to 3000"):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")
-    # An empty sample field is refused like an empty step: probing every entry is asked for with 0.
-    with pytest.raises(Exception, match=r"entries sampled \(0 = all\) is empty; type a whole number"):
+    # An empty sample field is refused like an empty step; so is a sample that would hold the model for long.
+    with pytest.raises(Exception, match=r"entries sampled \(1-256\) is empty; type a whole number"):
         client.predict(TINY, PROMPT, ["inertia"], False, 2, None, api_name="/probe")
+    with pytest.raises(Exception, match=r"entries sampled \(1-256\) is 257: each entry costs a decode of 8 tokens "
+                                        r"while the probe holds the model, so this app samples at most 256; for more, "
+                                        r"or all of them, run `kvviz probe --sample N` \(or without --sample\)"):
+        client.predict(TINY, PROMPT, ["inertia"], False, 2, 257, api_name="/probe")
 
 
 def test_the_probe_and_spectrum_are_checked_before_they_run(tiny):
@@ -1415,7 +1429,8 @@ def test_the_probe_and_spectrum_are_checked_before_they_run(tiny):
     assert probe_check(TINY, PROMPT, ["inertia"], False, 2, 16) is None
     assert spectrum_check(TINY, PROMPT, False, 3, "") is None and spectrum_check(TINY, PROMPT, False, 3, "2") is None
     for args, message in [((TINY, PROMPT, ["inertia"], False, None, 16), "the probe step is empty"),
-                          ((TINY, PROMPT, ["inertia"], False, 2, None), r"entries sampled \(0 = all\) is empty"),
+                          ((TINY, PROMPT, ["inertia"], False, 2, None), r"entries sampled \(1-256\) is empty"),
+                          ((TINY, PROMPT, ["inertia"], False, 2, 0), r"entries sampled \(1-256\) must be at least 1"),
                           ((TINY, PROMPT, ["inertia"], False, 17, 16), "the probe step is 17: .* at most 16"),
                           ((TINY, PROMPT, [], False, 2, 16), "choose one to four policies to rank")]:
         with pytest.raises(gr.Error, match=message):
@@ -1469,7 +1484,7 @@ def test_the_spectrum_shows_the_librarys_figures_and_refuses_a_bad_layer(client)
 def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     from kvviz.probe import blindspot, probe
 
-    table, note, plot = client.predict(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0, api_name="/probe")
+    table, note, plot = client.predict(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 256, api_name="/probe")
     assert {row[0] for row in table["data"]} == {"inertia", "tova"}  # AvoKV-E joins the probe, not the table
     assert table["headers"] == ["policy", "AUROC", "AUROC p", "average precision", "top-k recall", "false-safe rate",
                                 "Spearman"]
@@ -1495,7 +1510,7 @@ def test_the_probe_draws_avokvs_blindspot_grid_or_says_why_not(client):
     title = figure["layout"]["title"]["text"]
     assert title.replace("<br>", " ") == "Blindspot: " + spot.summary().replace("<=", "≤").replace(">=", "≥")
     assert len(title.split("<br>")) > 1 and all(len(line) <= TITLE_12_CHARS for line in title.split("<br>"))
-    _, note, plot = client.predict(TINY, "The passkey is 71432.", ["inertia"], False, 2, 0, api_name="/probe")
+    _, note, plot = client.predict(TINY, "The passkey is 71432.", ["inertia"], False, 2, 256, api_name="/probe")
     assert "AvoKV-E judges nothing at step 2" in note and plot["visible"] is False
 
 
@@ -1508,7 +1523,7 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
 
     _models[TINY] = tiny
     handler = make_probe_handler(Limits(models=(TINY,)))
-    table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 256)
     below = [policy for policy, auroc in zip(table.policy, table.AUROC) if auroc < 0.5]  # a random model's
     assert ("AUROC below 0.5" in note) == bool(below) and all(policy in note for policy in below)
     real = kvviz.probe.aligned_quality
@@ -1519,18 +1534,18 @@ def test_the_probe_says_what_an_auroc_below_chance_means(tiny, monkeypatch):
                 "tova": {**quality["tova"], "auroc": 0.24, "auroc_p": p}}, aligned
 
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
-    table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    table, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 256)
     assert "AUROC below 0.5 (tova 0.24, p = 0.012): worse than chance" in note
     assert table.set_index("policy").AUROC["tova"] == 0.24 and "AUROC p" in table.columns
     # one that could be chance is not called worse than chance: a handful of high-damage entries
     monkeypatch.setattr(kvviz.probe, "aligned_quality", lambda u, d: one_inverted(u, d, p=0.33))
-    _, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    _, note, _ = handler(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 256)
     assert "worse than chance," not in note
     assert "AUROC below 0.5 (tova 0.24, p = 0.330), but with this few high-damage entries not distinguishable" in note
     monkeypatch.setattr(kvviz.probe, "aligned_quality", one_inverted)
     assert "Scored with" not in note and "false-safe rate" in table.columns  # neither protects anything
     monkeypatch.undo()
-    table, note, _ = handler(TINY, PROMPT * 2, ["tova", "h2o"], False, 3, 0)
+    table, note, _ = handler(TINY, PROMPT * 2, ["tova", "h2o"], False, 3, 256)
     budget = len(kvviz.engine.encode_prompt(kvviz.load_model(TINY)[1], PROMPT * 2, chat=False)) + 3  # P + 1
     assert f"Scored with the cache whole, so settings that follow B are those of a B that large; never judged: " \
            f"h2o the newest {int(0.5 * budget)} (the step's own among them) (B = {budget})" in note
@@ -1557,7 +1572,7 @@ def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypat
         return result
 
     monkeypatch.setattr(kvviz.probe, "probe", tova_all_tied)
-    table, note, _ = make_probe_handler(Limits(models=(TINY,)))(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 0)
+    table, note, _ = make_probe_handler(Limits(models=(TINY,)))(TINY, PROMPT * 2, ["inertia", "tova"], False, 3, 256)
     entries = int(note.split(" entries probed")[0])
     assert f"Mostly one tied score: tova ({(entries - 1) / entries:.0%}) of the ranked entries share it" in note
     assert "inertia (" not in note  # attention weights are all distinct
@@ -2019,7 +2034,7 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
         client.predict(TINY, PROMPT, ["inertia", "inertia alpha=7"], "budget", 0.5, 20, 12, False, *GREEDY, "",
                        api_name="/compare")
     # The probe ranks each setting by its own utility: single-step (alpha 0) is not InertiaKV's EMA.
-    table = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0"], False, 4, 0, api_name="/probe")[0]
+    table = client.predict(TINY, PROMPT, ["inertia", "inertia alpha=0"], False, 4, 256, api_name="/probe")[0]
     assert [row[0] for row in table["data"]] == ["inertia", "single-step"]  # alpha 0 is single-step's own name
     assert table["data"][0][1:] != table["data"][1][1:]
     for bad, message in [(["inertia", 3], "a list of names or settings"), (5, "a list of names or settings"),
@@ -2140,7 +2155,7 @@ def test_the_typed_numbers_and_an_empty_prompt_are_refused_before_the_model_load
     with pytest.raises(gr.Error, match="the probe step must be at least 1"):
         check_probe("not-loaded", PROMPT, ["inertia"], False, 0, 0)
     with pytest.raises(gr.Error, match="the prompt is empty"):
-        check_probe("not-loaded", "", ["inertia"], False, 4, 0)
+        check_probe("not-loaded", "", ["inertia"], False, 4, 16)
 
 
 def test_a_failure_lets_go_of_what_its_frames_held_and_out_of_memory_says_what_to_change():
@@ -2527,6 +2542,66 @@ def test_an_opened_traces_views_are_sized_by_what_it_generated_not_by_a_number_i
         assert len(trace.events) == 6 and app.opened_length(trace, limits) == expected
     outputs = app.make_open_handler(limits)(str(tmp_path / "edited.parquet"))
     assert "opened" in outputs[1]
+    # A trace longer than any run here is refused before its views are built: they grow with steps x positions
+    small = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=4)
+    message = (r"run.parquet has a \d+-token prompt and 5 decode steps; this app opens traces of up to 400 prompt "
+               r"tokens and 4 steps \(KVVIZ_MAX_PROMPT_TOKENS, KVVIZ_MAX_NEW_TOKENS\): read it with `kvviz trace "
+               "FILE`, or serve with larger limits")
+    with pytest.raises(gr.Error, match=message):
+        app.check_trace(str(tmp_path / "run.parquet"), small)
+    with pytest.raises(gr.Error, match=message):
+        app.make_open_handler(small)(str(tmp_path / "run.parquet"))
+    short = Limits(models=(TINY,), max_prompt_tokens=10, max_new_tokens=30)
+    with pytest.raises(gr.Error, match="this app opens traces of up to 10 prompt tokens"):
+        app.make_open_handler(short)(str(tmp_path / "run.parquet"))
+    assert app.check_trace(str(tmp_path / "run.parquet"), limits) is None
+
+
+def test_loading_one_model_holds_up_no_session_using_another(tiny, monkeypatch):
+    """A load holds a lock for its own name only: a session on a loaded model goes on, and two sessions asking
+    for the same new model share one load."""
+    import threading
+    import time as clock
+
+    from kvviz.ui import checks
+
+    loads = []
+
+    def slow_load(name, device=None, dtype=None):
+        loads.append(name)
+        clock.sleep(1.5)
+        return tiny
+
+    monkeypatch.setattr(checks, "load_model", slow_load)
+    monkeypatch.setitem(checks._models, TINY, tiny)
+    monkeypatch.delitem(checks._models, "slow-model", raising=False)
+    limits = Limits(models=(TINY,))
+    threads = [threading.Thread(target=checks.get_model, args=(limits, "slow-model")) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    clock.sleep(0.2)  # both are in the load by now
+    start = clock.perf_counter()
+    assert checks.get_model(limits, TINY) is tiny
+    assert clock.perf_counter() - start < 0.5
+    for thread in threads:
+        thread.join()
+    assert loads == ["slow-model"] and checks._models["slow-model"] is tiny
+    checks._models.pop("slow-model")
+
+
+def test_the_prompt_counter_says_what_is_wrong_instead_of_failing(tiny):
+    from kvviz.ui import app, checks
+
+    checks._models[TINY] = tiny
+    count = app.make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=400))
+    assert count(TINY, "half an emoji \ud83d", False) == ("*the prompt has a broken character at position 14 (half of "
+                                                          "a pair, e.g. of an emoji cut in two); delete it or paste the "
+                                                          "text again*")
+    assert count(TINY, "hello there", False).endswith("tokens (limit 400)*")
+    # a page's JSON carries a lone surrogate as such (Python's own client refuses to send one): Run's check says
+    # what to change where the tokenizer raised a TypeError
+    with pytest.raises(ValueError, match="the prompt has a broken character at position 3"):
+        checks.check_settings(Limits(models=(TINY,)), TINY, "abc\ud800", "compression", 8)
 
 
 def test_the_retention_heatmap_labels_where_the_prompt_ends():

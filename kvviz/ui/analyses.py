@@ -50,6 +50,22 @@ def probe_step(limits: Limits, step) -> int:
     return step
 
 
+# Entries the app's probe replays at most, each a decode of 8 tokens (0.6 s on SmolLM2-135M on 2 CPU cores):
+# the probe has no Stop and holds the model, and "all" of a 4k-token cache held it for an hour and a half.
+MAX_PROBE_SAMPLE = 256
+SAMPLE_NAME = f"entries sampled (1-{MAX_PROBE_SAMPLE})"
+
+
+def probe_sample(sample) -> int:
+    """The probe's sample of entries, checked (``kvviz probe`` replays any number, all by default)."""
+    sample = whole_number(SAMPLE_NAME, sample, 1)
+    if sample > MAX_PROBE_SAMPLE:
+        raise ValueError(f"{SAMPLE_NAME} is {sample}: each entry costs a decode of 8 tokens while the probe holds the "
+                         f"model, so this app samples at most {MAX_PROBE_SAMPLE}; for more, or all of them, run "
+                         "`kvviz probe --sample N` (or without --sample)")
+    return sample
+
+
 def make_probe_check(limits: Limits):
     """The probe's inputs checked before it runs, as :func:`make_spectrum_check` does for the spectrum."""
     from ..probe import check_fits
@@ -58,7 +74,7 @@ def make_probe_check(limits: Limits):
         with refusing("checking the probe's inputs"):
             policy_settings(names, 1, "rank")
             step = probe_step(limits, step)  # the typed numbers before a model load that can take minutes
-            whole_number("entries sampled (0 = all)", sample, 0)
+            probe_sample(sample)
             model, _, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
             check_fits(model, prompt_ids, step, 8)
     return check_probe
@@ -102,10 +118,10 @@ def make_probe_handler(limits: Limits):
                 names = list(settings)
                 model, tokenizer, prompt_ids = model_and_prompt(limits, model_name, prompt, chat)
                 step = probe_step(limits, step)
-                sample = whole_number("entries sampled (0 = all)", sample, 0)  # empty is refused: 0 means all
+                sample = probe_sample(sample)
                 check_fits(model, prompt_ids, step, 8)
                 policies = build_policies(settings)
-                result = probe(model, tokenizer, prompt_ids, step, policies=policies, sample=sample or None, future=8)
+                result = probe(model, tokenizer, prompt_ids, step, policies=policies, sample=sample, future=8)
                 protected = protection_note(policies, len(prompt_ids), step)
                 quality, aligned = aligned_quality(result.utilities, result.damage) if result.utilities else ({}, None)
                 # p-values to 2 significant digits: rounded to 4 decimals, 3e-7 read as 0

@@ -34,10 +34,11 @@ from ..policies.checkpointed import CheckpointPolicy
 from ..store import Store
 from ..tasks.examples import EXAMPLES
 from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
-from .analyses import make_probe_check, make_probe_handler, make_spectrum_check, make_spectrum_handler
-from .checks import (MAX_TEMPERATURE, PARAM_NAMES, PARAMETERS, Request, _models, build_policies, check_sampling,
-                     check_settings, compare_settings, distinct_settings, get_model, policy_from_inputs, refused,
-                     refusing, release_memory, unexpected, unused_parameters, used_parameters, validate)
+from .analyses import (MAX_PROBE_SAMPLE, make_probe_check, make_probe_handler, make_spectrum_check,
+                       make_spectrum_handler)
+from .checks import (MAX_TEMPERATURE, PARAM_NAMES, PARAMETERS, Request, _models, build_policies, check_prompt_text,
+                     check_sampling, check_settings, compare_settings, distinct_settings, get_model, policy_from_inputs,
+                     refused, refusing, release_memory, unexpected, unused_parameters, used_parameters, validate)
 from .config import Limits
 from .figures import LEGEND_LINE, MAX_FOLLOWED, NEVER, RunView, step_dtick, step_range
 from .results import build_results_tab
@@ -443,11 +444,25 @@ def make_compare_check(limits: Limits):
 _checked_trace: dict[str, Trace] = {}
 
 
-def check_trace(path) -> None:
+def check_opened_size(trace: Trace, limits: Limits, name: str) -> None:
+    """Refuse a trace larger than any run this app could make: its views grow with steps x (prompt + steps), so
+    a file of a few hundred KB (a long prompt, thousands of empty steps) took gigabytes and held the model's
+    queue for seconds while it opened."""
+    steps = len(trace.events) - 1
+    if trace.prompt_len > limits.max_prompt_tokens or steps > limits.max_new_tokens:
+        raise ValueError(f"{name} has a {trace.prompt_len}-token prompt and {steps} decode steps; this app opens "
+                         f"traces of up to {limits.max_prompt_tokens} prompt tokens and {limits.max_new_tokens} steps "
+                         "(KVVIZ_MAX_PROMPT_TOKENS, KVVIZ_MAX_NEW_TOKENS): read it with `kvviz trace FILE`, or serve "
+                         "with larger limits")
+
+
+def check_trace(path, limits: Limits) -> None:
     if path:
         try:
             _checked_trace.clear()
-            _checked_trace[path] = Trace.load(path)
+            trace = Trace.load(path)
+            check_opened_size(trace, limits, Path(path).name)
+            _checked_trace[path] = trace
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -575,6 +590,7 @@ def make_open_handler(limits: Limits):
             return (gr.skip(),) * 11
         try:
             trace = _checked_trace.pop(path, None) or Trace.load(path)
+            check_opened_size(trace, limits, Path(path).name)  # again: an API call comes without the check
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -1247,7 +1263,8 @@ def make_generate_api(limits: Limits):
         then starts once generation fills it).  ``temperature`` > 0 samples (with ``top_p`` and ``seed``).
         """
         try:
-            values = json.loads(params or "{}")
+            # the JSON text the signature asks for; an object sent as itself means the same
+            values = params if isinstance(params, dict) else json.loads(params or "{}")
             if not isinstance(values, dict):
                 raise ValueError("params must be a JSON object of policy parameters")
             policy_obj = policy_from_inputs(policy, values, strict=True)
@@ -1406,12 +1423,19 @@ def preset_note_after_edit(regime: dict | None, model_name, prompt, chat, mode, 
 def make_prompt_counter(limits: Limits):
     def count_tokens(model_name: str, prompt: str, chat: bool) -> str:
         """The prompt's length in the model's tokens, before Run (once the model is loaded: no load here)."""
-        if not prompt or not prompt.strip():
+        if not isinstance(prompt, str) or not prompt.strip():
             return "*empty prompt*"
         loaded = _models.get(model_name or "")
         if loaded is None:
             return f"*the token count shows once {model_name} is loaded (at its first run)*"
-        tokens = len(engine.encode_prompt(loaded[1], prompt, chat=bool(chat)))
+        try:
+            check_prompt_text(prompt)
+            tokens = len(engine.encode_prompt(loaded[1], prompt, chat=bool(chat)))
+        except ValueError as error:
+            return f"*{error}*"
+        except Exception:  # noqa: BLE001 -- a count is a hint: Run's check says what is wrong with the prompt
+            log.warning("counting the prompt's tokens failed", exc_info=True)
+            return "*the token count failed; Run checks the prompt*"
         over = f": over the limit of {limits.max_prompt_tokens}, shorten it" if tokens > limits.max_prompt_tokens \
             else f" (limit {limits.max_prompt_tokens})"
         return f"*{tokens} tokens{over}*"
@@ -1551,7 +1575,9 @@ def stoppable_run(limits: Limits, run_button, stop_button, check, handler, input
     taken = run_button.click(button_ticket, tickets, [tickets, ticket_id], queue=False, api_name=False)
     if announce:
         taken.success(*announce, api_name=False, queue=False, show_progress="hidden")
-    checked = taken.success(check, inputs, None, api_name=False, show_progress_on=progress_on)
+    # Checks run side by side (concurrency_limit=None): one session's first load of a model must not hold up
+    # every other session's check; the runs themselves share the "model" group's limit.
+    checked = taken.success(check, inputs, None, api_name=False, show_progress_on=progress_on, concurrency_limit=None)
     checked.failure(retire, tickets, None, queue=False, api_name=False)
     running = checked.success(handler, [*inputs, ticket_id, tickets], [*outputs, tickets],
                               concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name=name,
@@ -1656,7 +1682,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None, warm: bo
                                           announce=(lambda name: loading_note(name) or gr.skip(), model, prompt_size))
             # In the runs' concurrency group: opening a trace of a listed model may load that model.
             saved.upload(lambda: gr.update(visible=False), None, reuse, api_name=False, queue=False)
-            trace_checked = saved.upload(check_trace, saved, None, api_name=False)
+            trace_checked = saved.upload(lambda path: check_trace(path, limits), saved, None, api_name=False)
             # a refused file leaves the box: shown there, it read as the trace open in the views
             trace_checked.failure(lambda: None, None, saved, api_name=False, queue=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
@@ -1773,7 +1799,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None, warm: bo
                                     "the rarely read entries with large values that attention alone would evict.")
                         with gr.Row():
                             p_step = gr.Number(value=8, label="Step")
-                            p_sample = gr.Number(value=128, label="Entries sampled (0 = all)")
+                            p_sample = gr.Number(value=128, label=f"Entries sampled (1-{MAX_PROBE_SAMPLE})")
                             p_run = gr.Button("Run probe")
                         p_table = gr.Dataframe(label=PROBE_LABEL, interactive=False, wrap=True)
                         p_note = gr.Markdown()
@@ -1856,13 +1882,14 @@ def build_app(limits: Limits | None = None, store: Store | None = None, warm: bo
                                            [SPECTRUM_LABEL, SPECTRUM_LAYERS_LABEL, SPECTRUM_TABLE_LABEL])
             # Each is checked first (no outputs), so that a refusal leaves the last result unmarked.
             probe_inputs = [c_model, c_prompt, c_policies, c_chat, p_step, p_sample]
-            p_run.click(make_probe_check(limits), probe_inputs, None, api_name=False).success(
+            p_run.click(make_probe_check(limits), probe_inputs, None, api_name=False, concurrency_limit=None).success(
                 make_probe_handler(limits), probe_inputs, [p_table, p_note, p_blindspot],
                 concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="probe"
             ).success(probe_staleness.remember, [*probe_inputs, p_note], p_state, api_name=False, queue=False)
 
             spectrum_inputs = [c_model, c_prompt, c_chat, s_steps, s_layer]
-            s_run.click(make_spectrum_check(limits), spectrum_inputs, None, api_name=False).success(
+            s_run.click(make_spectrum_check(limits), spectrum_inputs, None, api_name=False,
+                        concurrency_limit=None).success(
                 make_spectrum_handler(limits), spectrum_inputs, [s_table, s_note, s_figure, s_layers],
                 concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="spectrum"
             ).success(spectrum_staleness.remember, [*spectrum_inputs, s_note], s_state, api_name=False, queue=False)

@@ -24,9 +24,11 @@ from .config import Limits
 
 log = logging.getLogger(__name__)
 
-# The models loaded by this process, one per name (a load takes seconds to minutes)
+# The models loaded by this process, one per name (a load takes seconds to minutes), and a lock per name: one
+# session loading a model must not hold up the sessions using another one already loaded.
 _models: dict[str, tuple] = {}
-_models_lock = threading.Lock()
+_models_lock = threading.Lock()  # guards _loading only, for a moment
+_loading: dict[str, threading.Lock] = {}
 
 
 def release_memory() -> None:
@@ -38,7 +40,11 @@ def release_memory() -> None:
 
 def get_model(limits: Limits, name: str):
     """The model ``name`` on the deployment's device and dtype, loaded once per process."""
+    if name in _models:
+        return _models[name]
     with _models_lock:
+        loading = _loading.setdefault(name, threading.Lock())
+    with loading:  # a second caller of the same name waits for the first one's load, not a load of its own
         if name not in _models:
             _models[name] = load_model(name, device=limits.device, dtype=limits.dtype or None)
         return _models[name]
@@ -183,9 +189,14 @@ def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
 
 
 def check_prompt_text(prompt) -> None:
-    """Refuse an empty prompt, before anything loads."""
+    """Refuse an empty prompt, or one that is not text a tokenizer takes, before anything loads."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty; type or paste some text")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate: half an emoji, cut when the text was
+        raise ValueError(f"the prompt has a broken character at position {error.start} (half of a pair, e.g. of "
+                         "an emoji cut in two); delete it or paste the text again") from None
 
 
 def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
