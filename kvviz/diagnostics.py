@@ -246,6 +246,9 @@ def summary(trace: Trace, k: int | None = None) -> dict[str, float]:
 POSITION_QUERY = re.compile(r"^\s*#\d+(\s*-\s*#?\d+)?(\s*[,\s]\s*#\d+(\s*-\s*#?\d+)?)*(\s*,)?\s*$")
 
 
+MAX_QUERY = 2000  # characters of a follow query: a phrase or a list of positions, never a document
+
+
 def find_positions(tokens: Sequence[str], query: str) -> tuple[list[int], str]:
     """The positions ``query`` names among ``tokens`` (each position's text), and a note on what was found.
 
@@ -254,6 +257,9 @@ def find_positions(tokens: Sequence[str], query: str) -> tuple[list[int], str]:
     Raises ``ValueError`` saying what to change when nothing matches.
     """
     query = query.strip()
+    if len(query) > MAX_QUERY:  # an 80 KB paste took seconds of a handler other sessions queue behind
+        raise ValueError(f"the text to follow is {len(query)} characters; give at most {MAX_QUERY} (a phrase, or "
+                         "positions as #12, #40-45)")
     if POSITION_QUERY.match(query):
         positions: dict[int, None] = {}
         beyond = False

@@ -646,6 +646,9 @@ def test_follow_finds_text_across_token_boundaries_and_positions_by_number():
     assert view.follow("#5-3", 2)[0] == [3, 4, 5]  # a range written backwards
     positions, note = view.follow("zzz", 2)
     assert positions == [] and "no token text contains 'zzz'" in note
+    # a pasted document is refused at once (an 80 KB one held the handler for seconds)
+    assert view.follow("7342" * 501, 2) == ([], "the text to follow is 2004 characters; give at most 2000 (a phrase, "
+                                                "or positions as #12, #40-45)")
     # Empty: what the step evicted, closest to staying first (step 1: 3 had raw .2, 1 had 0), then its
     # lowest-utility kept entries (2 at .1, 5 at .3); step 0 evicted nothing and its utilities are all 0:
     # the oldest first.
