@@ -225,6 +225,10 @@ class StaticInertia:
                              + ": use the engine for this policy")
         return cls(model, alpha=policy.alpha, refresh=policy.refresh, compile=compile)
 
+    def reference_policy(self):
+        """The engine policy this step computes: its keep sets are this step's (the first two steps run it)."""
+        return InertiaKV(alpha=self.alpha, refresh=self.refresh) if self.scoring else Recency()
+
     @torch.inference_mode()
     def generate(self, tokenizer, prompt_ids: list[int], budget: int, max_new_tokens: int,
                  record_kept: bool = False, graph: bool = False, timer=None,
@@ -244,7 +248,7 @@ class StaticInertia:
                              "lower the budget, or use the engine")
         stop_ids = stop_ids or set()
         model, device = self.model, self.model.device
-        policy = InertiaKV(alpha=self.alpha, refresh=self.refresh) if self.scoring else Recency()
+        policy = self.reference_policy()
         # Prefill and step 1 through the reference engine: step 1 attends to the whole prompt.  Its score
         # capture is installed only for these two steps: the static step below calls no HF attention, and
         # the caller's model gets its own attention implementation back.

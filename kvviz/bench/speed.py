@@ -269,14 +269,11 @@ def static_agreement(model, tokenizer, prompt_ids: list[int], new_tokens: int, b
     """
     from ..engine import decode
     from ..fast import StaticInertia
-    from ..policies import make_policy
 
     tokens = min(new_tokens, AGREEMENT_TOKENS)
-    static = StaticInertia(model, **{**options, "compile": False}).generate(
-        tokenizer, prompt_ids, budget, tokens, record_kept=True, shared=shared)
-    policy = make_policy("recency") if options.get("scoring") is False else \
-        make_policy("inertia", refresh=options.get("refresh", 1))
-    events = list(decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=tokens,
+    path = StaticInertia(model, **{**options, "compile": False})
+    static = path.generate(tokenizer, prompt_ids, budget, tokens, record_kept=True, shared=shared)
+    events = list(decode(model, tokenizer, prompt_ids, path.reference_policy(), budget=budget, max_new_tokens=tokens,
                          ignore_eos=True, shared=shared))
     engine_kept = set(events[-1].kept.tolist())
     return {"final_cache": len(static.kept[-1]),
@@ -352,11 +349,15 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
         prefill_row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     yield prefill_row
 
+    def compiled_failure() -> str | None:
+        """The compiled static row that failed, if one has."""
+        return next((other for other in errors if other in statics and statics[other].get("compile")), None)
+
     def measured(name, function, *call_args, **call_kwargs) -> dict | None:
         """One configuration; a failure becomes an ``error`` row and the run goes on to the next one."""
         if name in errors:
             return None
-        failed = next((other for other in errors if other in statics and statics[other].get("compile")), None)
+        failed = compiled_failure()
         if name in statics and statics[name].get("compile") and failed:
             # Dynamo does not remember a failed compile: each compiled row would spend its time failing alike,
             # while the -uncompiled rows, the targets' stand-ins now, wait behind them.
@@ -435,8 +436,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     def target(name: str) -> bool:
         """A row that runs past the deadline: a target row, or, once the compiled step has failed, the same
         row uncompiled (judged in its place)."""
-        compiled_failed = any(other in statics and statics[other].get("compile") for other in errors)
-        return name in TARGET_ROWS or (compiled_failed and name.endswith("-uncompiled")
+        return name in TARGET_ROWS or (compiled_failure() is not None and name.endswith("-uncompiled")
                                        and name.removesuffix("-uncompiled") in TARGET_ROWS)
 
     emitted: set[str] = set()

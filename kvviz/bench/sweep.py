@@ -581,13 +581,8 @@ def check_params_as_run(config: dict, out_dir: str | Path) -> None:
                                                                                    .params()))
            for name, params in policy_settings(config)}
     for shard in sorted(Path(out_dir).glob("rows*.jsonl")):
-        data = shard.read_bytes()
-        for line in data[:data.rfind(b"\n") + 1].splitlines():  # a torn last line is not a row
-            try:
-                row = json.loads(line)
-            except ValueError:  # not a row: the RowFile and finished_cells() name it
-                continue
-            ran, params = (row.get("policy_params"), row.get("params")) if isinstance(row, dict) else (None, None)
+        for row in stored_rows(shard):
+            ran, params = row.get("policy_params"), row.get("params")
             if not (isinstance(ran, dict) and isinstance(params, dict)):
                 continue
             built = now.get((row.get("policy"), json.dumps(params, sort_keys=True)))
@@ -794,10 +789,15 @@ class RowFile:
 
 
 def stored_cells(path: Path) -> set[str]:
-    """Cell keys of the complete lines of one rows file; a torn last line (no newline yet: a kill mid-write,
+    """Cell keys of the complete lines of one rows file (:func:`stored_rows`)."""
+    return {row["cell"] for row in stored_rows(path)}
+
+
+def stored_rows(path: Path) -> list[dict]:
+    """The rows of the complete lines of one rows file; a torn last line (no newline yet: a kill mid-write,
     or another shard writing now) is not a row.  A complete line that is not a row is an error naming it."""
     data = path.read_bytes()
-    done = set()
+    rows = []
     for number, line in enumerate(data[:data.rfind(b"\n") + 1].splitlines(), 1):
         if not line.strip():
             continue
@@ -809,8 +809,8 @@ def stored_cells(path: Path) -> set[str]:
         if not isinstance(row, dict) or not isinstance(row.get("cell"), str):
             raise ValueError(f"{path} line {number} has no \"cell\" key, so it is not a sweep row; "
                              "repair or delete that line")
-        done.add(row["cell"])
-    return done
+        rows.append(row)
+    return rows
 
 
 def finished_cells(out_dir: str | Path, skip: Path | None = None) -> set[str]:
