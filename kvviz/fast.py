@@ -13,7 +13,11 @@ sequence of tensor ops with static shapes:
 That is the shape CUDA graphs need (``graph=True`` captures the step on a GPU and replays it).  Once
 launches are gone, what remains is many small element-wise kernels per layer (norms, RoPE, SiLU gating,
 the EMA); ``compile=True`` fuses them with ``torch.compile`` one layer at a time (one compiled graph
-serves every layer) before the step is captured.  With a half-precision cache on CUDA the logits come
+serves every layer) before the step is captured.  At batch 1 every projection is a matrix-vector product
+that reads its whole weight, and a few large ones read closer to the memory bandwidth than many small
+ones: ``fuse=True`` (the default) runs q/k/v as one product and gate/up as another (gpt-fast does the
+same), over one matrix each whose row slices the layer's own modules then use, so no weight is held
+twice.  With a half-precision cache on CUDA the logits come
 out of cuBLAS in float32 directly, so the scores never need a float32 copy of the keys.  Prefill and the
 first decode step (which attends to the whole prompt) run as in the reference engine.  Llama,
 Qwen2/2.5/3 and Mistral layouts; batch size 1; greedy.
@@ -29,9 +33,11 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from . import engine
@@ -128,7 +134,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
 
 def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, free: torch.Tensor,
                  keys: torch.Tensor, values: torch.Tensor, ema: torch.Tensor | None, alpha: float,
-                 fp32_logits: bool) -> torch.Tensor:
+                 fp32_logits: bool, fused: tuple | None = None) -> torch.Tensor:
     """One decoder layer for one token over the slot cache; updates ``keys``/``values`` (and ``ema``) in place.
 
     A module-level function of the layer, not a method: compiled once, the same graph serves every layer
@@ -145,13 +151,19 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     ema : torch.Tensor or None
         ``(slots,)`` float32 utilities, updated layer-sequentially ``m <- a*m + (1-a)*s`` with ``s`` the
         head-mean attention of this layer; ``None`` on steps that do not score.
+    fused : tuple or None
+        This layer's :func:`fused_projections` (``None``: one product per projection module).
     """
     attn = layer.self_attn
     heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
     x = layer.input_layernorm(hidden)
-    q = attn.q_proj(x).view(1, 1, heads, head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(1, 1, kv_heads, head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(1, 1, kv_heads, head_dim).transpose(1, 2)
+    if fused is None:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    else:
+        q, k, v = F.linear(x, fused[0], fused[1]).split([heads * head_dim] + [kv_heads * head_dim] * 2, dim=-1)
+    q = q.view(1, 1, heads, head_dim).transpose(1, 2)
+    k = k.view(1, 1, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(1, 1, kv_heads, head_dim).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -162,7 +174,64 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if ema is not None:
         ema.copy_(alpha * ema + (1.0 - alpha) * probs.mean((0, 1)))  # the engine's expression, same rounding
     hidden = hidden + attn.o_proj(out.reshape(1, 1, heads * head_dim))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    x = layer.post_attention_layernorm(hidden)
+    if fused is None:
+        return hidden + layer.mlp(x)
+    gate, up = F.linear(x, fused[2], fused[3]).chunk(2, dim=-1)
+    return hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)  # the HF MLP's formula
+
+
+# layer -> its fused matrices; weak: a model that is dropped takes them along
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fused_projections(layer) -> tuple | None:
+    """One matrix for the layer's q/k/v projections and one for gate/up, with the modules re-pointed to them.
+
+    Each module's weight (and bias) becomes a row slice of the fused matrix, so the layer computes what it
+    did, the HF forward still works, and the weights are not held twice; the originals are freed, a layer
+    at a time.  Built once per layer and reused while the modules still point into it.
+
+    Returns
+    -------
+    tuple or None
+        ``(qkv_weight, qkv_bias, gate_up_weight, gate_up_bias)``: ``(q + 2 kv, hidden)`` and
+        ``(2 intermediate, hidden)`` matrices, biases ``None`` where the modules have none.  ``None`` when a
+        projection is not a plain ``nn.Linear`` (quantised; offloaded by an accelerate hook, which would move
+        the weights back on its own; mixed dtypes or devices): it is left as it is and :func:`decode_layer`
+        calls the modules one by one.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+    modules = [module for group in groups for module in group]
+    if (not all(type(module) is torch.nn.Linear and not hasattr(module, "_hf_hook") for module in modules)
+            or len({(module.weight.dtype, module.weight.device) for module in modules}) != 1
+            or any(len({module.bias is None for module in group}) != 1 for group in groups)):
+        return None
+    cached = _FUSED.get(layer)
+    if cached is not None and all(_points_into(module, cached[0 if index < 3 else 2])
+                                  for index, module in enumerate(modules)):
+        return cached
+    fused = []
+    # Not inference tensors even when called under inference mode: the model's forward may later run without it.
+    with torch.inference_mode(False), torch.no_grad():
+        for group in groups:
+            weight = torch.cat([module.weight for module in group])
+            bias = None if group[0].bias is None else torch.cat([module.bias for module in group])
+            start = 0
+            for module in group:
+                rows = module.weight.shape[0]
+                module.weight = torch.nn.Parameter(weight[start:start + rows], module.weight.requires_grad)
+                if bias is not None:
+                    module.bias = torch.nn.Parameter(bias[start:start + rows], module.bias.requires_grad)
+                start += rows
+            fused += [weight, bias]
+    _FUSED[layer] = tuple(fused)
+    return _FUSED[layer]
+
+
+def _points_into(module, fused: torch.Tensor) -> bool:
+    return module.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
 
 
 _compiled_layer = None
@@ -196,11 +265,13 @@ class StaticInertia:
     are kept in position order, so the oldest entry is always in the slot after the newest one and a step
     only moves a ring pointer (a sliding window, the ``recency`` policy's keep sets).  Its slowdown against a
     scoring step is what scoring and eviction cost together.
-    ``compile=True`` runs each layer through :func:`compiled_decode_layer`.
+    ``compile=True`` runs each layer through :func:`compiled_decode_layer`.  ``fuse=True`` (default) runs q/k/v
+    and gate/up as one product each (:func:`fused_projections`: the model's projection weights become row
+    slices of two matrices per layer, same values, same memory); ``fuse=False`` calls the modules one by one.
     """
 
     def __init__(self, model, *, alpha: float = 0.8, refresh: int = 1, scoring: bool = True,
-                 compile: bool = False):
+                 compile: bool = False, fuse: bool = True):
         if model.config.model_type not in SUPPORTED:
             raise ValueError(f"the static path reproduces {', '.join(SUPPORTED)} decoder layers, not "
                              f"{model.config.model_type!r}: decode this model with the engine instead")
@@ -211,6 +282,7 @@ class StaticInertia:
         self.compiled = compile
         self.layer_step = compiled_decode_layer() if compile else decode_layer
         self.fp32_logits = fp32_logits_supported(model.device, model.dtype)
+        self.fused = [fused_projections(layer) if fuse else None for layer in self.layers]
 
     @classmethod
     def from_policy(cls, model, policy, *, compile: bool = False) -> "StaticInertia":
@@ -304,9 +376,9 @@ class StaticInertia:
             positions.index_copy_(0, free, position[0])
             hidden = model.model.embed_tokens(token)
             cos, sin = model.model.rotary_emb(hidden, position)
-            for layer, layer_keys, layer_values in zip(self.layers, keys, values):
+            for layer, fused, layer_keys, layer_values in zip(self.layers, self.fused, keys, values):
                 hidden = self.layer_step(layer, hidden, cos, sin, free, layer_keys, layer_values,
-                                         m if scoring else None, self.alpha, self.fp32_logits)
+                                         m if scoring else None, self.alpha, self.fp32_logits, fused)
             logits = model.lm_head(model.model.norm(hidden))[0, -1]
             token.copy_(logits.argmax().reshape(1, 1))
             if self.scoring:

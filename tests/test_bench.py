@@ -29,7 +29,8 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     names = [row["what"] for row in rows[1:]]
     # The baseline, then the static path (a GPU run's targets), then the engine: the order rows are measured in.
     assert names == ["generate", "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free",
-                     "static-no-scoring-uncompiled", "static-inertia-uncompiled", "static-inertia-lazy-uncompiled",
+                     "static-no-scoring-unfused", "static-inertia-unfused", "static-no-scoring-uncompiled",
+                     "static-inertia-uncompiled", "static-inertia-lazy-uncompiled",
                      "full", "inertia", "inertia-lazy", "score-free"]
     assert all(row["decode_tok_s"] > 0 for row in rows[1:])
     # Each rate against the generate row's, rounded to 3 places (from unrounded rates: half a unit of slack).
@@ -111,7 +112,8 @@ def test_speed_bench_reports_what_the_static_path_kept_not_its_budget(tmp_path, 
                  "--compile", "off", "--out", str(out)]) == 0
     rows = {row["what"]: row for row in map(json.loads, out.read_text().splitlines()[1:])}
     assert {name: row["final_cache"] for name, row in rows.items() if name.startswith("static-")} == {
-        "static-no-scoring": 13, "static-inertia": 13, "static-inertia-lazy": 13, "static-score-free": 13}
+        "static-no-scoring": 13, "static-inertia": 13, "static-inertia-lazy": 13, "static-score-free": 13,
+        "static-no-scoring-unfused": 13, "static-inertia-unfused": 13}
     assert rows["inertia"]["final_cache"] == 12  # the engine path is untouched
 
 
@@ -165,7 +167,7 @@ def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_pa
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert [row["what"] for row in rows].count("prefill") == 2
     rows = [row for row in rows if row["what"] not in ("prefill", "context done")]
-    assert len(rows) == 2 * 9
+    assert len(rows) == 2 * 11  # generate, 6 static rows (2 unfused), 4 engine policies
     failed = [row for row in rows if "error" in row]
     assert [row["what"] for row in failed] == ["static-inertia-lazy"] * 2
     assert failed[0]["error"] == "RuntimeError: capture failed" and "decode_tok_s" not in failed[0]
@@ -194,12 +196,12 @@ def test_speed_bench_names_the_error_a_failed_capture_masks_and_prints_where_it_
         assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "3", "--repeats", "1",
                      "--compile", "off", "--policies", "full", "--out", str(out)]) == 0
         failed = [json.loads(line) for line in out.read_text().splitlines()[1:] if '"error"' in line]
-        assert len(failed) == 4 and len({row["error"] for row in failed}) == 1
+        assert len(failed) == 6 and len({row["error"] for row in failed}) == 1  # every static row
         message = "operation failed due to a previous error during capture" if function is masked else "capture failed"
         # `from None` hides the context from the traceback, not from the error: it is still named
         assert failed[0]["error"] == f"RuntimeError: {message} (during: IndexError: index 7 is out of bounds)"
         err = capsys.readouterr().err
-        assert err.count("Traceback") >= 4 and f"in {function.__name__}" in err
+        assert err.count("Traceback") >= 6 and f"in {function.__name__}" in err
 
 
 def test_a_cudnn_attention_failure_reruns_once_without_cudnn(monkeypatch):
@@ -248,7 +250,8 @@ def test_speed_bench_keeps_every_finished_row_when_killed_and_survives_a_failed_
                  "--compile", "off", "--out", str(out)]) == 130
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert [row["what"] for row in rows] == ["prefill", "generate", "static-no-scoring", "static-inertia",
-                                             "static-inertia-lazy", "static-score-free"]
+                                             "static-inertia-lazy", "static-score-free", "static-no-scoring-unfused",
+                                             "static-inertia-unfused"]
     assert all(row["decode_tok_s"] > 0 for row in rows[1:])
 
     monkeypatch.undo()
@@ -265,7 +268,7 @@ def test_speed_bench_keeps_every_finished_row_when_killed_and_survives_a_failed_
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert rows[0] == {"what": "prefill", "prompt_len": 96, "error": "RuntimeError: CUDA out of memory"}
     assert rows[1]["what"] == "context done" and rows[2] == {**rows[2], "what": "prefill", "prompt_len": 128}
-    assert sum(row.get("prompt_len") == 128 and row.get("decode_tok_s", 0) > 0 for row in rows) == 9
+    assert sum(row.get("prompt_len") == 128 and row.get("decode_tok_s", 0) > 0 for row in rows) == 11
 
 
 def test_speed_bench_stops_at_its_time_limit(tmp_path):
@@ -282,8 +285,8 @@ def test_speed_bench_stops_at_its_time_limit(tmp_path):
     assert [row["what"] for row in first[:4]] == ["generate", "static-no-scoring", "static-inertia",
                                                   "static-inertia-lazy"]
     assert all(row["decode_tok_s"] > 0 for row in first[:4])
-    assert len(first) == 9 and all(row["skipped"] == "not started within --time-limit 1e-09 s" and "decode_tok_s" not in row
-                                   for row in first[4:])
+    assert len(first) == 11 and all(row["skipped"] == "not started within --time-limit 1e-09 s"
+                                    and "decode_tok_s" not in row for row in first[4:])
     # --no-static: generate alone
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
                  "--no-static", "--time-limit", "1e-9", "--out", str(out)]) == 0
@@ -307,7 +310,8 @@ def test_a_row_that_fell_back_from_cudnn_keeps_its_note_and_the_others_their_row
                  "--compile", "off", "--policies", "inertia", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()[2:-1]]
     assert [row["what"] for row in rows] == ["generate", "static-no-scoring", "static-inertia", "static-inertia-lazy",
-                                             "static-score-free", "inertia"]
+                                             "static-score-free", "static-no-scoring-unfused",
+                                             "static-inertia-unfused", "inertia"]
     assert all(row["sdpa_fallback"] == "cuDNN attention disabled after: RuntimeError: cuDNN error"
                and row["decode_tok_s"] > 0 for row in rows)
 

@@ -33,6 +33,84 @@ def test_static_path_equals_the_engine_over_a_long_run_with_a_tiny_budget(family
     assert static.token_ids == reference.token_ids
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v carry biases
+def test_unfused_static_path_gives_the_fused_paths_tokens_and_keep_sets(family, tiny_prompt):
+    model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
+    unfused = StaticInertia(model, fuse=False).generate(tokenizer, tiny_prompt, 20, 24, record_kept=True)
+    fused = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 24, record_kept=True)
+    assert fused.token_ids == unfused.token_ids and fused.kept == unfused.kept
+
+
+def test_fused_projections_share_the_layers_weights_and_compute_what_the_modules_did():
+    """The fused matrices hold the q/k/v (gate/up) weights stacked in that order; the modules' weights become
+    row slices of them (one copy in memory, not two); each module computes what it computed before; a second
+    call reuses the same matrices."""
+    import copy
+
+    import torch
+
+    from kvviz.fast import fused_projections
+    from kvviz.models import tiny_model
+
+    model, _ = tiny_model("qwen2")
+    fresh = copy.deepcopy(model)
+    layer, before = model.model.layers[1], fresh.model.layers[1]
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = fused_projections(layer)
+    attn, mlp = layer.self_attn, layer.mlp
+    assert torch.equal(qkv_weight, torch.cat([before.self_attn.q_proj.weight, before.self_attn.k_proj.weight,
+                                              before.self_attn.v_proj.weight]))
+    assert torch.equal(qkv_bias, torch.cat([before.self_attn.q_proj.bias, before.self_attn.k_proj.bias,
+                                            before.self_attn.v_proj.bias]))
+    assert torch.equal(gate_up_weight, torch.cat([before.mlp.gate_proj.weight, before.mlp.up_proj.weight]))
+    assert gate_up_bias is None  # Qwen2's MLP has no bias
+    for module in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert module.weight.untyped_storage().data_ptr() == qkv_weight.untyped_storage().data_ptr()
+        assert module.bias.untyped_storage().data_ptr() == qkv_bias.untyped_storage().data_ptr()
+    for module in (mlp.gate_proj, mlp.up_proj):
+        assert module.weight.untyped_storage().data_ptr() == gate_up_weight.untyped_storage().data_ptr()
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == parameter_bytes  # the originals went: nothing is held twice
+    x = torch.randn(1, 1, model.config.hidden_size)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(getattr(attn, name)(x), getattr(before.self_attn, name)(x))
+        assert torch.equal(mlp(x), before.mlp(x))
+    assert fused_projections(layer)[0] is qkv_weight
+
+
+def test_a_layer_whose_projections_are_not_plain_linears_is_left_as_it_is(tiny_prompt):
+    """A quantised, wrapped or offloaded projection cannot be stacked: the layer keeps its modules, one product
+    each, and the static path still gives the engine's tokens and keep sets."""
+    import torch
+
+    from kvviz.fast import fused_projections
+
+    class Wrapped(torch.nn.Module):  # stands in for a quantised linear
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return self.linear(x)
+
+    model, tokenizer = kvviz.load_model("tiny-random-llama")
+    layer = model.model.layers[0]
+    layer.mlp.up_proj = Wrapped(layer.mlp.up_proj)
+    weight = layer.self_attn.q_proj.weight
+    assert fused_projections(layer) is None
+    assert layer.self_attn.q_proj.weight is weight
+    hooked = kvviz.load_model("tiny-random-llama")[0].model.layers[0]
+    hooked.self_attn.k_proj._hf_hook = object()  # accelerate's offloading hook: it moves the weight itself
+    assert fused_projections(hooked) is None
+    reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), budget=20, max_new_tokens=12)
+    path = StaticInertia(model)
+    assert path.fused[0] is None and path.fused[1] is not None
+    static = path.generate(tokenizer, tiny_prompt, 20, 12, record_kept=True)
+    assert static.token_ids == reference.token_ids
+    assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+
+
 def test_static_path_with_another_alpha_differs_from_the_default(tiny, tiny_prompt):
     model, tokenizer = tiny
     default = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 20, record_kept=True)
@@ -118,7 +196,7 @@ def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():
     it.  Its numbers are the GPU run's to check (``benchmarks/gpu_check.py``)."""
     import torch
 
-    from kvviz.fast import decode_layer
+    from kvviz.fast import decode_layer, fused_projections
     from kvviz.models import tiny_model
 
     model, _ = tiny_model("llama", dtype=torch.bfloat16)
@@ -134,10 +212,12 @@ def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():
               empty(1, config.num_key_value_heads, slots, head_dim), empty(slots, dtype=torch.float32))
     compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend="aot_eager")
     with torch.inference_mode():
+        fused = fused_projections(layer)  # as StaticInertia builds it: under inference mode, from meta weights
         for step in (decode_layer, compiled):
-            hidden = step(layer, *inputs, 0.8, True)
-            assert hidden.shape == (1, 1, config.hidden_size) and hidden.dtype == torch.bfloat16
-            assert inputs[-1].dtype == torch.float32  # the utilities stay float32
+            for projections in (None, fused):
+                hidden = step(layer, *inputs, 0.8, True, projections)
+                assert hidden.shape == (1, 1, config.hidden_size) and hidden.dtype == torch.bfloat16
+                assert inputs[-1].dtype == torch.float32  # the utilities stay float32
 
 
 def test_static_path_stops_after_a_stop_token(tiny, tiny_prompt):

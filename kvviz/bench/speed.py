@@ -216,9 +216,13 @@ STATIC = {"static-no-scoring": dict(scoring=False), "static-inertia": {}, "stati
 # Issue 6's targets need these rows (the ratio's baseline, the step without scoring, full and Lazy refresh):
 # they run even past --time-limit, which only skips the configurations after them.
 TARGET_ROWS = ("generate", "static-no-scoring", "static-inertia", "static-inertia-lazy")
+# Measured again with one matrix-vector product per projection module (fuse=False), to show what stacking
+# q/k/v and gate/up into one product each buys.
+UNFUSED = ("static-no-scoring", "static-inertia")
 # Measured again without compile, to show what it buys -- and the targets' rows if compiling fails, when they
 # too run past the time limit.
 UNCOMPILED = ("static-no-scoring", "static-inertia", "static-inertia-lazy")
+VARIANTS = ("-unfused", "-uncompiled")  # each such row's scoring_eviction_share is against its own baseline
 
 
 def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device,
@@ -283,6 +287,7 @@ def static_agreement(model, tokenizer, prompt_ids: list[int], new_tokens: int, b
 
 def static_configurations(compile: bool) -> dict[str, dict]:
     configurations = {name: dict(options, compile=compile) for name, options in STATIC.items()}
+    configurations.update({f"{name}-unfused": dict(STATIC[name], compile=compile, fuse=False) for name in UNFUSED})
     if compile:
         configurations.update({f"{name}-uncompiled": dict(STATIC[name], compile=False) for name in UNCOMPILED})
     return configurations
@@ -428,7 +433,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
             row["vs_generate"] = round(result["decode_tok_s"] / best["generate"]["decode_tok_s"], 3)
         # The static step cannot time its parts: what scoring and eviction cost together is its slowdown against
         # the same step with neither (the ring of static-no-scoring, same compile setting), which runs before it.
-        baseline = "static-no-scoring" + ("-uncompiled" if name.endswith("-uncompiled") else "")
+        baseline = "static-no-scoring" + next((suffix for suffix in VARIANTS if name.endswith(suffix)), "")
         if name in statics and not name.startswith("static-no-scoring") and baseline in best:
             row["scoring_eviction_share"] = round(1 - result["decode_tok_s"] / best[baseline]["decode_tok_s"], 4)
         return row
