@@ -41,7 +41,8 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     target = checks[1]
     assert target["prompt_len"] == 256 and target["inertia_tok_s"] > 0 and "lazy_gain" in target
     assert [row["what"] for row in speed if row.get("what", "").startswith("static-")] == [
-        "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free"]
+        "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free", "static-no-scoring-unfused",
+        "static-inertia-unfused"]
     more = [json.loads(line) for line in (tmp_path / "speed-more.jsonl").read_text().splitlines()]
     assert [row["prompt_len"] for row in more if row.get("what") == "context done"] == [128]
     assert (tmp_path / "speed-tiny.jsonl").exists() and [line.get("config") for line in checks].count("tiny") == 2
@@ -54,7 +55,7 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     # the rows issue 6's targets need run whatever the time; the rest are skipped
     assert [row["what"] for row in rows if row.get("decode_tok_s", 0) > 0] == [
         "generate", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
-    assert all("skipped" in row for row in rows[4:]) and len(rows) == 9
+    assert all("skipped" in row for row in rows[4:]) and len(rows) == 11
     target = next(line for line in checks if line.get("check") == "targets")
     assert "lazy_gain" in target and "scoring_eviction_share" in target and target["engine_kept_overlap"] == 1.0
     names = [line.get("check") for line in checks]
@@ -139,3 +140,58 @@ def test_targets_are_judged_on_the_uncompiled_rows_when_compiling_failed():
         "check": "targets", "prompt_len": 64, "compiled": False, "inertia_tok_s": 160.0, "inertia_at_least_150": True,
         "scoring_eviction_share": 0.2, "scoring_eviction_at_most_5_percent": False, "engine_kept_overlap": 0.98,
         "lazy_gain": 1.125, "lazy_gain_at_most_1.05": False, "vs_paper_39.1": 4.09}
+
+
+def test_targets_of_the_compiled_step_say_what_fusing_the_projections_bought():
+    gpu_check = load_gpu_check()
+    rows = [{"what": "generate", "prompt_len": 64, "decode_tok_s": 20.0},
+            {"what": "static-no-scoring", "prompt_len": 64, "decode_tok_s": 160.0},
+            {"what": "static-inertia", "prompt_len": 64, "decode_tok_s": 156.4, "scoring_eviction_share": 0.0225,
+             "engine_kept_overlap": 1.0},
+            {"what": "static-inertia-lazy", "prompt_len": 64, "decode_tok_s": 158.0},
+            {"what": "static-inertia-unfused", "prompt_len": 64, "decode_tok_s": 136.0},
+            {"what": "static-inertia", "prompt_len": 128, "decode_tok_s": 99.0}]  # another context: not read
+    assert gpu_check.targets(rows, 64) == {
+        "check": "targets", "prompt_len": 64, "inertia_tok_s": 156.4, "inertia_at_least_150": True,
+        "scoring_eviction_share": 0.0225, "scoring_eviction_at_most_5_percent": True, "engine_kept_overlap": 1.0,
+        "lazy_gain": 1.01, "lazy_gain_at_most_1.05": True, "vs_paper_39.1": 4.0, "fused_gain": 1.15}
+
+
+def test_the_weight_read_floor_script_times_every_layout_over_the_same_bytes(tmp_path):
+    """``benchmarks/gemv_floor.py`` on the CPU with the tiny config (how it is tried before a GPU): one row per
+    layout, the stacked and the separate layouts reading the same weights (the tiny config's 3 layers of
+    q/k/v/o/gate/up/down plus the 320 x 64 head, float32)."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "gemv_floor.py"), "--config", "tiny",
+                           "--device", "cpu", "--replays", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines[0]["meta"]["layers"] == 3 and lines[0]["meta"]["dtype"] == "float32"
+    rows = {line["layout"]: line for line in lines[1:]}
+    assert list(rows) == ["separate", "fused", "fused-inductor"]  # no cuBLASLt on a CPU
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 2 * 128 * 64 + 64 * 128  # qkv (4x16 q, 2x16 k and v), o, gate_up, down
+    weight_bytes = 4 * (3 * per_layer + 320 * 64)
+    assert all(row["weight_bytes"] == weight_bytes and row["step_ms"] > 0 for row in rows.values())
+
+
+def test_the_step_profile_counts_each_layers_products_and_what_fusing_removes(tmp_path):
+    """``benchmarks/step_profile.py`` on the CPU with the tiny config (3 layers): per static step each layer runs
+    two batched products (logits, output) and one softmax; stacking q/k/v and gate/up removes 3 of its 7
+    projection products, 9 matrix products per step in all."""
+    root = Path(__file__).resolve().parent.parent
+    per_step = {}
+    for fuse in ("--fuse", "--no-fuse"):
+        done = subprocess.run([sys.executable, str(root / "benchmarks" / "step_profile.py"), "--config", "tiny",
+                               "--device", "cpu", "--context", "256", "--new-tokens", "10", fuse, "--top", "60"],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)},
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        assert lines[0]["meta"]["static_steps"] == 8 and lines[0]["meta"]["fused"] == (fuse == "--fuse")
+        profiled = next(line for line in lines if line.get("run") == "kernel by kernel, profiled")
+        assert abs(sum(profiled["groups_ms_per_step"].values()) - profiled["busy_ms_per_step"]) < 1e-3
+        per_step[fuse] = {line["kernel"]: line["per_step"] for line in lines if "kernel" in line}
+    assert per_step["--fuse"]["aten::bmm"] == per_step["--no-fuse"]["aten::bmm"] == 2 * 3
+    assert per_step["--fuse"]["aten::_softmax"] == 3
+    assert per_step["--no-fuse"]["aten::mm"] - per_step["--fuse"]["aten::mm"] == 3 * 3
