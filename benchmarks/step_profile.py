@@ -86,8 +86,9 @@ def main() -> int:
     print(json.dumps({"meta": meta}), flush=True)
 
     replayed = static.generate(tokenizer, prompt_ids, budget, args.new_tokens, graph=True, shared=shared)
-    print(json.dumps({"run": "graph replay" if device.type == "cuda" else "timed", "step_ms": round(1000 / replayed.steady_tok_s(), 4),
-                      "tok_s": round(replayed.steady_tok_s(), 2)}), flush=True)
+    print(json.dumps({"run": "graph replay" if device.type == "cuda" else "timed",
+                      "step_ms": round(1000 / replayed.steady_tok_s(), 4), "tok_s": round(replayed.steady_tok_s(), 2)}),
+          flush=True)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":

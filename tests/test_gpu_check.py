@@ -157,16 +157,25 @@ def test_targets_of_the_compiled_step_say_what_fusing_the_projections_bought():
         "lazy_gain": 1.01, "lazy_gain_at_most_1.05": True, "vs_paper_39.1": 4.0, "fused_gain": 1.15}
 
 
-def test_the_weight_read_floor_script_times_every_layout_over_the_same_bytes(tmp_path):
+def run_script(name: str, args: list[str], monkeypatch, capsys) -> list[dict]:
+    """A benchmark script's ``main`` in this process (its imports are this process's: no second torch start),
+    its JSON lines."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *args])
+    capsys.readouterr()
+    assert script.main() == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_the_weight_read_floor_script_times_every_layout_over_the_same_bytes(monkeypatch, capsys):
     """``benchmarks/gemv_floor.py`` on the CPU with the tiny config (how it is tried before a GPU): one row per
     layout, the stacked and the separate layouts reading the same weights (the tiny config's 3 layers of
     q/k/v/o/gate/up/down plus the 320 x 64 head, float32)."""
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "gemv_floor.py"), "--config", "tiny",
-                           "--device", "cpu", "--replays", "2"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    lines = run_script("gemv_floor", ["--config", "tiny", "--device", "cpu", "--replays", "2"], monkeypatch, capsys)
     assert lines[0]["meta"]["layers"] == 3 and lines[0]["meta"]["dtype"] == "float32"
     rows = {line["layout"]: line for line in lines[1:]}
     assert list(rows) == ["separate", "fused", "fused-inductor"]  # no cuBLASLt on a CPU
@@ -175,19 +184,14 @@ def test_the_weight_read_floor_script_times_every_layout_over_the_same_bytes(tmp
     assert all(row["weight_bytes"] == weight_bytes and row["step_ms"] > 0 for row in rows.values())
 
 
-def test_the_step_profile_counts_each_layers_products_and_what_fusing_removes(tmp_path):
+def test_the_step_profile_counts_each_layers_products_and_what_fusing_removes(monkeypatch, capsys):
     """``benchmarks/step_profile.py`` on the CPU with the tiny config (3 layers): per static step each layer runs
     two batched products (logits, output) and one softmax; stacking q/k/v and gate/up removes 3 of its 7
     projection products, 9 matrix products per step in all."""
-    root = Path(__file__).resolve().parent.parent
     per_step = {}
-    for fuse in ("--fuse", "--no-fuse"):
-        done = subprocess.run([sys.executable, str(root / "benchmarks" / "step_profile.py"), "--config", "tiny",
-                               "--device", "cpu", "--context", "256", "--new-tokens", "10", fuse, "--top", "60"],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)},
-                              cwd=tmp_path)
-        assert done.returncode == 0, done.stderr
-        lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    for fuse in ("--fuse", "--no-fuse"):  # each run builds its own model
+        lines = run_script("step_profile", ["--config", "tiny", "--device", "cpu", "--context", "256",
+                                            "--new-tokens", "10", fuse, "--top", "60"], monkeypatch, capsys)
         assert lines[0]["meta"]["static_steps"] == 8 and lines[0]["meta"]["fused"] == (fuse == "--fuse")
         profiled = next(line for line in lines if line.get("run") == "kernel by kernel, profiled")
         assert abs(sum(profiled["groups_ms_per_step"].values()) - profiled["busy_ms_per_step"]) < 1e-3
