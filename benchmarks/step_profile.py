@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--compression", type=float, default=0.9)
-    parser.add_argument("--new-tokens", type=int, default=34, help="the first two run through the engine")
+    parser.add_argument("--new-tokens", type=int, default=18, help="the first two run through the engine")
     parser.add_argument("--refresh", type=int, default=1, help="1 InertiaKV, 4 Lazy, 0 Score-Free")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="default: on a GPU")
