@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 from kvviz import engine
-from kvviz.bench.speed import _NullTokenizer, build_from_config
+from kvviz.bench.speed import CONFIGS, _NullTokenizer, build_from_config
 from kvviz.fast import StaticInertia
 
 MATRIX = ("gemv", "gemm", "nvjet", "cutlass", "xmma", "sm90", "splitk", "cublas")  # kernel names' marks
@@ -56,7 +56,7 @@ def kernel_times(profile, device: torch.device) -> dict[str, list[float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="llama-3.1-8b")
+    parser.add_argument("--config", default="llama-3.1-8b", choices=sorted(CONFIGS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--compression", type=float, default=0.9)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -181,57 +180,76 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)  # the HF MLP's formula
 
 
-# layer -> its fused matrices; weak: a model that is dropped takes them along
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def fused_projections(layer) -> tuple | None:
     """One matrix for the layer's q/k/v projections and one for gate/up, with the modules re-pointed to them.
 
-    Each module's weight (and bias) becomes a row slice of the fused matrix, so the layer computes what it
-    did, the HF forward still works, and the weights are not held twice; the originals are freed, a layer
-    at a time.  Built once per layer and reused while the modules still point into it.
+    Each module's weight (and bias) becomes a row slice of the stacked matrix, so the layer computes what it
+    did, the HF forward still works, and the weights are not held twice: the first call stacks and frees
+    the originals, a layer at a time.  A later call finds the slices still back to back in one storage and
+    returns a view over them, so it always sees the modules' current weights; after ``.to()``, a
+    ``load_state_dict`` or a merged adapter has replaced them, it stacks again.  (Sharing storage, the
+    re-pointed weights cannot go through ``safetensors.torch.save_file`` as a raw state dict;
+    ``save_pretrained`` writes them.)
 
     Returns
     -------
     tuple or None
         ``(qkv_weight, qkv_bias, gate_up_weight, gate_up_bias)``: ``(q + 2 kv, hidden)`` and
         ``(2 intermediate, hidden)`` matrices, biases ``None`` where the modules have none.  ``None`` when a
-        projection is not a plain ``nn.Linear`` (quantised; offloaded by an accelerate hook, which would move
-        the weights back on its own; mixed dtypes or devices): it is left as it is and :func:`decode_layer`
-        calls the modules one by one.
+        projection is not a plain ``nn.Linear`` with a plain weight (quantised or sharded weights are tensor
+        subclasses; accelerate's offloading hooks move weights on their own; mixed dtypes or devices): the
+        layer is left as it is and :func:`decode_layer` calls the modules one by one.
     """
     attn, mlp = layer.self_attn, layer.mlp
     groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
     modules = [module for group in groups for module in group]
-    if (not all(type(module) is torch.nn.Linear and not hasattr(module, "_hf_hook") for module in modules)
-            or len({(module.weight.dtype, module.weight.device) for module in modules}) != 1
+    if (any(hasattr(module, "_hf_hook") for module in layer.modules())
+            or not all(type(module) is torch.nn.Linear for module in modules)):
+        return None
+    tensors = [tensor for module in modules for tensor in (module.weight, module.bias) if tensor is not None]
+    if (not all(type(tensor) is torch.nn.Parameter and type(tensor.data) is torch.Tensor for tensor in tensors)
+            or len({(tensor.dtype, tensor.device) for tensor in tensors}) != 1
             or any(len({module.bias is None for module in group}) != 1 for group in groups)):
         return None
-    cached = _FUSED.get(layer)
-    if cached is not None and all(_points_into(module, cached[0 if index < 3 else 2])
-                                  for index, module in enumerate(modules)):
-        return cached
     fused = []
     # Not inference tensors even when called under inference mode: the model's forward may later run without it.
     with torch.inference_mode(False), torch.no_grad():
         for group in groups:
-            weight = torch.cat([module.weight for module in group])
-            bias = None if group[0].bias is None else torch.cat([module.bias for module in group])
-            start = 0
-            for module in group:
-                rows = module.weight.shape[0]
-                module.weight = torch.nn.Parameter(weight[start:start + rows], module.weight.requires_grad)
-                if bias is not None:
-                    module.bias = torch.nn.Parameter(bias[start:start + rows], module.bias.requires_grad)
-                start += rows
+            weight = _stacked_view([module.weight for module in group])
+            bias = None if group[0].bias is None else _stacked_view([module.bias for module in group])
+            if weight is None or (bias is None and group[0].bias is not None):
+                weight, bias = _stack(group)
             fused += [weight, bias]
-    _FUSED[layer] = tuple(fused)
-    return _FUSED[layer]
+    return tuple(fused)
 
 
-def _points_into(module, fused: torch.Tensor) -> bool:
-    return module.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` stacked along dim 0 without a copy, when they lie back to back in one storage; else None."""
+    first = tensors[0]
+    if first.is_meta:  # every meta storage reports address 0: adjacency cannot be told
+        return None
+    offset = first.storage_offset()
+    for tensor in tensors:
+        if (not tensor.is_contiguous() or tensor.shape[1:] != first.shape[1:] or tensor.storage_offset() != offset
+                or tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        offset += tensor.numel()
+    rows = sum(tensor.shape[0] for tensor in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _stack(group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack the group's weights (and biases) and re-point each module to its rows of them."""
+    weight = torch.cat([module.weight for module in group])
+    bias = None if group[0].bias is None else torch.cat([module.bias for module in group])
+    start = 0
+    for module in group:
+        rows = module.weight.shape[0]
+        module.weight = torch.nn.Parameter(weight[start:start + rows], module.weight.requires_grad)
+        if bias is not None:
+            module.bias = torch.nn.Parameter(bias[start:start + rows], module.bias.requires_grad)
+        start += rows
+    return weight, bias
 
 
 _compiled_layer = None
@@ -282,10 +300,15 @@ class StaticInertia:
         self.compiled = compile
         self.layer_step = compiled_decode_layer() if compile else decode_layer
         self.fp32_logits = fp32_logits_supported(model.device, model.dtype)
-        self.fused = [fused_projections(layer) if fuse else None for layer in self.layers]
+        self.fuse = fuse
+        self.projections()  # stacked now, outside any timing; generate() takes the then current weights
+
+    def projections(self) -> list[tuple | None]:
+        """Each layer's :func:`fused_projections` (all ``None`` with ``fuse=False``)."""
+        return [fused_projections(layer) if self.fuse else None for layer in self.layers]
 
     @classmethod
-    def from_policy(cls, model, policy, *, compile: bool = False) -> "StaticInertia":
+    def from_policy(cls, model, policy, *, compile: bool = False, fuse: bool = True) -> "StaticInertia":
         """The static path for an engine policy, when it is one the static step computes exactly."""
         # The exact class: subclasses (inertia-decoupled) change the update rule the static step hard-codes.
         if type(policy) is not InertiaKV or (policy.scorer, policy.aggregation, policy.layers) != (
@@ -295,7 +318,7 @@ class StaticInertia:
                              "layers (inertia, inertia-lazy, score-free, single-step; --alpha and --refresh "
                              f"may change); got {type(policy).__name__}" + (f" ({settings})" if settings else "")
                              + ": use the engine for this policy")
-        return cls(model, alpha=policy.alpha, refresh=policy.refresh, compile=compile)
+        return cls(model, alpha=policy.alpha, refresh=policy.refresh, compile=compile, fuse=fuse)
 
     def reference_policy(self):
         """The engine policy this step computes: its keep sets are this step's (the first two steps run it)."""
@@ -364,6 +387,7 @@ class StaticInertia:
         position = torch.tensor([[len(prompt_ids) + 1]], device=device)
         big = torch.iinfo(torch.long).max
         slot_ids = torch.arange(slots, device=device)
+        projections = self.projections()
 
         def step(scoring: bool) -> None:  # in place only: a CUDA graph replays exactly these kernels
             if self.scoring:
@@ -376,7 +400,7 @@ class StaticInertia:
             positions.index_copy_(0, free, position[0])
             hidden = model.model.embed_tokens(token)
             cos, sin = model.model.rotary_emb(hidden, position)
-            for layer, fused, layer_keys, layer_values in zip(self.layers, self.fused, keys, values):
+            for layer, fused, layer_keys, layer_values in zip(self.layers, projections, keys, values):
                 hidden = self.layer_step(layer, hidden, cos, sin, free, layer_keys, layer_values,
                                          m if scoring else None, self.alpha, self.fp32_logits, fused)
             logits = model.lm_head(model.model.norm(hidden))[0, -1]

@@ -41,11 +41,68 @@ def test_unfused_static_path_gives_the_fused_paths_tokens_and_keep_sets(family, 
     assert fused.token_ids == unfused.token_ids and fused.kept == unfused.kept
 
 
+def test_stacked_biases_of_attention_and_mlp_give_the_engines_tokens_and_keep_sets(tiny_prompt):
+    """Llama with ``attention_bias`` and ``mlp_bias``: both stacked matrices carry a bias (random here: the
+    init leaves them zero, which would hide a bias applied to the wrong rows)."""
+    import torch
+
+    from kvviz.models import tiny_model
+
+    model, tokenizer = tiny_model("llama", attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.mlp.gate_proj, layer.mlp.up_proj):
+                module.bias.normal_(std=0.3)
+    reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), budget=20, max_new_tokens=16)
+    static = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
+    assert static.token_ids == reference.token_ids
+    assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+
+
+def test_weights_replaced_after_the_path_is_built_are_the_ones_it_decodes_with(tiny_prompt):
+    """A weight swapped in after construction (``param.data = ...``, as ``.to()`` or an adapter merge does)
+    leaves the stacked matrix stale: ``generate`` stacks again and decodes with the model as it is now."""
+    import torch
+
+    from kvviz.models import tiny_model
+
+    model, tokenizer = tiny_model("llama")
+    path = StaticInertia(model)
+    before = path.generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.data = layer.self_attn.q_proj.weight.data * 3.0
+            layer.mlp.up_proj.weight.data = -layer.mlp.up_proj.weight.data
+    reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), budget=20, max_new_tokens=16)
+    after = path.generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
+    assert (after.token_ids, after.kept) != (before.token_ids, before.kept)  # the swap changed the decoding
+    assert after.token_ids == reference.token_ids
+    assert after.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+
+
+def test_fusing_leaves_the_hf_forward_as_it_was(tiny_prompt):
+    import copy
+
+    import torch
+
+    from kvviz.models import tiny_model
+
+    model, _ = tiny_model("qwen3")
+    fresh = copy.deepcopy(model)
+    StaticInertia(model)  # stacks every layer
+    ids = torch.tensor([tiny_prompt])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
 def test_fused_projections_share_the_layers_weights_and_compute_what_the_modules_did():
     """The fused matrices hold the q/k/v (gate/up) weights stacked in that order; the modules' weights become
     row slices of them (one copy in memory, not two); each module computes what it computed before; a second
     call reuses the same matrices."""
     import copy
+    import gc
+    import weakref
 
     import torch
 
@@ -55,7 +112,7 @@ def test_fused_projections_share_the_layers_weights_and_compute_what_the_modules
     model, _ = tiny_model("qwen2")
     fresh = copy.deepcopy(model)
     layer, before = model.model.layers[1], fresh.model.layers[1]
-    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    originals = [weakref.ref(module.weight) for module in (layer.self_attn.q_proj, layer.mlp.up_proj)]
     qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = fused_projections(layer)
     attn, mlp = layer.self_attn, layer.mlp
     assert torch.equal(qkv_weight, torch.cat([before.self_attn.q_proj.weight, before.self_attn.k_proj.weight,
@@ -69,14 +126,16 @@ def test_fused_projections_share_the_layers_weights_and_compute_what_the_modules
         assert module.bias.untyped_storage().data_ptr() == qkv_bias.untyped_storage().data_ptr()
     for module in (mlp.gate_proj, mlp.up_proj):
         assert module.weight.untyped_storage().data_ptr() == gate_up_weight.untyped_storage().data_ptr()
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    assert sum(storages.values()) == parameter_bytes  # the originals went: nothing is held twice
+    gc.collect()
+    assert all(original() is None for original in originals)  # the originals went: nothing is held twice
     x = torch.randn(1, 1, model.config.hidden_size)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):
             assert torch.equal(getattr(attn, name)(x), getattr(before.self_attn, name)(x))
         assert torch.equal(mlp(x), before.mlp(x))
-    assert fused_projections(layer)[0] is qkv_weight
+    again = fused_projections(layer)  # a view over the same rows: no second stacking
+    assert again[0].data_ptr() == qkv_weight.data_ptr() and again[0].shape == qkv_weight.shape
+    assert again[2].data_ptr() == gate_up_weight.data_ptr() and torch.equal(again[1], qkv_bias)
 
 
 def test_a_layer_whose_projections_are_not_plain_linears_is_left_as_it_is(tiny_prompt):
@@ -101,12 +160,20 @@ def test_a_layer_whose_projections_are_not_plain_linears_is_left_as_it_is(tiny_p
     assert fused_projections(layer) is None
     assert layer.self_attn.q_proj.weight is weight
     hooked = kvviz.load_model("tiny-random-llama")[0].model.layers[0]
-    hooked.self_attn.k_proj._hf_hook = object()  # accelerate's offloading hook: it moves the weight itself
+    hooked.layer_idx_hook = torch.nn.Identity()
+    hooked.layer_idx_hook._hf_hook = object()  # accelerate's offloading hook (on any submodule): it moves weights
     assert fused_projections(hooked) is None
+
+    class Quantised(torch.Tensor):  # quantised and sharded weights are tensor subclasses
+        pass
+
+    subclassed = kvviz.load_model("tiny-random-llama")[0].model.layers[0]
+    gate = subclassed.mlp.gate_proj
+    gate.weight = torch.nn.Parameter(gate.weight.detach().as_subclass(Quantised))
+    assert fused_projections(subclassed) is None
     reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), budget=20, max_new_tokens=12)
-    path = StaticInertia(model)
-    assert path.fused[0] is None and path.fused[1] is not None
-    static = path.generate(tokenizer, tiny_prompt, 20, 12, record_kept=True)
+    static = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 12, record_kept=True)
+    assert fused_projections(model.model.layers[0]) is None and fused_projections(model.model.layers[1]) is not None
     assert static.token_ids == reference.token_ids
     assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
 
@@ -212,7 +279,7 @@ def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():
               empty(1, config.num_key_value_heads, slots, head_dim), empty(slots, dtype=torch.float32))
     compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend="aot_eager")
     with torch.inference_mode():
-        fused = fused_projections(layer)  # as StaticInertia builds it: under inference mode, from meta weights
+        fused = fused_projections(layer)  # as generate() takes it, under inference mode (here from meta weights)
         for step in (decode_layer, compiled):
             for projections in (None, fused):
                 hidden = step(layer, *inputs, 0.8, True, projections)
