@@ -186,8 +186,8 @@ def fused_projections(layer) -> tuple | None:
     Each module's weight (and bias) becomes a row slice of the stacked matrix, so the layer computes what it
     did, the HF forward still works, and the weights are not held twice: the first call stacks and frees
     the originals, a layer at a time.  A later call finds the slices still back to back in one storage and
-    returns a view over them, so it always sees the modules' current weights; after ``.to()``, a
-    ``load_state_dict`` or a merged adapter has replaced them, it stacks again.  (Sharing storage, the
+    returns a view over them, so it sees in-place updates of the weights; once they have been replaced
+    (``.to()``, ``load_state_dict(assign=True)``, ``param.data = ...``) it stacks again.  (Sharing storage, the
     re-pointed weights cannot go through ``safetensors.torch.save_file`` as a raw state dict;
     ``save_pretrained`` writes them.)
 
@@ -228,14 +228,19 @@ def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     first = tensors[0]
     if first.is_meta:  # every meta storage reports address 0: adjacency cannot be told
         return None
+    storage = first.untyped_storage()
+    row = first[0].numel() if first.dim() > 1 else 1  # elements per row of a row-major stack
     offset = first.storage_offset()
     for tensor in tensors:
+        # is_contiguous() ignores the stride of a dimension of size 1: the row stride is checked itself
         if (not tensor.is_contiguous() or tensor.shape[1:] != first.shape[1:] or tensor.storage_offset() != offset
-                or tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+                or (tensor.dim() > 0 and tensor.stride(0) != row)
+                or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+                or tensor.untyped_storage().nbytes() != storage.nbytes()):
             return None
         offset += tensor.numel()
-    rows = sum(tensor.shape[0] for tensor in tensors)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    shape = (sum(tensor.shape[0] for tensor in tensors), *first.shape[1:])
+    return first.detach().as_strided(shape, (row, *first.stride()[1:]), first.storage_offset())
 
 
 def _stack(group) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -343,6 +348,7 @@ class StaticInertia:
                              "lower the budget, or use the engine")
         stop_ids = stop_ids or set()
         model, device = self.model, self.model.device
+        projections = self.projections()  # the weights as they are now; a restack's copy before any clock starts
         policy = self.reference_policy()
         # Prefill and step 1 through the reference engine: step 1 attends to the whole prompt.  Its score
         # capture is installed only for these two steps: the static step below calls no HF attention, and
@@ -387,7 +393,6 @@ class StaticInertia:
         position = torch.tensor([[len(prompt_ids) + 1]], device=device)
         big = torch.iinfo(torch.long).max
         slot_ids = torch.arange(slots, device=device)
-        projections = self.projections()
 
         def step(scoring: bool) -> None:  # in place only: a CUDA graph replays exactly these kernels
             if self.scoring:

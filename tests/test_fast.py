@@ -55,25 +55,36 @@ def test_stacked_biases_of_attention_and_mlp_give_the_engines_tokens_and_keep_se
                            layer.mlp.gate_proj, layer.mlp.up_proj):
                 module.bias.normal_(std=0.3)
     reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), budget=20, max_new_tokens=16)
-    static = StaticInertia(model).generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
+    path = StaticInertia(model)
+    assert all(fused is not None and fused[1] is not None and fused[3] is not None for fused in path.projections())
+    static = path.generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
     assert static.token_ids == reference.token_ids
     assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
 
 
 def test_weights_replaced_after_the_path_is_built_are_the_ones_it_decodes_with(tiny_prompt):
-    """A weight swapped in after construction (``param.data = ...``, as ``.to()`` or an adapter merge does)
-    leaves the stacked matrix stale: ``generate`` stacks again and decodes with the model as it is now."""
+    """A weight or bias swapped in after construction (``param.data = ...``, as ``.to()`` does) leaves the
+    stacked matrix stale: ``generate`` stacks again, decodes with the model as it is now, and the old stacked
+    matrices are freed."""
+    import gc
+
     import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     from kvviz.models import tiny_model
 
-    model, tokenizer = tiny_model("llama")
+    model, tokenizer = tiny_model("llama", attention_bias=True)
     path = StaticInertia(model)
     before = path.generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
+    old = [StorageWeakRef(fused[0].untyped_storage()) for fused in path.projections()]
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.data = layer.self_attn.q_proj.weight.data * 3.0
+            layer.self_attn.k_proj.bias.data = torch.randn_like(layer.self_attn.k_proj.bias) * 0.3
             layer.mlp.up_proj.weight.data = -layer.mlp.up_proj.weight.data
+    assert all(fused is not None for fused in path.projections())
+    gc.collect()
+    assert all(storage.expired() for storage in old)
     reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia"), budget=20, max_new_tokens=16)
     after = path.generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
     assert (after.token_ids, after.kept) != (before.token_ids, before.kept)  # the swap changed the decoding
@@ -90,7 +101,7 @@ def test_fusing_leaves_the_hf_forward_as_it_was(tiny_prompt):
 
     model, _ = tiny_model("qwen3")
     fresh = copy.deepcopy(model)
-    StaticInertia(model)  # stacks every layer
+    assert all(fused is not None for fused in StaticInertia(model).projections())  # every layer stacked
     ids = torch.tensor([tiny_prompt])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, fresh(ids).logits)
@@ -102,9 +113,9 @@ def test_fused_projections_share_the_layers_weights_and_compute_what_the_modules
     call reuses the same matrices."""
     import copy
     import gc
-    import weakref
 
     import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     from kvviz.fast import fused_projections
     from kvviz.models import tiny_model
@@ -112,7 +123,8 @@ def test_fused_projections_share_the_layers_weights_and_compute_what_the_modules
     model, _ = tiny_model("qwen2")
     fresh = copy.deepcopy(model)
     layer, before = model.model.layers[1], fresh.model.layers[1]
-    originals = [weakref.ref(module.weight) for module in (layer.self_attn.q_proj, layer.mlp.up_proj)]
+    originals = [StorageWeakRef(module.weight.untyped_storage()) for module in (layer.self_attn.q_proj,
+                                                                                 layer.mlp.up_proj)]
     qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = fused_projections(layer)
     attn, mlp = layer.self_attn, layer.mlp
     assert torch.equal(qkv_weight, torch.cat([before.self_attn.q_proj.weight, before.self_attn.k_proj.weight,
@@ -127,15 +139,32 @@ def test_fused_projections_share_the_layers_weights_and_compute_what_the_modules
     for module in (mlp.gate_proj, mlp.up_proj):
         assert module.weight.untyped_storage().data_ptr() == gate_up_weight.untyped_storage().data_ptr()
     gc.collect()
-    assert all(original() is None for original in originals)  # the originals went: nothing is held twice
+    assert all(original.expired() for original in originals)  # the originals went: nothing is held twice
     x = torch.randn(1, 1, model.config.hidden_size)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):
             assert torch.equal(getattr(attn, name)(x), getattr(before.self_attn, name)(x))
         assert torch.equal(mlp(x), before.mlp(x))
     again = fused_projections(layer)  # a view over the same rows: no second stacking
-    assert again[0].data_ptr() == qkv_weight.data_ptr() and again[0].shape == qkv_weight.shape
-    assert again[2].data_ptr() == gate_up_weight.data_ptr() and torch.equal(again[1], qkv_bias)
+    for view, stacked in zip(again, (qkv_weight, qkv_bias, gate_up_weight)):
+        assert view.data_ptr() == stacked.data_ptr() and view.stride() == stacked.stride()
+        assert torch.equal(view, stacked)
+
+
+def test_rows_back_to_back_in_one_storage_are_viewed_as_their_stack_and_no_others():
+    import torch
+
+    from kvviz.fast import _stacked_view
+
+    base = torch.arange(24.0).reshape(6, 4)
+    assert torch.equal(_stacked_view([base[:1], base[1:3], base[3:]]), base)
+    assert torch.equal(_stacked_view([base[0, :2], base[0, 2:]]), base[0])  # biases: one dimension
+    assert _stacked_view([base[:2], base[3:]]) is None  # a gap
+    assert _stacked_view([base[1:3], base[:1]]) is None  # out of order
+    assert _stacked_view([base[:2], base[2:4].clone()]) is None  # another storage
+    assert _stacked_view([base[:2, :2], base[2:4, :2]]) is None  # not contiguous
+    # a one-row tensor reads as contiguous whatever its row stride: refused (its stride would misplace the stack)
+    assert _stacked_view([base[:1].as_strided((1, 4), (1, 1)), base[1:3]]) is None
 
 
 def test_a_layer_whose_projections_are_not_plain_linears_is_left_as_it_is(tiny_prompt):
@@ -230,9 +259,13 @@ def test_compiled_static_path_equals_the_reference_engine_with_one_graph_per_var
     before = counters["stats"]["unique_graphs"]
     reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia", refresh=4), budget=20,
                           max_new_tokens=16)
-    static = StaticInertia(model, refresh=4, compile=True).generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
+    path = StaticInertia(model, refresh=4, compile=True)
+    static = path.generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
     assert static.token_ids == reference.token_ids
     assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+    assert counters["stats"]["unique_graphs"] - before == 2
+    # A second run takes new views over the stacked weights: the same graphs serve it, no recompiling.
+    assert path.generate(tokenizer, tiny_prompt, 20, 16).token_ids == static.token_ids
     assert counters["stats"]["unique_graphs"] - before == 2
     # The first step of each variant (k = 2 without scoring, k = 5 with) is where it compiled.
     assert static.setup_steps == [k in (2, 5) for k in range(2, 16)]
@@ -279,7 +312,7 @@ def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():
               empty(1, config.num_key_value_heads, slots, head_dim), empty(slots, dtype=torch.float32))
     compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend="aot_eager")
     with torch.inference_mode():
-        fused = fused_projections(layer)  # as generate() takes it, under inference mode (here from meta weights)
+        fused = fused_projections(layer)  # under inference mode, as generate() takes it (meta: always stacked)
         for step in (decode_layer, compiled):
             for projections in (None, fused):
                 hidden = step(layer, *inputs, 0.8, True, projections)

@@ -186,8 +186,9 @@ def test_the_weight_read_floor_script_times_every_layout_over_the_same_bytes(mon
 
 def test_the_step_profile_counts_each_layers_products_and_what_fusing_removes(monkeypatch, capsys):
     """``benchmarks/step_profile.py`` on the CPU with the tiny config (3 layers): per static step each layer runs
-    two batched products (logits, output) and one softmax; stacking q/k/v and gate/up removes 3 of its 7
-    projection products, 9 matrix products per step in all."""
+    two batched products (logits, output) and one softmax, and RoPE's angles take one more batched product
+    in some transformers releases (5.17) and none in others (5.24); stacking q/k/v and gate/up removes 3 of
+    each layer's 7 projection products, 9 matrix products per step in all."""
     per_step = {}
     for fuse in ("--fuse", "--no-fuse"):  # each run builds its own model
         lines = run_script("step_profile", ["--config", "tiny", "--device", "cpu", "--context", "256",
@@ -196,6 +197,6 @@ def test_the_step_profile_counts_each_layers_products_and_what_fusing_removes(mo
         profiled = next(line for line in lines if line.get("run") == "kernel by kernel, profiled")
         assert profiled["groups_ms_per_step"]["matrix products (cuBLAS/CUTLASS)"] > 0 and profiled["step_ms"] > 0
         per_step[fuse] = {line["kernel"]: line["per_step"] for line in lines if "kernel" in line}
-    assert per_step["--fuse"]["aten::bmm"] == per_step["--no-fuse"]["aten::bmm"] == 2 * 3
+    assert per_step["--fuse"]["aten::bmm"] == per_step["--no-fuse"]["aten::bmm"] in (2 * 3, 2 * 3 + 1)
     assert per_step["--fuse"]["aten::_softmax"] == 3
     assert per_step["--no-fuse"]["aten::mm"] - per_step["--fuse"]["aten::mm"] == 3 * 3
