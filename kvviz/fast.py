@@ -32,6 +32,7 @@ bfloat16 on a GPU the two paths use different attention kernels and agreement is
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -229,7 +230,7 @@ def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if first.is_meta:  # every meta storage reports address 0: adjacency cannot be told
         return None
     storage = first.untyped_storage()
-    row = first[0].numel() if first.dim() > 1 else 1  # elements per row of a row-major stack
+    row = math.prod(first.shape[1:])  # elements per row of a row-major stack (1 for a bias)
     offset = first.storage_offset()
     for tensor in tensors:
         # is_contiguous() ignores the stride of a dimension of size 1: the row stride is checked itself

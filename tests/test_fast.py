@@ -159,6 +159,7 @@ def test_rows_back_to_back_in_one_storage_are_viewed_as_their_stack_and_no_other
     base = torch.arange(24.0).reshape(6, 4)
     assert torch.equal(_stacked_view([base[:1], base[1:3], base[3:]]), base)
     assert torch.equal(_stacked_view([base[0, :2], base[0, 2:]]), base[0])  # biases: one dimension
+    assert torch.equal(_stacked_view([base[:0], base]), base)  # an empty block adds no rows
     assert _stacked_view([base[:2], base[3:]]) is None  # a gap
     assert _stacked_view([base[1:3], base[:1]]) is None  # out of order
     assert _stacked_view([base[:2], base[2:4].clone()]) is None  # another storage
