@@ -53,9 +53,10 @@ def layer_weights(spec: dict, layers: int, device, dtype) -> list[dict]:
 def step_function(weights: list[dict], head: torch.Tensor, layout: str):
     """One step's products in ``layout``; inputs are fixed vectors (the floor, not the model's arithmetic)."""
     names = ("q", "k", "v", "o", "gate", "up", "down") if layout == "separate" else ("qkv", "o", "gate_up", "down")
-    linear = (lambda x, weight: (weight * x).sum(-1)) if layout == "fused-inductor" else F.linear
-    if layout == "fused-inductor":
-        linear = torch.compile(linear, dynamic=False, fullgraph=True)
+    if layout == "fused-inductor":  # Inductor writes the reduction itself
+        linear = torch.compile(lambda x, weight: (weight * x).sum(-1), dynamic=False, fullgraph=True)
+    else:
+        linear = F.linear
     inputs = {width: torch.randn(1, width, device=head.device, dtype=head.dtype) * 0.1
               for width in {weight.shape[1] for layer in weights for weight in layer.values()}}
     outputs: list[torch.Tensor] = []

@@ -235,7 +235,7 @@ def _stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     for tensor in tensors:
         # is_contiguous() ignores the stride of a dimension of size 1: the row stride is checked itself
         if (not tensor.is_contiguous() or tensor.shape[1:] != first.shape[1:] or tensor.storage_offset() != offset
-                or (tensor.dim() > 0 and tensor.stride(0) != row)
+                or tensor.stride(0) != row
                 or tensor.untyped_storage().data_ptr() != storage.data_ptr()
                 or tensor.untyped_storage().nbytes() != storage.nbytes()):
             return None
