@@ -223,6 +223,9 @@ def targets(rows: list[dict], context: int) -> dict:
     unfused = by_name.get("static-inertia-unfused")
     if inertia and unfused and verdict.get("compiled", True):  # what stacking q/k/v and gate/up bought
         verdict["fused_gain"] = round(inertia["decode_tok_s"] / unfused["decode_tok_s"], 3)
+    unblocked = by_name.get("static-inertia-unblocked")
+    if inertia and unblocked and verdict.get("compiled", True):  # what the value product in blocks bought
+        verdict["blocked_gain"] = round(inertia["decode_tok_s"] / unblocked["decode_tok_s"], 3)
     return verdict
 
 

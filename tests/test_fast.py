@@ -33,6 +33,28 @@ def test_static_path_equals_the_engine_over_a_long_run_with_a_tiny_budget(family
     assert static.token_ids == reference.token_ids
 
 
+@pytest.mark.parametrize("value_block", [4, 7, 64])  # 21 slots: padded to 24 (6 blocks), 28 (4), 64 (1)
+@pytest.mark.parametrize("refresh", [1, 4, 0])
+def test_blocked_value_product_over_a_padded_cache_equals_the_reference_engine(value_block, refresh, tiny_prompt):
+    """What a GPU runs by default (``value_block`` 256 there), on the CPU: zero-weight padding after the 21
+    live slots, the value product in blocks summed in float32, and still the engine's tokens and keep sets."""
+    model, tokenizer = kvviz.load_model("tiny-random-qwen2")
+    reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia", refresh=refresh),
+                          budget=20, max_new_tokens=30)
+    path = StaticInertia(model, refresh=refresh, value_block=value_block)
+    static = path.generate(tokenizer, tiny_prompt, 20, 30, record_kept=True)
+    assert static.token_ids == reference.token_ids
+    assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+    assert all(len(kept) == 20 for kept in static.kept)  # padding never counts as a kept entry
+
+
+def test_the_value_block_is_one_product_on_a_cpu_and_refused_below_zero(tiny):
+    model, _ = tiny
+    assert StaticInertia(model).value_block == 0 and StaticInertia(model, value_block=32).value_block == 32
+    with pytest.raises(ValueError, match="value_block must be 0"):
+        StaticInertia(model, value_block=-1)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v carry biases
 def test_unfused_static_path_gives_the_fused_paths_tokens_and_keep_sets(family, tiny_prompt):
     model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
@@ -237,17 +259,20 @@ def test_static_path_releases_the_engines_prompt_sized_cache_before_decoding(tin
     assert released.token_ids == plain.token_ids and released.kept == plain.kept
 
 
-def test_static_path_without_scoring_is_a_sliding_window(tiny, tiny_prompt):
+@pytest.mark.parametrize("value_block", [0, 8])  # 8: the ring's 21 slots inside a 24-slot padded cache
+def test_static_path_without_scoring_is_a_sliding_window(value_block, tiny, tiny_prompt):
     """The baseline's ring of 21 slots goes round twice in 48 static steps, and keeps what ``recency`` keeps."""
     model, tokenizer = tiny
-    static = StaticInertia(model, scoring=False).generate(tokenizer, tiny_prompt, 20, 50, record_kept=True)
+    static = StaticInertia(model, scoring=False, value_block=value_block).generate(tokenizer, tiny_prompt, 20, 50,
+                                                                                  record_kept=True)
     reference = kvviz.run(model, tokenizer, tiny_prompt, "recency", budget=20, max_new_tokens=50)
     assert len(static.token_ids) == 50
     assert static.token_ids == reference.token_ids
     assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
 
 
-def test_compiled_static_path_equals_the_reference_engine_with_one_graph_per_variant(tiny_prompt):
+@pytest.mark.parametrize("value_block", [0, 8])  # 8: a GPU's blocked value product over a padded cache
+def test_compiled_static_path_equals_the_reference_engine_with_one_graph_per_variant(value_block, tiny_prompt):
     """torch.compile fuses each layer; the keep sets and tokens stay the reference engine's, and one compiled
     graph serves all layers (the parameters are inputs): two graphs for InertiaKV-Lazy, which has a scoring
     and a non-scoring step, not one per layer."""
@@ -260,7 +285,7 @@ def test_compiled_static_path_equals_the_reference_engine_with_one_graph_per_var
     before = counters["stats"]["unique_graphs"]
     reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia", refresh=4), budget=20,
                           max_new_tokens=16)
-    path = StaticInertia(model, refresh=4, compile=True)
+    path = StaticInertia(model, refresh=4, compile=True, value_block=value_block)
     static = path.generate(tokenizer, tiny_prompt, 20, 16, record_kept=True)
     assert static.token_ids == reference.token_ids
     assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
@@ -290,6 +315,27 @@ def test_attention_of_the_static_step_matches_a_plain_softmax():
             torch.testing.assert_close(out[kv, group], weights @ values[kv])
 
 
+@pytest.mark.parametrize("block", [0, 2, 3, 6])
+def test_padding_gets_no_weight_and_blocks_sum_to_the_whole_value_product(block):
+    """5 live slots padded to 6 (zero values, as the static cache leaves them; the keys' padding is random
+    to show it is masked, not merely small): the textbook softmax over the 5 live slots, whatever the block."""
+    import torch
+
+    from kvviz.fast import attend
+
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 3, 8, generator=generator)
+    keys = torch.randn(2, 6, 8, generator=generator)
+    values = torch.cat([torch.randn(2, 5, 8, generator=generator), torch.zeros(2, 1, 8)], 1)
+    out, probs = attend(query, keys, values, scaling=0.5, slots=5, block=block)
+    assert probs.shape == (2, 3, 5)
+    for kv in range(2):
+        for group in range(3):
+            weights = torch.softmax(0.5 * keys[kv, :5] @ query[kv, group], dim=0)
+            torch.testing.assert_close(probs[kv, group], weights)
+            torch.testing.assert_close(out[kv, group], weights @ values[kv, :5])
+
+
 def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():
     """The bfloat16 branch (float32 logits straight from bfloat16 keys, ``bmm(..., out_dtype=float32)``) has
     no CPU kernel, so it runs only on a GPU; on meta tensors it still composes with the decoder layer and
@@ -308,17 +354,19 @@ def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():
     def empty(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, device="meta", dtype=dtype)
 
+    cache = (1, config.num_key_value_heads, 12, head_dim)  # 9 live slots padded to 3 blocks of 4
     inputs = (empty(1, 1, config.hidden_size), empty(1, 1, head_dim), empty(1, 1, head_dim),
-              torch.zeros(1, dtype=torch.long, device="meta"), empty(1, config.num_key_value_heads, slots, head_dim),
-              empty(1, config.num_key_value_heads, slots, head_dim), empty(slots, dtype=torch.float32))
+              torch.zeros(1, dtype=torch.long, device="meta"), empty(*cache), empty(*cache),
+              empty(slots, dtype=torch.float32))
     compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend="aot_eager")
     with torch.inference_mode():
         fused = fused_projections(layer)  # under inference mode, as generate() takes it (meta: always stacked)
         for step in (decode_layer, compiled):
             for projections in (None, fused):
-                hidden = step(layer, *inputs, 0.8, True, projections)
-                assert hidden.shape == (1, 1, config.hidden_size) and hidden.dtype == torch.bfloat16
-                assert inputs[-1].dtype == torch.float32  # the utilities stay float32
+                for block in (0, 4):  # one value product over all 12 slots (padding weighs 0), or blocks
+                    hidden = step(layer, *inputs, 0.8, True, projections, slots, block)
+                    assert hidden.shape == (1, 1, config.hidden_size) and hidden.dtype == torch.bfloat16
+                    assert inputs[-1].dtype == torch.float32  # the utilities stay float32
 
 
 def test_static_path_stops_after_a_stop_token(tiny, tiny_prompt):

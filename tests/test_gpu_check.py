@@ -142,7 +142,7 @@ def test_targets_are_judged_on_the_uncompiled_rows_when_compiling_failed():
         "lazy_gain": 1.125, "lazy_gain_at_most_1.05": False, "vs_paper_39.1": 4.09}
 
 
-def test_targets_of_the_compiled_step_say_what_fusing_the_projections_bought():
+def test_targets_of_the_compiled_step_say_what_fusing_the_projections_and_blocking_the_values_bought():
     gpu_check = load_gpu_check()
     rows = [{"what": "generate", "prompt_len": 64, "decode_tok_s": 20.0},
             {"what": "static-no-scoring", "prompt_len": 64, "decode_tok_s": 160.0},
@@ -150,11 +150,13 @@ def test_targets_of_the_compiled_step_say_what_fusing_the_projections_bought():
              "engine_kept_overlap": 1.0},
             {"what": "static-inertia-lazy", "prompt_len": 64, "decode_tok_s": 158.0},
             {"what": "static-inertia-unfused", "prompt_len": 64, "decode_tok_s": 136.0},
+            {"what": "static-inertia-unblocked", "prompt_len": 64, "decode_tok_s": 127.2},
             {"what": "static-inertia", "prompt_len": 128, "decode_tok_s": 99.0}]  # another context: not read
     assert gpu_check.targets(rows, 64) == {
         "check": "targets", "prompt_len": 64, "inertia_tok_s": 156.4, "inertia_at_least_150": True,
         "scoring_eviction_share": 0.0225, "scoring_eviction_at_most_5_percent": True, "engine_kept_overlap": 1.0,
-        "lazy_gain": 1.01, "lazy_gain_at_most_1.05": True, "vs_paper_39.1": 4.0, "fused_gain": 1.15}
+        "lazy_gain": 1.01, "lazy_gain_at_most_1.05": True, "vs_paper_39.1": 4.0, "fused_gain": 1.15,
+        "blocked_gain": 1.23}
 
 
 def run_script(name: str, args: list[str], monkeypatch, capsys) -> list[dict]:
@@ -200,3 +202,16 @@ def test_the_step_profile_counts_each_layers_products_and_what_fusing_removes(mo
     assert per_step["--fuse"]["aten::bmm"] == per_step["--no-fuse"]["aten::bmm"] in (2 * 3, 2 * 3 + 1)
     assert per_step["--fuse"]["aten::_softmax"] == 3
     assert per_step["--no-fuse"]["aten::mm"] - per_step["--fuse"]["aten::mm"] == 3 * 3
+
+
+def test_the_value_block_script_times_each_block_against_one_product_over_padded_caches(monkeypatch, capsys):
+    """``benchmarks/value_blocks.py`` on the CPU with the tiny config: per live slot count, block 0 first
+    (its own baseline), then each block over a cache padded to whole blocks."""
+    lines = run_script("value_blocks", ["--config", "tiny", "--device", "cpu", "--slots", "21,7", "--blocks", "0,4,8",
+                                        "--replays", "2"], monkeypatch, capsys)
+    assert lines[0]["meta"]["layers"] == 3 and lines[0]["meta"]["fp32_logits"] is False
+    rows = {(line["slots"], line["block"]): line for line in lines[1:]}
+    assert list(rows) == [(21, 0), (21, 4), (21, 8), (7, 0), (7, 4), (7, 8)]
+    assert [rows[key]["padded"] for key in rows] == [21, 24, 24, 7, 8, 8]
+    assert rows[(21, 0)]["vs_one_product"] == rows[(7, 0)]["vs_one_product"] == 1.0
+    assert all(row["layer_us"] > 0 and row["vs_one_product"] > 0 for row in rows.values())

@@ -222,7 +222,11 @@ UNFUSED = ("static-no-scoring", "static-inertia")
 # Measured again without compile, to show what it buys -- and the targets' rows if compiling fails, when they
 # too run past the time limit.
 UNCOMPILED = ("static-no-scoring", "static-inertia", "static-inertia-lazy")
-VARIANTS = ("-unfused", "-uncompiled")  # each such row's scoring_eviction_share is against its own baseline
+# Measured again with the value product as one product over all slots (value_block=0), to show what blocks
+# of slots buy; a GPU only, the one place the step runs in blocks by default.
+UNBLOCKED = ("static-no-scoring", "static-inertia")
+VARIANTS = ("-unfused", "-uncompiled", "-unblocked")  # each such row's scoring_eviction_share is against its
+# own baseline
 
 
 def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device,
@@ -285,9 +289,13 @@ def static_agreement(model, tokenizer, prompt_ids: list[int], new_tokens: int, b
             "engine_kept_overlap": len(set(static.kept[-1]) & engine_kept) / len(engine_kept)}
 
 
-def static_configurations(compile: bool) -> dict[str, dict]:
+def static_configurations(compile: bool, blocked: bool = False) -> dict[str, dict]:
+    """The static rows: ``blocked`` (a GPU, where the value product runs in blocks) adds the unblocked ones."""
     configurations = {name: dict(options, compile=compile) for name, options in STATIC.items()}
     configurations.update({f"{name}-unfused": dict(STATIC[name], compile=compile, fuse=False) for name in UNFUSED})
+    if blocked:
+        configurations.update({f"{name}-unblocked": dict(STATIC[name], compile=compile, value_block=0)
+                               for name in UNBLOCKED})
     if compile:
         configurations.update({f"{name}-uncompiled": dict(STATIC[name], compile=False) for name in UNCOMPILED})
     return configurations
@@ -394,7 +402,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
                 result["decode_peak_memory_gb"] = (result.pop("_decode_peak_bytes") - resident) / 2**30
         return result
 
-    statics = static_configurations(compile) if args.static else {}
+    statics = static_configurations(compile, blocked=torch.device(device).type == "cuda") if args.static else {}
     runs = {"generate": lambda: measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
     for name, options in statics.items():
         runs[name] = lambda name=name, options=options: measured(
