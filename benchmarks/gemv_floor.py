@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvviz.bench.speed import CONFIGS
+from kvviz.bench.speed import CONFIGS, replayed_seconds
 
 
 def layer_weights(spec: dict, layers: int, device, dtype) -> list[dict]:
@@ -73,34 +73,6 @@ def step_function(weights: list[dict], head: torch.Tensor, layout: str):
     return step, names_bytes + head.numel() * head.element_size()
 
 
-def time_layout(step, device: torch.device, replays: int) -> float:
-    """Seconds per step: a CUDA graph's replays between two events on a GPU, eager steps on a CPU."""
-    if device.type != "cuda":
-        step()
-        start = time.perf_counter()
-        for _ in range(replays):
-            step()
-        return (time.perf_counter() - start) / replays
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (cuBLAS handles, compiled kernels) on the capture's stream
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / replays
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="llama-3.1-8b", choices=sorted(CONFIGS))
@@ -134,7 +106,7 @@ def main() -> int:
             if layout == "fused-cublaslt":
                 torch.backends.cuda.preferred_blas_library("cublaslt")
             step, weight_bytes = step_function(weights, head, layout)
-            seconds = time_layout(step, device, args.replays)
+            seconds = replayed_seconds(step, device, args.replays)
             row.update(step_ms=round(seconds * 1000, 4), weight_bytes=weight_bytes,
                        weight_gb=round(weight_bytes / 1e9, 3), tb_s=round(weight_bytes / seconds / 1e12, 3))
         except Exception as error:  # noqa: BLE001 -- one layout's failure is its row; the others still run

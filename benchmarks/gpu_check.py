@@ -14,7 +14,8 @@ stdout and to ``--out`` / ``<out>-checks.jsonl`` as it is made):
 2. For tiny random Llama / Qwen2 models (float32) on the device: the static decode path -- eager, replayed
    from CUDA graphs, and with each layer through ``torch.compile`` -- against the reference engine on the
    same device: same tokens and keep sets at every step for InertiaKV (r = 1), InertiaKV-Lazy (r = 4) and
-   Score-Free.  One JSON line per case; the compiled cases are judged apart (``compiled_equal``: Inductor
+   Score-Free, with the step's default ``value_block`` and with ``value_block`` 4 (several blocks over a
+   padded cache, as at 64k).  One JSON line per case; the compiled cases are judged apart (``compiled_equal``: Inductor
    may fuse the EMA's multiply-add into one rounding) and give way first when time is short.  Then the
    same tiny Llama in bfloat16 (the speed runs' dtype, where the static step takes float32 logits straight
    from the half-precision keys): agreement with the reference engine, reported, not required (two
@@ -109,7 +110,10 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
 
     ok, compiled_ok = True, None
     cuda = torch.device(device).type == "cuda"
-    variants = [(False, False), (True, False)] if cuda else [(False, False)]  # (graph, compile)
+    # (graph, compile, value_block): the step's default (one block of 256 slots on a GPU, so one product
+    # for 21 slots), and 6 blocks of 4 over a cache padded to 24 slots (what 64k runs, in float32)
+    variants = [(graph, False, value_block) for value_block in (None, 4) for graph in ((False, True) if cuda else
+                                                                                        (False,))]
     for family in ("llama", "qwen2"):
         try:
             model, tokenizer = tiny_model(family)
@@ -130,14 +134,14 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
                 continue
             expected = [e.kept.tolist() for e in reference.trace.decode_steps]
             # r = 4 has both step variants (scoring and not): the compiled cases run there.
-            cases = variants + ([(False, True), (True, True)] if refresh == 4 and compiles else [])
-            for graph, compile in cases:
+            cases = variants + ([(False, True, None), (True, True, None)] if refresh == 4 and compiles else [])
+            for graph, compile, value_block in cases:
                 if compile and left() < COMPILE_CASE_S:
                     report({"check": "static == reference", "device": device, "family": family, "refresh": refresh,
                             "graph": graph, "compile": True, "skipped": f"{left():.0f} s left"})
                     continue
-                def check(case, graph=graph, compile=compile):
-                    static = StaticInertia(model, refresh=refresh, compile=compile).generate(
+                def check(case, graph=graph, compile=compile, value_block=value_block):
+                    static = StaticInertia(model, refresh=refresh, compile=compile, value_block=value_block).generate(
                         tokenizer, prompt, 20, 30, record_kept=True, graph=graph)
                     first = next((i for i, (a, b) in enumerate(zip(static.kept, expected)) if a != b), None)
                     case.update(tokens=static.token_ids == reference.token_ids, kept=static.kept == expected,
@@ -148,7 +152,8 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
                     return case["tokens"] and case["kept"]
 
                 equal = _case({"check": "static == reference", "device": device, "family": family,
-                               "refresh": refresh, "graph": graph, "compile": compile}, check)
+                               "refresh": refresh, "graph": graph, "compile": compile,
+                               **({"value_block": value_block} if value_block is not None else {})}, check)
                 if compile:
                     compiled_ok = equal if compiled_ok is None else compiled_ok and equal
                 else:

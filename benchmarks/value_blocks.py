@@ -20,36 +20,8 @@ import time
 
 import torch
 
-from kvviz.bench.speed import CONFIGS
+from kvviz.bench.speed import CONFIGS, replayed_seconds
 from kvviz.fast import attend, fp32_logits_supported
-
-
-def time_step(step, device: torch.device, replays: int) -> float:
-    """Seconds per call of ``step``: a CUDA graph's replays between two events on a GPU, eager calls on a CPU."""
-    if device.type != "cuda":
-        step()
-        start = time.perf_counter()
-        for _ in range(replays):
-            step()
-        return (time.perf_counter() - start) / replays
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (cuBLAS handles and workspaces) on the capture's stream
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / replays
 
 
 def main() -> int:
@@ -97,7 +69,7 @@ def main() -> int:
                 for keys, values in caches:
                     attend(query, keys, values, scaling, fp32_logits, slots, block)
 
-            seconds = time_step(step, device, args.replays) / layers
+            seconds = replayed_seconds(step, device, args.replays) / layers
             baseline = baseline or (seconds if block == 0 else None)
             read = 2 * kv_heads * padded * head_dim * torch.finfo(dtype).bits // 8
             row.update(padded=padded, layer_us=round(seconds * 1e6, 2), gb_s=round(read / seconds / 1e9, 1))

@@ -140,14 +140,18 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
     kv_heads, groups, head_dim = query.shape
     padded = keys.shape[1]
     slots = padded if slots is None else slots
+    # Logits and softmax over the live slots alone, not over padding masked with -inf: a longer row is summed
+    # in another order (by the product's kernel, by the softmax), which moves probabilities by an ulp, enough
+    # to flip the engine's near-ties.
+    live_keys = keys[:, :slots]
     if fp32_logits:
-        logits = torch.bmm(query, keys.transpose(1, 2), out_dtype=torch.float32)
+        logits = torch.bmm(query, live_keys.transpose(1, 2), out_dtype=torch.float32)
     else:
-        logits = torch.bmm(query.float(), keys.float().transpose(1, 2))
-    if slots < padded:
-        logits[..., slots:] = -math.inf
+        logits = torch.bmm(query.float(), live_keys.float().transpose(1, 2))
     probs = torch.softmax(logits * scaling, dim=-1)
     weights, values_in = (probs.to(values.dtype), values) if fp32_logits else (probs, values.float())
+    if slots < padded:
+        weights = F.pad(weights, (0, padded - slots))  # padding weighs nothing
     if block and padded > block:
         blocks = padded // block
         weights = weights.view(kv_heads, groups, blocks, block).transpose(1, 2).reshape(-1, groups, block)
@@ -156,7 +160,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
         out = partial.view(kv_heads, blocks, groups, head_dim).sum(1)
     else:
         out = torch.bmm(weights, values_in)
-    return out.to(values.dtype), probs[..., :slots]
+    return out.to(values.dtype), probs
 
 
 def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, free: torch.Tensor,

@@ -733,11 +733,13 @@ def test_a_checkpointed_cell_that_would_reach_no_checkpoint_is_refused_before_an
 def test_on_a_gpu_the_static_rows_add_the_value_product_as_one_product():
     """The ``-unblocked`` rows exist where the step runs its value product in blocks by default (a GPU): the
     same configurations with ``value_block=0``, compiled alike, each against its own no-scoring baseline."""
-    from kvviz.bench.speed import STATIC, VARIANTS, static_configurations
+    from kvviz.bench.speed import STATIC, static_baseline, static_configurations
 
     on_cpu, on_gpu = static_configurations(True), static_configurations(True, blocked=True)
     assert not any(name.endswith("-unblocked") for name in on_cpu)
     added = {name: options for name, options in on_gpu.items() if name not in on_cpu}
     assert added == {"static-no-scoring-unblocked": dict(STATIC["static-no-scoring"], compile=True, value_block=0),
                      "static-inertia-unblocked": dict(compile=True, value_block=0)}
-    assert "-unblocked" in VARIANTS
+    assert static_baseline("static-inertia-unblocked") == "static-no-scoring-unblocked"
+    assert static_baseline("static-inertia-lazy-uncompiled") == "static-no-scoring-uncompiled"
+    assert static_baseline("static-inertia") == "static-no-scoring"

@@ -33,11 +33,13 @@ def test_static_path_equals_the_engine_over_a_long_run_with_a_tiny_budget(family
     assert static.token_ids == reference.token_ids
 
 
-@pytest.mark.parametrize("value_block", [4, 7, 64])  # 21 slots: padded to 24 (6 blocks), 28 (4), 64 (1)
+# 21 slots: padded to 24 (6 blocks), 3 blocks of 7 (no padding), padded to one block of 64 (one product)
+@pytest.mark.parametrize("value_block", [4, 7, 64])
 @pytest.mark.parametrize("refresh", [1, 4, 0])
 def test_blocked_value_product_over_a_padded_cache_equals_the_reference_engine(value_block, refresh, tiny_prompt):
     """What a GPU runs by default (``value_block`` 256 there), on the CPU: zero-weight padding after the 21
-    live slots, the value product in blocks summed in float32, and still the engine's tokens and keep sets."""
+    live slots where they are not whole blocks, the value product in blocks summed in float32, and still the
+    engine's tokens and keep sets."""
     model, tokenizer = kvviz.load_model("tiny-random-qwen2")
     reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia", refresh=refresh),
                           budget=20, max_new_tokens=30)
@@ -53,6 +55,21 @@ def test_the_value_block_is_one_product_on_a_cpu_and_refused_below_zero(tiny):
     assert StaticInertia(model).value_block == 0 and StaticInertia(model, value_block=32).value_block == 32
     with pytest.raises(ValueError, match="value_block must be 0"):
         StaticInertia(model, value_block=-1)
+
+
+@pytest.mark.parametrize("value_block", [4, 8])  # 6 slots: 2 blocks, 8 of them padded to one block of 8
+def test_blocked_and_padded_static_path_equals_the_engine_over_a_long_run_with_a_tiny_budget(value_block,
+                                                                                             tiny_prompt):
+    """Score-Free's ulp-close near-ties over 300 steps at B = 5, with the cache padded and the value product in
+    blocks: the softmax runs over the live slots alone, since a longer (masked) row sums in another order and
+    moves probabilities by an ulp."""
+    model, tokenizer = kvviz.load_model("tiny-random-llama")
+    reference = kvviz.run(model, tokenizer, tiny_prompt, kvviz.make_policy("inertia", refresh=0),
+                          budget=5, max_new_tokens=300)
+    static = StaticInertia(model, refresh=0, value_block=value_block).generate(tokenizer, tiny_prompt, 5, 300,
+                                                                               record_kept=True)
+    assert static.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
+    assert static.token_ids == reference.token_ids
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v carry biases
@@ -334,6 +351,24 @@ def test_padding_gets_no_weight_and_blocks_sum_to_the_whole_value_product(block)
             weights = torch.softmax(0.5 * keys[kv, :5] @ query[kv, group], dim=0)
             torch.testing.assert_close(probs[kv, group], weights)
             torch.testing.assert_close(out[kv, group], weights @ values[kv, :5])
+
+
+@pytest.mark.parametrize("padded, block", [(8, 0), (8, 4), (256, 0), (256, 128)])
+def test_padding_changes_no_bit_of_the_probabilities(padded, block):
+    """The probabilities feed the EMA and the eviction's arg-min, whose near-ties are an ulp apart: 6 live
+    slots padded to 8 or 256 give bit for bit the probabilities of the 6 slots alone (a softmax over the
+    padded row with -inf padding moved a third of them by an ulp)."""
+    import torch
+
+    from kvviz.fast import attend
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(8, 4, 64, generator=generator)
+    keys, values = torch.randn(8, padded, 64, generator=generator), torch.randn(8, padded, 64, generator=generator)
+    values[:, 6:] = 0
+    _, probs = attend(query, keys, values, 0.125, slots=6, block=block)
+    _, alone = attend(query, keys[:, :6].contiguous(), values[:, :6].contiguous(), 0.125)
+    assert torch.equal(probs, alone)
 
 
 def test_the_half_precision_step_of_a_gpu_traces_as_one_graph():

@@ -35,7 +35,9 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     assert names[:2] == ["torch.compile works", "targets"] and names[-1] == "done"
     assert names.index("targets") < names.index("static == reference") < names.index("exactness done")
     exact = [line for line in checks if line.get("check") == "static == reference"]
-    assert len(exact) == 2 * (3 + 2) and all(line["tokens"] and line["kept"] for line in exact)  # 2 compiled cases
+    # per family: 3 refresh settings x (default, value_block 4), and 2 compiled cases
+    assert len(exact) == 2 * (3 * 2 + 2) and all(line["tokens"] and line["kept"] for line in exact)
+    assert sum(line.get("value_block") == 4 for line in exact) == 2 * 3
     done = next(line for line in checks if line.get("check") == "exactness done")
     assert done["all_equal"] is True and done["compiled_equal"] is True
     target = checks[1]
@@ -63,7 +65,8 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     # Out of time, the compiled cases (a cold compile each) give way; the eager ones, the verdict, still run.
     exact = [line for line in checks if line.get("check") == "static == reference"]
     assert [line["compile"] for line in exact if "skipped" in line] == [True] * 4
-    assert len(exact) == 2 * (3 + 2) and all(line["tokens"] and line["kept"] for line in exact if "skipped" not in line)
+    assert len(exact) == 2 * (3 * 2 + 2) and all(line["tokens"] and line["kept"] for line in exact
+                                                 if "skipped" not in line)
     assert not (tmp_path / "speed-more.jsonl").exists()
 
 

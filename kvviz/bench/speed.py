@@ -119,6 +119,36 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def replayed_seconds(step, device, replays: int) -> float:
+    """Seconds per call of ``step`` (no arguments): on a GPU, one CUDA graph of it replayed ``replays`` times
+    between two events (no launch gaps, as a decode step runs); elsewhere eager calls after one warm-up."""
+    import torch
+    if torch.device(device).type != "cuda":
+        step()
+        start = time.perf_counter()
+        for _ in range(replays):
+            step()
+        return (time.perf_counter() - start) / replays
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (cuBLAS handles, compiled kernels) on the capture's stream
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / replays
+
+
 def haystack_prompt(tokenizer, tokens: int) -> list[int]:
     """A deterministic ~``tokens``-token chat prompt: varied filler sentences around a passkey question."""
     subjects = ["The river", "A lantern", "The old map", "Our neighbour", "The committee", "A small boat"]
@@ -289,6 +319,11 @@ def static_agreement(model, tokenizer, prompt_ids: list[int], new_tokens: int, b
             "engine_kept_overlap": len(set(static.kept[-1]) & engine_kept) / len(engine_kept)}
 
 
+def static_baseline(name: str) -> str:
+    """The ring a static row's ``scoring_eviction_share`` is measured against: the same variant's."""
+    return "static-no-scoring" + next((suffix for suffix in VARIANTS if name.endswith(suffix)), "")
+
+
 def static_configurations(compile: bool, blocked: bool = False) -> dict[str, dict]:
     """The static rows: ``blocked`` (a GPU, where the value product runs in blocks) adds the unblocked ones."""
     configurations = {name: dict(options, compile=compile) for name, options in STATIC.items()}
@@ -441,7 +476,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
             row["vs_generate"] = round(result["decode_tok_s"] / best["generate"]["decode_tok_s"], 3)
         # The static step cannot time its parts: what scoring and eviction cost together is its slowdown against
         # the same step with neither (the ring of static-no-scoring, same compile setting), which runs before it.
-        baseline = "static-no-scoring" + next((suffix for suffix in VARIANTS if name.endswith(suffix)), "")
+        baseline = static_baseline(name)
         if name in statics and not name.startswith("static-no-scoring") and baseline in best:
             row["scoring_eviction_share"] = round(1 - result["decode_tok_s"] / best[baseline]["decode_tok_s"], 4)
         return row
