@@ -255,8 +255,8 @@ UNCOMPILED = ("static-no-scoring", "static-inertia", "static-inertia-lazy")
 # Measured again with the value product as one product over all slots (value_block=0), to show what blocks
 # of slots buy; a GPU only, the one place the step runs in blocks by default.
 UNBLOCKED = ("static-no-scoring", "static-inertia")
-VARIANTS = ("-unfused", "-uncompiled", "-unblocked")  # each such row's scoring_eviction_share is against its
-# own baseline
+# Each such row's scoring_eviction_share is against its own baseline (static_baseline).
+VARIANTS = ("-unfused", "-uncompiled", "-unblocked")
 
 
 def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device,
