@@ -225,12 +225,10 @@ def targets(rows: list[dict], context: int) -> dict:
         verdict["lazy_gain"] = round(lazy["decode_tok_s"] / inertia["decode_tok_s"], 3)
         verdict["lazy_gain_at_most_1.05"] = verdict["lazy_gain"] <= 1.05
     verdict["vs_paper_39.1"] = round(inertia["decode_tok_s"] / 39.1, 2) if inertia else None
-    unfused = by_name.get("static-inertia-unfused")
-    if inertia and unfused and verdict.get("compiled", True):  # what stacking q/k/v and gate/up bought
-        verdict["fused_gain"] = round(inertia["decode_tok_s"] / unfused["decode_tok_s"], 3)
-    unblocked = by_name.get("static-inertia-unblocked")
-    if inertia and unblocked and verdict.get("compiled", True):  # what the value product in blocks bought
-        verdict["blocked_gain"] = round(inertia["decode_tok_s"] / unblocked["decode_tok_s"], 3)
+    # what stacking q/k/v and gate/up bought, and what the value product in blocks bought
+    for gain, variant in (("fused_gain", "static-inertia-unfused"), ("blocked_gain", "static-inertia-unblocked")):
+        if inertia and variant in by_name and verdict.get("compiled", True):
+            verdict[gain] = round(inertia["decode_tok_s"] / by_name[variant]["decode_tok_s"], 3)
     return verdict
 
 

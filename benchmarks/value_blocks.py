@@ -21,7 +21,7 @@ import time
 import torch
 
 from kvviz.bench.speed import CONFIGS, replayed_seconds
-from kvviz.fast import attend, fp32_logits_supported
+from kvviz.fast import attend, fp32_logits_supported, padded_slots
 
 
 def main() -> int:
@@ -56,7 +56,7 @@ def main() -> int:
             if time.perf_counter() - started > args.budget_s:
                 print(json.dumps({**row, "skipped": f"past --budget-s {args.budget_s:g}"}), flush=True)
                 continue
-            padded = -(-slots // block) * block if block else slots
+            padded = padded_slots(slots, block)
             caches = []
             for _ in range(layers):  # live slots random, padding zero, as the static step leaves it
                 keys = torch.zeros(kv_heads, padded, head_dim, device=device, dtype=dtype)

@@ -108,6 +108,11 @@ def fp32_logits_supported(device: torch.device, dtype: torch.dtype) -> bool:
 VALUE_BLOCK = 256  # slots per block of the value product on a GPU (see attend); 0: one product
 
 
+def padded_slots(slots: int, block: int) -> int:
+    """The slot cache's length for ``slots`` live slots: whole blocks of ``block`` (0: no padding)."""
+    return -(-slots // block) * block if block else slots
+
+
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
            fp32_logits: bool = False, slots: int | None = None, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token against the slot cache; the probabilities serve the output and the scores alike.
@@ -412,7 +417,7 @@ class StaticInertia:
                 return StaticRun(tokens[:max_new_tokens], kept_log, first_token_time)
         slots = budget + 1
         # The slot cache is padded to whole value blocks; padding is never written, so it stays zero.
-        padded = -(-slots // self.value_block) * self.value_block if self.value_block else slots
+        padded = padded_slots(slots, self.value_block)
         size = cache.size
         live = cache.live_positions()
         # The ring needs the slots in position order, the oldest first (the scoring step takes any order).
