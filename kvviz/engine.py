@@ -427,9 +427,10 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         cache.score_seconds += reconstruct(model, tokenizer, cache, prompt_ids)
     evicted, raw, t_evict = cache.finish_step() if prefill_scores else (np.empty(0, np.int64), None, 0.0)
     token = sampler(last_logits)
-    generated = [token]
+    pieces = TextPieces(tokenizer)
+    last = token in eos or max_new_tokens == 1  # the run's last token: give out any character still held
     kept, utility = cache.kept_and_utility()
-    yield StepEvent(0, -1, token, _piece(tokenizer, generated), kept, evicted, utility, raw, prefill_scores,
+    yield StepEvent(0, -1, token, pieces.add(token, flush=last), kept, evicted, utility, raw, prefill_scores,
                     t_forward, cache.score_seconds, t_evict, cache.nbytes(),
                     cache.components if prefill_scores else None)
 
@@ -446,9 +447,9 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         t_forward = time.perf_counter() - start - cache.score_seconds
         evicted, raw, t_evict = cache.finish_step()
         consumed, token = token, sampler(logits[0, -1])
-        generated.append(token)
+        last = token in eos or step == max_new_tokens - 1
         kept, utility = cache.kept_and_utility()
-        yield StepEvent(step, consumed, token, _piece(tokenizer, generated), kept, evicted, utility, raw, scores,
+        yield StepEvent(step, consumed, token, pieces.add(token, flush=last), kept, evicted, utility, raw, scores,
                         t_forward, cache.score_seconds, t_evict, cache.nbytes(), cache.components)
 
 
@@ -538,10 +539,32 @@ def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Pol
                     del streams[name]
 
 
-def _piece(tokenizer, generated: list[int]) -> str:
-    """Text added by the last token (decoding the tail keeps multi-byte characters whole)."""
-    tail = generated[-8:]
-    return tokenizer.decode(tail, skip_special_tokens=True)[len(tokenizer.decode(tail[:-1], skip_special_tokens=True)):]
+class TextPieces:
+    """The text each new token adds, with a character split across tokens held back until it is whole.
+
+    A byte-level tokenizer spreads an emoji or a CJK character over several tokens, and each of them
+    decoded on its own reads as U+FFFD.  A piece is the decode of a window of recent tokens cut where the
+    previous piece ended; while the window ends in an incomplete character nothing is given out, so the
+    pieces joined are the decode of all tokens so far, up to a character still being written.
+    ``flush=True`` (a run's last token) gives out whatever is held, complete or not.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.start = 0  # the window's first token: context for the tokenizer's spacing rules
+        self.given = 0  # tokens whose text has been given out
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int, flush: bool = False) -> str:
+        self.ids.append(token)
+        before, after = self._text(self.ids[self.start:self.given]), self._text(self.ids[self.start:])
+        if not flush and (after.endswith("\ufffd") or len(after) <= len(before)):
+            return ""
+        self.start, self.given = self.given, len(self.ids)
+        return after[len(before):]
 
 
 # ------------------------------------------------------------------------------------------- convenience

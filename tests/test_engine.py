@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 import kvviz
 from kvviz.cache import SlotCache
+from kvviz import engine
 from kvviz.engine import resolve_budget
 from kvviz.policies import REGISTRY
 from kvviz.policies.checkpointed import CheckpointPolicy
@@ -831,3 +832,34 @@ def test_each_timed_part_of_a_step_waits_for_the_device_before_its_clock_is_read
     # the prefill: after its forward; then per decode step: the forward, 2 per scored layer, the eviction
     assert len(events) == 4 and len(waits) == 1 + 3 * (1 + 2 * layers + 1)
     assert set(waits) == {model.device}
+
+
+MULTI_BYTE = "Family 👨‍👩‍👧 and ideas 💡💡 in 中文 text, ok."
+
+
+def test_text_pieces_hold_a_character_split_across_tokens_until_it_is_whole(tiny):
+    _, tokenizer = tiny
+    ids = tokenizer(MULTI_BYTE, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(MULTI_BYTE)  # the byte-level tokenizer does split characters
+    pieces = engine.TextPieces(tokenizer)
+    given = [pieces.add(token) for token in ids]
+    assert "".join(given) == MULTI_BYTE
+    assert not any("\ufffd" in piece for piece in given)
+    assert "" in given  # the parts of a character were held back, not given out broken
+
+
+def test_text_pieces_flush_gives_out_an_incomplete_character_at_the_end(tiny):
+    _, tokenizer = tiny
+    ids = tokenizer("ok 💡", add_special_tokens=False)["input_ids"]
+    pieces = engine.TextPieces(tokenizer)
+    given = [pieces.add(token) for token in ids[:-2]] + [pieces.add(ids[-2], flush=True)]
+    assert "".join(given) == tokenizer.decode(ids[:-1]) == "ok \ufffd"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_runs_streamed_pieces_join_to_the_decode_of_its_tokens(tiny, seed):
+    # a random byte-level model writes bytes that often split or break characters
+    model, tokenizer = tiny
+    result = kvviz.run(model, tokenizer, MULTI_BYTE * 3, "inertia", compression=0.5, max_new_tokens=48,
+                       temperature=1.0, seed=seed)
+    assert "".join(event.text for event in result.trace.events) == result.text
