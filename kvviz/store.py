@@ -3,9 +3,9 @@
 Each sweep is a folder with its ``config.toml`` and one or more ``rows*.jsonl`` shards (written by the
 sweep runner).  The store opens an in-memory DuckDB database, reads every shard line by line, and unions
 the well-formed rows into the in-memory table ``results``.  A missing or unreadable shard, and every row that
-is not a JSON object or has a value of the wrong type (a string score, a non-finite number, ``params`` that
-is not an object), is reported in ``problems`` by shard and line, and the rest still loads.  Nothing is
-written back: the files are only read, and every query takes its values as parameters.
+is not UTF-8, is not a JSON object or has a value of the wrong type (a string score, a non-finite number,
+``params`` that is not an object), is reported in ``problems`` by shard and line, and the rest still loads.
+Nothing is written back: the files are only read, and every query takes its values as parameters.
 
 ``generations`` holds one row per generation; ``results``, which every figure reads, one per sample and
 cell: the mean over a sampled sweep's draws of that sample (``draws`` says how many), so that draws of one
@@ -112,6 +112,14 @@ def policy_kinds() -> dict[str, str]:
 def _literal(value) -> str:
     """A Python default as SQL: a quoted string, or JSON's true / false / number (which SQL reads alike)."""
     return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else json.dumps(value)
+
+
+def _decoded(line: bytes) -> str | None:
+    """One shard line as text, or None where its bytes are not UTF-8."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def setting_names(policies, settings) -> list[str]:
@@ -230,6 +238,7 @@ class Store:
         self.con.create_function("named", self._name, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
         self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
         self.problems: list[str] = []
+        # One row per line of every shard; ``text`` is NULL where the line's bytes are not UTF-8.
         self.con.execute("CREATE TABLE shard_lines (shard VARCHAR, line_no INTEGER, text VARCHAR)")
         self.con.execute("CREATE TABLE sweep_settings (folder VARCHAR, "
                          + ", ".join(f"{name} {COLUMNS[name]}" for name in GENERATION) + ")")
@@ -238,12 +247,12 @@ class Store:
         # One parse per line: every column as a JSON value (JSON null reads as NULL), checked before any cast.
         self.con.execute(
             "CREATE TABLE checked_lines AS SELECT shard, line_no, value, concat_ws('; ', "
-            "CASE WHEN doc IS NULL THEN 'not valid JSON' "
+            "CASE WHEN text IS NULL THEN 'not valid UTF-8' WHEN doc IS NULL THEN 'not valid JSON' "
             "WHEN json_type(doc) <> 'OBJECT' THEN left(text, 40) || ' is not a JSON object' END, "
             + ", ".join(self._type_check(name, kind) for name, kind in COLUMNS.items()) +
             f") AS problem FROM (SELECT *, CASE WHEN json_type(doc) = 'OBJECT' THEN json_transform(doc, '{fields}') "
             "END AS value FROM (SELECT *, CASE WHEN json_valid(text) THEN text::JSON END AS doc "
-            "FROM shard_lines WHERE trim(text) <> ''))")
+            "FROM shard_lines WHERE text IS NULL OR trim(text) <> ''))")
         for shard, bad, total, lines in self.con.execute(
                 "SELECT shard, count(*) FILTER (problem <> '') AS bad, count(*), "
                 "list('line ' || line_no || ': ' || problem ORDER BY line_no) FILTER (problem <> '')[1:?] "
@@ -426,8 +435,15 @@ class Store:
         return self._named[key]
 
     def _read_shards(self) -> list[Path]:
-        """Every line of every readable shard into ``shard_lines``, the shards read in order."""
+        """Every line of every readable shard into ``shard_lines``, the shards read in order.
+
+        Read here as bytes and split on newlines, so that a line whose bytes are not UTF-8 (a torn or
+        hand-edited write) is that line's problem (``text`` NULL, reported by ``checked_lines`` with its line
+        number), not the whole shard's.  All the lines go in as one Arrow table: no SQL is built from them."""
         read = []
+        names: list[str] = []
+        numbers: list[int] = []
+        texts: list[str | None] = []
         if not self.root.is_dir():
             self.problems.append(f"{self.root}: no results folder")
             return read
@@ -440,14 +456,30 @@ class Store:
             if not shards:
                 self.problems.append(f"{sweep.name}: no rows*.jsonl shard")
             for shard in shards:
+                name = f"{sweep.name}/{shard.name}"
                 try:
-                    self.con.execute(
-                        "INSERT INTO shard_lines SELECT ?, generate_subscripts(lines, 1), unnest(lines) "
-                        "FROM (SELECT string_split(content, chr(10)) AS lines FROM read_text(?))",
-                        [f"{sweep.name}/{shard.name}", str(shard)])
-                    read.append(shard)
-                except duckdb.Error as error:
-                    self.problems.append(f"{sweep.name}/{shard.name}: unreadable ({str(error).splitlines()[0]})")
+                    content = shard.read_bytes()
+                except OSError as error:
+                    self.problems.append(f"{name}: unreadable ({error.strerror or error})")
+                    continue
+                try:  # the usual case: the whole shard decodes at once
+                    lines: list[str | None] = content.decode("utf-8").split("\n")
+                except UnicodeDecodeError:  # a newline byte is never part of a longer UTF-8 character
+                    lines = [_decoded(line) for line in content.split(b"\n")]
+                names.extend([name] * len(lines))
+                numbers.extend(range(1, len(lines) + 1))
+                texts.extend(lines)
+                read.append(shard)
+        if texts:
+            import pyarrow as pa
+
+            self.con.register("read_lines", pa.table({"shard": pa.array(names, pa.string()),
+                                                      "line_no": pa.array(numbers, pa.int32()),
+                                                      "text": pa.array(texts, pa.large_string())}))
+            try:
+                self.con.execute("INSERT INTO shard_lines SELECT shard, line_no, text FROM read_lines")
+            finally:
+                self.con.unregister("read_lines")
         return read
 
     def _read_settings(self, sweep: Path) -> None:

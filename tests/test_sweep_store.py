@@ -987,6 +987,22 @@ def test_malformed_rows_are_skipped_and_reported_and_the_rest_loads(tmp_path, ca
     assert any(line.split()[:2] == ["tova", "0.750"] for line in captured.out.splitlines())
 
 
+def test_a_line_that_is_not_utf8_is_skipped_by_its_number_and_the_rest_of_its_shard_loads(tmp_path):
+    """One stray byte (a Latin-1 editor, a torn write) costs its line, not the shard it sits in."""
+    row = {"source": "measured", "model": "m", "task": "t", "policy": "tova", "compression": 0.9, "params": {},
+           "metric": "string_match", "score": 0.5, "max_new_tokens": 24, "chat": True}
+    good = [json.dumps({**row, "sample": sample}).encode() for sample in range(4)]
+    bad = json.dumps({**row, "sample": 9, "notes": "caf\u00e9"}).encode().replace(b"\\u00e9", b"\xe9")
+    (tmp_path / "sweep-a").mkdir()
+    (tmp_path / "sweep-a" / "rows.jsonl").write_bytes(b"\n".join([good[0], good[1], b"", bad, good[2], good[3]])
+                                                      + b"\n")
+    store = Store(tmp_path)
+    assert store.problems == ["sweep-a/rows.jsonl: skipped 1 of 5 rows (line 4: not valid UTF-8); "
+                              "fix or delete those lines"]
+    assert store.frame("SELECT sample FROM results ORDER BY sample")["sample"].tolist() == [0, 1, 2, 3]
+    assert store.quality_vs_compression()[["policy", "samples"]].values.tolist() == [["tova", 4]]
+
+
 def test_results_tab_draws_more_models_than_marker_symbols(tmp_path):
     from kvviz.ui.results import SECTIONS, query
 
