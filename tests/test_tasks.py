@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import sys
+import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from kvviz.engine import encode_prompt
 from kvviz.tasks import TASKS, needle_grid
 from kvviz.tasks.synthetic import SHORT_PROMPT_TASKS
+from kvviz.tasks import loaders
 from kvviz.tasks.loaders import from_records, longbench, read_jsonl
 from kvviz.tasks.metrics import (edit_similarity, exact_match, last_boxed, math_equal, rouge_l_f, string_match,
                                  token_f1)
@@ -154,6 +159,92 @@ def test_longbench_prompts_are_documented_as_one_generic_template():
     assert "not comparable with the numbers LongBench papers report" in " ".join(readme.split())
     sample = longbench([{"context": "C", "input": "Q", "answers": ["A"]}], "hotpotqa")[0]
     assert sample.prompt == "C\n\nQuestion: Q\nAnswer:"
+
+
+class FakeRows(list):
+    """What ``datasets.load_dataset`` returns, as far as :func:`loaders.load` uses it."""
+
+    def select(self, indices):
+        return FakeRows(self[i] for i in indices)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """The hub, offline: ``datasets.load_dataset`` and ``huggingface_hub.hf_hub_download`` record how they were
+    called and answer from the fixtures (LongBench's data.zip holds the hotpotqa fixture)."""
+    calls = []
+    records = {"longbench_v2": read_jsonl(FIXTURES / "longbench_v2.jsonl"),
+               "ruler": [{"context": "The key is 42.", "question": "What is the key?", "answer": ["42"]}],
+               "math500": read_jsonl(FIXTURES / "math500.jsonl"), "aime25": read_jsonl(FIXTURES / "math500.jsonl")}
+    by_repo = {loaders.HUB[kind]: rows for kind, rows in records.items()}
+
+    def load_dataset(*args, **kwargs):
+        calls.append(("load_dataset", args, kwargs))
+        assert "trust_remote_code" not in kwargs, f"{args[0]} asked to run the dataset's code"
+        return FakeRows(by_repo[args[0]])
+
+    archive = tmp_path / "data.zip"
+    with zipfile.ZipFile(archive, "w") as bundle:
+        bundle.write(FIXTURES / "longbench_hotpotqa.jsonl", "data/hotpotqa.jsonl")
+
+    def hf_hub_download(*args, **kwargs):
+        calls.append(("hf_hub_download", args, kwargs))
+        return str(archive)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", hf_hub_download)
+    return calls
+
+
+def test_no_benchmark_is_loaded_with_remote_code(hub):
+    """Every benchmark loads from data files: nothing asks the hub for code (``trust_remote_code``)."""
+    for kind in loaders.HUB:
+        assert loaders.load(kind, task="hotpotqa" if kind == "longbench" else "", limit=1)
+    assert {call[0] for call in hub} == {"load_dataset", "hf_hub_download"}
+    assert all("trust_remote_code" not in kwargs for _, _, kwargs in hub)
+    # LongBench is its repository's data.zip, a plain file, never the loading script beside it
+    assert [call for call in hub if call[0] == "hf_hub_download"] == [
+        ("hf_hub_download", ("THUDM/LongBench", "data.zip"), {"repo_type": "dataset"})]
+
+
+def test_no_source_file_trusts_remote_code():
+    root = Path(__file__).resolve().parent.parent
+    trusting = re.compile(r"trust_remote_code\W{0,4}(True|1\b)")
+    sources = [root / "app.py", *sorted((root / "kvviz").rglob("*.py")), *sorted((root / "benchmarks").rglob("*.py"))]
+    offenders = [f"{path.relative_to(root)}:{number}" for path in sources
+                 for number, line in enumerate(path.read_text().splitlines(), start=1) if trusting.search(line)]
+    assert offenders == []
+
+
+def test_longbench_from_the_hub_reads_the_same_records_as_the_local_route(hub):
+    local = from_records("longbench", read_jsonl(FIXTURES / "longbench_hotpotqa.jsonl"), task="hotpotqa")
+    assert loaders.load("longbench", "hotpotqa") == local
+    assert loaders.load("longbench", "hotpotqa", limit=1) == local[:1]
+
+
+def test_longbench_that_cannot_be_fetched_or_read_says_what_to_do_instead(hub, monkeypatch, tmp_path):
+    def offline(*args, **kwargs):
+        raise OSError("We have no connection")
+
+    with pytest.raises(ValueError, match="unknown LongBench task 'nope'"):
+        loaders.load("longbench", "nope")
+    with pytest.raises(ValueError, match="only a test split"):
+        loaders.load("longbench", "hotpotqa", split="train")
+    with pytest.raises(ValueError, match=r"data.zip has no data/qasper.jsonl; it holds hotpotqa"):
+        loaders.load("longbench", "qasper")
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", offline)
+    with pytest.raises(ValueError) as refused:
+        loaders.load("longbench", "hotpotqa")
+    assert str(refused.value) == (
+        "cannot download https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip (We have no "
+        "connection); download https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip, unzip it "
+        'and give the task\'s file to the sweep as { name = "longbench", task = "hotpotqa", path = '
+        '"data/hotpotqa.jsonl" }')
+    broken = tmp_path / "broken.zip"
+    broken.write_text("not a zip")
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda *args, **kwargs: str(broken))
+    with pytest.raises(ValueError, match=r"cannot read .*broken.zip as a zip archive .*; download https://"):
+        loaders.load("longbench", "hotpotqa")
 
 
 def recompute(meta: dict) -> int:

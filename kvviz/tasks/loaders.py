@@ -1,8 +1,10 @@
-"""Public long-context and reasoning benchmarks, through the ``datasets`` library when the hub is reachable.
+"""Public long-context and reasoning benchmarks, from the hub when it is reachable, or from a local JSONL.
 
 Each loader turns records (rows of the hub dataset, or a local JSONL file with the same fields) into
 :class:`~kvviz.tasks.synthetic.Sample` s with the benchmark's usual metric.  Tests use small hand-written
-local fixtures; nothing here touches the network unless :func:`load` is called.
+local fixtures; nothing here touches the network unless :func:`load` is called.  No dataset's code is ever run
+(no ``trust_remote_code``): LongBench, whose hub repository is a loading script, is read from the JSONL files
+of the ``data.zip`` that repository ships, the others through ``datasets`` from their data files.
 
 Prompts are kvviz's, not the benchmarks' official ones: LongBench in particular gets one generic template for
 every task (see :func:`longbench`), so its scores rank policies against each other and are not comparable
@@ -12,7 +14,9 @@ not JSON or lacks a field the benchmark needs.
 
 from __future__ import annotations
 
+import io
 import json
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -33,6 +37,9 @@ HUB = {
     "math500": "HuggingFaceH4/MATH-500",
     "aime25": "yentinglin/aime_2025",
 }
+# THUDM/LongBench is a loading script around this archive of one JSONL file per task (data/<task>.jsonl): the
+# archive is fetched as a plain file and read here, so that no code from the hub runs.
+LONGBENCH_ARCHIVE = "data.zip"
 
 
 # The fields each benchmark's records must have (others are optional), checked before any is used.
@@ -126,43 +133,95 @@ def from_records(kind: str, records: Iterable[dict], task: str = "") -> list[Sam
     raise ValueError(f"unknown benchmark {kind!r}; choose one of {', '.join(HUB)}")
 
 
+def _records(lines: Iterable[str], name: str) -> list[Record]:
+    """One :class:`Record` per non-blank line, named ``"<name> line <n>"``; ``ValueError`` at the first line
+    that is not a JSON object."""
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{name} line {number}"
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: a record must be a JSON object {{...}}, got {line.strip()[:40]}")
+        record = Record(value)
+        record.where = where
+        records.append(record)
+    return records
+
+
 def read_jsonl(path: str | Path) -> list[Record]:
     """One :class:`Record` per non-blank line of a JSONL file; ``ValueError`` naming the file and line of
     the first line that is not a JSON object (the loaders then name missing fields the same way)."""
-    records = []
     try:
         with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path} line {number}"
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-                if not isinstance(value, dict):
-                    raise ValueError(f"{where}: a record must be a JSON object {{...}}, got {line.strip()[:40]}")
-                record = Record(value)
-                record.where = where
-                records.append(record)
+            return _records(handle, str(path))
     except OSError as error:
         raise ValueError(f"cannot read {path}: {error.strerror or error}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not UTF-8 text; save it as UTF-8") from None
-    return records
+
+
+def longbench_url() -> str:
+    return f"https://huggingface.co/datasets/{HUB['longbench']}/resolve/main/{LONGBENCH_ARCHIVE}"
+
+
+def _local_route(task: str) -> str:
+    """What to do instead of a download that failed: the same records from a local file."""
+    return (f"download {longbench_url()}, unzip it and give the task's file to the sweep as "
+            f'{{ name = "longbench", task = "{task}", path = "data/{task}.jsonl" }}')
+
+
+def read_longbench_archive(archive: str | Path, task: str) -> list[Record]:
+    """The records of one LongBench task from the repository's ``data.zip`` (``data/<task>.jsonl``)."""
+    member = f"data/{task}.jsonl"
+    try:
+        with zipfile.ZipFile(archive) as bundle:
+            names = set(bundle.namelist())
+            if member not in names:
+                tasks = sorted(n[len("data/"):-len(".jsonl")] for n in names
+                               if n.startswith("data/") and n.endswith(".jsonl"))
+                raise ValueError(f"{archive} has no {member}; it holds {', '.join(tasks) or 'no task files'}")
+            with bundle.open(member) as raw:
+                return _records(io.TextIOWrapper(raw, encoding="utf-8"), f"{Path(archive).name}:{member}")
+    except (OSError, zipfile.BadZipFile) as error:
+        raise ValueError(f"cannot read {archive} as a zip archive ({error}); {_local_route(task)}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{archive}:{member} is not UTF-8 text; {_local_route(task)}") from None
+
+
+def longbench_from_hub(task: str, split: str = "test") -> list[Record]:
+    """One LongBench task's records from the hub: its ``data.zip`` fetched as a file (cached by
+    ``huggingface_hub``), never the repository's loading script."""
+    if task not in LONGBENCH_METRICS:
+        raise ValueError(f"unknown LongBench task {task!r}; known: {', '.join(sorted(LONGBENCH_METRICS))}")
+    if split != "test":
+        raise ValueError(f"LongBench has only a test split, not {split!r}")
+    from huggingface_hub import hf_hub_download  # a dependency of transformers
+
+    try:
+        archive = hf_hub_download(HUB["longbench"], LONGBENCH_ARCHIVE, repo_type="dataset")
+    except Exception as error:  # noqa: BLE001 - offline, not cached, refused: each ends in the same advice
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"cannot download {longbench_url()} ({reason}); {_local_route(task)}") from None
+    return read_longbench_archive(archive, task)
 
 
 def load(kind: str, task: str = "", split: str = "test", limit: int | None = None) -> list[Sample]:
-    """Download ``kind`` from the hub with ``datasets`` (needs network and ``pip install datasets``)."""
+    """``kind`` from the hub: LongBench's archive through ``huggingface_hub``, the others with ``datasets``
+    (needs network and ``pip install datasets``).  No dataset's code runs: never ``trust_remote_code``."""
+    if kind not in HUB:
+        raise ValueError(f"unknown benchmark {kind!r}; choose one of {', '.join(HUB)}")
+    if kind == "longbench":
+        records = longbench_from_hub(task, split)
+        return from_records(kind, records[:limit] if limit else records, task)
     try:
         import datasets
     except ImportError:
         raise ValueError("loading public benchmarks needs the datasets library: pip install datasets") from None
-    if kind not in HUB:
-        raise ValueError(f"unknown benchmark {kind!r}; choose one of {', '.join(HUB)}")
-    args = (HUB[kind], task) if kind == "longbench" else (HUB[kind],)
-    # THUDM/LongBench is a loading script (run only with trust_remote_code, and only by datasets < 4)
-    extra = {"trust_remote_code": True} if kind == "longbench" else {}
-    rows = datasets.load_dataset(*args, split="train" if kind in ("longbench_v2", "aime25") else split, **extra)
+    rows = datasets.load_dataset(HUB[kind], split="train" if kind in ("longbench_v2", "aime25") else split)
     records = rows.select(range(min(limit, len(rows)))) if limit else rows
     return from_records(kind, records, task)
