@@ -193,6 +193,25 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     slots, block : int
         As in :func:`attend` (``slots=None``: no padding).
     """
+    hidden, probs = layer_forward(layer, hidden, cos, sin, free, keys, values, fp32_logits, fused, slots, block)
+    if ema is not None:
+        ema.copy_(alpha * ema + (1.0 - alpha) * probs.mean((0, 1)))  # the engine's expression, same rounding
+    return hidden
+
+
+def layer_forward(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, free: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, fp32_logits: bool, fused: tuple | None = None,
+                  slots: int | None = None, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_layer` without a policy: the layer's output and its attention probabilities, for a scorer
+    (:mod:`kvviz.backend`) to read.  Arguments as in :func:`decode_layer`.
+
+    Returns
+    -------
+    hidden : torch.Tensor
+        ``(1, 1, hidden_size)``.
+    probs : torch.Tensor
+        Float32 softmax of the new query over the live slots, ``(num_kv_heads, groups, slots)``.
+    """
     attn = layer.self_attn
     heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
     x = layer.input_layernorm(hidden)
@@ -210,14 +229,12 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     values.index_copy_(2, free, v)
     out, probs = attend(q.view(kv_heads, heads // kv_heads, head_dim), keys[0], values[0], attn.scaling,
                         fp32_logits, slots, block)
-    if ema is not None:
-        ema.copy_(alpha * ema + (1.0 - alpha) * probs.mean((0, 1)))  # the engine's expression, same rounding
     hidden = hidden + attn.o_proj(out.reshape(1, 1, heads * head_dim))
     x = layer.post_attention_layernorm(hidden)
     if fused is None:
-        return hidden + layer.mlp(x)
+        return hidden + layer.mlp(x), probs
     gate, up = F.linear(x, fused[2], fused[3]).chunk(2, dim=-1)
-    return hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)  # the HF MLP's formula
+    return hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up), probs  # the HF MLP's formula
 
 
 def fused_projections(layer) -> tuple | None:

@@ -1,0 +1,78 @@
+"""Which decoder runs a generation: the hook engine (:mod:`kvviz.engine`, the reference) or the static slot
+backend (:mod:`kvviz.backend.static`, the GPU engine).
+
+:func:`choose` decides: ``backend="auto"`` takes the static backend on a CUDA device when it runs the model
+and the policy (:func:`refusal` says why not), the engine otherwise -- on a CPU too, where the static path is
+no faster (``benchmarks/results/README.md``) and the engine is the reference.  ``"static"`` insists (and
+refuses, naming why); ``"engine"`` always takes the engine.  :func:`kvviz.stream` and :func:`kvviz.run`
+take the same ``backend`` argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+BACKENDS = ("auto", "engine", "static")
+
+# Policies the static backend does not run, by class name, and why: each needs more than a per-slot state
+# updated from the step's own attention.
+NOT_STATIC = {
+    "AvoKVE": "AvoKV-E is checkpointed: it evicts every `interval` tokens from a window of recent queries",
+    "RKV": "R-KV is checkpointed: it evicts every `interval` tokens from a window of recent queries",
+    "LazyEviction": "LazyEviction is checkpointed: it tracks read times and evicts every `interval` tokens",
+    "SnapKV": "SnapKV is prefill-time: it scores the prompt's last queries at the prefill",
+    "KVzip": "KVzip is prefill-time: it scores a reconstruction pass after the prefill",
+    "ExpectedAttention": "Expected Attention scores from statistics of the prompt's (and, decoding, every) query",
+}
+
+
+def refusal(model, policy) -> str | None:
+    """Why the static backend cannot run ``policy`` on ``model``, as a sentence; None when it can."""
+    from ..fast import SUPPORTED
+    from .scorers import SCORER_OF
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED:
+        return (f"it reproduces {', '.join(SUPPORTED)} decoder layers, not {model_type!r}")
+    name = type(policy).__name__
+    if name in NOT_STATIC:
+        return f"{NOT_STATIC[name]}, which the static step does not compute yet"
+    if type(policy) not in SCORER_OF:
+        return (f"{name} is not a policy it knows (a subclass of one may change its rule); it runs InertiaKV (every "
+                "setting), TOVA, H2O, StreamingLLM, KeyDiff, K-norm, recency, random and the full cache")
+    return None
+
+
+def supports(model, policy) -> bool:
+    """Whether the static backend runs ``policy`` on ``model`` (:func:`refusal` says why not)."""
+    return refusal(model, policy) is None
+
+
+def choose(model, policy, backend: str = "auto", device: str | torch.device | None = None) -> str:
+    """``"static"`` or ``"engine"``: the backend that decodes ``policy`` on ``model`` (on ``device``, default the
+    model's).  ``"auto"``: static on CUDA where :func:`supports`, else the engine; ``"static"`` raises
+    ValueError naming why it cannot; ``"engine"`` is the engine."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "engine":
+        return "engine"
+    why = refusal(model, policy)
+    if backend == "static":
+        if why:
+            raise ValueError(f"backend='static' cannot run {type(policy).__name__}: {why}; use backend='engine' "
+                             "(or 'auto', which falls back to it)")
+        return "static"
+    device = torch.device(device if device is not None else model.device)
+    return "static" if device.type == "cuda" and why is None else "engine"
+
+
+def stream(model, tokenizer, prompt_ids: list[int], policy, **kwargs) -> Iterator:
+    """The static backend's step events (:meth:`kvviz.backend.static.StaticBackend.stream`'s arguments)."""
+    from .static import StaticBackend
+
+    yield from StaticBackend(model, policy).stream(tokenizer, prompt_ids, **kwargs)
+
+
+__all__ = ["BACKENDS", "choose", "refusal", "stream", "supports"]

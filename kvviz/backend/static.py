@@ -1,0 +1,390 @@
+"""The static slot backend: any every-step policy over B + 1 preallocated slots, decided on the device.
+
+One decode step consumes a token over ``slots`` slots, one of which (``free``) has just taken the new token's
+key and value; each layer's float32 attention probabilities (:func:`kvviz.fast.layer_forward`) serve both
+its output and the policy's scorer (:mod:`kvviz.backend.scorers`), and the slot to free next is chosen by a
+device reduction.  Once the cache sits at its budget the step has static shapes and only in-place
+updates: on a GPU it is captured as a CUDA graph per step variant (scoring or not) and replayed, with no
+host sync unless events are read.  The steps before that run eagerly with the shapes they have:
+
+* step 1 when the prompt exceeds the budget attends to all ``L0 + 1`` entries and frees ``L0 + 1 - B`` of
+  them at once (then the survivors move into a ``B + 1``-slot cache by the engine's own compaction rule);
+* with a budget above the prompt, the cache grows a slot per step until it holds ``B + 1``.
+
+Events (:class:`~kvviz.trace.StepEvent`) are the engine's: kept and evicted positions, the policy's utility
+per kept entry and raw score per present entry, text from :class:`~kvviz.engine.TextPieces`.  Reading them
+syncs; ``events_every=k`` reads the device every ``k`` steps only (kept and evicted sets stay exact for
+every step, rebuilt on the host from each step's evicted position; utility and raw come with every k-th).
+Exactness: in float32 the engine's formulas on slot-ordered tensors; sums over slots may differ from the
+engine's in the last bit, which matters only at ulp-close ties (tests/test_backend.py checks the keep sets).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .. import engine, fast
+from ..policies.base import BudgetTooSmall
+from ..policies.full import FullCache
+from ..trace import StepEvent
+from .sampling import DeviceSampler
+from .scorers import SlotView, make_scorer
+
+
+@dataclass
+class StepRecord:
+    """One step as the device left it: tensors not yet read, so that recording it costs no sync."""
+
+    step: int
+    token: torch.Tensor  # (1,) the token this step produced
+    evicted: torch.Tensor  # (count,) positions freed this step
+    scored: bool
+    # Read only every events_every steps: the live slots' positions before eviction (slots,), the freed slots
+    # (count,), the utility after eviction and this step's raw score, per slot (or None)
+    # Read only every events_every steps: the positions present before eviction and the raw score per slot,
+    # the slots after it (positions), the slots freed among them, the utility per slot (None where absent)
+    snapshot: list | None = None
+    setup: bool = False  # not a step of the steady shape, or one that compiled or captured a graph
+    cache_bytes: int = 0
+
+
+@dataclass
+class Budget:
+    """What a run's budget means for the slots: ``limit`` live entries after each step (the budget; the
+    whole run's length for the full cache), ``steady`` slots once the cache is at it."""
+
+    value: int
+    limit: int
+    steady: int = field(init=False)
+
+    def __post_init__(self):
+        self.steady = self.limit + 1
+
+
+_compiled_layer = None
+
+
+def compiled_layer_forward():
+    """:func:`kvviz.fast.layer_forward` through ``torch.compile``, one graph for every layer (and policy)."""
+    global _compiled_layer
+    if _compiled_layer is None:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _compiled_layer = torch.compile(fast.layer_forward, fullgraph=True, dynamic=False)
+    return _compiled_layer
+
+
+class StaticBackend:
+    """Decode with ``policy`` on the static slot path (see the module docstring).
+
+    Parameters
+    ----------
+    model
+        A Llama, Qwen2/2.5/3 or Mistral causal LM (:data:`kvviz.fast.SUPPORTED`), batch size 1.
+    policy
+        An every-step policy :func:`kvviz.backend.refusal` accepts; refused with the reason otherwise.
+    compile : bool
+        The steady step's layers through ``torch.compile`` (the growing and first steps run eagerly).
+    fuse, value_block
+        As in :class:`kvviz.fast.StaticInertia`: stacked q/k/v and gate/up products; the value product in
+        blocks of slots (default: 256 on a GPU, one product elsewhere).
+    """
+
+    def __init__(self, model, policy, *, compile: bool = False, fuse: bool = True, value_block: int | None = None):
+        from . import refusal
+
+        why = refusal(model, policy)
+        if why:
+            raise ValueError(f"the static backend cannot run this: {why}")
+        if value_block is not None and value_block < 0:
+            raise ValueError(f"value_block must be 0 (one value product) or a positive slot count, got {value_block}")
+        self.model, self.policy, self.compiled, self.fuse = model, policy, compile, fuse
+        self.layers = model.model.layers
+        self.fp32_logits = fast.fp32_logits_supported(model.device, model.dtype)
+        self.value_block = (fast.VALUE_BLOCK if model.device.type == "cuda" else 0) if value_block is None \
+            else value_block
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.projections()  # stacked now, outside any timing
+
+    def projections(self) -> list[tuple | None]:
+        return [fast.fused_projections(layer) if self.fuse else None for layer in self.layers]
+
+    # -- the public entry points -----------------------------------------------------------------------
+    def stream(self, tokenizer, prompt_ids: list[int], *, budget: int | None = None, compression: float | None = None,
+               max_new_tokens: int = engine.MAX_NEW_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, events_every: int = 1, ignore_eos: bool = False, graph: bool | None = None,
+               shared: engine.Prefill | None = None) -> Iterator[StepEvent]:
+        """The engine's step events for one generation (:func:`kvviz.engine.decode`'s arguments).
+
+        ``events_every=k`` reads the device every k steps: each step's event is still yielded, with its
+        kept and evicted positions, but utility and raw only on every k-th (None between), and the steps of
+        a block come out together.  On a GPU the steady step is replayed from CUDA graphs when decoding is
+        greedy and the policy draws nothing on the host (not Random); ``graph=False`` runs it eagerly.
+        """
+        if events_every < 1:
+            raise ValueError(f"events_every must be at least 1 (read the device every k steps), got {events_every}")
+        sampler = DeviceSampler(temperature, top_p, seed, self.model.device)
+        eos = set() if ignore_eos else engine.eos_ids(self.model, tokenizer)
+        records = self._decode(prompt_ids, self._budget(prompt_ids, budget, compression, max_new_tokens),
+                               max_new_tokens, sampler, graph=graph, shared=shared, snapshot_every=events_every)
+        pieces = engine.TextPieces(tokenizer)
+        kept, previous = np.arange(len(prompt_ids), dtype=np.int64), -1
+        pending: list[StepRecord] = []
+        last_mark = time.perf_counter()
+        try:
+            for record in records:
+                pending.append(record)
+                if record.snapshot is None:
+                    continue
+                engine.settle(self.model.device)  # what the block cost, and the tensors are ready to read
+                now = time.perf_counter()
+                seconds, last_mark = (now - last_mark) / len(pending), now
+                for done in pending:
+                    kept, event = self._event(done, kept, previous, len(prompt_ids), pieces, eos, max_new_tokens,
+                                              seconds)
+                    previous = event.new_token_id
+                    yield event
+                    if event.new_token_id in eos:
+                        return
+                pending = []
+        finally:
+            records.close()
+
+    def generate(self, tokenizer, prompt_ids: list[int], budget: int, max_new_tokens: int, *,
+                 graph: bool | None = None, timer=None, shared: engine.Prefill | None = None,
+                 on_ready=None) -> fast.StaticRun:
+        """Greedy tokens of a fixed-length run and each step's device time, no events: the benchmark's run
+        (:meth:`kvviz.fast.StaticInertia.generate`'s result).  ``timer`` is called once token 1 is out;
+        ``on_ready`` once the steady slots have replaced the prompt-sized cache."""
+        clock = fast.StepClock(self.model.device)
+        tokens, setup, first_token_time = [], [], 0.0
+        for record in self._decode(prompt_ids, self._budget(prompt_ids, budget, None, max_new_tokens),
+                                   max_new_tokens, DeviceSampler(device=self.model.device), graph=graph,
+                                   shared=shared, snapshot_every=0, on_ready=on_ready):
+            tokens.append(record.token)
+            if record.step == 0:
+                if timer is not None:
+                    timer()
+                first_token_time = time.perf_counter()
+                clock.mark()
+            else:
+                clock.mark()
+                setup.append(record.setup)
+        step_seconds = clock.intervals()
+        return fast.StaticRun([int(t) for t in torch.cat(tokens).tolist()], [], first_token_time,
+                              step_seconds[1:], setup[1:])  # step 1 is no static step: timed as the engine's
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _budget(self, prompt_ids, budget, compression, max_new_tokens) -> Budget:
+        """The budget as the engine resolves it, the policy reset for this prompt (its refusals, the engine's)."""
+        prompt_len = len(prompt_ids)
+        engine.check_policy(self.model, None, prompt_ids, self.policy)
+        value = engine.resolve_budget(prompt_len, budget=budget, compression=compression)
+        try:
+            self.policy.reset(prompt_len, value, len(self.layers))
+        except BudgetTooSmall as error:
+            if compression is None:
+                raise
+            raise ValueError(engine.at_compression(error, compression, prompt_len)) from None
+        full = type(self.policy) is FullCache
+        return Budget(value, prompt_len + max_new_tokens if full else value)
+
+    @torch.inference_mode()
+    def _decode(self, prompt_ids: list[int], budget: Budget, max_new_tokens: int, sampler: DeviceSampler, *,
+                graph: bool | None, shared, snapshot_every: int, on_ready=None) -> Iterator[StepRecord]:
+        """Prefill, then one :class:`StepRecord` per step; a snapshot every ``snapshot_every`` steps (0: none)."""
+        model, policy, device = self.model, self.policy, self.model.device
+        prompt_len = len(prompt_ids)
+        projections = self.projections()
+        if shared is not None and shared.prompt_ids != list(prompt_ids):
+            raise ValueError("the shared prefill was made for another prompt")
+        prefill = shared if shared is not None else engine.prefill(model, prompt_ids)
+        token = sampler(prefill.logits)
+        utility = policy.utility(torch.arange(prompt_len))  # the engine's step 0: the policy as reset
+        prompt_positions, none = torch.arange(prompt_len), torch.empty(0, dtype=torch.long)
+        yield StepRecord(0, token, none, False, [prompt_positions, None, prompt_positions, none, utility],
+                         cache_bytes=prefill.cache.nbytes())
+        # Step 1 attends to every prompt entry: the prompt's slots, or the steady B + 1 if the prompt fits them.
+        capacity = max(prompt_len + 1, budget.steady)
+        cache = self._slots(capacity, [(layer.keys, layer.values) for layer in prefill.cache.layers], prompt_len)
+        del prefill  # a prefill of our own: only the slots hold it now
+        positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        positions[:prompt_len] = torch.arange(prompt_len, device=device)
+        scorer = make_scorer(policy, device, capacity)
+        eligible = [index for index in range(len(self.layers)) if policy.wants_layer(index)]
+        live = prompt_len
+        free = torch.tensor([prompt_len], device=device)
+        token_in, position = token.reshape(1, 1).clone(), torch.tensor([[prompt_len]], device=device)
+        evicted_position = torch.zeros(1, dtype=torch.long, device=device)
+        # A sampled step draws from a generator and Random from the host's: those steps run eagerly.
+        capture = device.type == "cuda" and sampler.greedy and scorer.capturable and graph is not False
+        graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        runs: dict[bool, int] = {}
+        ready = on_ready is None
+
+        def step(scoring: bool, slots: int, count: int, layer_fn) -> torch.Tensor:
+            """One token over ``slots`` slots, freeing ``count``; in place only (a CUDA graph replays it)."""
+            keys, values = cache
+            scorer.begin(scoring, free, slots)
+            positions.index_copy_(0, free, position[0])
+            live_positions = positions[:slots]
+            hidden = model.model.embed_tokens(token_in)
+            cos, sin = model.model.rotary_emb(hidden, position)
+            for index, (layer, fused, layer_keys, layer_values) in enumerate(zip(self.layers, projections,
+                                                                                keys, values)):
+                hidden, probs = layer_fn(layer, hidden, cos, sin, free, layer_keys, layer_values, self.fp32_logits,
+                                         fused, slots, self.value_block)
+                if scoring and index in eligible:
+                    scorer.observe(SlotView(index, None, layer_keys[0, :, :slots], layer_values[0, :, :slots],
+                                            layer.self_attn.scaling, _attn=probs.reshape(self.heads, slots),
+                                            groups=self.heads // self.kv_heads), live_positions)
+            logits = model.lm_head(model.model.norm(hidden))[0, -1]
+            token_in.copy_(sampler(logits).reshape(1, 1))
+            victims = scorer.evict(live_positions, count)
+            if count == 1:  # the steady step: the freed slot takes the next token
+                evicted_position.copy_(live_positions[victims])
+                free.copy_(victims)
+            position.add_(1)
+            return victims
+
+        for k in range(1, max_new_tokens):
+            slots = live + 1
+            count = max(0, slots - budget.limit)
+            scoring = policy.wants_scores(k)
+            scorer.prepare(len(eligible) if scoring else 0)
+            steady = count == 1 and slots == budget.steady == cache.capacity
+            setup = not steady  # the benchmark's steady rate counts only steps of the static shape
+            if steady and capture:
+                runs[scoring] = runs.get(scoring, 0) + 1
+                setup = runs[scoring] <= 2  # the capture (and compile), then the graph's first upload
+                if scoring in graphs:
+                    graphs[scoring].replay()
+                else:  # runs this step once, eagerly, and records it
+                    graphs[scoring] = capture_step(lambda: step(scoring, slots, 1, self._layer_fn(True)))
+                victims = free.clone()
+            else:
+                if steady and self.compiled:
+                    runs[scoring] = runs.get(scoring, 0) + 1
+                    setup = runs[scoring] == 1
+                victims = step(scoring, slots, count, self._layer_fn(steady))
+            before = positions[:slots].clone() if count > 1 else None  # the positions present, new token's too
+            snapshot = None
+            if snapshot_every and (k % snapshot_every == 0 or k == max_new_tokens - 1 or count > 1):
+                raw = scorer.raw(positions[:slots])  # before a compaction resets the step's scores
+                snapshot = [(before if count > 1 else positions[:slots]).clone(), None if raw is None else raw.clone()]
+            if count == 1:
+                evicted = evicted_position.clone()
+                live = slots - 1
+            elif count == 0:
+                evicted = evicted_position.new_empty(0)
+                live = slots
+                free.fill_(slots)
+            else:  # step 1 over the whole prompt: the survivors move into the steady slots, as the engine moves them
+                evicted = before[victims]
+                order = engine_compaction(victims, slots)
+                cache = self._slots(budget.steady, [(k_[:, :, order], v_[:, :, order]) for k_, v_ in zip(*cache)],
+                                    order.numel())
+                compacted = torch.full((budget.steady,), -1, dtype=torch.long, device=device)
+                compacted[: order.numel()] = positions[order]
+                positions = compacted
+                scorer.compact(order, budget.steady)
+                live, victims = order.numel(), victims.new_empty(0)
+                free = torch.tensor([live], device=device)
+            if not ready and cache.capacity == budget.steady:
+                on_ready()
+                ready = True
+            if snapshot is not None:  # the slots after eviction: their positions, the freed ones, the utility
+                after = positions[: slots if count <= 1 else live]
+                utility = scorer.utility(after)
+                snapshot += [after.clone(), victims.clone(), None if utility is None else utility.clone()]
+            yield StepRecord(k, token_in.reshape(1).clone(), evicted, scoring, snapshot, setup, cache.nbytes())
+
+    def _layer_fn(self, steady: bool):
+        """The compiled layer for the steady shape; eager while shapes still change (no recompiling per step)."""
+        return compiled_layer_forward() if self.compiled and steady else fast.layer_forward
+
+    def _slots(self, capacity: int, sources: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> "Slots":
+        """Zeroed per-layer slot buffers for ``capacity`` slots (padded to whole value blocks), the first ``count``
+        filled from ``sources``' ``(1, kv_heads, >= count, head_dim)`` keys and values."""
+        padded = fast.padded_slots(capacity, self.value_block)
+        keys, values = [], []
+        for source_keys, source_values in sources:
+            for source, out in ((source_keys, keys), (source_values, values)):
+                buffer = source.new_zeros(1, source.shape[1], padded, source.shape[3])
+                buffer[:, :, :count] = source[:, :, :count]
+                out.append(buffer)
+        return Slots(keys, values, capacity)
+
+    def _event(self, record: StepRecord, kept: np.ndarray, previous: int, prompt_len: int, pieces, eos: set[int],
+               max_new_tokens: int, seconds: float) -> tuple[np.ndarray, StepEvent]:
+        """The engine's event for ``record``; ``kept`` the positions kept after the step before."""
+        token, step = int(record.token), record.step
+        evicted = np.sort(record.evicted.cpu().numpy())
+        if step:
+            kept = np.setdiff1d(np.append(kept, prompt_len + step - 1), evicted)  # sorted
+        utility = raw = None
+        if record.snapshot is not None:
+            present, raw_by_slot, after, freed, utility_by_slot = (None if t is None else t.cpu()
+                                                                   for t in record.snapshot)
+            live = torch.ones(after.numel(), dtype=torch.bool)
+            live[freed] = False
+            order = torch.argsort(after[live])
+            if not np.array_equal(after[live][order].numpy(), kept):
+                raise AssertionError(f"step {step}: the host's kept positions are not the device's")
+            if utility_by_slot is not None:
+                utility = utility_by_slot[live][order].float().numpy()
+            if raw_by_slot is not None:
+                raw = raw_by_slot[torch.argsort(present)].float().numpy()
+        last = token in eos or step == max_new_tokens - 1
+        return kept, StepEvent(step, previous, token, pieces.add(token, flush=last), kept, evicted, utility, raw,
+                               record.scored, seconds, 0.0, 0.0, record.cache_bytes)
+
+
+@dataclass
+class Slots:
+    """Each layer's slot buffers, ``(1, num_kv_heads, padded, head_dim)``; ``capacity`` slots of them usable."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    capacity: int
+
+    def __iter__(self):  # keys, values = slots
+        return iter((self.keys, self.values))
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+
+def engine_compaction(freed: torch.Tensor, slots: int) -> torch.Tensor:
+    """Where :meth:`kvviz.cache.SlotCache.evict` puts the survivors of freeing ``freed`` of ``slots`` slots: the
+    holes below the new length take the survivors above it, in order.  Returns ``(slots - len(freed),)``: the
+    old slot of each new one (what keeps a policy that draws slot indices, Random, on the engine's draws)."""
+    new_length = slots - freed.numel()
+    dropped = torch.zeros(slots, dtype=torch.bool, device=freed.device)
+    dropped[freed] = True
+    holes = torch.nonzero(dropped[:new_length]).flatten()
+    sources = torch.nonzero(~dropped[new_length:]).flatten() + new_length
+    order = torch.arange(new_length, device=freed.device)
+    order[holes] = sources
+    return order
+
+
+def capture_step(run_step) -> "torch.cuda.CUDAGraph":
+    """Run ``run_step`` once on a side stream (warming up cuBLAS and any compile there), then record it as a
+    CUDA graph on that same stream (as :meth:`kvviz.fast.StaticInertia.generate` does) without running it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        run_step()
+    return graph
