@@ -208,48 +208,28 @@ class Trace:
         pq.write_table(table, path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Trace":
-        """Read a trace written by :meth:`save`; anything else raises ``ValueError`` saying what is wrong."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    def load(cls, path: str | Path, bounds: "TraceBounds | None" = None) -> "Trace":
+        """Read a trace written by :meth:`save`; anything else raises ``ValueError`` saying what is wrong.
 
+        Nothing is converted to Python objects before the file's sizes are checked against ``bounds`` (steps,
+        prompt tokens, entries per step, text lengths, metadata bytes), first from the parquet footer and
+        then from the arrow buffers: a few KB of compressed parquet can hold millions of rows or a string of
+        hundreds of MB, and converting those first held a server for a minute and gigabytes.
+        """
+        import pyarrow as pa
+
+        bounds = bounds or TraceBounds()
         name = Path(path).name
-        if not Path(path).exists():  # said plainly: arrow's message for this would read as a corrupt file
-            raise ValueError(f"{path} does not exist; give the path of a trace saved with "
-                             "`kvviz generate --trace FILE` or the Live tab's download")
-        if Path(path).is_dir():  # arrow would read the folder as a dataset and complain about some file in it
-            raise ValueError(f"{path} is a folder; give the path of a trace file (.parquet) saved with "
-                             "`kvviz generate --trace FILE` or the Live tab's download")
-        if zipfile.is_zipfile(path):  # the Compare tab's download: one trace per policy inside
-            raise ValueError(f"{name} is a zip (a comparison's download?), not a trace; unzip it and open one of "
-                             "its .parquet files, a trace per policy")
         try:
-            table = pq.read_table(path)
-        except (OSError, pa.ArrowException) as error:
-            # arrow names the full path (a server's temporary upload folder, in the app): the name is enough
-            raise ValueError(f"{name} is not a readable parquet file ({str(error).replace(str(path), name)})") \
-                from None
-        raw_meta = (table.schema.metadata or {}).get(b"kvviz")
-        if raw_meta is None:
-            raise ValueError(f"{name} is a parquet file but not a kvviz trace (no kvviz metadata); save one with "
-                             "`kvviz generate --trace FILE` or the Live tab's download")
-        try:
-            meta = json.loads(raw_meta)
-            events = []
-            for row in table.to_pylist():
-                row["kept"] = np.asarray(row["kept"], dtype=np.int64)
-                row["evicted"] = np.asarray(row["evicted"] or [], dtype=np.int64)
-                for key in ("utility", "raw"):
-                    if row[key] is not None:
-                        row[key] = np.asarray(row[key], dtype=np.float32)
-                if row.get("components") is not None:  # NaN (not judged) comes back from parquet as null
-                    row["components"] = {name: np.asarray(values, dtype=np.float32)
-                                         for name, values in row["components"].items() if values is not None}
-                events.append(StepEvent(**row))
+            meta, table = _read_bounded(Path(path), name, bounds)
+            events = [StepEvent(**row) for row in _event_rows(table)]
+            del table
             trace = cls(events=events, **meta)
-        except (TypeError, ValueError, KeyError) as error:  # a column or a metadata key missing or of a wrong type
-            raise ValueError(f"{name} is not a kvviz trace this version reads ({type(error).__name__}: {error})") \
-                from None
+        except (TypeError, KeyError) as error:  # a column or a metadata key missing or of a wrong type
+            raise ValueError(f"{name} is not a kvviz trace this version reads ({type(error).__name__}: "
+                             f"{str(error)[:200]})") from None
+        finally:
+            pa.default_memory_pool().release_unused()  # a refused file's buffers go back to the system now
         trace.check(name)  # ValueError only: every setting's type is checked before it is used
         return trace
 
@@ -310,6 +290,188 @@ class Trace:
                 if values.shape != (present,):
                     raise ValueError(f"{name}: step {event.step} has {values.size} values of {term!r} for "
                                      f"{present} entries present")
+
+
+@dataclass(frozen=True)
+class TraceBounds:
+    """The largest trace :meth:`Trace.load` converts; the defaults suit a file of one's own, an app passes its
+    run limits (``max_steps`` decode steps, ``max_prompt_tokens``) so that it opens only what it could make."""
+
+    max_steps: int = 1_000_000
+    max_prompt_tokens: int = 1_000_000
+    max_text_chars: int = 1_000  # one step's text: a token's, or a few tokens' held for a split character
+    max_name_chars: int = 1_000  # the model, policy and dtype names, a components term's name
+    max_terms: int = 64  # named terms of an eviction decision (AvoKV-E has 7)
+    reader: str = "this reader"  # who refuses, and what to do instead, in a refusal of a trace too large
+    advice: str = ""
+
+    def too_large(self, name: str, what: str) -> ValueError:
+        """The refusal of a file ``name`` that ``what`` (``"has a 9000-token prompt"``), naming these bounds."""
+        return ValueError(f"{name} {what}; {self.reader} opens traces of up to {self.max_prompt_tokens} prompt "
+                          f"tokens and {self.max_steps} steps{self.advice}")
+
+    def refuse_size(self, name: str, prompt_len: int, steps: int) -> None:
+        """Raise ``ValueError`` for a trace with a longer prompt or more decode steps than these bounds allow."""
+        if prompt_len > self.max_prompt_tokens or steps > self.max_steps:
+            raise self.too_large(name, f"has a {prompt_len}-token prompt and {steps} decode steps")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return 64 * self.max_prompt_tokens + 10_000
+
+    @property
+    def max_meta_bytes(self) -> int:
+        """The metadata JSON: the prompt's ids and text (escaped, up to 6 bytes a character), settings."""
+        return 12 * self.max_prompt_tokens + 6 * self.max_prompt_chars + 1_000_000
+
+
+EVENT_COLUMNS = {f.name for f in StepEvent.__dataclass_fields__.values()}
+LIST_COLUMNS = ("kept", "evicted", "utility", "raw")
+
+
+def _read_bounded(path: Path, name: str, bounds: TraceBounds):
+    """The trace's metadata (a dict) and its arrow table, each size checked before it is read."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    if not path.exists():  # said plainly: arrow's message for this would read as a corrupt file
+        raise ValueError(f"{path} does not exist; give the path of a trace saved with "
+                         "`kvviz generate --trace FILE` or the Live tab's download")
+    if path.is_dir():  # arrow would read the folder as a dataset and complain about some file in it
+        raise ValueError(f"{path} is a folder; give the path of a trace file (.parquet) saved with "
+                         "`kvviz generate --trace FILE` or the Live tab's download")
+    if zipfile.is_zipfile(path):  # the Compare tab's download: one trace per policy inside
+        raise ValueError(f"{name} is a zip (a comparison's download?), not a trace; unzip it and open one of "
+                         "its .parquet files, a trace per policy")
+    with open(path, "rb") as handle:  # the footer's length, from the file's last 8 bytes, before arrow reads it
+        handle.seek(0, 2)
+        size = handle.tell()
+        handle.seek(max(0, size - 8))
+        tail = handle.read(8)
+    if size < 12 or tail[4:] != b"PAR1":
+        raise ValueError(f"{name} is not a readable parquet file (it does not end in a parquet footer); open a "
+                         "trace saved with `kvviz generate --trace FILE` or the Live tab's download")
+    footer = int.from_bytes(tail[:4], "little")
+    if footer > 3 * bounds.max_meta_bytes + 4_000_000:  # the settings are in it twice: as is and in arrow's schema
+        raise bounds.too_large(name, f"has a parquet footer of {footer:,} bytes")
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as error:
+        # arrow names the full path (a server's temporary upload folder, in the app): the name is enough
+        raise ValueError(f"{name} is not a readable parquet file "
+                         f"({str(error).replace(str(path), name)[:200]})") from None
+    meta = _checked_meta(parquet.metadata.metadata or {}, name, bounds, parquet.metadata.num_rows)
+    rows, prompt_len = parquet.metadata.num_rows, len(meta["prompt_ids"])
+    bounds.refuse_size(name, prompt_len, rows - 1)
+    columns = parquet.schema_arrow.names
+    if set(columns) - EVENT_COLUMNS:
+        raise ValueError(f"{name} has columns a kvviz trace does not: {', '.join(sorted(set(columns) - EVENT_COLUMNS))[:200]}")
+    # Entries a list column can hold: at step k, at most the prompt plus k tokens (a row's empty list counts 1)
+    entries = rows * (prompt_len + rows) + rows
+    text_bytes = rows * 4 * bounds.max_text_chars
+    for group in range(parquet.metadata.num_row_groups):
+        for index in range(parquet.metadata.num_columns):
+            chunk = parquet.metadata.row_group(group).column(index)
+            column = chunk.path_in_schema.split(".")[0]
+            if column in LIST_COLUMNS or column == "components":
+                entries_left = entries if column != "components" else entries * bounds.max_terms
+                if chunk.num_values > entries_left:
+                    raise ValueError(f"{name}'s {column} column holds {chunk.num_values:,} entries; {rows} steps "
+                                     f"of a {prompt_len}-token prompt have at most {entries:,}")
+            if column == "text" and chunk.total_uncompressed_size > text_bytes + 100_000:
+                raise ValueError(f"{name}'s step texts take {chunk.total_uncompressed_size:,} bytes; a step's text "
+                                 f"is a token or a few ({bounds.max_text_chars} characters at most)")
+    components = parquet.schema_arrow.field("components").type if "components" in columns else None
+    if components is not None and pa.types.is_struct(components) and (components.num_fields > bounds.max_terms or any(
+            len(components.field(i).name) > bounds.max_name_chars for i in range(components.num_fields))):
+        raise ValueError(f"{name} names more than {bounds.max_terms} decision terms, or one too long a name")
+    try:
+        table = parquet.read()
+    except (OSError, pa.ArrowException) as error:
+        raise ValueError(f"{name} is not a readable parquet file ({str(error).replace(str(path), name)[:200]})") \
+            from None
+    # The footer's counts are the writer's word: the buffers just read are checked again before any conversion
+    bounds.refuse_size(name, prompt_len, table.num_rows - 1)
+    if "text" in columns and table.num_rows:
+        if not (pa.types.is_string(table["text"].type) or pa.types.is_large_string(table["text"].type)):
+            raise ValueError(f"{name}'s step texts are {table['text'].type}, not text")
+        longest = pc.max(pc.utf8_length(table["text"])).as_py() or 0
+        if longest > bounds.max_text_chars:
+            raise ValueError(f"{name} has a step text of {longest:,} characters; a step's text is a token or a few "
+                             f"({bounds.max_text_chars} characters at most)")
+    lists = [table[column] for column in LIST_COLUMNS if column in columns]
+    if components is not None and pa.types.is_struct(components):
+        lists += [pc.struct_field(table["components"], [i]) for i in range(components.num_fields)]
+    for values in lists:
+        if (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)) and table.num_rows:
+            lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
+            limit = prompt_len + np.arange(table.num_rows)  # at step k: the prompt and k tokens
+            if np.any(np.nan_to_num(lengths, nan=0) > limit):
+                raise ValueError(f"{name} lists more entries at a step than the prompt and the tokens so far")
+    return meta, table
+
+
+def _checked_meta(metadata: dict, name: str, bounds: TraceBounds, metadata_rows: int) -> dict:
+    """The ``kvviz`` metadata of a trace file, its sizes checked before and after it is parsed."""
+    raw = metadata.get(b"kvviz")
+    if raw is None:
+        raise ValueError(f"{name} is a parquet file but not a kvviz trace (no kvviz metadata); save one with "
+                         "`kvviz generate --trace FILE` or the Live tab's download")
+    if len(raw) > bounds.max_meta_bytes:
+        raise bounds.too_large(name, f"has settings of {len(raw):,} bytes")
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as error:  # RecursionError: a value nested thousands deep
+        raise ValueError(f"{name}'s settings are not readable JSON ({type(error).__name__})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{name}'s settings are not an object of named settings")
+    fields = set(Trace.__dataclass_fields__) - {"events"}
+    if set(meta) - fields:
+        raise ValueError(f"{name} has settings a kvviz trace does not: {', '.join(sorted(set(meta) - fields))[:200]}")
+    ids = meta.get("prompt_ids")
+    if not isinstance(ids, list):
+        raise ValueError(f"{name}: its prompt_ids is {ids!r:.60}, not a list of token ids")
+    bounds.refuse_size(name, len(ids), max(0, metadata_rows - 1))
+    if isinstance(meta.get("prompt"), str) and len(meta["prompt"]) > bounds.max_prompt_chars:
+        raise ValueError(f"{name}'s prompt text has {len(meta['prompt']):,} characters, more than "
+                         f"{bounds.max_prompt_tokens:,} tokens make")
+    for key in ("model", "policy", "dtype"):
+        if isinstance(meta.get(key), str) and len(meta[key]) > bounds.max_name_chars:
+            raise ValueError(f"{name}: its {key} is {len(meta[key]):,} characters long; a name has at most "
+                             f"{bounds.max_name_chars}")
+    return meta
+
+
+def _event_rows(table) -> list[dict]:
+    """One dict per row for :class:`StepEvent`: the position and score lists as numpy arrays straight from
+    arrow's buffers (a Python int per entry cost seconds and gigabytes on a large trace)."""
+    import pyarrow as pa
+
+    columns = {}
+    for column in table.column_names:
+        values = table[column].combine_chunks()
+        if column in ("kept", "evicted", "utility", "raw") and (pa.types.is_list(values.type)
+                                                                  or pa.types.is_large_list(values.type)):
+            dtype = np.int64 if column in ("kept", "evicted") else np.float32
+            offsets = values.offsets.to_numpy()
+            flat = values.flatten().to_numpy(zero_copy_only=False).astype(dtype)  # flatten honours slicing
+            flat_offsets = offsets - offsets[0]
+            valid = values.is_valid().to_numpy(zero_copy_only=False)
+            columns[column] = [flat[flat_offsets[i]:flat_offsets[i + 1]] if valid[i] else None
+                               for i in range(len(values))]
+        elif column in ("kept", "evicted", "utility", "raw") and pa.types.is_null(values.type):
+            columns[column] = [None] * len(values)
+        else:
+            columns[column] = values.to_pylist()
+    rows = [dict(zip(columns, row)) for row in zip(*columns.values())]
+    for row in rows:
+        row["kept"] = np.asarray(row["kept"], dtype=np.int64)  # required: a missing column is no trace
+        row["evicted"] = np.asarray(row.get("evicted") if row.get("evicted") is not None else [], dtype=np.int64)
+        if row.get("components") is not None:  # NaN (not judged) comes back from parquet as null
+            row["components"] = {term: np.asarray(values, dtype=np.float32)
+                                 for term, values in row["components"].items() if values is not None}
+    return rows
 
 
 def _is_int(value) -> bool:

@@ -37,7 +37,8 @@ from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, 
 from .analyses import (MAX_PROBE_SAMPLE, make_probe_check, make_probe_handler, make_spectrum_check,
                        make_spectrum_handler)
 from .checks import (MAX_TEMPERATURE, PARAM_NAMES, PARAMETERS, Request, _models, build_policies, check_prompt_text,
-                     check_sampling, check_settings, compare_settings, distinct_settings, get_model, policy_from_inputs,
+                     check_sampling, check_settings, compare_settings, distinct_settings, get_tokenizer,
+                     policy_from_inputs,
                      refused, refusing, release_memory, unexpected, unused_parameters, used_parameters, validate)
 from .config import Limits
 from .figures import LEGEND_LINE, MAX_FOLLOWED, NEVER, RunView, step_dtick, step_range
@@ -439,30 +440,28 @@ def make_compare_check(limits: Limits):
     return check_compare
 
 
+# Traces opened at once, in their own queue (each held within the run limits' size while it opens)
+TRACES_AT_ONCE = 2
+
 # The trace a check just read (an upload's, a "Use its settings" click's), for the handler that follows it, so
 # a large file is read once.  One slot: another check may take it first, and the handler then reads the file.
 _checked_trace: dict[str, Trace] = {}
 
 
-def check_opened_size(trace: Trace, limits: Limits, name: str) -> None:
-    """Refuse a trace larger than any run this app could make: its views grow with steps x (prompt + steps), so
-    a file of a few hundred KB (a long prompt, thousands of empty steps) took gigabytes and held the model's
-    queue for seconds while it opened."""
-    steps = len(trace.events) - 1
-    if trace.prompt_len > limits.max_prompt_tokens or steps > limits.max_new_tokens:
-        raise ValueError(f"{name} has a {trace.prompt_len}-token prompt and {steps} decode steps; this app opens "
-                         f"traces of up to {limits.max_prompt_tokens} prompt tokens and {limits.max_new_tokens} steps "
-                         "(KVVIZ_MAX_PROMPT_TOKENS, KVVIZ_MAX_NEW_TOKENS): read it with `kvviz trace FILE`, or serve "
-                         "with larger limits")
+def load_trace(path, limits: Limits) -> Trace:
+    """An opened trace, read within what a run here could make; a refused file's memory is handed back."""
+    try:
+        return Trace.load(path, limits.trace_bounds())
+    except ValueError:
+        release_memory()
+        raise
 
 
 def check_trace(path, limits: Limits) -> None:
     if path:
         try:
             _checked_trace.clear()
-            trace = Trace.load(path)
-            check_opened_size(trace, limits, Path(path).name)
-            _checked_trace[path] = trace
+            _checked_trace[path] = load_trace(path, limits)
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -589,8 +588,7 @@ def make_open_handler(limits: Limits):
         if not path:
             return (gr.skip(),) * 11
         try:
-            trace = _checked_trace.pop(path, None) or Trace.load(path)
-            check_opened_size(trace, limits, Path(path).name)  # again: an API call comes without the check
+            trace = _checked_trace.pop(path, None) or load_trace(path, limits)  # an API call comes unchecked
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:
@@ -598,7 +596,7 @@ def make_open_handler(limits: Limits):
         try:
             tokens = None
             if trace.model in limits.models:  # the prompt's own token texts; other models' tokens show as ids
-                tokens = token_texts(get_model(limits, trace.model)[1], trace.prompt_ids)
+                tokens = token_texts(get_tokenizer(trace.model), trace.prompt_ids)
             spec = REGISTRY.get(trace.policy)
             policy = spec.build(**trace.params) if spec else None
             pinned, interval = (policy.pinned(trace.budget), checkpoint_interval(policy)) if policy else ((0, 0), None)
@@ -631,14 +629,14 @@ def make_reuse_handler(limits: Limits):
         """Its refusal before the handler, with no outputs: raised by the handler itself, every Live control it
         sets would show a bare "Error" over it.  The trace read is left for the handler, as check_trace does."""
         with refusing("using the trace's settings"):
-            trace = Trace.load(path)
+            trace = load_trace(path, limits)
             refusal(trace, Path(path).name)
             _checked_trace.clear()
             _checked_trace[path] = trace
 
     def reuse_settings(path):
         with refusing("using the trace's settings"):  # what to change, or one line: never a bare "Error"
-            return settings_of(_checked_trace.pop(path, None) or Trace.load(path), Path(path).name)
+            return settings_of(_checked_trace.pop(path, None) or load_trace(path, limits), Path(path).name)
 
     def refusal(trace: Trace, name: str) -> None:
         if trace.model not in limits.models:
@@ -653,7 +651,7 @@ def make_reuse_handler(limits: Limits):
         spec = REGISTRY[trace.policy]
         prompt, chat = trace.prompt, trace.chat
         if not prompt:  # recorded as token ids only: their text, with any chat template already in it
-            tokenizer = get_model(limits, trace.model)[1]
+            tokenizer = get_tokenizer(trace.model)
             prompt, chat = tokenizer.decode(trace.prompt_ids, skip_special_tokens=False), False
             if engine.encode_prompt(tokenizer, prompt, chat=False) != trace.prompt_ids:
                 gr.Warning(f"{name} records its prompt as token ids only, and their text does not tokenise back "
@@ -1680,22 +1678,23 @@ def build_app(limits: Limits | None = None, store: Store | None = None, warm: bo
             checked, live = stoppable_run(limits, run, stop, make_live_check(limits), make_live_handler(limits),
                                           inputs, live_outputs, "live", progress_on=prompt_size,
                                           announce=(lambda name: loading_note(name) or gr.skip(), model, prompt_size))
-            # In the runs' concurrency group: opening a trace of a listed model may load that model.
+            # Traces open in a queue of their own: opening one loads at most a tokenizer, so it neither waits
+            # for a run nor holds one up.
             saved.upload(lambda: gr.update(visible=False), None, reuse, api_name=False, queue=False)
-            trace_checked = saved.upload(lambda path: check_trace(path, limits), saved, None, api_name=False)
+            trace_checked = saved.upload(lambda path: check_trace(path, limits), saved, None, api_name=False,
+                                         concurrency_limit=TRACES_AT_ONCE, concurrency_id="trace")
             # a refused file leaves the box: shown there, it read as the trace open in the views
             trace_checked.failure(lambda: None, None, saved, api_name=False, queue=False)
             opened = trace_checked.success(make_open_handler(limits), saved, live_outputs,
-                                           concurrency_limit=limits.runs_per_model, concurrency_id="model",
+                                           concurrency_limit=TRACES_AT_ONCE, concurrency_id="trace",
                                            api_name="open_trace", api_visibility="undocumented")
             opened.success(lambda: gr.update(visible=True), None, reuse, api_name=False, queue=False)
             saved.clear(lambda: gr.update(visible=False), None, reuse, api_name=False, queue=False)
-            # In the runs' concurrency group too: a trace without its prompt text loads its model's tokenizer.
             reuse_settings = make_reuse_handler(limits)
             reuse.click(reuse_settings.check, saved, None, api_name=False).success(
                 reuse_settings, saved, [model, prompt, chat, policy, budget_mode, compression, budget, max_new,
                                         temperature, top_p, seed, description, *widgets],
-                api_name=False, concurrency_limit=limits.runs_per_model, concurrency_id="model")
+                api_name=False, concurrency_limit=TRACES_AT_ONCE, concurrency_id="trace")
             # input: dragging, clicking the track or typing a step (release alone missed the typed ones)
             after = [history, terms_note, terms, retention]
             step_slider.input(scrub, [view_state, step_slider, follow],

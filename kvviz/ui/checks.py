@@ -5,6 +5,7 @@ refused with what to change (:func:`refused`, a ``gr.Error`` toast), anything un
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import math
@@ -13,10 +14,11 @@ import traceback
 from dataclasses import dataclass, field
 
 import gradio as gr
+import pyarrow as pa
 import torch
 
 from .. import engine
-from ..models import load_model
+from ..models import load_model, load_tokenizer
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label
 from ..policies.base import BudgetTooSmall
 from ..policies.checkpointed import CheckpointPolicy
@@ -24,16 +26,27 @@ from .config import Limits
 
 log = logging.getLogger(__name__)
 
+try:  # glibc's malloc_trim hands freed heap pages back to the system; other C libraries keep them
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.malloc_trim
+except (OSError, AttributeError):
+    _libc = None
+
 # The models loaded by this process, one per name (a load takes seconds to minutes), and a lock per name: one
 # session loading a model must not hold up the sessions using another one already loaded.
 _models: dict[str, tuple] = {}
 _models_lock = threading.Lock()  # guards _loading only, for a moment
 _loading: dict[str, threading.Lock] = {}
+_tokenizers: dict[str, object] = {}  # tokenizers loaded without their model (opening a trace), one per name
 
 
 def release_memory() -> None:
-    """After a run, finished, failed or cancelled: drop its caches now, and hand a GPU's blocks back too."""
+    """After a run, finished, failed or cancelled, or a refused file: drop its caches now, and hand arrow's
+    pool, the C heap's free pages and a GPU's blocks back too."""
     gc.collect()
+    pa.default_memory_pool().release_unused()
+    if _libc is not None:
+        _libc.malloc_trim(0)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -48,6 +61,16 @@ def get_model(limits: Limits, name: str):
         if name not in _models:
             _models[name] = load_model(name, device=limits.device, dtype=limits.dtype or None)
         return _models[name]
+
+
+def get_tokenizer(name: str):
+    """A model's tokenizer alone: the loaded model's own, else loaded without weights, once.  Opening a trace
+    needs no more, so it neither waits for nor takes a place in the models' run queue."""
+    if name in _models:
+        return _models[name][1]
+    if name not in _tokenizers:  # two first callers may both load it: harmless, and no lock to wait on
+        _tokenizers[name] = load_tokenizer(name)
+    return _tokenizers[name]
 
 
 # One widget per parameter name (first definition wins); _show_parameters relabels and re-ranges it for

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from ..models import DEFAULT_MODEL, DTYPES, check_device, check_model_name
+from ..trace import TraceBounds
 
 
 def _number(name: str, default, kind=int):
@@ -66,6 +67,13 @@ class Limits:
         if self.dtype not in ("", *DTYPES):
             raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} (or empty for the device's default), "
                              f"got {self.dtype!r}")
+
+    def trace_bounds(self) -> TraceBounds:
+        """What an opened trace may hold: no longer a prompt, nor more steps, than a run here could make (its
+        views grow with steps x positions)."""
+        return TraceBounds(max_steps=self.max_new_tokens, max_prompt_tokens=self.max_prompt_tokens,
+                           reader="this app", advice=" (KVVIZ_MAX_PROMPT_TOKENS, KVVIZ_MAX_NEW_TOKENS): read it with "
+                           "`kvviz trace FILE`, or serve with larger limits")
 
     @classmethod
     def from_env(cls, **overrides) -> "Limits":
