@@ -582,11 +582,23 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
 
 def stream(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inertia", *, chat: bool = True,
            compression: float | None = None, budget: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
-           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, **params) -> Iterator[StepEvent]:
-    """Iterate over the step events of one generation (prompt as text or token ids)."""
+           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, backend: str = "auto",
+           **params) -> Iterator[StepEvent]:
+    """Iterate over the step events of one generation (prompt as text or token ids).
+
+    ``backend``: ``"engine"`` (this module's decode), ``"static"`` (:mod:`kvviz.backend`'s static slot path,
+    refused with the reason where it cannot run the policy or model) or ``"auto"`` (static on a CUDA device
+    where it can, the engine otherwise): :func:`kvviz.backend.choose`.
+    """
+    from . import backend as backends
+
     prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=chat)
     check_prompt(model, prompt_ids, max_new_tokens)
     policy = make_policy(policy, **params) if isinstance(policy, str) else policy
+    if backends.choose(model, policy, backend) == "static":
+        yield from backends.stream(model, tokenizer, prompt_ids, policy, budget=budget, compression=compression,
+                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        return
     with scoring.installed(model):  # run() streams too: once it ends the model has its own attention back
         yield from decode(model, tokenizer, prompt_ids, policy, budget=budget, compression=compression,
                           max_new_tokens=max_new_tokens, sampler=Sampler(temperature, top_p, seed))
@@ -653,4 +665,4 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
     return Result(text, trace)
 
 
-_RUN_ARGS = {"chat", "compression", "budget", "max_new_tokens", "temperature", "top_p", "seed"}
+_RUN_ARGS = {"chat", "compression", "budget", "max_new_tokens", "temperature", "top_p", "seed", "backend"}

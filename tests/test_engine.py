@@ -796,7 +796,7 @@ def test_run_names_its_own_keywords_and_refuses_what_it_would_ignore(tiny, tiny_
     """A typo of run()'s own keyword is not blamed on the policy alone; sampling settings without a temperature,
     and parameters beside a policy object, would be silently ignored: refused, saying what to do."""
     model, tokenizer = tiny
-    own = "budget, chat, compression, max_new_tokens, seed, temperature, top_p"
+    own = "backend, budget, chat, compression, max_new_tokens, seed, temperature, top_p"
     with pytest.raises(ValueError, match=f"has no parameter\\(s\\) budgt; .*; and run\\(\\) itself takes {own}"):
         kvviz.run(model, tokenizer, tiny_prompt, "inertia", budgt=10)
     with pytest.raises(ValueError, match="seed= shape sampling, and temperature 0 decodes greedily"):
