@@ -2125,7 +2125,7 @@ def test_numbers_too_large_for_a_float_are_refused_with_the_range_not_an_overflo
     assert check_sampling(0.6, 0.95, 2**53 - 1)["seed"] == 2**53 - 1
     with pytest.raises(ValueError, match=r"^the seed must be between 0 and 9007199254740991, got 9007199254740992"):
         check_sampling(0.6, 0.95, float(2**53))
-    with pytest.raises(ValueError, match="^temperature and top-p must be numbers"):
+    with pytest.raises(ValueError, match="^temperature must be a number, got 1000"):  # each argument by its name
         check_sampling(huge, 0.95, 0)
     with pytest.raises(ValueError, match="^compression must be a number, got 1000"):
         fraction("compression", huge)
@@ -2812,3 +2812,48 @@ def test_a_live_run_is_marked_as_the_earlier_inputs_once_they_change():
         "**Earlier inputs: the policy parameters changed")
     assert earlier_run_note(ran, view, NOT_RUN + "x", *ran_on) == gr.skip()
     assert earlier_run_note(None, view, "x", *ran_on) == earlier_run_note(ran, None, "x", *ran_on) == gr.skip()
+
+
+def test_every_endpoint_argument_of_a_wrong_type_is_refused_by_name(client, caplog):
+    """An API caller can send anything: a type that would run differently ("false" is truthy) or fail deep
+    inside is refused naming the argument, quoting at most a short excerpt of what was sent, and nothing
+    reaches the generic path (no logged traceback)."""
+    import logging
+
+    long_entry = "inertia " + "x" * 100_000
+    deep = "[" * 100_000 + "]" * 100_000
+    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+
+    widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
+    live = (TINY, PROMPT, "inertia", "budget", 0.5, 20, 4, False, *GREEDY, *widgets, "")  # as the page sends them
+    cases = [
+        ("/generate", dict(prompt=PROMPT, chat="false", model=TINY), "chat must be true or false, got text"),
+        ("/generate", dict(prompt=["a", "list"], model=TINY), "the prompt must be text, got a list"),
+        ("/generate", dict(prompt={"a": 1}, model=TINY), "the prompt must be text, got an object"),
+        ("/generate", dict(prompt=PROMPT, model=TINY, params=deep), "params is nested too deeply"),
+        ("/generate", dict(prompt=PROMPT, model=TINY, params=[1, 2]), "params must be a JSON object"),
+        ("/generate", dict(prompt=PROMPT, model=TINY, policy=["x" * 9999]), "unknown policy \\['x+\\.\\.\\.x+'\\]; choose"),
+        ("/generate", dict(prompt=PROMPT, model=["x"] * 1000), "model \\['x', 'x', 'x', 'x', ...\\] is not available"),
+        ("/generate", dict(prompt=PROMPT, model=TINY, compression=[0.5]), "compression must be a number, got a list"),
+        ("/generate", dict(prompt=PROMPT, model=TINY, max_new_tokens={"n": 4}), "max new tokens must be a whole"),
+        ("/generate", dict(prompt=PROMPT, model=TINY, temperature="hot"), "temperature must be a number"),
+        ("/compare", (TINY, PROMPT, ["tova", long_entry], "budget", 0.5, 20, 4, False, *GREEDY, ""),
+         "in 'inertia x+\\.\\.\\.x+', write each parameter as key=value"),
+        ("/compare", (TINY, PROMPT, ["tova", "h2o"], "budget", 0.5, 20, 4, "false", *GREEDY, ""),
+         "chat must be true or false"),
+        ("/live", (*live[:7], "no", *live[8:]), "chat must be true or false"),
+        ("/live", (*live[:6], [4], *live[7:]), "max new tokens must be a whole number, got a list"),
+        ("/probe", (TINY, PROMPT, ["inertia"], "yes", 4, 256), "chat must be true or false"),
+        ("/spectrum", (TINY, PROMPT, 1, 2, None), "chat must be true or false"),
+    ]
+    with caplog.at_level(logging.ERROR):
+        for api, inputs, message in cases:
+            with pytest.raises(Exception) as refusal:
+                if isinstance(inputs, dict):
+                    client.predict(**inputs, api_name=api)
+                else:
+                    client.predict(*inputs, api_name=api)
+            text = str(refusal.value)
+            assert re.search(message, text), (api, text[:300])
+            assert len(text) < 700, (api, len(text))  # the 100 KB entry is not echoed back whole
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]

@@ -10,6 +10,8 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from ..quote import excerpt
+
 from .avokv import AvoKVE
 from .base import Policy
 from .expected_attention import ExpectedAttention
@@ -74,7 +76,7 @@ class PolicySpec:
         unknown = sorted(set(params) - set(known))
         if unknown:
             raise ValueError(
-                f"policy {self.name!r} has no parameter(s) {', '.join(unknown)}; "
+                f"policy {self.name!r} has no parameter(s) {excerpt(', '.join(map(str, unknown)))}; "
                 f"it takes: {', '.join(sorted(known)) or 'none'}"
             )
         checked = {name: coerce(self.name, known[name], value) for name, value in params.items()}
@@ -100,7 +102,7 @@ def coerce(policy: str, parameter: dict[str, Any], value: Any) -> Any:
     name, default = parameter["name"], parameter["default"]
 
     def refuse(expected: str):
-        return ValueError(f"policy {policy!r}: {name} must be {expected}, got {value!r}")
+        return ValueError(f"policy {policy!r}: {name} must be {expected}, got {excerpt(value)}")
 
     if isinstance(default, bool):
         if isinstance(value, bool):
@@ -224,7 +226,7 @@ def get_spec(name: str) -> PolicySpec:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):  # TypeError: not a name at all (a list, from an API call)
-        raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(REGISTRY)}") from None
+        raise ValueError(f"unknown policy {excerpt(name)}; choose one of: {', '.join(REGISTRY)}") from None
 
 
 def default_params() -> dict[str, dict[str, Any]]:
@@ -252,17 +254,17 @@ def build_setting(text: str) -> tuple[str, Policy]:
         key, sep, value = pair.partition("=")
         if not (sep and key and value):
             # not starting with a quote: the app's toast drops a leading one
-            raise ValueError(f"in {text!r}, write each parameter as key=value after the policy's name, e.g. "
+            raise ValueError(f"in {excerpt(text)}, write each parameter as key=value after the policy's name, e.g. "
                              "'inertia alpha=0.5'")
         if key in params:
-            raise ValueError(f"the setting {text!r} sets {key} twice; keep one")
+            raise ValueError(f"the setting {excerpt(text)} sets {excerpt(key)} twice; keep one")
         params[key] = value
     try:
         policy = get_spec(name).build(**params)
     except ValueError as error:  # beside another entry of the same policy, say which one is wrong
         if not params:
             raise
-        raise ValueError(f"in {text.strip()!r}: {error}") from None
+        raise ValueError(f"in {excerpt(text.strip())}: {error}") from None
     return setting_label(policy), policy
 
 

@@ -33,6 +33,7 @@ from ..policies import REGISTRY, Policy, build_setting, setting_label, shown_val
 from ..policies.checkpointed import CheckpointPolicy
 from ..store import Store
 from ..tasks.examples import EXAMPLES
+from ..quote import excerpt, kind
 from ..trace import Trace, budget_note, checkpoint_note, model_dtype, run_note, sampling_note, time_split
 from .analyses import (MAX_PROBE_SAMPLE, make_probe_check, make_probe_handler, make_spectrum_check,
                        make_spectrum_handler)
@@ -1262,6 +1263,9 @@ def make_generate_api(limits: Limits):
         """
         try:
             # the JSON text the signature asks for; an object sent as itself means the same
+            if not isinstance(params, (dict, str)) and params is not None:
+                raise ValueError(f"params must be a JSON object of policy parameters, got {kind(params)} "
+                                 f"({excerpt(params)})")
             values = params if isinstance(params, dict) else json.loads(params or "{}")
             if not isinstance(values, dict):
                 raise ValueError("params must be a JSON object of policy parameters")
@@ -1273,6 +1277,8 @@ def make_generate_api(limits: Limits):
         except json.JSONDecodeError as error:
             raise refused(f"params is not valid JSON ({error}); send an object such as "
                           '{"alpha": 0.9}') from None
+        except RecursionError:  # JSON nested thousands deep: no policy parameter is
+            raise refused('params is nested too deeply; send a flat object such as {"alpha": 0.9}') from None
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:

@@ -22,6 +22,7 @@ from ..models import load_model, load_tokenizer
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label
 from ..policies.base import BudgetTooSmall
 from ..policies.checkpointed import CheckpointPolicy
+from ..quote import excerpt, kind
 from .config import Limits
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ def policy_from_inputs(name: str, values: dict, strict: bool = False) -> Policy:
     ``strict=False`` (the widgets): values of other policies' parameters are hidden widgets, ignored.
     ``strict=True`` (the API's JSON): a parameter this policy does not have is an error, not a no-op.
     """
+    if not isinstance(values, dict):
+        raise ValueError(f"the policy's parameters must be an object of names and values, got {kind(values)} "
+                         f"({excerpt(values)})")
     spec = get_spec(name)
     if not strict:
         values = used_parameters(spec, values)
@@ -116,15 +120,17 @@ def whole_number(label: str, value, low: int, high: int | None = None) -> int:
     """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused."""
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ValueError(f"{label} is empty; type a whole number")
+    if not isinstance(value, (int, float, str)):
+        raise ValueError(f"{label} must be a whole number, got {kind(value)} ({excerpt(value)})")
     if isinstance(value, int):  # exactly: through a float, 2**63 - 1 read as 2**63 and a 400-digit one overflowed
         number = int(value)  # True is 1
     else:
         try:
             number = float(value)
         except (TypeError, ValueError, OverflowError):
-            raise ValueError(f"{label} must be a whole number, got {value!r}") from None
+            raise ValueError(f"{label} must be a whole number, got {excerpt(value)}") from None
         if not math.isfinite(number) or number != int(number):
-            raise ValueError(f"{label} must be a whole number, got {value!r}")
+            raise ValueError(f"{label} must be a whole number, got {excerpt(value)}")
         number = int(number)
     if number < low or (high is not None and number > high):
         raise ValueError(f"{label} must be between {low} and {high}, got {number}" if high is not None
@@ -133,15 +139,35 @@ def whole_number(label: str, value, low: int, high: int | None = None) -> int:
 
 
 def fraction(label: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):  # float(True) would be 1.0
+        raise ValueError(f"{label} must be a number, got {kind(value)} ({excerpt(value)})")
     try:
         return float(value)
     except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
-        raise ValueError(f"{label} must be a number, got {value!r}") from None
+        raise ValueError(f"{label} must be a number, got {excerpt(value)}") from None
+
+
+def flag(label: str, value) -> bool:
+    """A switch sent to the API: true or false itself, never the text "false" (which is truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{label} must be true or false, got {kind(value)} ({excerpt(value)})")
+    return value
+
+
+def served_model(limits: Limits, model_name) -> str:
+    if not isinstance(model_name, str) or model_name not in limits.models:
+        raise ValueError(f"model {excerpt(model_name)} is not available here; choose one of {', '.join(limits.models)}")
+    return model_name
+
+
+MAX_MESSAGE = 600  # characters of a refusal: a message that quotes a long input keeps its start and its advice
 
 
 def refused(message: str) -> gr.Error:
     """What the user must change, in a toast that stays until closed: a timed one is easily missed while
     watching the plots, and the outputs then show a bare "Error"."""
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE - 200] + " [...] " + message[-190:]
     return gr.Error(message, duration=None, print_exception=False)
 
 
@@ -195,10 +221,8 @@ MAX_TEMPERATURE = 2.0  # the app's: its slider's end (the library takes any)
 
 def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
     """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
-    try:
-        temperature, top_p = float(temperature or 0.0), float(1.0 if top_p is None else top_p)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"temperature and top-p must be numbers, got {temperature!r} and {top_p!r}") from None
+    temperature = fraction("temperature", temperature or 0.0)
+    top_p = fraction("top-p", 1.0 if top_p is None else top_p)
     if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
         raise ValueError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature:g}")
     if not 0.0 < top_p <= 1.0:
@@ -213,7 +237,9 @@ def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
 
 def check_prompt_text(prompt) -> None:
     """Refuse an empty prompt, or one that is not text a tokenizer takes, before anything loads."""
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str):
+        raise ValueError(f"the prompt must be text, got {kind(prompt)} ({excerpt(prompt)})")
+    if not prompt.strip():
         raise ValueError("the prompt is empty; type or paste some text")
     try:
         prompt.encode("utf-8")
@@ -224,11 +250,10 @@ def check_prompt_text(prompt) -> None:
 
 def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: str, max_new_tokens: float) -> int:
     """What can be checked without the model; returns max new tokens.  Raises ValueError with what to change."""
-    if model_name not in limits.models:
-        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
+    served_model(limits, model_name)
     check_prompt_text(prompt)
-    if budget_mode not in ("compression", "budget"):
-        raise ValueError(f"size the cache by 'compression' or 'budget', got {budget_mode!r}")
+    if not isinstance(budget_mode, str) or budget_mode not in ("compression", "budget"):
+        raise ValueError(f"size the cache by 'compression' or 'budget', got {excerpt(budget_mode)}")
     return whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
 
 
@@ -237,6 +262,7 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
              seed: float = 0) -> Request:
     """Check everything before any work; raise ValueError with what to change."""
     max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
+    chat = flag("chat", chat)
     sampling = check_sampling(temperature, top_p, seed)
     # the typed numbers too, before a model load that can take minutes
     if budget_mode == "budget":
@@ -332,9 +358,9 @@ def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, bu
 def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
     """The loaded model, its tokenizer and the prompt's ids, for the on-demand analyses (probe, spectrum);
     raises ValueError with what to change."""
-    if model_name not in limits.models:
-        raise ValueError(f"model {model_name!r} is not available here; choose one of {', '.join(limits.models)}")
+    served_model(limits, model_name)
     check_prompt_text(prompt)  # before a model load that can take minutes
+    chat = flag("chat", chat)
     model, tokenizer = get_model(limits, model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
@@ -353,7 +379,7 @@ def policy_settings(entries, fewest: int, what: str) -> dict[str, str]:
         entries = [entries]
     if not isinstance(entries, (list, tuple)) or not all(isinstance(entry, str) for entry in entries):
         raise ValueError(f"give the policies as a list of names or settings such as 'inertia alpha=0.5', got "
-                         f"{entries!r:.80}")
+                         f"{excerpt(entries)}")
     settings, repeats = distinct_settings(entries)
     if len(settings) < fewest and repeats:
         entry, first, label = repeats[0]
