@@ -1,0 +1,235 @@
+"""The static backend (kvviz.backend) gives the hook engine's events: tokens, kept and evicted positions at
+every step, utility and raw scores to float32 rounding, text, for every policy it runs, greedy and sampled
+(float32, tiny random models of each supported family)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvviz
+from kvviz import backend
+from kvviz.backend import scorers
+from kvviz.backend.sampling import DeviceSampler
+from kvviz.backend.static import StaticBackend
+from kvviz.engine import Sampler, decode
+from kvviz.models import tiny_model
+from kvviz.policies import build_setting
+from kvviz.policies.base import lowest
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+# Every every-step setting the registry offers (each InertiaKV scorer, aggregation, layer subset and refresh),
+# and the baselines; id -> setting as typed.
+SETTINGS = {
+    "inertia": "inertia", "inertia-lazy": "inertia-lazy", "score-free": "score-free", "single-step": "single-step",
+    "cumulative": "cumulative", "inertia-vnorm": "inertia-vnorm", "inertia-entropy": "inertia-entropy",
+    "inertia-keydiff": "inertia-keydiff", "inertia-knorm": "inertia-knorm", "inertia-recency": "inertia-recency",
+    "inertia-layers-0-2": "inertia layers=0,2", "inertia-decoupled": "inertia-decoupled",
+    "inertia-decoupled-last-2": "inertia-decoupled layer_weighting=last last_k=2 refresh=3",
+    "tova": "tova", "h2o": "h2o", "streaming": "streaming", "keydiff": "keydiff", "knorm": "knorm",
+    "recency": "recency", "random": "random seed=5", "full": "full",
+}
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 3}
+TEXT = ("The quick brown fox jumps over the lazy dog. The passkey is 71432. Remember it. "
+        "Grass is green, the sky is blue. What is the passkey? ")
+
+
+@pytest.fixture(scope="module")
+def models():
+    """One tiny model per family, built here (not load_model's): Qwen3's QK-norm weights are drawn at random,
+    as trained ones differ from 1; left at their init of 1 every key has the same norm up to rounding, and
+    K-norm's utilities tie to the last bit, where rounding, not the rule, decides."""
+    built = {}
+    generator = torch.Generator().manual_seed(0)
+    for family in FAMILIES:
+        model, tokenizer = tiny_model(family)
+        if family == "qwen3":
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                        norm.weight.copy_(torch.rand(norm.weight.shape, generator=generator) + 0.5)
+        built[family] = (model, tokenizer, tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+    return built
+
+
+def close(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Both absent, or equal to float32 rounding of the attention (the two paths sum in other orders)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and np.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def first_difference(reference: list, static: list) -> str | None:
+    """Where two runs' events first differ (step and field), None if nowhere: tokens, text and position sets
+    exactly, utility and raw scores to rounding."""
+    for ours, theirs in zip(reference, static):
+        for name in ("step", "token_id", "new_token_id", "text", "scored"):
+            if getattr(ours, name) != getattr(theirs, name):
+                return f"step {ours.step}: {name} {getattr(ours, name)!r} != {getattr(theirs, name)!r}"
+        for name in ("kept", "evicted"):
+            if not np.array_equal(getattr(ours, name), getattr(theirs, name)):
+                return f"step {ours.step}: {name} differ"
+        for name in ("utility", "raw"):
+            if not close(getattr(ours, name), getattr(theirs, name)):
+                return f"step {ours.step}: {name} differ"
+    if len(reference) != len(static):
+        return f"{len(reference)} events != {len(static)}"
+    return None
+
+
+def both(model, tokenizer, prompt, setting: str, budget: int, steps: int, sampling: dict | None = None,
+         **options) -> tuple[list, list]:
+    """The engine's events and the static backend's, each with a fresh policy of ``setting``."""
+    sampling = sampling or {}
+    reference = list(decode(model, tokenizer, prompt, build_setting(setting)[1], budget=budget,
+                            max_new_tokens=steps, sampler=Sampler(**sampling)))
+    static = list(StaticBackend(model, build_setting(setting)[1]).stream(tokenizer, prompt, budget=budget,
+                                                                          max_new_tokens=steps, **sampling, **options))
+    return reference, static
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS.values()), ids=list(SETTINGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_backend_gives_the_engines_events_greedy_and_sampled(models, family, setting):
+    """Budget 20 of a 56-token prompt: step 1 frees 37 entries at once, then one per step."""
+    model, tokenizer, prompt = models[family]
+    for sampling, steps in ((None, 16), (SAMPLED, 10)):
+        reference, static = both(model, tokenizer, prompt, setting, 20, steps, sampling)
+        assert len(static) == steps and first_difference(reference, static) is None, (sampling, first_difference(
+            reference, static))
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS.values()), ids=list(SETTINGS))
+def test_a_budget_above_the_prompt_grows_the_cache_then_evicts_as_the_engine(models, setting):
+    """Budget 66 of 56 tokens: 10 steps add a slot each without evicting, then the cache holds B + 1 slots."""
+    model, tokenizer, prompt = models["qwen2"]
+    assert len(prompt) == 56
+    reference, static = both(model, tokenizer, prompt, setting, 66, 18)
+    assert first_difference(reference, static) is None
+    assert [len(e.evicted) for e in static[1:]] == ([0] * 17 if setting == "full" else [0] * 10 + [1] * 7)
+
+
+@pytest.mark.parametrize("family, setting", [("llama", "score-free"), ("qwen3", "h2o"), ("mistral", "random")])
+def test_backend_equals_the_engine_over_hundreds_of_steps_at_a_tiny_budget(models, family, setting):
+    """256 steps at B = 5: every step an eviction among 6 slots, Score-Free's ulp-close entering means, H2O's
+    window, Random's slot order after hundreds of moves."""
+    model, tokenizer, prompt = models[family]
+    reference, static = both(model, tokenizer, prompt, setting, 5, 256)
+    assert len(static) == 256 and first_difference(reference, static) is None
+
+
+def test_events_every_k_steps_keep_every_steps_positions_and_every_kth_utility(models):
+    model, tokenizer, prompt = models["llama"]
+    reference, static = both(model, tokenizer, prompt, "h2o", 20, 15, events_every=4)
+    assert [e.new_token_id for e in static] == [e.new_token_id for e in reference]
+    assert all(np.array_equal(a.kept, b.kept) and np.array_equal(a.evicted, b.evicted)
+               for a, b in zip(reference, static))
+    # read at steps 0, 4, 8, 12 and the last (14), and step 1, which frees many at once and syncs anyway
+    assert [e.step for e in static if e.utility is not None] == [0, 1, 4, 8, 12, 14]
+    assert all(close(a.utility, b.utility) and close(a.raw, b.raw) for a, b in zip(reference, static)
+               if b.utility is not None)
+    with pytest.raises(ValueError, match="events_every must be at least 1"):
+        next(StaticBackend(model, kvviz.make_policy("h2o")).stream(tokenizer, prompt, budget=20, events_every=0))
+
+
+# -- the comparison can fail -----------------------------------------------------------------------------
+
+def test_the_comparison_detects_a_layer_whose_ema_is_skipped(models, monkeypatch):
+    model, tokenizer, prompt = models["llama"]
+    observe = scorers.Inertia.observe
+    monkeypatch.setattr(scorers.Inertia, "observe",
+                        lambda self, view, positions: None if view.layer == 1 else observe(self, view, positions))
+    assert first_difference(*both(model, tokenizer, prompt, "inertia", 20, 20)) is not None
+
+
+def test_the_comparison_detects_a_lazy_token_entering_at_zero_instead_of_the_mean(models, monkeypatch):
+    model, tokenizer, prompt = models["llama"]
+    begin = scorers.Inertia.begin
+    monkeypatch.setattr(scorers.Inertia, "begin", lambda self, scoring, free, slots: begin(self, True, free, slots))
+    assert first_difference(*both(model, tokenizer, prompt, "inertia-lazy", 20, 20)) is not None
+
+
+def test_the_comparison_detects_random_drawn_over_the_static_slots_not_the_engines(models, monkeypatch):
+    model, tokenizer, prompt = models["llama"]
+    monkeypatch.setattr(scorers.Uniform, "evict", lambda self, positions, count: torch.randperm(
+        positions.numel(), generator=self.generator)[:count])  # the engine's draw, read as a static slot
+    assert first_difference(*both(model, tokenizer, prompt, "random", 20, 20)) is not None
+
+
+def test_the_comparison_detects_ties_broken_toward_the_newer_entry(monkeypatch):
+    """K-norm on a QK-normed model left at unit norm weights: every key has the same norm, every utility the
+    same up to rounding.  Breaking those ties toward the newer entry (the engine: the older) shows."""
+    model, tokenizer = tiny_model("qwen3")
+    prompt = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+
+    def newest_first(utility, positions, count):
+        if count != 1:
+            return lowest(utility, positions, count)
+        ties = utility <= utility.min() + 1e-5  # within rounding of the lowest
+        return torch.where(ties, positions, -1).argmax().reshape(1)
+
+    monkeypatch.setattr(scorers, "lowest", newest_first)
+    assert first_difference(*both(model, tokenizer, prompt, "knorm", 20, 12)) is not None
+
+
+# -- sampling ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.3, 0.8), (1e-38, 0.9), (0.0, 1.0)])
+def test_device_sampling_draws_the_engine_samplers_tokens(temperature, top_p):
+    """Same rule, same generator type and seed on the CPU: the same token at every draw (1e-38: logits / T
+    overflow, the shifted float64 fallback)."""
+    logits = torch.randn(50, 320, generator=torch.Generator().manual_seed(1)) * 4
+    engine_sampler, device_sampler = Sampler(temperature, top_p, 11), DeviceSampler(temperature, top_p, 11)
+    assert [engine_sampler(row) for row in logits] == [int(device_sampler(row)) for row in logits]
+
+
+def test_device_sampler_refuses_what_the_engine_refuses():
+    with pytest.raises(ValueError, match="top_p must be in"):
+        DeviceSampler(0.5, 0.0)
+
+
+# -- dispatch ----------------------------------------------------------------------------------------------
+
+def test_auto_stays_on_the_engine_on_a_cpu_and_static_refuses_by_name(models):
+    model = models["llama"][0]
+    assert backend.choose(model, kvviz.make_policy("tova")) == "engine"
+    assert backend.choose(model, kvviz.make_policy("tova"), "static") == "static"
+    assert backend.choose(model, kvviz.make_policy("tova"), device="cuda") == "static"
+    assert backend.choose(model, kvviz.make_policy("avokv"), device="cuda") == "engine"
+    for name, why in (("avokv", "AvoKV-E is checkpointed"), ("rkv", "R-KV is checkpointed"),
+                      ("lazyeviction", "LazyEviction is checkpointed"), ("snapkv", "SnapKV is prefill-time"),
+                      ("kvzip", "KVzip is prefill-time"), ("expected-attention", "Expected Attention"),
+                      ("expected-attention-decode", "Expected Attention")):
+        assert not backend.supports(model, kvviz.make_policy(name))
+        with pytest.raises(ValueError, match=f"backend='static' cannot run .*{why}"):
+            backend.choose(model, kvviz.make_policy(name), "static")
+        with pytest.raises(ValueError, match=why):
+            StaticBackend(model, kvviz.make_policy(name))
+    with pytest.raises(ValueError, match="backend must be one of auto, engine, static"):
+        backend.choose(model, kvviz.make_policy("tova"), "gpu")
+
+
+def test_a_subclass_and_an_unsupported_family_are_refused(models):
+    from dataclasses import dataclass
+
+    from kvviz.policies.tova import TOVA
+
+    @dataclass
+    class Mine(TOVA):
+        pass
+
+    assert "not a policy it knows" in backend.refusal(models["llama"][0], Mine())
+    gemma, _ = tiny_model("gemma")
+    assert "not 'gemma'" in backend.refusal(gemma, kvviz.make_policy("tova"))
+    assert backend.choose(gemma, kvviz.make_policy("tova"), device="cuda") == "engine"
+
+
+def test_run_with_the_static_backend_gives_the_engines_trace(models):
+    model, tokenizer, prompt = models["mistral"]
+    engine_run = kvviz.run(model, tokenizer, prompt, "knorm", budget=16, max_new_tokens=10, backend="engine")
+    static_run = kvviz.run(model, tokenizer, prompt, "knorm", budget=16, max_new_tokens=10, backend="static")
+    assert static_run.text == engine_run.text and static_run.trace.meta() == engine_run.trace.meta()
+    assert first_difference(engine_run.trace.events, static_run.trace.events) is None
+    with pytest.raises(ValueError, match="SnapKV is prefill-time"):
+        kvviz.run(model, tokenizer, prompt, "snapkv", budget=16, backend="static")
