@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import socket
 import tempfile
 from pathlib import Path
 
@@ -17,16 +16,11 @@ import pytest
 import kvviz
 from kvviz.ui.config import Limits
 from kvviz.ui.figures import EMPTY, FOLLOW_COLORS, STEP_MARKER_COLOR, RunView
+from servers import free_port, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "tiny-random-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog. The passkey is 71432. Remember it. " * 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +34,9 @@ def client():
                     host="127.0.0.1", port=free_port())
     app = build_app(limits)
     app.queue(default_concurrency_limit=1, max_size=limits.queue_size)
-    app.launch(server_name=limits.host, server_port=limits.port, prevent_thread_lock=True, quiet=True)
+    url = serve(app, limits.port)
     try:
-        yield Client(f"http://127.0.0.1:{limits.port}/", verbose=False)
+        yield Client(url, verbose=False)
     finally:
         app.close()
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from kvviz.ui.config import Limits
+from servers import free_port, serve
 
 CHROMIUM = shutil.which("chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -27,9 +27,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is n
 def app_url():
     from kvviz.ui.app import build_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # Room for a run long enough that Stop always lands before it ends (the tiny model decodes 500 tokens in
     # seconds, and on a loaded machine the page can be slower than that).  Two redraws a second, not ten:
     # headless software-rendered Chromium on a loaded 2-core machine takes up to seconds to answer a click
@@ -38,9 +36,9 @@ def app_url():
                     figures_per_second=2)
     app = build_app(limits)
     app.queue(default_concurrency_limit=1, max_size=8)
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = serve(app, port)
     try:
-        yield f"http://127.0.0.1:{port}/"
+        yield url
     finally:
         app.close()
 

@@ -17,6 +17,7 @@ import pytest
 
 from kvviz.bench import ranking, sweep
 from kvviz.store import HELD_OVER_WHY, Store, setting_names
+from servers import free_port, serve
 
 CONFIG = Path(__file__).parent / "fixtures" / "sweep_tiny.toml"
 
@@ -374,7 +375,6 @@ def test_results_paper_prints_csv_and_refuses_filters_it_would_not_apply(tmp_pat
 
 
 def test_results_tab_filters_change_the_figure_data(tmp_path):
-    import socket
 
     from gradio_client import Client
 
@@ -383,14 +383,12 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
     from kvviz.ui.results import SECTIONS
 
     store = handmade_store(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = build_app(Limits(models=("tiny-random-llama",), port=port), store=store)
     app.queue()
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = serve(app, port)
     try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        client = Client(url, verbose=False)
         everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, [], api_name="/results")
         only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, [],
                                    api_name="/results")
