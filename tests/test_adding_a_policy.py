@@ -1,4 +1,4 @@
-"""The README's "Adding a policy", run as written: its file and registry line make a policy that the registry,
+"""docs/policies.md's "Adding a policy", run as written: its file and registry line make a policy that the registry,
 the CLI and the engine's own checks take like any other, and that keeps what its docstring says.
 
 Also the registry's and the base class's refusals of the mistakes a new policy is likely to make.
@@ -23,13 +23,13 @@ from kvviz.policies.base import StepScorePolicy, param
 
 from conftest import TEXT
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+POLICIES_DOC = (Path(__file__).resolve().parent.parent / "docs" / "policies.md").read_text()
 NAME = "value-norm"
 
 
 def readme_example() -> tuple[str, str]:
     """The section's one Python block, split into the policy's file and its registry line."""
-    section = README.split("\n## Adding a policy\n", 1)[1].split("\n## ", 1)[0]
+    section = POLICIES_DOC.split("\n## Adding a policy\n", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     file_part, sep, entry = block.partition("\nPolicySpec(")
     assert sep, "the example ends with its registry line, PolicySpec(...)"
@@ -38,11 +38,11 @@ def readme_example() -> tuple[str, str]:
 
 @pytest.fixture
 def registered(monkeypatch):
-    """The README's policy class, its spec registered under its name for this test only."""
+    """The docs' policy class, its spec registered under its name for this test only."""
     file_part, entry = readme_example()
     module = types.ModuleType("kvviz_readme_value_norm")  # a module of its own, as the file would be
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(file_part, "README.md (Adding a policy)", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(file_part, "docs/policies.md (Adding a policy)", "exec"), module.__dict__)  # noqa: S102
     spec = eval(entry, {**module.__dict__, "PolicySpec": PolicySpec})  # noqa: S307
     assert isinstance(spec, PolicySpec) and spec.name == NAME
     monkeypatch.setitem(REGISTRY, NAME, spec)

@@ -391,10 +391,13 @@ def test_every_option_has_help_that_names_its_default():
 
 
 def readme_cli_lines() -> list[str]:
-    """The command lines of the README's Command line section, comment lines left out."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", readme.split("\n## Command line\n", 1)[1], flags=re.S).group(1)
-    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    """The command lines of the README's Command line section, then of docs/cli.md's Examples, comment lines
+    left out."""
+    root = Path(__file__).resolve().parent.parent
+    readme, cli = (root / "README.md").read_text(), (root / "docs" / "cli.md").read_text()
+    blocks = [re.search(r"```bash\n(.*?)```", text.split(f"\n## {heading}\n", 1)[1], flags=re.S).group(1)
+              for text, heading in ((readme, "Command line"), (cli, "Examples"))]
+    return [line for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 
 def test_the_readmes_command_lines_parse_and_make_every_file_they_read(tmp_path):

@@ -1,4 +1,5 @@
-"""The README's examples, run as written on the default model: each shows eviction at a meaningful budget."""
+"""The README's examples and docs/library.md's, run as written on the default model: each shows eviction at a
+meaningful budget."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import kvviz
 
 pytestmark = pytest.mark.default_model
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+LIBRARY = (ROOT / "docs" / "library.md").read_text()
 
 
 def library_blocks() -> list[str]:
-    """The Python code blocks of the README's Library section, in order."""
+    """The Python code blocks of the README's Library section, then those of docs/library.md, in order."""
     section = README.split("\n## Library\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", section + LIBRARY, flags=re.S)
 
 
 def test_the_first_cli_and_library_examples_keep_a_meaningful_budget(default_model):
@@ -49,7 +52,7 @@ def test_the_attach_example_evicts_as_printed(default_model):
     scope = {"kvviz": kvviz, "model": model, "tokenizer": tokenizer}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(code, scope)  # noqa: S102 -- the README's own example
+        exec(code, scope)  # noqa: S102 -- the docs' own example
     cache, ids, out = scope["cache"], scope["ids"], scope["out"]
     kept = cache.events[-1].kept
     assert cache.budget < ids.shape[1] and kept.size == cache.budget

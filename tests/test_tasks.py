@@ -153,8 +153,8 @@ def test_records_from_elsewhere_are_named_by_index_and_other_benchmarks_are_chec
 
 
 def test_longbench_prompts_are_documented_as_one_generic_template():
-    """Scores on these prompts must not be read as LongBench's: the docstring and README say so."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """Scores on these prompts must not be read as LongBench's: the docstring and docs/sweeps.md say so."""
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "sweeps.md").read_text()
     assert "generic prompt template" in longbench.__doc__ and "not LongBench's per-task templates" in longbench.__doc__
     assert "not comparable with the numbers LongBench papers report" in " ".join(readme.split())
     sample = longbench([{"context": "C", "input": "Q", "answers": ["A"]}], "hotpotqa")[0]
