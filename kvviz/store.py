@@ -13,7 +13,9 @@ prompt never count as independent samples (a greedy sweep's rows are unchanged).
 
 Two derived columns keep comparisons honest: ``setting`` (the parameters a row changes from its policy's
 registry defaults, ``'{}'`` at the defaults; read from every parameter it ran with, ``policy_params``, where the
-row records them, else from those its config spelled out) keeps α and refresh sweeps out of the per-policy curves, and
+row records them, else from those its config spelled out; a parameter added to the policy since the row was
+written, R-KV's ``pooling``, at the value that row ran, ``"head-mean"``) keeps α and refresh sweeps out of the
+per-policy curves, and
 ``suite`` (the benchmark a task belongs to: the RULER-style generators -> ``RULER``) pairs measured tasks
 with a paper's aggregate.  A row's ``policy`` is the registry name that states what it ran with the fewest
 changes, as the Compare tab labels a setting (:func:`kvviz.policies.setting_label`): ``inertia`` run with
@@ -99,6 +101,15 @@ def policy_defaults() -> dict[str, dict[str, Any]]:
     from .policies import default_params
 
     return default_params()
+
+
+def policy_added_parameters() -> dict[str, dict[str, Any]]:
+    """Each registered name's parameters added after rows were stored, with the value each row without it ran
+    (:attr:`kvviz.policies.base.Policy.added_parameters`: R-KV's ``pooling``, ``"head-mean"``); names whose
+    parameters all date from their first rows are left out."""
+    from .policies import REGISTRY
+
+    return {name: dict(spec.cls.added_parameters) for name, spec in REGISTRY.items() if spec.cls.added_parameters}
 
 
 def policy_kinds() -> dict[str, str]:
@@ -222,9 +233,11 @@ class Store:
     """Read-only access to the measured (and paper-reported) rows."""
 
     def __init__(self, root: str | Path = ROOT, defaults: dict[str, dict[str, Any]] | None = None,
-                 kinds: dict[str, str] | None = None):
+                 kinds: dict[str, str] | None = None, added: dict[str, dict[str, Any]] | None = None):
         self.root = Path(root)
         self.defaults = policy_defaults() if defaults is None else defaults
+        # name -> the parameters added since rows were stored, with the value a measured row without them ran
+        self.added = policy_added_parameters() if added is None else added
         # name -> class: which names can state one another's settings (a name without one is its own kind)
         self.kinds = policy_kinds() if kinds is None else kinds
         self._named: dict[tuple, tuple[str | None, str]] = {}
@@ -269,10 +282,17 @@ class Store:
         # the ones its config spelled out (the rest were the defaults of the day).
         select = ", ".join(f'{read(name, kind)} AS "{name}"' for name, kind in COLUMNS.items()
                            if name not in (*GENERATION, "params", "policy_params"))
-        select += ', coalesce(value."policy_params", value."params") AS "params"'
+        # A measured row whose parameters lack one added to its policy since ran the value from before it
+        # (R-KV's rows from before ``pooling`` ran "head-mean", not today's default): named in its params, so
+        # that the new default cannot take the old row in.  A paper's rows are the paper's own method.
+        measured = """json_extract_string(value."source", '$') = 'measured'"""  # papers print no such settings
+        as_run = 'coalesce(value."policy_params", value."params")'
+        earlier = " ".join(f"""WHEN {measured} AND json_extract_string(value."policy", '$') = {_literal(name)} """
+                           f"THEN json_merge_patch({_literal(json.dumps(values))}, coalesce({as_run}, '{{}}'))"
+                           for name, values in self.added.items())
+        select += f', CASE {earlier} ELSE {as_run} END AS "params"' if earlier else f', {as_run} AS "params"'
         # Rows written before they carried their generation settings take them from their sweep's config, and
         # failing that the runner's defaults (counted in unknown_settings and reported below).
-        measured = """json_extract_string(value."source", '$') = 'measured'"""  # papers print no such settings
         select += ", " + ", ".join(f'CASE WHEN {measured} THEN coalesce({read(name, COLUMNS[name])}, '
                                    f'settings."{name}", {_literal(default)}) END AS "{name}"'
                                    for name, default in GENERATION.items())

@@ -249,9 +249,10 @@ def test_avokv_payload_is_normalised_by_the_true_median():
 
 
 def test_rkv_keep_rule_on_a_hand_made_cache():
-    # window 2 protects {5, 6}; candidates {0..4}; kernel 1 (no pooling); zero query -> equal importance 1/7.
+    # window 2 protects {5, 6}; candidates {0..4}; kernel 1 (no pooling); zero query -> equal importance, 1/5
+    # (the softmax runs over the five candidates alone; 1/7 over all seven keys with pooling="head-mean").
     # Mean cosine to the other candidates: 0 -> (1 + 0 + 0 - 1)/4 = 0, 1 -> 0, 2 -> .25, 3 -> .25, 4 -> -.5;
-    # softmax -> redundancy highest for 2, 3, then 0, 1, lowest for 4.  score = .1/7 - .9 * redundancy.
+    # softmax -> redundancy highest for 2, 3, then 0, 1, lowest for 4.  score = .1/5 - .9 * redundancy.
     # Keep B - |P| = 2: 4, then one of the tied 0/1 (the older, 0, is evicted first).
     policy = make_policy("rkv", interval=1, window=2, kernel=1, observe_window=2)
     policy.reset(6, 4, 1)
@@ -262,7 +263,7 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
     assert set(range(7)) - set(positions[drop].tolist()) == {1, 4, 5, 6}
     terms = {name: np.array(values.tolist()) for name, values in policy.components(positions).items()}
     assert set(terms) == {"importance", "redundancy", "score"}
-    assert np.isnan(terms["score"][5:]).all() and terms["importance"][:5] == pytest.approx([1 / 7] * 5)
+    assert np.isnan(terms["score"][5:]).all() and terms["importance"][:5] == pytest.approx([1 / 5] * 5)
     assert terms["score"][:5] == pytest.approx(0.1 * terms["importance"][:5] - 0.9 * terms["redundancy"][:5])
     assert terms["redundancy"][2] == terms["redundancy"][3] > terms["redundancy"][0] > terms["redundancy"][4]
     # the softmax of the mean cosines (0, 0, .25, .25, -.5) itself
@@ -273,10 +274,10 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
 
 def test_rkv_max_pools_importance_over_neighbouring_positions_not_slots():
     """Five candidates at positions 0..4 held in shuffled slots, the newest (5) protected by window 1.  One
-    query [1, 0] at scale 1 against keys [log w, 0] gives attention w / sum(w): w = (.1, .5, .2, .05, .15) for
-    positions 0..4 and 1 for position 5, so a = (.05, .25, .1, .025, .075).  Max-pooled over 3 neighbouring
-    positions (the ends padded by nothing): (.25, .25, .25, .1, .075).  Pooled over the slots' order (positions
-    3, 0, 4, 1, 2) it would be (.075, .25, .25, .05, .25) by position."""
+    query [1, 0] at scale 1 against keys [log w, 0] gives attention w / sum(w) over the candidates: w = (.1, .5,
+    .2, .05, .15) for positions 0..4 (1 for position 5, in the window, which takes no share), so a = w.
+    Max-pooled over 3 neighbouring positions (the ends padded by nothing): (.5, .5, .5, .2, .15).  Pooled over
+    the slots' order (positions 3, 0, 4, 1, 2) it would be (.15, .5, .5, .1, .5) by position."""
     weights = {0: 0.1, 1: 0.5, 2: 0.2, 3: 0.05, 4: 0.15, 5: 1.0}
     slots = torch.tensor([3, 0, 4, 1, 2, 5])  # slot -> position; the newest last, as a new token is written
     keys = torch.tensor([[[float(np.log(weights[p])), 0.0] for p in slots.tolist()]])
@@ -287,7 +288,7 @@ def test_rkv_max_pools_importance_over_neighbouring_positions_not_slots():
     policy.select_evictions(1, slots, 4)
     importance = policy.components(slots)["importance"]
     by_position = {p: float(v) for p, v in zip(slots.tolist(), importance.tolist())}
-    assert [by_position[p] for p in range(5)] == pytest.approx([0.25, 0.25, 0.25, 0.1, 0.075])
+    assert [by_position[p] for p in range(5)] == pytest.approx([0.5, 0.5, 0.5, 0.2, 0.15])
     assert np.isnan(by_position[5])  # protected: never judged
 
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 
 from kvviz.policies import make_policy, setting_label
-from kvviz.store import QUALITY_METRICS, RANKING_METRICS, ROOT, Store, setting_names
+from kvviz.store import QUALITY_METRICS, RANKING_METRICS, ROOT, Store, policy_added_parameters, setting_names
 from kvviz.ui.results import Colours, query
 
 
@@ -129,7 +129,8 @@ def test_policies_at_their_defaults_are_clearly_distinct(store, colours):
 def test_other_settings_are_shades_of_their_policys_colour_with_a_marker_each(store, colours):
     settings = settings_of(store)
     policies = store.options("policy")
-    assert {"inertia alpha=0.9", "avokv interval=16", "rkv interval=16"} <= set(settings)
+    # the shipped R-KV rows ran before its pooling parameter, with the head means
+    assert {"inertia alpha=0.9", "avokv interval=16", "rkv interval=16 pooling=head-mean"} <= set(settings)
     by_policy = defaultdict(list)
     for name, policy in settings.items():
         colour, own = colours(name), colours(policy)
@@ -143,7 +144,7 @@ def test_other_settings_are_shades_of_their_policys_colour_with_a_marker_each(st
         symbols = [colours.symbol(name) for name in names]
         assert "circle" not in symbols and len(set(symbols)) == min(len(names), 16), (policy, symbols)
     # and across policies: the shipped reasoning sweep's one setting of each, in near shades, had one marker
-    assert colours.symbol("avokv interval=16") != colours.symbol("rkv interval=16")
+    assert colours.symbol("avokv interval=16") != colours.symbol("rkv interval=16 pooling=head-mean")
     if len(settings) <= 16:
         assert len({colours.symbol(name) for name in settings}) == len(settings)
     # Any two names in one figure stay apart beyond a just-noticeable difference (about 1-2), in colour alone
@@ -177,13 +178,20 @@ def shipped_rows():
 def test_a_setting_is_named_as_the_compare_tab_names_it(store):
     """``inertia`` at alpha = 0 is the registry's ``single-step`` (the Compare tab's label for it): the store
     names every measured row by :func:`kvviz.policies.setting_label` of the policy it ran."""
+    added = policy_added_parameters()  # a row from before a parameter existed ran its earlier value
+
+    def ran(row) -> dict:
+        return {**{key: value for key, value in added.get(row["policy"], {}).items()
+                   if key not in (row.get("policy_params") or {})}, **row["params"]}
+
     def names(metrics) -> set[str]:
-        return {setting_label(make_policy(row["policy"], **row["params"])) for row in shipped_rows()
+        return {setting_label(make_policy(row["policy"], **ran(row))) for row in shipped_rows()
                 if row.get("source") == "measured" and row["metric"] in metrics}
 
     named = set(store.options("policy", source="measured", metrics=QUALITY_METRICS)) | set(
         settings_of(store, "measured"))
-    assert named == names(QUALITY_METRICS)
+    # every setting's label, and its policy's (R-KV's shipped rows are all of another setting than its defaults)
+    assert named == names(QUALITY_METRICS) | {label.split(" ")[0] for label in names(QUALITY_METRICS)}
     assert set(store.damage_ranking(source="measured", settings=True).policy) == names(RANKING_METRICS)
     assert "single-step" in named and not [name for name in named if name.startswith("inertia alpha=0 ")
                                            or name in ("inertia alpha=0", "inertia alpha=0.0")]

@@ -572,9 +572,11 @@ def _held(path: Path) -> bool:
 def check_params_as_run(config: dict, out_dir: str | Path) -> None:
     """Refuse to resume a folder whose rows ran one of ``config``'s settings with other parameters than the code
     builds from it now: a registry default changed in between, and the new rows would join the old ones as one
-    setting.  Each row records every parameter its policy ran with (``policy_params``); rows from before they
-    did are not checked."""
-    from ..policies import make_policy
+    setting.  Each row records every parameter its policy ran with (``policy_params``); of rows from before they
+    did only the parameters added to their policy since are checked (a row without R-KV's ``pooling`` ran
+    ``"head-mean"``, :attr:`kvviz.policies.base.Policy.added_parameters`), and so are those a row's
+    ``policy_params`` lack."""
+    from ..policies import get_spec, make_policy
 
     # As a row stores them: JSON numbers, lists for tuples
     now = {(name, json.dumps(dict(params), sort_keys=True)): json.loads(json.dumps(make_policy(name, **dict(params))
@@ -583,10 +585,18 @@ def check_params_as_run(config: dict, out_dir: str | Path) -> None:
     for shard in sorted(Path(out_dir).glob("rows*.jsonl")):
         for row in stored_rows(shard):
             ran, params = row.get("policy_params"), row.get("params")
-            if not (isinstance(ran, dict) and isinstance(params, dict)):
+            if not isinstance(params, dict):
                 continue
             built = now.get((row.get("policy"), json.dumps(params, sort_keys=True)))
-            if built is not None and ran != built:
+            if built is None:
+                continue
+            added = get_spec(row["policy"]).cls.added_parameters
+            if isinstance(ran, dict):
+                ran = {**{key: value for key, value in added.items() if key not in ran}, **ran}
+            else:  # written before rows recorded every parameter: what they lack of those added since is known
+                ran = {key: value for key, value in added.items() if key not in params}
+                built = {key: built[key] for key in ran}
+            if ran != built:
                 changed = ", ".join(f"{key} = {ran.get(key)!r} then, {built.get(key)!r} now"
                                     for key in sorted(ran.keys() | built.keys()) if ran.get(key) != built.get(key))
                 spelled = _describe((row["policy"], tuple(sorted(params.items()))))

@@ -22,7 +22,7 @@ slots.  They see tensors only: nothing here knows about the UI, the CLI or the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,6 +61,10 @@ class Policy:
 
     prefill_window: ClassVar[int] = 0  # > 0: the prompt's last queries the policy reads at prefill
     reconstructs: ClassVar[bool] = False  # True: score from a context-reconstruction pass after the prefill
+    # Parameters added after rows were stored, each with the value that does what the policy did before it
+    # existed: a stored row whose parameters lack one ran with that value (read by the store and the runner's
+    # resume check, so that a new default never relabels an old row).
+    added_parameters: ClassVar[dict[str, Any]] = {}
 
     def check_model(self, model) -> None:
         """Refuse, before any forward pass, a model this policy cannot serve exactly (ValueError saying what
