@@ -99,7 +99,7 @@ def load_config(path: str | Path) -> dict:
 
 TOP_LEVEL = ("name", "model", "device", "dtype", "chat", "max_new_tokens", "seed", "temperature", "top_p", "draws",
              "compression", "budget", "tasks", "policies")
-BENCHMARK_KEYS = ("name", "label", "task", "samples", "path", "split", "truncate")
+BENCHMARK_KEYS = ("name", "label", "task", "samples", "path", "split", "truncate", "max_length")
 NEEDLE_GRID_KEYS = ("name", "label", "lengths", "depths", "haystack")
 
 
@@ -350,10 +350,8 @@ def _lengths(task: dict) -> list[int]:
 
 
 def _validate_task(task: dict, where: str, refuse) -> None:
-    import inspect
-
     from ..tasks import TASKS
-    from ..tasks.loaders import LONGBENCH_METRICS
+    from ..tasks.loaders import LONGBENCH_METRICS, RULER_LENGTHS, RULER_SUBTASKS
     from ..tasks.synthetic import HAYSTACKS, SHORT_PROMPT_TASKS
 
     name = task.get("name")
@@ -403,6 +401,15 @@ def _validate_task(task: dict, where: str, refuse) -> None:
         for key in ("task", "path", "split"):
             if key in task and not isinstance(task[key], str):
                 raise refuse(where, f"{key} must be a string, got {task[key]!r}")
+        if "max_length" in task and name != "ruler":
+            raise refuse(where, "max_length picks one of RULER's sequence lengths; for other benchmarks use "
+                                "truncate = N")
+        if name == "ruler" and "max_length" in task and task["max_length"] not in RULER_LENGTHS:
+            raise refuse(where, f"max_length must be one of RULER's lengths, {', '.join(map(str, RULER_LENGTHS))}; "
+                                f"got {task['max_length']!r}")
+        if name == "ruler" and "task" in task and task["task"] not in RULER_SUBTASKS:
+            raise refuse(where, f"task must be a RULER subtask, one of {', '.join(RULER_SUBTASKS)}; "
+                                f"got {task['task']!r}")
         if name == "longbench" and task.get("task") not in LONGBENCH_METRICS:
             raise refuse(where, f"task must be a LongBench task, one of {', '.join(sorted(LONGBENCH_METRICS))}; "
                                 f"got {task.get('task')!r}")
@@ -413,8 +420,7 @@ def _validate_task(task: dict, where: str, refuse) -> None:
     count("length", required=name not in SHORT_PROMPT_TASKS)  # there, an optional upper bound
     count("samples")
     # The generator's own keyword arguments (after tokenizer, length and seed) are the task's options.
-    options = dict(list(inspect.signature(TASKS[name]).parameters.items())[3:])
-    options.pop("chat")  # the sweep's own: the prompt is fitted to its length as the sweep encodes it
+    options = _task_options(name)
     for key, value in task.items():
         if key in ("name", "label", "length", "samples"):
             continue
@@ -432,6 +438,20 @@ def _validate_task(task: dict, where: str, refuse) -> None:
         if key == "depth" and not (_is_number(value) and 0 <= value <= 1):
             raise refuse(where, f"depth must be a number in [0, 1], got {value!r}")
     haystack()
+
+
+def _task_options(name: str) -> dict:
+    """A generator's own keyword arguments (after tokenizer, length and seed): the task's options in a config.
+    ``chat`` is the sweep's (the prompt is fitted as the sweep encodes it) and ``index`` the sample's (the sweep
+    passes it), so neither is one."""
+    import inspect
+
+    from ..tasks import TASKS
+
+    options = dict(list(inspect.signature(TASKS[name]).parameters.items())[3:])
+    options.pop("chat")
+    options.pop("index", None)
+    return options
 
 
 def model_context(name: str) -> int | None:
@@ -459,6 +479,10 @@ def check_lengths(config: dict, context: int, source: str) -> None:
     would run past the positions it was trained for (synthetic prompts are at most their length)."""
     max_new = int(config.get("max_new_tokens", 32))
     for index, task in enumerate(config["tasks"]):
+        if task.get("max_length", 0) > context:  # RULER's length holds the prompt and the answer
+            raise ValueError(f"sweep config {source}: tasks[{index}] ({task_label(task)}): RULER's max_length "
+                             f"{task['max_length']} exceeds the context of {config.get('model', DEFAULT_MODEL)} "
+                             f"({context} tokens); pick a shorter length")
         for length in _lengths(task):
             if length + max_new > context:
                 key = "lengths" if task["name"] == "needle_grid" else "length"
@@ -675,14 +699,14 @@ def sample_count(task: dict) -> int:
 
 def benchmark_samples(task: dict) -> list:
     """The first ``samples`` records of a public benchmark as samples (loaded once per process)."""
-    key = (task["name"], task.get("task", ""), task.get("path"), task.get("split", "test"))
+    key = (task["name"], task.get("task", ""), task.get("path"), task.get("split", "test"), task.get("max_length"))
     if key not in _loaded:
         if task.get("path"):
             records = loaders.read_jsonl(task["path"])
             _loaded[key] = loaders.from_records(task["name"], records, task.get("task", ""))
         else:
             _loaded[key] = loaders.load(task["name"], task.get("task", ""), task.get("split", "test"),
-                                        limit=task["samples"])
+                                        limit=task["samples"], max_length=task.get("max_length"))
     samples = _loaded[key]
     if len(samples) < task["samples"]:
         raise ValueError(f"{task_label(task)} has {len(samples)} records; the config asks for {task['samples']}")
@@ -701,7 +725,10 @@ def truncate_middle(tokenizer, text: str, tokens: int) -> str:
 
 def make_sample(task: dict, tokenizer, index: int, seed: int, chat: bool = True):
     """Sample ``index`` of ``task``; a generated prompt is fitted to its length as the sweep encodes it
-    (with the chat template or, ``chat`` False, without)."""
+    (with the chat template or, ``chat`` False, without).  A generator with an ``index`` argument gets the
+    sample's index (to stratify, e.g., needle depth across samples)."""
+    import inspect
+
     from ..tasks import TASKS, needle_grid
 
     if task["name"] == "needle_grid":  # sample i is the i-th (length, depth) of the grid, same haystack seed
@@ -716,6 +743,8 @@ def make_sample(task: dict, tokenizer, index: int, seed: int, chat: bool = True)
     if task["name"] not in TASKS:
         raise ValueError(f"unknown task {task['name']!r}; choose one of {', '.join([*TASKS, 'needle_grid', *BENCHMARKS])}")
     options = {k: v for k, v in task.items() if k not in ("name", "label", "length", "samples")}
+    if "index" in inspect.signature(TASKS[task["name"]]).parameters:  # one that stratifies by sample (needle depth)
+        options["index"] = index
     return TASKS[task["name"]](tokenizer, task.get("length"), _sample_seed(seed, task_label(task), index), **options,
                                chat=chat)
 
@@ -1066,32 +1095,135 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     return written
 
 
-def run_ray(config: dict, out_dir: str | Path, shards: int, address: str | None = None,
-            config_text: bytes | None = None) -> int:
-    """Run the shards as Ray tasks (a local Ray by default, or the cluster at ``address``); each writes its
-    own ``rows-<i>.jsonl`` that the store unions.  Returns the rows written."""
-    check_shard(0, shards)
-    with claim(out_dir, config, config_text):  # held from before the first task starts until the last ends
-        return _run_ray(config, out_dir, shards, address)
+# A Ray worker's loaded model, kept between its tasks: (model name, device, dtype) -> (model, tokenizer, meta).
+_worker_models: dict[tuple, tuple] = {}
 
 
-def _run_ray(config: dict, out_dir: str | Path, shards: int, address: str | None) -> int:
+def _worker_model(config: dict) -> tuple:
+    """The config's model, tokenizer and provenance in this Ray worker, loaded once per worker process."""
+    key = (config.get("model", DEFAULT_MODEL), config.get("device", "cpu"), config.get("dtype"))
+    if key not in _worker_models:
+        _worker_models.clear()  # one model per worker: a new sweep's replaces the last
+        _worker_models[key] = loaded(config)
+    return _worker_models[key]
+
+
+def _ray_check(config: dict, todo: list[Cell]) -> list[str]:
+    """Ray task: the local runner's checks before anything decodes (:func:`check_lengths`, :func:`check_cells`)
+    on a worker that holds the model; returns their notes, or raises the refusal."""
+    model, tokenizer, _ = _worker_model(config)
+    source = repr(config.get("name"))
+    check_lengths(config, model.config.max_position_embeddings, source)
+    tasks = {task_label(t): t for t in config["tasks"]}
+    return check_cells(config, source, tasks, todo, model, tokenizer, int(config.get("seed", 0)),
+                       int(config.get("max_new_tokens", 32)))
+
+
+def _ray_sample(config: dict, group: list[Cell], before=None) -> list[dict]:
+    """Ray task: every cell of ``group`` (one sample's) from one shared prefill, as :func:`run` decodes them;
+    returns the rows instead of writing them, so that a retried task cannot write a row twice.  ``before``
+    is called with the sample's (task label, index) first (a hook for fault injection in tests)."""
+    label, sample_index = group[0].task, group[0].sample
+    if before is not None:
+        before(label, sample_index)
+    if config.get("device", "cpu").startswith("cpu"):
+        torch.set_num_threads(1)  # one core per task
+    model, tokenizer, meta = _worker_model(config)
+    tasks = {task_label(t): t for t in config["tasks"]}
+    rows: list[dict] = []
+    _run_sample(config, tasks[label], label, sample_index, group, model, tokenizer, int(config.get("seed", 0)),
+                int(config.get("max_new_tokens", 32)), meta, rows, tqdm(disable=True))
+    return rows
+
+
+def run_ray(config: dict, out_dir: str | Path, *, address: str | None = None, progress: bool = True,
+            config_text: bytes | None = None, max_retries: int = 3, before_sample=None) -> int:
+    """Run every unfinished cell of ``config`` over a Ray cluster; return the rows written.
+
+    Each sample's unfinished cells are one Ray task (one shared prefill, as :func:`run` decodes them), with
+    one GPU where the config's device is ``cuda`` and one CPU core otherwise.  A task returns its rows and
+    the driver alone writes them, to ``out_dir/rows.jsonl`` as tasks finish, each cell once: a task whose
+    worker died is rerun by Ray (up to ``max_retries`` times) and only its returned rows count, and a driver
+    stopped mid-sweep resumes like the local runner, skipping every cell already in any ``rows*.jsonl``.
+
+    Parameters
+    ----------
+    config : dict
+        A sweep config, checked as :func:`run` checks it.
+    out_dir : str or Path
+        The sweep's folder (claimed as :func:`run` claims it).
+    address : str, optional
+        An existing Ray cluster; without one, a Ray started here on loopback (or the one this process has
+        already initialised, left running).
+    progress : bool
+        Show a progress bar over cells.
+    config_text : bytes, optional
+        The config file's text, saved in ``out_dir`` (:func:`claim`).
+    max_retries : int
+        How many times Ray reruns a task whose worker died.
+    before_sample : callable, optional
+        Called in the worker with (task label, sample index) before the sample's cells.
+
+    Returns
+    -------
+    int
+        The rows this run added.
+    """
+    out_dir = Path(out_dir)
+    source = repr(config.get("name"))
+    validate(config, source)
+    with claim(out_dir, config, config_text), RowFile(out_dir / "rows.jsonl") as rows:
+        return _run_ray(config, out_dir, rows, source, address, progress, max_retries, before_sample)
+
+
+def _run_ray(config: dict, out_dir: Path, rows: RowFile, source: str, address: str | None, progress: bool,
+             max_retries: int, before_sample) -> int:
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address:
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    else:  # keep a local Ray on loopback
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, ignore_reinit_error=True,
-                 log_to_driver=False, num_cpus=shards)
-
-    @ray.remote
-    def shard_task(shard_config: dict, folder: str, index: int, count: int) -> int:
-        torch.set_num_threads(1)  # one core per task
-        return run(shard_config, folder, shard=(index, count), progress=False)
-
+    done = rows.done | finished_cells(out_dir, skip=rows.path)
+    todo = [cell for cell in cells(config) if cell.key not in done]
+    if not todo:
+        return 0
+    started = not ray.is_initialized()
+    if started:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:  # a local Ray on loopback
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     try:
-        return sum(ray.get([shard_task.remote(config, str(out_dir), i, shards) for i in range(shards)]))
+        gpu = str(config.get("device", "cpu")).startswith("cuda")
+        if gpu and ray.cluster_resources().get("GPU", 0) < 1:
+            raise ValueError(f"sweep config {source}: device {config.get('device')!r} needs GPUs, and the Ray "
+                             "cluster has none; start its workers on GPU machines, or run on device = \"cpu\"")
+        # A GPU task would otherwise get a fresh worker process (and reload the model) each time
+        options = {"num_gpus": 1, "num_cpus": 1, "max_calls": 0} if gpu else {"num_cpus": 1}
+        check = ray.remote(max_retries=max_retries, **options)(_ray_check)
+        try:
+            notes = ray.get(check.remote(config, todo))
+        except ray.exceptions.RayTaskError as error:  # the refusal as the local runner raises it
+            raise error.cause if isinstance(error.cause, ValueError) else error
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+        sample_task = ray.remote(max_retries=max_retries, **options)(_ray_sample)
+        pending = {}
+        for _, group in itertools.groupby(todo, key=lambda cell: (cell.task, cell.sample)):
+            group = list(group)
+            pending[sample_task.remote(config, group, before_sample)] = {cell.key for cell in group}
+        written = 0
+        bar = tqdm(total=len(todo), desc=config["name"], unit="cell", disable=not progress, file=sys.stderr)
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                asked = pending.pop(ready[0])
+                for row in ray.get(ready[0]):
+                    if row["cell"] in asked and row["cell"] not in rows.done:
+                        rows.append(row)
+                        written += 1
+                        bar.update()
+        finally:
+            bar.close()
+        return written
     finally:
-        if not address:
+        if started:
             ray.shutdown()
