@@ -8,7 +8,9 @@ stdout and to ``--out`` / ``<out>-checks.jsonl`` as it is made):
 1. ``kvviz bench speed --device DEVICE --config CONFIG --contexts FIRST``: its JSON lines, unchanged, with
    a time limit that keeps ``--checks-s`` for part 2 (inside it ``generate`` and the static rows the targets
    need run first, whatever the limit; configurations that would start later become ``skipped`` rows); then
-   a ``targets`` line (issue 6's three targets at that context).  It runs as a child process, killed
+   a ``targets`` line (issue 6's three targets at that context) and a ``backend policies`` line: each
+   ``--backend-policies`` row (TOVA, H2O, K-norm, StreamingLLM on the static backend, :mod:`kvviz.backend`,
+   timed after the static rows) against the backend's InertiaKV.  It runs as a child process, killed
    ``--grace-s`` after its limit: a hang cannot eat the session, and a CUDA error that poisons a process
    (an illegal memory access at 64k) cannot fail every exactness case after it.
 2. For tiny random Llama / Qwen2 models (float32) on the device: the static decode path -- eager, replayed
@@ -19,7 +21,9 @@ stdout and to ``--out`` / ``<out>-checks.jsonl`` as it is made):
    may fuse the EMA's multiply-add into one rounding) and give way first when time is short.  Then the
    same tiny Llama in bfloat16 (the speed runs' dtype, where the static step takes float32 logits straight
    from the half-precision keys): agreement with the reference engine, reported, not required (two
-   attention kernels round differently in bfloat16).
+   attention kernels round differently in bfloat16).  Then each ``--backend-policies`` policy on the static
+   backend (CUDA graphs on a GPU) against the engine, tiny Llama in float32: ``backend == engine`` lines,
+   counted in ``all_equal``.
 3. With the time left of ``--budget-s`` (counted from the script's start): the other contexts, then the
    ``--also`` config at the first context.
 
@@ -161,6 +165,51 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
     return ok, compiled_ok
 
 
+BACKEND_POLICIES = "inertia,tova,h2o,knorm,streaming"  # the static backend's rows and cases (kvviz.backend)
+
+
+def backend_exactness(device: str, policies: list[str]) -> bool:
+    """The static backend (every-step policies over B + 1 slots, CUDA graphs on a GPU) against the engine on the
+    same device, tiny Llama in float32, greedy: same tokens and keep sets at every step, one line per policy."""
+    import kvviz
+    from kvviz.backend.static import StaticBackend
+    from kvviz.engine import decode
+    from kvviz.models import tiny_model
+
+    model, tokenizer = tiny_model("llama")
+    model.to(device)
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ok = True
+    for name in policies:
+        def check(case, name=name):
+            reference = list(decode(model, tokenizer, prompt, kvviz.make_policy(name), budget=20, max_new_tokens=30))
+            static = list(StaticBackend(model, kvviz.make_policy(name)).stream(tokenizer, prompt, budget=20,
+                                                                               max_new_tokens=30))
+            kept = [(a.kept.tolist(), b.kept.tolist()) for a, b in zip(reference, static)]
+            first = next((step for step, (a, b) in enumerate(kept) if a != b), None)
+            case.update(tokens=[e.new_token_id for e in static] == [e.new_token_id for e in reference],
+                        kept=first is None and len(static) == len(reference), first_different_step=first)
+            return case["tokens"] and case["kept"]
+
+        ok &= _case({"check": "backend == engine", "device": device, "family": "llama", "policy": name}, check)
+    return ok
+
+
+def backend_summary(rows: list[dict], context: int) -> dict:
+    """Each backend row's rate against the backend's InertiaKV row at one context: what another policy costs
+    on the same static step."""
+    by_name = {row["what"]: row for row in rows if row.get("prompt_len") == context and "decode_tok_s" in row}
+    inertia = by_name.get("backend-inertia")
+    summary: dict = {"check": "backend policies", "prompt_len": context}
+    for name, row in by_name.items():
+        if name.startswith("backend-"):
+            summary[f"{name.removeprefix('backend-')}_tok_s"] = row["decode_tok_s"]
+            if inertia:
+                summary[f"{name.removeprefix('backend-')}_vs_inertia"] = round(
+                    row["decode_tok_s"] / inertia["decode_tok_s"], 3)
+    return summary
+
+
 def bfloat16_agreement(device: str, compiles: bool, left=lambda: float("inf")) -> None:
     import kvviz
     from kvviz.fast import StaticInertia, fp32_logits_supported
@@ -249,6 +298,9 @@ def main() -> int:
     parser.add_argument("--grace-s", type=float, default=75.0,
                         help="a speed run still going this long after its time limit is killed (the limit only "
                         "stops configurations from starting; the target rows run past it)")
+    parser.add_argument("--backend-policies", default=BACKEND_POLICIES,
+                        help="policies timed on the static backend after the static rows, and checked against the "
+                        "engine after the static path's cases ('' for none; default: %(default)s)")
     parser.add_argument("--out", default="/tmp/kvviz-speed.jsonl", help="the speed rows (JSON lines); the checks "
                         "go to the same name with -checks")
     args = parser.parse_args()
@@ -274,7 +326,8 @@ def main() -> int:
         command = [sys.executable, "-c", "import sys; from kvviz.cli import main; sys.exit(main(sys.argv[1:]))",
                    "bench", "speed", "--device", args.device, "--config", config,
                    "--contexts", contexts, "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                   "--time-limit", f"{limit:.3f}", "--out", out, "--compile", "auto" if compiles else "off"]
+                   "--time-limit", f"{limit:.3f}", "--out", out, "--compile", "auto" if compiles else "off",
+                   "--backend-policies", args.backend_policies]
         # Its own process group, so that a kill also ends the compiler's worker processes; its lines go straight out.
         child = subprocess.Popen(command, env=env, start_new_session=True)
         try:
@@ -301,6 +354,8 @@ def main() -> int:
     first = int(contexts[0])
     rows = speed(args.config, contexts[0], args.out, left() - args.checks_s)
     report({"config": args.config, **targets(rows, first)})
+    if args.backend_policies:
+        report({"config": args.config, **backend_summary(rows, first)})
     first_took = next((row["seconds"] for row in rows if row.get("what") == "context done"), float("inf"))
 
     checks_start = time.perf_counter()
@@ -309,6 +364,12 @@ def main() -> int:
     except Exception as error:  # noqa: BLE001 -- whatever escaped the per-case guards
         report({"check": "exactness", **_failure(error)})
         exact, compiled_exact = False, None
+    try:
+        policies = [name.strip() for name in args.backend_policies.split(",") if name.strip()]
+        exact &= backend_exactness(args.device, policies) if policies else True
+    except Exception as error:  # noqa: BLE001 -- e.g. the backend's import: reported, the rest goes on
+        report({"check": "backend == engine", **_failure(error)})
+        exact = False
     if torch.device(args.device).type == "cuda" and left() > 15:
         try:
             bfloat16_agreement(args.device, compiles, left)

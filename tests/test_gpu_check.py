@@ -45,9 +45,19 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     assert [row["what"] for row in speed if row.get("what", "").startswith("static-")] == [
         "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free", "static-no-scoring-unfused",
         "static-inertia-unfused"]
+    backend = [line for line in checks if line.get("check") == "backend == engine"]
+    assert [line["policy"] for line in backend] == ["inertia", "tova", "h2o", "knorm", "streaming"]
+    assert all(line["tokens"] and line["kept"] for line in backend)
+    summary = next(line for line in checks if line.get("check") == "backend policies")
+    assert summary["inertia_vs_inertia"] == 1.0 and summary["knorm_tok_s"] > 0
+    assert [row["what"] for row in speed if row.get("what", "").startswith("backend-")] == [
+        "backend-inertia", "backend-tova", "backend-h2o", "backend-knorm", "backend-streaming"]
+    assert all(row["engine_tokens_equal"] and row["engine_kept_overlap"] == 1.0 for row in speed
+               if row.get("what", "").startswith("backend-"))
     more = [json.loads(line) for line in (tmp_path / "speed-more.jsonl").read_text().splitlines()]
     assert [row["prompt_len"] for row in more if row.get("what") == "context done"] == [128]
-    assert (tmp_path / "speed-tiny.jsonl").exists() and [line.get("config") for line in checks].count("tiny") == 2
+    assert (tmp_path / "speed-tiny.jsonl").exists() and [line.get("config") for line in checks
+                                                   if line.get("check") == "targets"].count("tiny") == 2
 
 
 def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(tmp_path):
@@ -57,7 +67,8 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     # the rows issue 6's targets need run whatever the time; the rest are skipped
     assert [row["what"] for row in rows if row.get("decode_tok_s", 0) > 0] == [
         "generate", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
-    assert all("skipped" in row for row in rows[4:]) and len(rows) == 11
+    # 5 backend rows (--backend-policies' default) among the skipped ones
+    assert all("skipped" in row for row in rows[4:]) and len(rows) == 16
     target = next(line for line in checks if line.get("check") == "targets")
     assert "lazy_gain" in target and "scoring_eviction_share" in target and target["engine_kept_overlap"] == 1.0
     names = [line.get("check") for line in checks]

@@ -178,8 +178,10 @@ class StaticBackend:
                 clock.mark()
                 setup.append(record.setup)
         step_seconds = clock.intervals()
+        # Step 1 (over the whole prompt, or the first of a growing cache) is left out of the timings, as
+        # StaticInertia leaves out its step 1, which the engine runs.
         return fast.StaticRun([int(t) for t in torch.cat(tokens).tolist()], [], first_token_time,
-                              step_seconds[1:], setup[1:])  # step 1 is no static step: timed as the engine's
+                              step_seconds[1:], setup[1:])
 
     # -- the loop --------------------------------------------------------------------------------------
     def _budget(self, prompt_ids, budget, compression, max_new_tokens) -> Budget:

@@ -71,6 +71,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=True,
                         help="time the static decode path too (B slots, InertiaKV computed beside the attention; "
                              "the GPU targets; default): --no-static times generate and the --policies rows only")
+    parser.add_argument("--backend-policies", default="",
+                        help="policies to time on the static backend (kvviz.backend: any every-step policy over B + 1 "
+                             "slots), comma-separated, one backend-<name> row each (default: none), e.g. "
+                             "inertia,tova,h2o,knorm,streaming")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="static path through torch.compile (auto: on a GPU; there, uncompiled rows are added; "
                              "default: %(default)s)")
@@ -319,6 +323,46 @@ def static_agreement(model, tokenizer, prompt_ids: list[int], new_tokens: int, b
             "engine_kept_overlap": len(set(static.kept[-1]) & engine_kept) / len(engine_kept)}
 
 
+def time_backend(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int, device,
+                 compile: bool, shared=None) -> dict:
+    """A policy on the static backend (:mod:`kvviz.backend`): as :func:`time_static`, the policy's scorer asked
+    for a per-slot utility beside the attention, the slot freed by a device reduction, CUDA graphs on a GPU."""
+    import torch
+    from ..backend.static import StaticBackend
+    from ..policies import make_policy
+
+    static = StaticBackend(model, make_policy(policy_name), compile=compile)
+    _sync(device)
+    start = time.perf_counter()
+    run = static.generate(tokenizer, prompt_ids, budget, new_tokens, timer=lambda: _sync(device), shared=shared)
+    _sync(device)
+    decode_s = time.perf_counter() - run.first_token_time
+    del static
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": run.setup_seconds(),
+            "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s}
+
+
+def backend_agreement(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
+                      shared=None) -> dict:
+    """The backend's events against the engine's for up to ``AGREEMENT_TOKENS`` tokens (untimed), as
+    :func:`static_agreement` reports them."""
+    from ..backend.static import StaticBackend
+    from ..engine import decode
+    from ..policies import make_policy
+
+    tokens = min(new_tokens, AGREEMENT_TOKENS)
+    static = list(StaticBackend(model, make_policy(policy_name)).stream(
+        tokenizer, prompt_ids, budget=budget, max_new_tokens=tokens, ignore_eos=True, shared=shared))
+    events = list(decode(model, tokenizer, prompt_ids, make_policy(policy_name), budget=budget, max_new_tokens=tokens,
+                         ignore_eos=True, shared=shared))
+    engine_kept = set(events[-1].kept.tolist())
+    return {"final_cache": int(static[-1].cache_size),
+            "engine_tokens_equal": [e.new_token_id for e in static] == [e.new_token_id for e in events],
+            "engine_kept_overlap": len(set(static[-1].kept.tolist()) & engine_kept) / len(engine_kept)}
+
+
 def static_baseline(name: str) -> str:
     """The ring a static row's ``scoring_eviction_share`` is measured against: the same variant's."""
     return "static-no-scoring" + next((suffix for suffix in VARIANTS if name.endswith(suffix)), "")
@@ -442,6 +486,11 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     for name, options in statics.items():
         runs[name] = lambda name=name, options=options: measured(
             name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options, shared=shared)
+    backend_rows = {f"backend-{name}": name for name in policy_names(args.backend_policies, empty=True)}
+    for row_name, name in backend_rows.items():
+        runs[row_name] = lambda row_name=row_name, name=name: measured(
+            row_name, time_backend, model, tokenizer, prompt_ids, name, args.new_tokens, budget, device, compile,
+            shared=shared)
     for name in policies:
         runs[name] = lambda name=name: measured(name, time_engine, model, tokenizer, prompt_ids, name,
                                                 args.new_tokens, budget, device, shared=shared)
@@ -450,7 +499,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     def row_of(name: str) -> dict:
         row = {"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
                ("generate", "full") else len(prompt_ids) + args.new_tokens, "new_tokens": args.new_tokens}
-        if name.startswith("static-"):
+        if name.startswith("static-") or name in backend_rows:
             row["compiled"] = compile and not name.endswith("-uncompiled")
         if name in errors:
             return {**row, "error": errors[name]}
@@ -470,6 +519,12 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
                     if cuda:
                         torch.cuda.empty_cache()
             result.update(agreement[variant])
+        if name in backend_rows:
+            try:
+                result.update(backend_agreement(model, tokenizer, prompt_ids, backend_rows[name], args.new_tokens,
+                                                budget, shared=shared))
+            except Exception as error:  # noqa: BLE001 -- the timing stands; the row says why it has no count
+                result["agreement_error"] = error_text(error)
         # rounded numbers; the text (an sdpa_fallback note, an error) and the flags as they are
         row = {**row, **{k: round(v, 5) if isinstance(v, float) else v for k, v in result.items()}}
         if "generate" in best:
@@ -477,7 +532,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
         # The static step cannot time its parts: what scoring and eviction cost together is its slowdown against
         # the same step with neither (the ring of static-no-scoring, same compile setting), which runs before it.
         baseline = static_baseline(name)
-        if name in statics and not name.startswith("static-no-scoring") and baseline in best:
+        if (name in statics or name in backend_rows) and not name.startswith("static-no-scoring") and baseline in best:
             row["scoring_eviction_share"] = round(1 - result["decode_tok_s"] / best[baseline]["decode_tok_s"], 4)
         return row
 
@@ -510,6 +565,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
 def check_arguments(args) -> None:
     """What ``bench speed`` refuses, before anything is built: ValueError saying what to change."""
     policy_names(args.policies)
+    policy_names(args.backend_policies, empty=True)
     if args.new_tokens < 2:  # decode speed is timed from the first new token to the last
         raise ValueError(f"--new-tokens must be at least 2 (decode speed runs from the first new token to the "
                          f"last), got {args.new_tokens}")
@@ -543,12 +599,13 @@ def _check_context(model, prompts, args) -> None:
                              "--new-tokens)") from None
 
 
-def policy_names(text: str) -> list[str]:
-    """The ``--policies`` list, each name checked against the registry."""
+def policy_names(text: str, empty: bool = False) -> list[str]:
+    """The ``--policies`` (``empty``: ``--backend-policies``, which may be empty) list, each name checked against
+    the registry."""
     from ..policies import get_spec
 
     names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
+    if not names and not empty:
         raise ValueError("--policies is empty; name at least one policy, e.g. --policies full,inertia")
     for name in names:
         get_spec(name)
