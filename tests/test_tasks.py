@@ -325,3 +325,112 @@ def test_the_benchmarks_read_the_apps_example_prompts_without_loading_the_ui():
     from kvviz.ui.app import EXAMPLES
 
     assert rank_stability.EXAMPLES is EXAMPLES  # the app still offers the same ones
+
+
+# --- prose tasks (issue 43): essay-like haystacks, stratified depth, a generated document ---------------------
+
+PROSE_TASKS = ("prose_needle", "prose_multi_value", "document_qa")
+
+
+def _sentences(text: str) -> list[str]:
+    """The prompt's sentences: split after a full stop or question mark and the space or break after it."""
+    return [s.strip() for s in re.split(r"(?<=[.?])\s+", text) if s.strip()]
+
+
+@pytest.mark.parametrize("name", PROSE_TASKS)
+@pytest.mark.parametrize("length", [1000, 2000, 4000])
+def test_prose_tasks_hit_their_length_in_tokens(name, length, tiny):
+    _, tokenizer = tiny
+    sample = TASKS[name](tokenizer, length, seed=7, index=4, chat=False)
+    tokens = len(encode_prompt(tokenizer, sample.prompt, chat=False))
+    # never over the target, and short of it by less than one more sentence (at most ~90 of this tokenizer's)
+    assert length - 100 <= tokens <= length
+
+
+@pytest.mark.parametrize("name", PROSE_TASKS)
+def test_prose_depths_are_stratified_over_samples_and_recorded(name, tiny):
+    _, tokenizer = tiny
+    samples = [TASKS[name](tokenizer, 700, seed=100 + i, index=i, chat=False) for i in range(20)]
+    # sample i lies in stratum i % 10, [b/10, (b+1)/10): two samples per stratum over 20
+    assert [s.meta["depth_bin"] for s in samples] == [i % 10 for i in range(20)]
+    for sample in samples:
+        bin_ = sample.meta["depth_bin"]
+        assert bin_ / 10 <= sample.meta["depth"] < (bin_ + 1) / 10
+    # without an index there is no stratum, and the depth is still recorded
+    free = TASKS[name](tokenizer, 700, seed=3, chat=False)
+    assert free.meta["depth_bin"] is None and 0 <= free.meta["depth"] < 1
+
+
+def test_the_needle_sits_at_its_recorded_depth(tiny):
+    """The share of haystack sentences before the needle is the recorded depth, to one sentence."""
+    _, tokenizer = tiny
+    for index in (0, 5, 9):
+        sample = TASKS["prose_needle"](tokenizer, 1500, seed=11, index=index, chat=False)
+        body = sample.prompt.split("\n\n", 1)[1].rsplit("\n\nQuestion:", 1)[0]
+        sentences = _sentences(body)
+        at = sentences.index(sample.meta["needle"])
+        assert abs(at - sample.meta["depth"] * (len(sentences) - 1)) <= 1
+
+
+@pytest.mark.parametrize("name", PROSE_TASKS)
+def test_prose_answers_appear_exactly_once(name, tiny):
+    _, tokenizer = tiny
+    for index in range(6):
+        sample = TASKS[name](tokenizer, 1200, seed=50 + index, index=index, chat=False)
+        for answer in sample.answers:
+            assert sample.prompt.count(answer) == 1, (index, answer)
+        assert string_match(" ".join(sample.answers), sample.answers) == 1.0
+
+
+def test_document_qa_asks_one_resident_among_distractors(tiny):
+    _, tokenizer = tiny
+    sample = TASKS["document_qa"](tokenizer, 1200, seed=2, index=3, people=4, chat=False)
+    assert len(sample.meta["distractors"]) == 3
+    assert all(sample.prompt.count(d) == 1 for d in sample.meta["distractors"])
+    assert sample.meta["fact"] in sample.prompt and sample.answers[0] in sample.meta["fact"]
+    # the asked person: once in their fact, once in the question, once in the answer's opening
+    assert sample.prompt.count(sample.meta["person"]) == 3
+    assert sample.prompt.rstrip().endswith(sample.meta["person"] + " rode to market was called") or \
+        not sample.prompt.rstrip().endswith("?")  # the prompt ends on the answer's opening, not on the question
+
+
+@pytest.mark.parametrize("style", ["essay", "history", "nature", "mixed"])
+def test_prose_haystacks_never_repeat_a_sentence_and_vary_its_shape(style, tiny):
+    """Against the noise haystack (one paragraph over and over) and prose_sentences (one grammar: every
+    sentence 'subject verb the adjective object tail.'): every sentence distinct, no opening dominant, and
+    sentences of many lengths."""
+    import random as random_
+
+    from kvviz.tasks.prose import prose
+
+    stream = prose(random_.Random(5), style)
+    sentences = [next(stream).strip() for _ in range(300)]  # about 4k tokens of text
+    assert len(set(sentences)) == len(sentences)
+    openings = [" ".join(s.split()[:3]) for s in sentences]
+    assert max(openings.count(o) for o in set(openings)) / len(sentences) <= 0.2
+    assert len({len(s.split()) for s in sentences}) >= 10
+    # the old single grammar fails the last check: its sentences are all 8 to 11 words
+    from kvviz.tasks.synthetic import prose_sentences
+
+    old = prose_sentences(random_.Random(5))
+    assert len({len(next(old).split()) for _ in range(300)}) < 10
+
+
+def test_prose_styles_rotate_over_samples_and_are_seeded(tiny):
+    _, tokenizer = tiny
+    styles = [TASKS["prose_needle"](tokenizer, 500, seed=9, index=i, chat=False).meta["style"] for i in range(3)]
+    assert styles == ["essay", "history", "nature"]
+    one = TASKS["prose_needle"](tokenizer, 800, seed=9, index=2, chat=False)
+    assert TASKS["prose_needle"](tokenizer, 800, seed=9, index=2, chat=False).prompt == one.prompt
+    assert TASKS["prose_needle"](tokenizer, 800, seed=10, index=2, chat=False).prompt != one.prompt
+
+
+def test_the_sweep_passes_the_sample_index_to_a_stratified_task(tiny, tmp_path):
+    from kvviz.bench.sweep import make_sample, validate
+
+    _, tokenizer = tiny
+    task = {"name": "prose_needle", "length": 600, "samples": 12}
+    assert [make_sample(task, tokenizer, i, seed=0, chat=False).meta["depth_bin"] for i in (0, 3, 11)] == [0, 3, 1]
+    config = {"name": "x", "compression": [0.5], "policies": ["full"], "tasks": [{**task, "index": 3}]}
+    with pytest.raises(ValueError, match="unknown key 'index'"):  # the sweep's to pass, not the config's
+        validate(config)

@@ -267,10 +267,13 @@ _SYLLABLES_B = ["adine", "bury", "corth", "dell", "enmoor", "farrow", "garth", "
                 "ravel", "stow", "thorpe", "ulven", "wick"]
 
 
+_RESERVED = {word for names in (_TOWNS, _LAST, _FIRST, _RESIDENTS) for name in names for word in name.split()}
+
+
 def _invented(rng: random.Random, used: set[str]) -> str:
     while True:
         word = rng.choice(_SYLLABLES_A) + rng.choice(_SYLLABLES_B)
-        if word not in used:
+        if word not in used and word not in _RESERVED:  # never a word the haystack may use
             used.add(word)
             return word
 
