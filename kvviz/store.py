@@ -62,7 +62,7 @@ PER_DRAW = {"score": "avg(score)", "decode_tok_s": "avg(decode_tok_s)", "max_cac
 # Bad lines named per shard in a problem; the rest are counted.
 SHOWN_LINES = 5
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).
-QUALITY_METRICS = ("score", "accuracy", "string_match", "exact_match", "rouge_l", "token_f1", "math",
+QUALITY_METRICS = ("score", "accuracy", "string_match", "whole_match", "exact_match", "rouge_l", "token_f1", "math",
                    "edit_similarity")
 # Metrics of how well a policy's utility ranks oracle damage (AvoKV-E's Table 3; `kvviz bench ranking`), one
 # row per trace and metric: drawn by their own figure, never averaged with a quality score.

@@ -16,7 +16,7 @@ from kvviz.tasks.synthetic import SHORT_PROMPT_TASKS
 from kvviz.tasks import loaders
 from kvviz.tasks.loaders import from_records, longbench, read_jsonl
 from kvviz.tasks.metrics import (edit_similarity, exact_match, last_boxed, math_equal, rouge_l_f, string_match,
-                                 token_f1)
+                                 token_f1, whole_match)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -24,6 +24,15 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def test_string_match_is_the_share_of_gold_values_found():
     assert string_match("The numbers are 1234567 and 7654321.", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
     assert string_match("APPLE", ["apple"]) == 1.0
+
+
+def test_whole_match_refuses_an_answer_run_on_into_a_longer_one():
+    assert string_match(" 647894231.", ["6478942"]) == 1.0  # RULER's substring credit
+    assert whole_match(" 647894231.", ["6478942"]) == 0.0
+    assert whole_match(" 6478942.\n\nWhat", ["6478942"]) == 1.0
+    assert whole_match("16478942", ["6478942"]) == 0.0
+    assert whole_match("are 1234567, 7654321", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
+    assert whole_match(" Wynenmoor.", ["wynenmoor"]) == 1.0 and whole_match(" Wynenmoors", ["Wynenmoor"]) == 0.0
 
 
 def test_exact_match_normalises_case_punctuation_and_articles():
@@ -379,7 +388,8 @@ def test_prose_answers_appear_exactly_once(name, tiny):
         sample = TASKS[name](tokenizer, 1200, seed=50 + index, index=index, chat=False)
         for answer in sample.answers:
             assert sample.prompt.count(answer) == 1, (index, answer)
-        assert string_match(" ".join(sample.answers), sample.answers) == 1.0
+        assert sample.metric == "whole_match"
+        assert whole_match(" ".join(sample.answers) + ".", sample.answers) == 1.0
 
 
 def test_document_qa_asks_one_resident_among_distractors(tiny):

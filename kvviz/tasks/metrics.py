@@ -23,6 +23,15 @@ def string_match(prediction: str, answers: list[str]) -> float:
     return sum(answer.lower() in prediction for answer in answers) / len(answers)
 
 
+def whole_match(prediction: str, answers: list[str]) -> float:
+    """The share of gold answers that appear in the prediction as a whole (case-insensitively): not run on into
+    a longer number or word.  RULER's string match credits "647894231" for the answer 6478942; this does not."""
+    if not answers:
+        return 0.0
+    return sum(bool(re.search(rf"(?<![0-9A-Za-z]){re.escape(answer)}(?![0-9A-Za-z])", prediction, re.IGNORECASE))
+               for answer in answers) / len(answers)
+
+
 def exact_match(prediction: str, answers: list[str]) -> float:
     return float(any(normalize(prediction) == normalize(answer) for answer in answers))
 
@@ -116,5 +125,5 @@ def edit_similarity(prediction: str, answers: list[str]) -> float:
     return max((SequenceMatcher(None, first, answer).ratio() for answer in answers), default=0.0)
 
 
-METRICS = {"string_match": string_match, "edit_similarity": edit_similarity, "exact_match": exact_match, "rouge_l": rouge_l_f, "token_f1": token_f1,
+METRICS = {"string_match": string_match, "whole_match": whole_match, "edit_similarity": edit_similarity, "exact_match": exact_match, "rouge_l": rouge_l_f, "token_f1": token_f1,
            "math": math_equal}

@@ -219,7 +219,7 @@ def prose_needle(tokenizer, target_tokens: int, seed: int, style: str = "rotate"
                 f"{_join(_insert(filler, [needle], [depth]))}\n\n{question}")
 
     prompt = fit(tokenizer, target_tokens, build, prose(rng, style), chat)
-    return Sample("prose_needle", prompt, [value], "string_match",
+    return Sample("prose_needle", prompt, [value], "whole_match",
                   {"key": key, "depth": depth, "depth_bin": stratum, "style": style, "needle": needle})
 
 
@@ -248,7 +248,7 @@ def prose_multi_value(tokenizer, target_tokens: int, seed: int, values: int = 2,
                 f"{_join(_insert(filler, needles, depths))}\n\n{question}")
 
     prompt = fit(tokenizer, target_tokens, build, prose(rng, style), chat)
-    return Sample("prose_multi_value", prompt, numbers, "string_match",
+    return Sample("prose_multi_value", prompt, numbers, "whole_match",
                   {"key": key, "depth": depths[0], "depths": depths, "depth_bin": placed[0][1], "style": style})
 
 
@@ -328,7 +328,7 @@ def document_qa(tokenizer, target_tokens: int, seed: int, people: int = 4, bins:
                 f"{_join(_insert(filler, facts, depths))}\n\nQuestion: {questions[asked]}\nAnswer: {openings[asked]}")
 
     prompt = fit(tokenizer, target_tokens, build, _report(rng), chat)
-    return Sample("document_qa", prompt, [answers[asked]], "string_match",
+    return Sample("document_qa", prompt, [answers[asked]], "whole_match",
                   {"person": names[asked], "fact": facts[asked], "depth": depth, "depth_bin": stratum,
                    "distractors": [a for i, a in enumerate(answers) if i != asked]})
 
