@@ -37,6 +37,11 @@ HUB = {
     "math500": "HuggingFaceH4/MATH-500",
     "aime25": "yentinglin/aime_2025",
 }
+# RULER's 13 subtasks as the hub dataset (kvpress's simonjegou/ruler) names them in each record's ``task``, and
+# the sequence lengths (prompt and answer, in tokens) it may hold, each a folder of its own on the hub.
+RULER_SUBTASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+                  "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
+RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 # THUDM/LongBench is a loading script around this archive of one JSONL file per task (data/<task>.jsonl): the
 # archive is fetched as a plain file and read here, so that no code from the hub runs.
 LONGBENCH_ARCHIVE = "data.zip"
@@ -109,10 +114,13 @@ def longbench_v2(records: Iterable[dict]) -> list[Sample]:
     return samples
 
 
-def ruler(records: Iterable[dict]) -> list[Sample]:
+def ruler(records: Iterable[dict], task: str = "") -> list[Sample]:
+    """RULER records as samples, labelled ``ruler/<subtask>``; with ``task``, only that subtask's records (the
+    hub's test split holds every subtask of a length, one after another)."""
     return [Sample(f"ruler/{r.get('task', 'unknown')}", r["context"] + "\n" + r.get("question", ""),
                    list(r["answer"]) if isinstance(r["answer"], list) else [r["answer"]], "string_match",
-                   {"length": r.get("max_length")}) for r in checked(records, "ruler")]
+                   {"length": r.get("max_length")}) for r in checked(records, "ruler")
+            if not task or r.get("task") == task]
 
 
 def math_problems(records: Iterable[dict], name: str) -> list[Sample]:
@@ -127,7 +135,7 @@ def from_records(kind: str, records: Iterable[dict], task: str = "") -> list[Sam
     if kind == "longbench_v2":
         return longbench_v2(records)
     if kind == "ruler":
-        return ruler(records)
+        return ruler(records, task)
     if kind in ("math500", "aime25"):
         return math_problems(records, kind)
     raise ValueError(f"unknown benchmark {kind!r}; choose one of {', '.join(HUB)}")
@@ -210,9 +218,13 @@ def longbench_from_hub(task: str, split: str = "test") -> list[Record]:
     return read_longbench_archive(archive, task)
 
 
-def load(kind: str, task: str = "", split: str = "test", limit: int | None = None) -> list[Sample]:
+def load(kind: str, task: str = "", split: str = "test", limit: int | None = None,
+         max_length: int | None = None) -> list[Sample]:
     """``kind`` from the hub: LongBench's archive through ``huggingface_hub``, the others with ``datasets``
-    (needs network and ``pip install datasets``).  No dataset's code runs: never ``trust_remote_code``."""
+    (needs network and ``pip install datasets``).  No dataset's code runs: never ``trust_remote_code``.
+
+    For RULER, ``max_length`` picks the hub's folder of that sequence length (e.g. 16384) and ``task`` one
+    subtask, whose first ``limit`` records are taken."""
     if kind not in HUB:
         raise ValueError(f"unknown benchmark {kind!r}; choose one of {', '.join(HUB)}")
     if kind == "longbench":
@@ -222,6 +234,11 @@ def load(kind: str, task: str = "", split: str = "test", limit: int | None = Non
         import datasets
     except ImportError:
         raise ValueError("loading public benchmarks needs the datasets library: pip install datasets") from None
-    rows = datasets.load_dataset(HUB[kind], split="train" if kind in ("longbench_v2", "aime25") else split)
+    if kind == "ruler" and max_length:
+        rows = datasets.load_dataset(HUB[kind], data_dir=str(max_length), split=split)
+    else:
+        rows = datasets.load_dataset(HUB[kind], split="train" if kind in ("longbench_v2", "aime25") else split)
+    if kind == "ruler" and task:
+        rows = rows.filter(lambda record: record.get("task") == task)
     records = rows.select(range(min(limit, len(rows)))) if limit else rows
     return from_records(kind, records, task)
