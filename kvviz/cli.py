@@ -576,15 +576,15 @@ def cmd_bench(args) -> int:
             finished, total = (sum(v[i] for v in progress.values()) for i in (0, 1))
             print(f"{config['name']}: {finished} of {total} cells done")
             return 0
-        # Options the chosen backend would silently ignore: ray runs every shard itself, local needs no cluster.
-        if args.backend == "ray" and args.shard:
-            raise ValueError(f"--backend ray runs every shard as its own task: drop --shard {args.shard}")
+        # Options the chosen backend would silently ignore: ray deals out the samples itself, local needs no cluster.
+        if args.backend == "ray" and (args.shard or args.shards != 1):
+            raise ValueError("--backend ray runs every sample as its own task on the cluster: drop --shards and --shard")
         if args.ray_address and args.backend != "ray":
             raise ValueError("--ray-address applies to --backend ray only; add --backend ray or drop --ray-address")
         sweep.check_shard(args.shard if args.backend == "local" else 0, args.shards)
         text = _sweep_folder(config, args.config, out)
         if args.backend == "ray":
-            written = sweep.run_ray(config, out, args.shards, args.ray_address, config_text=text)
+            written = sweep.run_ray(config, out, address=args.ray_address, config_text=text)
         else:
             written = sweep.run(config, out, shard=(args.shard, args.shards), config_text=text)
         print(f"{written} new rows in {out}")
@@ -1116,7 +1116,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shard", type=int, default=0,
                      help="which shard this process runs, 0 to --shards - 1 (default: %(default)s)")
     run.add_argument("--backend", choices=("local", "ray"), default="local",
-                     help="ray: run every shard as a Ray task, each writing rows-<i>.jsonl (default: %(default)s)")
+                     help="ray: run each sample's cells as a Ray task (one GPU each on a cuda config), the rows "
+                     "written by this process to rows.jsonl; resumable as local is (default: %(default)s)")
     run.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one on loopback)")
     run.add_argument("--status", action="store_true", help="only print how many cells are done, per task")
     rank = bench_sub.add_parser("ranking", help="run (or resume) a damage-ranking sweep (AvoKV-E's Table 3 "
