@@ -52,6 +52,8 @@ class PairedDelta:
     ties: int
     losses: int
     p_sign: float
+    # The smallest |mean difference| this many pairs would detect (:func:`detectable_difference`)
+    detectable: float = float("nan")
 
     @property
     def significant(self) -> bool:
@@ -97,7 +99,47 @@ def paired_delta(strata: Sequence[np.ndarray], confidence: float = 0.95, resampl
                                      confidence_level=confidence, method="percentile",
                                      rng=np.random.default_rng(seed))
         low, high = (float(v) for v in result.confidence_interval)
-    return PairedDelta(delta, low, high, len(pooled), wins, ties, losses, p_sign)
+    return PairedDelta(delta, low, high, len(pooled), wins, ties, losses, p_sign,
+                       detectable_difference(len(pooled), wins + losses, float(np.abs(pooled).sum())))
+
+
+def _rejections(discordant: int, alpha: float) -> np.ndarray:
+    """The win counts (of ``discordant`` non-tied pairs) at which the two-sided exact sign test rejects."""
+    return np.array([w for w in range(discordant + 1) if stats.binomtest(w, discordant).pvalue < alpha], dtype=int)
+
+
+def detectable_difference(pairs: int, discordant: int, magnitude: float | None = None, alpha: float = ALPHA,
+                          power: float = 0.8) -> float:
+    """The smallest |mean paired difference| that the exact sign test (McNemar's, for 0/1 scores) would find
+    at level ``alpha`` with probability ``power``, given ``pairs`` pairs of which ``discordant`` differ.
+
+    Conditional on the discordant pairs: each is a win with probability q, and the mean difference is
+    (2q − 1) · ``magnitude`` / ``pairs``, where ``magnitude`` is the summed |difference| over the discordant
+    pairs (their count for 0/1 scores).  The answer is that at the least q whose power reaches ``power``.
+    With too few discordant pairs for any q to get there -- fewer than 6, the least for which even all of them
+    one way gives p < 0.05 -- it is NaN: the run cannot tell the two apart at its observed disagreement.
+
+    Example: 100 pairs, 6 discordant: only 6 wins of 6 rejects, so q⁶ ≥ 0.8, q ≥ 0.9635 and Δ ≥ 0.927 · 6 / 100
+    ≈ 0.056; with 20 discordant q ≥ 0.80 and Δ ≈ 0.12.
+    """
+    if pairs < 1 or discordant < 1:
+        return float("nan")
+    magnitude = float(discordant) if magnitude is None else magnitude
+    reject = _rejections(discordant, alpha)
+    if not len(reject):
+        return float("nan")
+    upper = reject[reject > discordant / 2]  # the one-sided half: more wins than losses
+
+    def reached(q: float) -> float:
+        return float(stats.binom.pmf(upper, discordant, q).sum())
+
+    if reached(1.0) < power:
+        return float("nan")
+    low, high = 0.5, 1.0
+    for _ in range(50):  # bisection on q: the power grows with it
+        middle = (low + high) / 2
+        low, high = (middle, high) if reached(middle) < power else (low, middle)
+    return (2 * high - 1) * magnitude / pairs
 
 
 def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int = 9999) -> pd.DataFrame:

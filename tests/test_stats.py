@@ -269,3 +269,19 @@ def test_parameter_settings_pair_with_the_reference_at_its_defaults(tmp_path, ca
             for line in capsys.readouterr().out.splitlines() if line.startswith(("inertia", "tova"))}
     assert rows["inertia alpha=0.95"][2:4] == ["1.000", "(6)"] and rows["inertia"][1:3] == ["0.000", "(6)"]  # alpha=0.8 spells the defaults: one experiment
     assert rows["tova"][1:3] == ["0.500", "(6)"]
+
+
+def test_the_smallest_detectable_difference_by_hand():
+    from kvviz.stats import detectable_difference
+
+    # 6 discordant pairs: the two-sided exact test rejects only at 0 or 6 wins (p = 2 / 64), so the power is
+    # q ** 6 and reaches 0.8 at q = 0.8 ** (1 / 6); the mean difference is then (2q - 1) * 6 / 100
+    q = 0.8 ** (1 / 6)
+    assert detectable_difference(100, 6) == pytest.approx((2 * q - 1) * 6 / 100, rel=1e-6)
+    # 5 discordant pairs cannot reach p < 0.05 even all one way (2 / 32): nothing is detectable
+    assert math.isnan(detectable_difference(100, 5)) and math.isnan(detectable_difference(100, 0))
+    # more pairs at the same disagreement detect less; half-point differences halve it
+    assert detectable_difference(200, 12) < detectable_difference(100, 6)
+    assert detectable_difference(100, 6, magnitude=3.0) == pytest.approx(detectable_difference(100, 6) / 2)
+    # and paired_delta reports it: ten samples all won by 1 out of 10
+    assert paired_delta([np.ones(10)]).detectable == pytest.approx(detectable_difference(10, 10))
