@@ -677,8 +677,10 @@ def test_grown_allows_only_more_samples_of_the_same_tasks(change, grows):
     (["--shard", "5", "--shards", "2"], "--shard 5 is not one of 2 shard(s); use --shard 0 to 1"),
     (["--shard", "-1", "--shards", "2"], "--shard -1 is not one of 2 shard(s); use --shard 0 to 1"),
     # silently ignored before: ray runs every shard, and only ray joins a cluster
-    (["--backend", "ray", "--shards", "2", "--shard", "1"], "--backend ray runs every shard as its own task: drop "
-                                                            "--shard 1"),
+    (["--backend", "ray", "--shards", "2", "--shard", "1"], "--backend ray runs every sample as its own task on "
+                                                            "the cluster: drop --shards and --shard"),
+    (["--backend", "ray", "--shards", "2"], "--backend ray runs every sample as its own task on the cluster: drop "
+                                            "--shards and --shard"),
     (["--ray-address", "10.0.0.1:6379"], "--ray-address applies to --backend ray only; add --backend ray or drop "
                                          "--ray-address"),
 ])

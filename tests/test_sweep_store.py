@@ -426,26 +426,6 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
         app.close()
 
 
-def test_ray_backend_writes_one_shard_per_task_and_the_store_unions_them(tmp_path):
-    pytest.importorskip("ray")
-    config = sweep.load_config(CONFIG)
-    out = tmp_path / "tiny-test"
-    assert sweep.run_ray(config, out, shards=2) == 21
-    assert sorted(p.name for p in out.glob("rows*.jsonl")) == ["rows-0.jsonl", "rows-1.jsonl"]
-    keys = [r["cell"] for r in rows(out)]
-    assert len(keys) == 21 == len(set(keys))
-    # shards split by sample, so no prompt is prefilled twice
-    owners = {}
-    for shard in out.glob("rows-*.jsonl"):
-        for row in map(json.loads, shard.read_text().splitlines()):
-            owners.setdefault((row["task"], row["sample"]), set()).add(shard.name)
-    assert all(len(names) == 1 for names in owners.values()) and len(set().union(*owners.values())) == 2
-    assert sweep.run(config, out, progress=False) == 0  # a later unsharded run finds nothing left
-    store = Store(tmp_path)
-    assert len(store.shards) == 2 and not store.problems
-    assert store.frame("SELECT count(*) AS n FROM results").n[0] == 21
-
-
 def test_needle_grid_sweep_feeds_the_grid_query(tmp_path, tiny):
     config = {"name": "grid", "model": "tiny-random-llama", "max_new_tokens": 4, "compression": [0.5],
               "tasks": [{"name": "needle_grid", "lengths": [200, 250], "depths": [0.0, 1.0], "haystack": "noise"}],
