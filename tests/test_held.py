@@ -1,0 +1,70 @@
+"""Pairs at equal cache held, and quality against needle depth (kvviz/held.py), on hand-made rows."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvviz.held import depth_bins, held_pairs, held_table, quality_vs_depth
+from kvviz.store import Store
+
+BASE = {"source": "measured", "model": "m", "params": {}, "metric": "whole_match", "seed": 0, "prompt_len": 2000,
+        "max_new_tokens": 10, "chat": False, "task": "prose_needle"}
+
+
+def write(tmp_path, rows):
+    folder = tmp_path / "sweep"
+    folder.mkdir(parents=True)
+    (folder / "rows.jsonl").write_text("".join(json.dumps({**BASE, **r}) + "\n" for r in rows))
+    return Store(tmp_path)
+
+
+def held_store(tmp_path):
+    """4 samples.  TOVA holds 199 at 0.9.  SnapKV holds 208 at 0.9 (B + 9 new tokens) and 199 at 0.905; it
+    wins sample 0 at 0.905 and loses samples 1 and 2 at 0.9."""
+    rows = []
+    for sample in range(4):
+        meta = {"depth": 0.1 + 0.25 * sample}
+        rows.append({"sample": sample, "meta": meta, "policy": "full", "compression": 0.9, "score": 1.0,
+                     "max_decode_cache": 2009})
+        rows.append({"sample": sample, "meta": meta, "policy": "tova", "compression": 0.9, "score": float(sample != 0),
+                     "max_decode_cache": 199})
+        rows.append({"sample": sample, "meta": meta, "policy": "snapkv", "compression": 0.9,
+                     "score": float(sample not in (1, 2)), "max_decode_cache": 208})
+        rows.append({"sample": sample, "meta": meta, "policy": "snapkv", "compression": 0.905, "score": 1.0,
+                     "max_decode_cache": 199 + (sample == 3)})
+    return write(tmp_path, rows)
+
+
+def test_cells_pair_only_at_equal_cache_held(tmp_path):
+    pairs = held_pairs(held_store(tmp_path), "tova")
+    # SnapKV at 0.9 holds 208, 9 over any TOVA cell: unpaired.  At 0.905 every sample pairs (sample 3 one over).
+    assert set(pairs.policy) == {"snapkv"} and set(pairs.compression) == {0.905}
+    assert list(pairs["sample"]) == [0, 1, 2, 3] and set(pairs.reference_compression) == {0.9}
+    assert list(pairs.held) == [199, 199, 199, 200]
+    # with no tolerance, sample 3 (200 vs 199) drops out
+    assert list(held_pairs(Store(tmp_path), "tova", tolerance=0)["sample"]) == [0, 1, 2]
+
+
+def test_the_held_table_has_the_paired_difference_and_what_each_side_held(tmp_path):
+    row = held_table(held_store(tmp_path), "tova").iloc[0]
+    # SnapKV 1, 1, 1, 1 against TOVA 0, 1, 1, 1: one win, three ties
+    assert (row.policy, row.compression, row.wins, row.ties, row.losses) == ("snapkv", 0.905, 1, 3, 0)
+    assert row.delta == pytest.approx(0.25) and row.p_sign == pytest.approx(1.0)
+    assert row.held == pytest.approx(199.25) and row.reference_held == 199 and row.reference_compression == "0.9"
+    assert math.isnan(row.detectable)  # one discordant pair can never reach p < 0.05
+
+
+def test_depth_strata_and_their_means(tmp_path):
+    import pandas as pd
+
+    assert list(depth_bins(pd.Series([0.0, 0.09, 0.1, 0.55, 0.999, 1.0]))) == [0, 0, 1, 5, 9, 9]
+    table = quality_vs_depth(held_store(tmp_path), policies=["tova", "full"], bins=4)
+    tova = table[table.policy == "tova"]
+    # depths 0.1, 0.35, 0.6, 0.85: one sample per quarter; TOVA loses the first
+    assert list(tova.depth_bin) == [0, 1, 2, 3] and list(tova.score) == [0.0, 1.0, 1.0, 1.0]
+    assert list(tova.depth) == [0.125, 0.375, 0.625, 0.875] and set(tova.samples) == {1}
+    full = table[table.policy == "full"]
+    assert full.compression.isna().all() and list(full.score) == [1.0] * 4
