@@ -193,12 +193,13 @@ def test_resuming_a_folder_of_rows_from_before_the_pooling_parameter_is_refused(
     from kvviz.bench import sweep
 
     (tmp_path / "rows.jsonl").write_text(json.dumps(rkv_row(params={}, git_commit="1749f42")) + "\n")
-    config = {"policies": ["full", "rkv"]}
+    tasks = {"budget": [64], "tasks": [{"name": "arithmetic_reasoning", "samples": 1}]}  # cells still to run
+    config = {"policies": ["full", "rkv"], **tasks}
     with pytest.raises(ValueError, match=r"holds rows of rkv run with other parameters than the code gives it now "
                                          r"\(pooling = 'head-mean' then, 'official' now: a default changed since, "
                                          r"at commit 1749f42\)"):
         sweep.check_params_as_run(config, tmp_path)
-    assert sweep.check_params_as_run({"policies": [{"name": "rkv", "params": {"pooling": "head-mean"}}]},
+    assert sweep.check_params_as_run({"policies": [{"name": "rkv", "params": {"pooling": "head-mean"}}], **tasks},
                                      tmp_path) is None
     # a row that records every parameter but the pooling ran the head means too
     recorded = {"interval": 128, "observe_window": 8, "prompt_queries": False, "lam": 0.1, "window": 8, "kernel": 7}
@@ -208,3 +209,19 @@ def test_resuming_a_folder_of_rows_from_before_the_pooling_parameter_is_refused(
     (tmp_path / "rows.jsonl").write_text(json.dumps(rkv_row(params={}, policy_params={**recorded, "pooling":
                                                                                        "official"})) + "\n")
     assert sweep.check_params_as_run(config, tmp_path) is None
+
+
+def test_rerunning_a_finished_folder_of_head_mean_rows_writes_nothing_and_is_not_refused(tmp_path):
+    """Every cell of the config is stored: a rerun adds no row, so nothing of today's pooling can join the old
+    rows, and the shipped sweeps' folders rerun as a no-op."""
+    from kvviz.bench import sweep
+
+    config = {"name": "done", "budget": [64], "policies": ["rkv"],
+              "tasks": [{"name": "arithmetic_reasoning", "samples": 1}]}
+    (cell,) = sweep.cells(config)
+    (tmp_path / "rows.jsonl").write_text(json.dumps({**rkv_row(params={}), "cell": cell.key}) + "\n")
+    assert sweep.check_params_as_run(config, tmp_path) is None
+    grown = {**config, "tasks": [{"name": "arithmetic_reasoning", "samples": 2}]}  # a cell to run: refused
+    with pytest.raises(ValueError, match=r"pooling = 'head-mean' then, 'official' now"):
+        sweep.check_params_as_run(grown, tmp_path)
+

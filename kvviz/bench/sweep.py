@@ -599,8 +599,12 @@ def check_params_as_run(config: dict, out_dir: str | Path) -> None:
     setting.  Each row records every parameter its policy ran with (``policy_params``); of rows from before they
     did only the parameters added to their policy since are checked (a row without R-KV's ``pooling`` ran
     ``"head-mean"``, :attr:`kvviz.policies.base.Policy.added_parameters`), and so are those a row's
-    ``policy_params`` lack."""
+    ``policy_params`` lack.  A folder that already holds every cell of ``config`` is not refused: rerunning it
+    writes nothing, so nothing can join the old rows (``make sweeps`` over finished sweeps stays a no-op)."""
     from ..policies import get_spec, make_policy
+
+    if {cell.key for cell in cells(config)} <= finished_cells(out_dir):
+        return
 
     # As a row stores them: JSON numbers, lists for tuples
     now = {(name, json.dumps(dict(params), sort_keys=True)): json.loads(json.dumps(make_policy(name, **dict(params))
