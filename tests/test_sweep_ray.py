@@ -63,11 +63,11 @@ def test_a_killed_worker_reruns_its_sample_and_every_cell_lands_once(local_clust
              reference["policy_params"]), row["cell"]
 
 
-def test_a_stopped_ray_sweep_resumes_with_the_missing_cells_only(local_cluster, tmp_path):
-    """Rows of part of the sweep already stored (a driver stopped mid-sweep): the next run adds only the
-    missing cells, and a run with nothing left adds nothing."""
+def test_a_stopped_sweep_resumes_on_ray_with_the_missing_cells_only(local_cluster, tmp_path):
+    """Rows of part of the sweep already stored (here by the local runner, as a stopped driver leaves them):
+    the Ray run adds only the missing cells, and a run with nothing left adds nothing."""
     folder = tmp_path / "sweep"
-    sweep.run_ray(CONFIG, folder, progress=False)
+    sweep.run(CONFIG, folder, progress=False)
     rows = stored(folder)
     kept = [row for row in rows if not (row["task"] == "multi_key_needle" or row["policy"] == "tova")]
     (folder / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kept))
