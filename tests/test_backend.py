@@ -79,13 +79,13 @@ def first_difference(reference: list, static: list) -> str | None:
 
 
 def both(model, tokenizer, prompt, setting: str, budget: int, steps: int, sampling: dict | None = None,
-         **options) -> tuple[list, list]:
+         compile: bool = False, **options) -> tuple[list, list]:
     """The engine's events and the static backend's, each with a fresh policy of ``setting``."""
     sampling = sampling or {}
     reference = list(decode(model, tokenizer, prompt, build_setting(setting)[1], budget=budget,
                             max_new_tokens=steps, sampler=Sampler(**sampling)))
-    static = list(StaticBackend(model, build_setting(setting)[1]).stream(tokenizer, prompt, budget=budget,
-                                                                          max_new_tokens=steps, **sampling, **options))
+    static = list(StaticBackend(model, build_setting(setting)[1], compile=compile).stream(
+        tokenizer, prompt, budget=budget, max_new_tokens=steps, **sampling, **options))
     return reference, static
 
 
@@ -233,3 +233,18 @@ def test_run_with_the_static_backend_gives_the_engines_trace(models):
     assert first_difference(engine_run.trace.events, static_run.trace.events) is None
     with pytest.raises(ValueError, match="SnapKV is prefill-time"):
         kvviz.run(model, tokenizer, prompt, "snapkv", budget=16, backend="static")
+
+
+def test_compiled_steady_step_is_one_graph_for_every_policy(models):
+    """torch.compile takes the layer alone (the scorers run beside it), so one graph of the steady shape serves
+    InertiaKV-Lazy's two step variants and H2O alike; the events stay the engine's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model, tokenizer, prompt = models["llama"]
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for setting in ("inertia-lazy", "h2o"):
+        reference, static = both(model, tokenizer, prompt, setting, 20, 12, compile=True)
+        assert first_difference(reference, static) is None
+    assert counters["stats"]["unique_graphs"] - before == 1
