@@ -68,3 +68,29 @@ def test_depth_strata_and_their_means(tmp_path):
     assert list(tova.depth) == [0.125, 0.375, 0.625, 0.875] and set(tova.samples) == {1}
     full = table[table.policy == "full"]
     assert full.compression.isna().all() and list(full.score) == [1.0] * 4
+
+
+def test_the_depth_figure_draws_at_most_eight_policies_and_says_what_it_left_out(tmp_path):
+    from kvviz.ui.results import Colours, _depth_figure
+
+    names = ["full", "inertia", "tova", "h2o", "snapkv", "streaming", "knorm", "keydiff", "random", "cumulative"]
+    rows = [{"sample": sample, "meta": {"depth": sample / 10 + 0.05}, "policy": name,
+             "compression": 0.9, "score": float(name == "full" or sample >= 5), "max_decode_cache": 199}
+            for sample in range(10) for name in names]
+    rows += [{"sample": 0, "meta": {"depth": 0.05}, "policy": "tova", "compression": 0.75, "score": 1.0,
+              "max_decode_cache": 500}]
+    store = write(tmp_path, rows)
+    frame = quality_vs_depth(store)
+    figure = _depth_figure(frame, Colours(names))
+    drawn = {trace.name for trace in figure.data}
+    assert len(drawn) == 8 and {"full", "inertia"} <= drawn and "cumulative" not in drawn
+    title = figure.layout.title.text
+    head = title.split("<br>")[0]
+    title = " ".join(title.replace("<sup>", " ").replace("</sup>", " ").replace("<br>", " ").split())  # notes wrap
+    assert head.startswith("Quality vs needle depth at ρ = 0.9") and "ρ = 0.75" not in head
+    assert "2 more policies (cumulative, random)" in title and "other compressions (0.75)" in title, title
+    # each line is one point per tenth: TOVA 0 over the first half, 1 over the second
+    tova = next(trace for trace in figure.data if trace.name == "tova")
+    assert list(tova.x) == pytest.approx([0.05 + i / 10 for i in range(10)]) and list(tova.y) == [0.0] * 5 + [1.0] * 5
+    # chosen policies are all drawn
+    assert len({t.name for t in _depth_figure(frame, Colours(names), chosen=True).data}) == 10

@@ -237,7 +237,7 @@ def figure_colours(figure) -> dict[str, set[str]]:
                                                      ("(all)", "paper", True)])
 def test_figures_keep_each_names_colour_across_figures_and_filters(store, colours, task, source, settings):
     out = query(store, "(all)", task, [], source, colours=colours, settings=settings)
-    figures = dict(zip(["quality", "hits", "paired", "comparison", "alpha", "refresh", "speed", "cache", "grid"],
+    figures = dict(zip(["quality", "hits", "paired", "comparison", "alpha", "refresh", "speed", "cache", "depth", "grid"],
                        out[0::3]))
     for name in ("quality", "hits", "paired", "comparison", "speed", "cache"):
         found = figure_colours(figures[name])

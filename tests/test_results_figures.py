@@ -12,7 +12,7 @@ from kvviz.store import Store
 from kvviz.ui.results import (ALL, LEGEND_ROW, SETTINGS_BOX, _dodge, _line_figure, _on_cut_axes, _refresh_figure,
                               query, with_reference)
 
-FIGURES = ["quality", "hits", "paired", "comparison", "alpha", "refresh", "speed", "cache", "grid", "ranking"]
+FIGURES = ["quality", "hits", "paired", "comparison", "alpha", "refresh", "speed", "cache", "depth", "grid", "ranking"]
 
 
 def write_rows(folder: Path, rows: list[dict]) -> None:

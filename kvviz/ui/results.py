@@ -28,6 +28,7 @@ from plotly.subplots import make_subplots
 
 from ..policies import REGISTRY
 from ..stats import paired_table
+from ..held import quality_vs_depth
 from ..store import (FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, ranking_caveats, setting_names,
                      suite_notes)
 from .checks import refused
@@ -949,6 +950,54 @@ def _cache_figure(frame: pd.DataFrame, colours: Colours) -> go.Figure:
     return fig
 
 
+DEPTH_POLICIES = 8  # lines a depth figure draws when no policy is chosen: more tangle at ten depths
+# which come first: the reference, the paper's method, then issue 43's headline baselines
+DEPTH_FIRST = ("full", "inertia", "tova", "h2o", "snapkv", "streaming", "knorm", "keydiff")
+DEPTH_CAPTION = ("Read each line left to right: its score on the samples whose needle lies in that tenth of the "
+                 "text (0: the start, 1: just before the question); a policy that keeps only recent entries "
+                 "rises to the right, one that retrieves stays flat.")
+
+
+def _depth_shown(frame: pd.DataFrame, chosen: bool) -> tuple[pd.DataFrame, list[str]]:
+    """The rows a depth figure draws: the full cache and the evicting policies at the most-run compression
+    (the largest on a tie), at most ``DEPTH_POLICIES`` lines unless policies were chosen; and notes saying
+    what was left out."""
+    notes = []
+    evicting = frame[frame.compression.notna()]
+    if evicting.empty:
+        return frame, notes
+    runs = evicting.groupby("compression").policy.nunique()
+    rho = max(runs[runs == runs.max()].index)
+    if len(runs) > 1:
+        notes.append(f"other compressions ({', '.join(f'{c:g}' for c in runs.index if c != rho)}): "
+                     "filter the sweeps, or see the table")
+    frame = frame[frame.compression.isna() | (frame.compression == rho)]
+    names = list(dict.fromkeys([*DEPTH_FIRST, *sorted(frame.policy.unique())]))
+    names = [name for name in names if name in set(frame.policy)]
+    if not chosen and len(names) > DEPTH_POLICIES:
+        notes.append(f"{len(names) - DEPTH_POLICIES} more polic{'ies' if len(names) > DEPTH_POLICIES + 1 else 'y'} ({', '.join(names[DEPTH_POLICIES:][:4])}"
+                     f"{', ...' * (len(names) > DEPTH_POLICIES + 4)}): choose them in Policies")
+        names = names[:DEPTH_POLICIES]
+    return frame[frame.policy.isin(names)], notes
+
+
+def _depth_figure(frame: pd.DataFrame, colours: Colours, chosen: bool = False) -> go.Figure:
+    """Mean score per needle-depth decile, a line per policy at one compression, a panel per model / task;
+    only rows whose sample records its needle's depth (the prose tasks, single_needle)."""
+    if frame.empty:
+        return _empty(go.Figure(), "no rows with a recorded needle depth for these filters (the prose tasks and "
+                                   "single_needle record one)")
+    shown, notes = _depth_shown(frame, chosen)
+    rho = shown.compression.dropna().unique()
+    notes.append(f"n per point: {shown.samples.min():g} to {shown.samples.max():g} samples; "
+                 "a depth with few samples moves in large steps")
+    title = f"Quality vs needle depth{f' at ρ = {rho[0]:g}' if len(rho) else ''} (mean score per tenth of the text; " \
+            "bars: ± 1 standard error)"
+    lines = shown.drop(columns=["compression"]).assign(source="measured")
+    return _line_figure(lines, "depth", "score", title, "needle depth (share of the text before it)", "mean score",
+                        colours, notes=notes)
+
+
 # AvoKV-E's Table 3 metrics as panels: title, and a random ranking's value (the dotted line).  High damage is
 # the top decile, so a random ranking finds a tenth of it among any k entries and has that precision.
 RANKING_PANELS = {"auroc": ("AUROC", 0.5), "ap": ("average precision", 0.1), "topk_recall": ("top-k recall", 0.1),
@@ -1186,6 +1235,8 @@ def sections(store: Store, model: str, task: str, policies: list[str], source: s
     if source == "paper":  # the papers report no per-run decode speed or max-length hits
         speed, hits = speed.iloc[0:0], hits.iloc[0:0]
     # The grid is a task of its own: another task chosen leaves it empty, saying why
+    depth = quality_vs_depth(store, task, model, drawn, sweeps=list(sweeps) if sweeps else None) \
+        if source != "paper" else quality_vs_depth(store, task, model, []).iloc[0:0]
     grid = store.needle_grid(model, drawn, source, sweeps=sweeps)
     grid_empty = "no needle-grid rows for these filters"
     if task not in (None, "needle_grid"):
@@ -1223,6 +1274,7 @@ def sections(store: Store, model: str, task: str, policies: list[str], source: s
         lambda: (_refresh_figure(refresh), refresh, "refresh_curve"),
         lambda: (_speed_figure(speed, colours), speed, "speed_vs_quality"),
         lambda: (_cache_figure(speed, colours), speed, "quality_vs_cache"),
+        lambda: (_depth_figure(depth, colours, chosen=bool(policies)), depth, "quality_vs_depth"),
         lambda: (_grid_figure(grid, grid_empty), grid, "needle_grid"),
         lambda: (_ranking_figure(ranking, colours, ranking_notes), ranking, "damage_ranking"),
     ]
@@ -1349,7 +1401,8 @@ def default_reference(policies: list[str]) -> str | None:
 # The start of the settings box's label, which the quality figure names where it hides other settings
 SETTINGS_BOX = "Other parameter settings too"
 SECTIONS = ("Quality vs compression", "Max-length hits vs compression", "Paired differences", "Measured vs paper", "α sensitivity",
-            "Refresh interval", "Quality vs decode speed", "Quality vs cache held", "Needle in a haystack grid",
+            "Refresh interval", "Quality vs decode speed", "Quality vs cache held", "Quality vs needle depth",
+            "Needle in a haystack grid",
             "Damage ranking (AvoKV-E Table 3)")
 OPEN = ("Quality vs compression", "Measured vs paper")  # the sections open when the tab loads
 # What a closed section shows while the open ones are already drawn for new filters: no figure, table or
@@ -1484,6 +1537,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
                             "within one run, or measure them together with `kvviz bench speed --policies ...`.")
             # The accordion names the figure: a label tag (Gradio's default, "Plot") covered its title's start
             plot = gr.Plot(label=title, show_label=False)
+            if title == "Quality vs needle depth":
+                gr.Markdown(DEPTH_CAPTION)
             table = gr.Dataframe(interactive=False, max_height=300)
             csv = gr.DownloadButton("Download CSV")
             outputs += [plot, table, csv]
