@@ -23,3 +23,9 @@ def kind(value) -> str:
         return "a number"
     return {str: "text", list: "a list", tuple: "a list", dict: "an object", type(None): "nothing"}.get(
         type(value), type(value).__name__)
+
+
+def cut(text: str, limit: int = 80) -> str:
+    """``text`` unquoted, its middle cut to keep it within about ``limit`` characters."""
+    half = max(limit // 2 - 2, 1)
+    return text if len(text) <= limit else f"{text[:half]}...{text[-half:]}"

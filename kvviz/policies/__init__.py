@@ -10,7 +10,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from ..quote import excerpt
+from ..quote import cut, excerpt
 
 from .avokv import AvoKVE
 from .base import Policy
@@ -76,7 +76,7 @@ class PolicySpec:
         unknown = sorted(set(params) - set(known))
         if unknown:
             raise ValueError(
-                f"policy {self.name!r} has no parameter(s) {excerpt(', '.join(map(str, unknown)))}; "
+                f"policy {self.name!r} has no parameter(s) {cut(', '.join(map(str, unknown)))}; "
                 f"it takes: {', '.join(sorted(known)) or 'none'}"
             )
         checked = {name: coerce(self.name, known[name], value) for name, value in params.items()}
@@ -257,7 +257,7 @@ def build_setting(text: str) -> tuple[str, Policy]:
             raise ValueError(f"in {excerpt(text)}, write each parameter as key=value after the policy's name, e.g. "
                              "'inertia alpha=0.5'")
         if key in params:
-            raise ValueError(f"the setting {excerpt(text)} sets {excerpt(key)} twice; keep one")
+            raise ValueError(f"the setting {excerpt(text)} sets {cut(key, 40)} twice; keep one")
         params[key] = value
     try:
         policy = get_spec(name).build(**params)
