@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from .stats import paired_table
-from .store import QUALITY_METRICS, Store
+from .store import NOT_RANKED, QUALITY_METRICS, RANKED_FLOOR, Store
 
 
 def held_pairs(store: Store, reference: str, task: str | None = None, model: str | None = None,
@@ -102,3 +102,17 @@ def quality_vs_depth(store: Store, task: str | None = None, model: str | None = 
     out = out.assign(depth=(out.depth_bin + 0.5) / bins)
     return out[columns].sort_values(["model", "task", "policy", "compression", "depth_bin"], na_position="first") \
         .reset_index(drop=True)
+
+
+def full_cache_ranking(store: Store, floor: float = RANKED_FLOOR) -> pd.DataFrame:
+    """Per measured (model, task, max_new_tokens, chat): the full cache's mean score and samples, and whether
+    the task ranks policies -- its full cache scores at least ``floor`` -- or is marked :data:`NOT_RANKED`."""
+    frame = store.frame(
+        """
+        SELECT model, task, max_new_tokens, chat, avg(score) AS full_score, count(*) AS samples
+        FROM results WHERE source = 'measured' AND policy = 'full' AND sample IS NOT NULL
+          AND list_contains(?, metric)
+        GROUP BY ALL ORDER BY model, task, max_new_tokens, chat
+        """, [list(QUALITY_METRICS)])
+    ranked = frame.full_score >= floor
+    return frame.assign(ranked=ranked, status=ranked.map({True: "ranked", False: NOT_RANKED}))

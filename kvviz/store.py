@@ -79,6 +79,10 @@ PREFIXES = {"ruler/": "RULER", "longbench/": "LongBench"}
 # SmolLM2-135M's full cache scores 0.12 on variable tracking, so a policy's score there is mostly noise, and a
 # mean over tasks that includes it says little about eviction.  The papers' 8B full caches pass it on every task.
 FULL_CACHE_FLOOR = 0.5
+# Issue 43: a task ranks policies only where the full cache itself scores at least this on it; under it a
+# policy's loss is mostly the model's own failure, and the task is marked "full cache fails: not ranked".
+RANKED_FLOOR = 0.8
+NOT_RANKED = "full cache fails: not ranked"
 # A cell is said to have held over its budget past this factor (one B is not one memory size: a checkpointed
 # policy runs up to B + interval - 1, a prefill-time one grows by the tokens generated).
 HELD_OVER = 1.1

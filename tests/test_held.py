@@ -94,3 +94,18 @@ def test_the_depth_figure_draws_at_most_eight_policies_and_says_what_it_left_out
     assert list(tova.x) == pytest.approx([0.05 + i / 10 for i in range(10)]) and list(tova.y) == [0.0] * 5 + [1.0] * 5
     # chosen policies are all drawn
     assert len({t.name for t in _depth_figure(frame, Colours(names), chosen=True).data}) == 10
+
+
+def test_a_task_whose_full_cache_scores_under_the_floor_is_not_ranked(tmp_path):
+    from kvviz.held import full_cache_ranking
+    from kvviz.store import NOT_RANKED
+
+    rows = [{"task": task, "sample": sample, "policy": "full", "compression": 0.9, "score": score,
+             "max_decode_cache": 2009}
+            for task, scores in (("easy", [1, 1, 1, 1, 0]), ("hard", [1, 1, 1, 0, 0]))
+            for sample, score in enumerate(scores)]
+    table = full_cache_ranking(write(tmp_path, rows)).set_index("task")
+    # 4/5 = 0.8 reaches the floor; 3/5 does not
+    assert table.loc["easy", "full_score"] == pytest.approx(0.8) and table.loc["easy", "status"] == "ranked"
+    assert table.loc["hard", "status"] == NOT_RANKED and not table.loc["hard", "ranked"]
+    assert table.loc["hard", "samples"] == 5
