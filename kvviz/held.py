@@ -12,7 +12,8 @@ runs SnapKV at ρ = 0.905 beside the others at 0.9: B − 10 + 9 new tokens = th
 Why pair cells rather than rescale a budget inside the runner: the held size is measured, not derived from a
 bound (a checkpointed policy's bound B + interval − 1 is far above what it holds in a short generation), the
 same rows serve both the nominal-B and the equal-memory comparison, and a pair exists only where both cells
-were really run -- nothing is interpolated.
+were really run -- nothing is interpolated.  A policy's cell pairs where it held no more than the reference's
+cell (and not over 5% less): a fair comparison gives it no extra memory.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ from .store import NOT_RANKED, QUALITY_METRICS, RANKED_FLOOR, Store
 
 
 def held_pairs(store: Store, reference: str, task: str | None = None, model: str | None = None,
-               policies: list[str] | None = None, tolerance: int = 1) -> pd.DataFrame:
+               policies: list[str] | None = None, tolerance: int = 1, slack: float = 0.05) -> pd.DataFrame:
     """Each measured cell of a policy (at its defaults) next to the reference's cell of the same sample (same
-    model, task, prompt, seed and generation settings) whose largest decode cache is closest to its own and
-    within ``tolerance`` entries; cells with no such partner are left out.
+    model, task, prompt, seed and generation settings) that held the least cache among those that held at
+    least as much as it did (up to ``tolerance`` entries less) and no more than ``slack`` (a share of the
+    reference's) above it: the policy never gets more memory than the reference, nor much less.  Cells with no
+    such partner are left out.
+
+    "At least as much", not "as much": a prefill-time policy holds B + the tokens it has generated, so one that
+    stops early (SnapKV answering "64." of 6478942) held less than its bound; run at the budget whose bound is
+    the reference's B (ρ = 0.905 against 0.9 here), it holds that or less, and pairs.
 
     Rows: ``model``, ``suite``, ``task``, ``policy``, ``compression``, ``absolute_budget``, ``sample``,
     ``score``, ``reference_score``, ``held``, ``reference_held``, ``reference_compression`` -- the columns
@@ -46,20 +53,22 @@ def held_pairs(store: Store, reference: str, task: str | None = None, model: str
          AND p.sample = r.sample AND p.seed IS NOT DISTINCT FROM r.seed AND p.prompt_len = r.prompt_len
          AND p.max_new_tokens = r.max_new_tokens AND p.chat = r.chat AND p.temperature = r.temperature
          AND p.top_p = r.top_p AND p.dtype IS NOT DISTINCT FROM r.dtype AND p.draws = r.draws
-         AND abs(p.max_decode_cache - r.max_decode_cache) <= ?
+         AND p.max_decode_cache <= r.max_decode_cache + ?
+         AND r.max_decode_cache - p.max_decode_cache <= ? * r.max_decode_cache
         WHERE (? IS NULL OR list_contains(?, p.policy))
         QUALIFY row_number() OVER (PARTITION BY p.model, p.task, p.policy, p.compression, p.absolute_budget, p.sample
-                                   ORDER BY abs(p.max_decode_cache - r.max_decode_cache), r.compression) = 1
+                                   ORDER BY r.max_decode_cache, r.compression) = 1
         ORDER BY p.model, p.task, p.policy, p.compression, p.sample
-        """, [list(QUALITY_METRICS), task, task, model, model, reference, reference, tolerance, policies, policies])
+        """, [list(QUALITY_METRICS), task, task, model, model, reference, reference, tolerance, slack, policies,
+              policies])
 
 
 def held_table(store: Store, reference: str, task: str | None = None, model: str | None = None,
-               policies: list[str] | None = None, tolerance: int = 1) -> pd.DataFrame:
+               policies: list[str] | None = None, tolerance: int = 1, slack: float = 0.05) -> pd.DataFrame:
     """:func:`kvviz.stats.paired_table` over :func:`held_pairs`: per (model, task, policy, compression) the
     paired difference to the reference at equal cache held, with the mean held on either side and the
     reference's compression(s) it paired with."""
-    pairs = held_pairs(store, reference, task, model, policies, tolerance)
+    pairs = held_pairs(store, reference, task, model, policies, tolerance, slack)
     table = paired_table(pairs)
     if table.empty:
         return table.assign(held=pd.Series(dtype=float), reference_held=pd.Series(dtype=float),

@@ -35,17 +35,22 @@ def held_store(tmp_path):
                      "score": float(sample not in (1, 2)), "max_decode_cache": 208})
         rows.append({"sample": sample, "meta": meta, "policy": "snapkv", "compression": 0.905, "score": 1.0,
                      "max_decode_cache": 199 + (sample == 3)})
+        # held far less (stopped at once, 7% under TOVA's 199): no partner within 5%
+        rows.append({"sample": sample, "meta": meta, "policy": "streaming", "compression": 0.91, "score": 1.0,
+                     "max_decode_cache": 185})
     return write(tmp_path, rows)
 
 
 def test_cells_pair_only_at_equal_cache_held(tmp_path):
     pairs = held_pairs(held_store(tmp_path), "tova")
     # SnapKV at 0.9 holds 208, 9 over any TOVA cell: unpaired.  At 0.905 every sample pairs (sample 3 one over).
+    # StreamingLLM's 185 is 14 (7%) under: unpaired too.
     assert set(pairs.policy) == {"snapkv"} and set(pairs.compression) == {0.905}
     assert list(pairs["sample"]) == [0, 1, 2, 3] and set(pairs.reference_compression) == {0.9}
     assert list(pairs.held) == [199, 199, 199, 200]
-    # with no tolerance, sample 3 (200 vs 199) drops out
+    # with no tolerance, sample 3 (200 vs 199) drops out; with 10% slack StreamingLLM pairs
     assert list(held_pairs(Store(tmp_path), "tova", tolerance=0)["sample"]) == [0, 1, 2]
+    assert set(held_pairs(Store(tmp_path), "tova", slack=0.1).policy) == {"snapkv", "streaming"}
 
 
 def test_the_held_table_has_the_paired_difference_and_what_each_side_held(tmp_path):
