@@ -649,11 +649,14 @@ def _paired_figure(frame: pd.DataFrame, reference: str, colours: Colours, empty:
                 error_y=dict(type="data", array=part.high - part.delta, arrayminus=part.delta - part.low,
                              visible=True, thickness=1),
                 customdata=list(zip(cuts, *(part[c] for c in ("low", "high", "wins", "ties", "losses", "pairs",
-                                                             "p_sign")))),
+                                                             "p_sign")),
+                                    [f"{d:.3f}" if pd.notna(d) else "none (too few differing samples)"
+                                     for d in (part.detectable if "detectable" in part else [np.nan] * len(part))])),
                 hovertemplate=(f"{policy} − {reference}<br>%{{customdata[0]}}<br>Δ %{{y:+.3f}} "
                                "[%{customdata[1]:+.3f}, %{customdata[2]:+.3f}]<br>wins/ties/losses "
                                "%{customdata[3]}/%{customdata[4]}/%{customdata[5]} of %{customdata[6]}"
-                               "<br>sign test p = %{customdata[7]:.3g}<extra></extra>"),
+                               "<br>sign test p = %{customdata[7]:.3g}<br>smallest |Δ| detectable (80% power): "
+                               "%{customdata[8]}<extra></extra>"),
                 row=row, col=col)
             shown.add(policy)
     _axis_titles(fig, panels, "compression ρ")
