@@ -55,6 +55,7 @@ def page(app_url):
                   "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1400, "height": 1800})
         page.goto(app_url)
+        page.get_by_role("tab", name="Live").click()  # the app opens on Start here
         page.get_by_label("Prompt").first.wait_for()
         yield page
         browser.close()
@@ -768,3 +769,27 @@ def test_an_avokv_preset_note_says_what_a_hand_edit_changed_and_returns_when_set
     page.get_by_label("Comparisons from the papers").click()
     page.get_by_role("option", name="InertiaKV against TOVA", exact=False).click()
     page.get_by_text("Back to the prompt-compression regime", exact=False).wait_for(timeout=30_000)
+
+
+def test_the_first_view_shows_a_finished_comparison_and_its_answers_without_a_click(page, app_url):
+    """A first-time visitor sees, before touching anything, what eviction did to one answer."""
+    from kvviz.ui.landing import load_landing
+
+    landing = load_landing()
+    # a new visit (the module's page has moved on to the Live tab)
+    visit = page.context.browser.new_context(viewport={"width": 1400, "height": 1100})
+    fresh = visit.new_page()
+    try:
+        fresh.goto(app_url)
+        summary = fresh.locator("#landing-summary")
+        summary.wait_for(timeout=60_000)
+        assert fresh.get_by_role("tab", name="Start here").get_attribute("aria-selected") == "true"
+        for label in landing.traces:
+            assert fresh.get_by_label(f"{landing.display(label)} answered").input_value() == landing.answer(label)
+            assert landing.display(label) in summary.inner_text()
+        assert "right" in summary.inner_text() and "wrong" in summary.inner_text()
+        fresh.locator("#start-here .js-plotly-plot").first.wait_for(timeout=60_000)  # the heatmaps drew
+        assert fresh.locator("#start-here .js-plotly-plot").count() == len(landing.traces)
+        fresh.screenshot(path=str(ARTIFACTS / "start-here.png"))
+    finally:
+        visit.close()

@@ -42,6 +42,7 @@ from .checks import (MAX_TEMPERATURE, PARAM_NAMES, PARAMETERS, Request, _models,
                      policy_from_inputs,
                      refused, refusing, release_memory, unexpected, unused_parameters, used_parameters, validate)
 from .config import Limits
+from .landing import Landing, load_landing
 from .figures import LEGEND_LINE, MAX_FOLLOWED, NEVER, RunView, step_dtick, step_range
 from .results import build_results_tab
 from .tickets import button_ticket, request_stop, retire, stopped_run_failed, ticketed
@@ -80,6 +81,9 @@ COMPARISONS = {
 REASONING_PRESETS = [name for name in COMPARISONS if name.startswith("AvoKV-E")]
 REASONING_HEADROOM, REASONING_NEW_TOKENS = 32, 160
 REASONING_SAMPLING = {"temperature": 0.6, "top_p": 0.95}
+# The Live tab's start: its default policy (InertiaKV) answers the passkey example right at this compression
+# on the default model (at 0.5 it lost it under every policy tried: assets/landing.py)
+LIVE_COMPRESSION = 0.3
 # The Compare tab's own start, which the other presets (InertiaKV's prompt-compression regime) go back to
 # where an AvoKV-E preset had changed it
 COMPARE_EXAMPLE, COMPARE_NEW_TOKENS = "Four-key needle", 48
@@ -1614,6 +1618,21 @@ def stopped_while_loading(note):
 APP_CSS = ".secondary-wrap input { text-overflow: ellipsis; padding-right: 24px !important; }"
 
 
+def build_landing(landing: Landing) -> None:
+    """The Start-here tab: the shipped comparison's sentence, and each policy's answer over its heatmap with
+    the needle's columns in red."""
+    gr.Markdown(landing.summary(), elem_id="landing-summary")
+    panels = compare_panels(landing.views, followed=landing.needle_positions)
+    with gr.Row():
+        for (label, trace), panel in zip(landing.traces.items(), panels):
+            with gr.Column(min_width=300):
+                gr.Textbox(landing.answer(label), label=f"{landing.display(label)} answered", interactive=False,
+                           elem_classes=["landing-answer"])
+                gr.Plot(panel, show_label=False)
+    gr.Markdown("Run it yourself: the Live tab starts on this prompt with InertiaKV, and the Compare tab runs "
+                "any policies side by side.")
+
+
 def build_app(limits: Limits | None = None, store: Store | None = None, warm: bool = False) -> gr.Blocks:
     """The whole app; ``warm`` (the served app) draws the Results tab's default figures as it is built."""
     limits = limits or Limits.from_env()
@@ -1623,6 +1642,10 @@ def build_app(limits: Limits | None = None, store: Store | None = None, warm: bo
         # the style travels with the heading: an element of its own took a row's gap of the page
         gr.Markdown("# kvviz\nWatch what a KV-cache eviction policy keeps and drops while the model decodes."
                     f"<style>{APP_CSS}</style>", sanitize_html=False)
+        landing = load_landing()
+        if landing is not None:  # the first thing a visitor sees: eviction changing an answer, no model loaded
+            with gr.Tab("Start here", elem_id="start-here"):
+                build_landing(landing)
         with gr.Tab("Live") as live_tab:
             with gr.Row():
                 with gr.Column(scale=1):
@@ -1635,7 +1658,7 @@ def build_app(limits: Limits | None = None, store: Store | None = None, warm: bo
                     with gr.Accordion("Policy parameters", open=False):
                         widgets = [_parameter_widget(PARAMETERS[name]) for name in PARAM_NAMES]
                     budget_mode, compression, budget, max_new, chat, temperature, top_p, seed = \
-                        _run_settings(limits, 0.9, 64)
+                        _run_settings(limits, LIVE_COMPRESSION, 64)
                     with gr.Row():
                         run = gr.Button("Run", variant="primary", elem_id="live-run")
                         stop = gr.Button("Stop", elem_id="live-stop")
