@@ -2851,3 +2851,22 @@ def test_every_endpoint_argument_of_a_wrong_type_is_refused_by_name(client, capl
             assert re.search(message, text), (api, text[:300])
             assert len(text) < 700, (api, len(text))  # the 100 KB entry is not echoed back whole
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+def test_a_deployment_on_the_static_backend_streams_the_engines_events_and_refuses_what_it_cannot_run(tiny):
+    """KVVIZ_BACKEND=static (what "auto" takes on a GPU) on this CPU: /generate's stream is the engine's,
+    step for step, and a policy the static step cannot run is refused before the run, naming why."""
+    from kvviz.ui import app, checks
+
+    checks._models[TINY] = tiny
+    generate = {backend: app.make_generate_api(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30,
+                                                      backend=backend))
+                for backend in ("engine", "static")}
+    for policy in ("tova", "inertia-lazy"):
+        runs = {backend: list(api(PROMPT, policy, 0.5, 12, False, TINY, "{}")) for backend, api in generate.items()}
+        assert runs["static"] == runs["engine"] and len(runs["static"]) == 12
+    with pytest.raises(gr.Error, match=r"static backend \(KVVIZ_BACKEND=static\), which cannot run snapkv: SnapKV is "
+                                       "prefill-time"):
+        list(generate["static"](PROMPT, "snapkv", 0.5, 12, False, TINY, "{}"))
+    with pytest.raises(ValueError, match="the backend .KVVIZ_BACKEND. must be auto, engine or static"):
+        Limits(backend="gpu")

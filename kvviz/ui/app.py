@@ -259,7 +259,7 @@ def make_live_check(limits: Limits):
         try:
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
             validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat, [policy],
-                     temperature, top_p, seed)
+                     temperature, top_p, seed, backend=limits.backend)
         except ValueError as error:
             raise refused(str(error)) from None
         except Exception as error:  # e.g. a model that fails to load: logged, and named in one line
@@ -485,7 +485,7 @@ def make_live_handler(limits: Limits):
         try:
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))
             request = validate(limits, model_name, prompt, budget_mode, compression, budget, max_new_tokens, chat,
-                               [policy], temperature, top_p, seed)
+                               [policy], temperature, top_p, seed, backend=limits.backend)
             policy = policy_from_inputs(policy_name, dict(zip(PARAM_NAMES, param_values)))  # fresh state
             run = Progress.start(request, model_name, {policy_name: policy},
                                  token_texts(request.tokenizer, request.prompt_ids))
@@ -504,9 +504,7 @@ def make_live_handler(limits: Limits):
         yield ("", ran + PREFILL.format(len(request.prompt_ids)), None, None, None, "", gr.update(visible=False),
                gr.update(value=None, visible=False), "", None, None, gr.skip())
         try:
-            for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy,
-                                       budget=request.budget, max_new_tokens=request.max_new_tokens,
-                                       sampler=request.sampler()):
+            for event in request.events(policy, limits.backend):
                 run.add(policy_name, event)
                 if ticket.is_set():
                     break
@@ -1276,7 +1274,8 @@ def make_generate_api(limits: Limits):
             policy_obj = policy_from_inputs(policy, values, strict=True)
             by_budget = budget not in (None, 0)
             request = validate(limits, model or limits.models[0], prompt, "budget" if by_budget else "compression",
-                               compression, budget, max_new_tokens, chat, [policy_obj], temperature, top_p, seed)
+                               compression, budget, max_new_tokens, chat, [policy_obj], temperature, top_p, seed,
+                               backend=limits.backend)
             policy_obj = policy_from_inputs(policy, values, strict=True)  # fresh state
         except json.JSONDecodeError as error:
             raise refused(f"params is not valid JSON ({error}); send an object such as "
@@ -1289,9 +1288,7 @@ def make_generate_api(limits: Limits):
             raise unexpected("starting the run", error) from None
         text = ""
         try:
-            for event in engine.decode(request.model, request.tokenizer, request.prompt_ids, policy_obj,
-                                       budget=request.budget, max_new_tokens=request.max_new_tokens,
-                                       sampler=request.sampler()):
+            for event in request.events(policy_obj, limits.backend):
                 text += event.text
                 yield {"step": event.step, "text": text, "token_id": event.new_token_id, "budget": request.budget,
                        "prompt_len": len(request.prompt_ids), "kept": event.kept.tolist(),

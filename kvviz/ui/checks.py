@@ -17,6 +17,7 @@ import gradio as gr
 import pyarrow as pa
 import torch
 
+from .. import backend as backends
 from .. import engine
 from ..models import load_model, load_tokenizer
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label
@@ -215,6 +216,12 @@ class Request:
         """A fresh sampler: every run (every policy of a comparison) draws the same random stream."""
         return engine.Sampler(**self.sampling)
 
+    def events(self, policy: Policy, backend: str = "auto"):
+        """One run's step events, decoded by ``backend`` (:func:`kvviz.backend.choose`: on a GPU the static
+        slot path where it runs the policy, else the hook engine)."""
+        return engine.stream(self.model, self.tokenizer, self.prompt_ids, policy, budget=self.budget,
+                             max_new_tokens=self.max_new_tokens, backend=backend, **self.sampling)
+
 
 MAX_TEMPERATURE = 2.0  # the app's: its slider's end (the library takes any)
 
@@ -259,8 +266,9 @@ def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: st
 
 def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
              max_new_tokens: float, chat: bool, policies: list[Policy], temperature: float = 0.0, top_p: float = 1.0,
-             seed: float = 0) -> Request:
-    """Check everything before any work; raise ValueError with what to change."""
+             seed: float = 0, backend: str = "engine") -> Request:
+    """Check everything before any work; raise ValueError with what to change.  ``backend``: the decoder the
+    run will use (:func:`kvviz.backend.choose`), which refuses a policy it cannot run."""
     max_new = check_settings(limits, model_name, prompt, budget_mode, max_new_tokens)
     chat = flag("chat", chat)
     sampling = check_sampling(temperature, top_p, seed)
@@ -292,6 +300,12 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     else:
         resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
     for policy in policies:
+        try:
+            backends.choose(model, policy, backend)  # "static" names what it cannot run
+        except ValueError as error:
+            raise ValueError(f"this app decodes on the static backend (KVVIZ_BACKEND=static), which cannot run "
+                             f"{setting_label(policy)}: {str(error).split(': ', 1)[-1].split('; use')[0]}; "
+                             "choose another policy") from None
         try:
             check_policy_fits(limits, model, tokenizer, prompt_ids, policy, resolved, compression, max_new)
         except ValueError as error:

@@ -25,7 +25,8 @@ class Limits:
     ``KVVIZ_DTYPE`` (where every model runs: ``cpu`` or ``cuda[:N]``; ``float32``, ``bfloat16`` or
     ``float16``, empty for float32 on the CPU and bfloat16 on a GPU), ``KVVIZ_FIGURES_PER_SECOND`` (how
     often a streaming run redraws its retention heatmap, at most; the other views follow at a fifth and a
-    tenth of it; 0: only once the run ends); host/port from ``GRADIO_SERVER_*``."""
+    tenth of it; 0: only once the run ends), ``KVVIZ_BACKEND`` (the Live tab's and /generate's decoder: auto,
+    engine or static, :func:`kvviz.backend.choose`); host/port from ``GRADIO_SERVER_*``."""
 
     models: tuple[str, ...] = (DEFAULT_MODEL,)
     max_prompt_tokens: int = 4096
@@ -39,6 +40,9 @@ class Limits:
     # Each redraw costs the browser far more than the server (benchmarks/page_responsiveness.py): a slow
     # client or a fast model may want fewer.
     figures_per_second: float = 10.0
+    # Which decoder runs the Live tab and /generate (kvviz.backend.choose): "auto" takes the static slot path
+    # on a GPU where it runs the policy, the hook engine otherwise; comparisons share one prefill on the engine.
+    backend: str = "auto"
 
     def __post_init__(self):
         # Refused at start, not at the first run: a deployment on the wrong device should not come up.
@@ -64,6 +68,8 @@ class Limits:
         if not (isinstance(self.host, str) and self.host.strip()):
             raise ValueError("the host (GRADIO_SERVER_NAME, kvviz serve --host) is empty; give an address such "
                              "as 127.0.0.1, or 0.0.0.0 for every interface")
+        if self.backend not in ("auto", "engine", "static"):
+            raise ValueError(f"the backend (KVVIZ_BACKEND) must be auto, engine or static, got {self.backend!r}")
         if self.dtype not in ("", *DTYPES):
             raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} (or empty for the device's default), "
                              f"got {self.dtype!r}")
@@ -92,5 +98,6 @@ class Limits:
             device=os.environ.get("KVVIZ_DEVICE", "cpu").strip() or "cpu",
             dtype=os.environ.get("KVVIZ_DTYPE", "").strip(),
             figures_per_second=_number("KVVIZ_FIGURES_PER_SECOND", 10.0, float),
+            backend=os.environ.get("KVVIZ_BACKEND", "auto").strip() or "auto",
         )
         return cls(**{**settings, **overrides})
