@@ -40,7 +40,7 @@ $(OLDEST)/.done: $(STAMP)
 	touch $(OLDEST)/.done
 
 ENGINE_TESTS := tests/test_engine.py tests/test_policies_inertia.py tests/test_policies_zoo.py \
-	tests/test_diagnostics_probe.py tests/test_fast.py tests/test_gpu_check.py tests/test_models.py
+	tests/test_diagnostics_probe.py tests/test_fast.py tests/test_backend.py tests/test_gpu_check.py tests/test_models.py
 test-oldest: $(OLDEST)/.done
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(OLDEST) $(PY) -m pytest -q $(ENGINE_TESTS)
 
