@@ -114,3 +114,16 @@ def test_a_task_whose_full_cache_scores_under_the_floor_is_not_ranked(tmp_path):
     assert table.loc["easy", "full_score"] == pytest.approx(0.8) and table.loc["easy", "status"] == "ranked"
     assert table.loc["hard", "status"] == NOT_RANKED and not table.loc["hard", "ranked"]
     assert table.loc["hard", "samples"] == 5
+
+
+def test_the_depth_figure_marks_a_task_its_full_cache_fails(tmp_path):
+    from kvviz.store import NOT_RANKED
+    from kvviz.ui.results import Colours, _depth_figure
+
+    rows = [{"task": task, "sample": sample, "meta": {"depth": sample / 5 + 0.1}, "policy": policy,
+             "compression": 0.9, "score": float(task == "easy" or sample < 3), "max_decode_cache": 199}
+            for task in ("easy", "hard") for sample in range(5) for policy in ("full", "tova")]
+    figure = _depth_figure(quality_vs_depth(write(tmp_path, rows)), Colours(["full", "tova"]))
+    title = " ".join(figure.layout.title.text.replace("<sup>", " ").replace("</sup>", " ").replace("<br>", " ").split())
+    # hard: the full cache scores 3 of 5 = 0.6 < 0.8; easy: 1.0
+    assert f"{NOT_RANKED} (full cache under 0.8): hard (0.60)" in title and "easy (" not in title

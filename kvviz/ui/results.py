@@ -29,6 +29,7 @@ from plotly.subplots import make_subplots
 from ..policies import REGISTRY
 from ..stats import paired_table
 from ..held import quality_vs_depth
+from ..store import NOT_RANKED, RANKED_FLOOR
 from ..store import (FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, ranking_caveats, setting_names,
                      suite_notes)
 from .checks import refused
@@ -991,6 +992,12 @@ def _depth_figure(frame: pd.DataFrame, colours: Colours, chosen: bool = False) -
         return _empty(go.Figure(), "no rows with a recorded needle depth for these filters (the prose tasks and "
                                    "single_needle record one)")
     shown, notes = _depth_shown(frame, chosen)
+    full = frame[frame.policy == "full"]
+    full = full.assign(total=full.score * full.samples).groupby(["model", "task"])[["total", "samples"]].sum()
+    weak = full[full.total < RANKED_FLOOR * full.samples].reset_index()
+    if len(weak):
+        notes.append(f"{NOT_RANKED} (full cache under {RANKED_FLOOR:g}): "
+                     + ", ".join(f"{row.task} ({row.total / row.samples:.2f})" for row in weak.itertuples()))
     rho = shown.compression.dropna().unique()
     notes.append(f"n per point: {shown.samples.min():g} to {shown.samples.max():g} samples; "
                  "a depth with few samples moves in large steps")
