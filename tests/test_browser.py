@@ -104,8 +104,8 @@ def titles_under_chips(page) -> list[str]:
 def test_run_watch_scrub(page):
     set_inputs(page, 48)
     page.locator("#live-run").click()
-    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .heatmaplayer').length > 0",
-                           timeout=60_000)
+    page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot .heatmaplayer')]"
+                           ".some(layer => !layer.closest('#start-here'))", timeout=60_000)  # the run's, not the landing's
     first = generated_text(page)
     page.wait_for_function(
         "() => !document.querySelector('button.stop-btn, .progress-text') && document.querySelector('input[type=range]')",
@@ -113,11 +113,12 @@ def test_run_watch_scrub(page):
     page.get_by_text("Scrub to step").wait_for(timeout=120_000)
     final = generated_text(page)
     assert len(final) >= len(first) and final  # text appeared and grew
-    # What the page shows is the run itself: the app's defaults (InertiaKV, ρ = 0.9), chat template off.
+    # What the page shows is the run itself: the app's defaults (InertiaKV, its ρ), chat template off.
     import kvviz
+    from kvviz.ui.app import LIVE_COMPRESSION
 
     model, tokenizer = kvviz.load_model(TINY)
-    run = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.9, max_new_tokens=48)
+    run = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=LIVE_COMPRESSION, max_new_tokens=48)
     streamed = "".join(event.text for event in run.trace.events)
     assert final == streamed.replace("\r\n", "\n").replace("\r", "\n")  # a textarea holds "\n" line breaks
     page.screenshot(path=str(ARTIFACTS / "live-after-run.png"), full_page=True)
