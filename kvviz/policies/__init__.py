@@ -1,7 +1,7 @@
 """Eviction policies and the registry the CLI, the UI and the sweep runner all read.
 
 Adding a policy: one new file with a :class:`~kvviz.policies.base.Policy` dataclass, one line in
-``REGISTRY`` below (the README's "Adding a policy" works one through).
+``REGISTRY`` below (docs/policies.md, "Adding a policy", works one through).
 """
 
 from __future__ import annotations
