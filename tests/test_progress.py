@@ -1,0 +1,126 @@
+"""Progress before the first token (layers of the prefill, heartbeats) and figure frames paced by the browser."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvviz
+from kvviz.progress import Cancelled, ForwardProgress, Heartbeat, decoder_layers, with_heartbeats
+from kvviz.ui.pacing import FramePacer, Pacers
+
+
+def test_forward_progress_counts_every_layer_of_a_forward_and_removes_its_hooks(tiny):
+    model, _ = tiny
+    seen = []
+    layers = model.config.num_hidden_layers
+    with ForwardProgress(model, on_layer=seen.append) as progress:
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert progress.fraction == 1.0
+        model(input_ids=torch.tensor([[4, 5]]))  # a second forward counts from zero again
+    assert seen == [k / layers for k in range(1, layers + 1)] * 2
+    assert all(not layer._forward_hooks and not layer._forward_pre_hooks for layer in decoder_layers(model))
+
+
+def test_a_cancelled_forward_stops_between_two_layers(tiny):
+    model, _ = tiny
+    with ForwardProgress(model) as progress:
+        progress.on_layer = lambda fraction: progress.cancel() if progress.done == 1 else None
+        with pytest.raises(Cancelled):
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert progress.done == 1  # the second layer never ran
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[1] == 3  # the hooks are gone
+
+
+def test_prefill_progress_through_the_engine_reaches_one_before_the_first_event(tiny, tiny_prompt):
+    model, tokenizer = tiny
+    fractions = []
+    with ForwardProgress(model, on_layer=fractions.append):
+        first = next(kvviz.stream(model, tokenizer, tiny_prompt, "inertia", compression=0.5,
+                                  max_new_tokens=2, backend="engine"))
+    assert first.step == 0 and fractions[:model.config.num_hidden_layers][-1] == 1.0
+
+
+def slow(items, pause):
+    for item in items:
+        time.sleep(pause)
+        yield item
+
+
+def test_heartbeats_fill_the_waits_and_the_items_arrive_in_order():
+    out = list(with_heartbeats(slow(["a", "b"], 0.35), every=0.1))
+    items = [item for item in out if not isinstance(item, Heartbeat)]
+    beats = [item.seconds for item in out if isinstance(item, Heartbeat)]
+    assert items == ["a", "b"]
+    assert len(beats) >= 4 and beats == sorted(beats)  # ~3 per 0.35 s wait
+
+
+def test_an_error_in_the_run_is_raised_to_the_consumer():
+    def failing():
+        yield 1
+        raise RuntimeError("the run failed")
+
+    stream = with_heartbeats(failing(), every=0.1)
+    assert next(stream) == 1
+    with pytest.raises(RuntimeError, match="the run failed"):
+        list(stream)
+
+
+def test_closing_stops_the_worker_and_calls_on_close():
+    produced, closed = [], threading.Event()
+
+    def endless():
+        count = 0
+        while True:
+            count += 1
+            produced.append(count)
+            yield count
+
+    stream = with_heartbeats(endless(), every=0.1, on_close=closed.set)
+    assert next(stream) == 1
+    stream.close()
+    assert closed.is_set()
+    settled = len(produced)
+    time.sleep(0.3)
+    assert len(produced) == settled <= 3  # one item in the queue, one being put: no more after close
+    assert not [t for t in threading.enumerate() if t.name == "kvviz-run"]
+
+
+def test_pacer_waits_for_the_browser_and_for_its_rate():
+    pacer = FramePacer(max_per_second=10, patience=3.0)
+    assert pacer.due(now=0.0)
+    pacer.send(now=0.0)
+    assert not pacer.due(now=0.05)  # faster than 10 a second
+    assert not pacer.due(now=0.5)  # the page has not drawn frame 1
+    pacer.acknowledge()
+    assert pacer.due(now=0.5)
+    pacer.send(now=0.5)
+    assert not pacer.due(now=3.4) and pacer.due(now=3.5)  # no acknowledgement: patience then sends anyway
+    pacer.send(now=3.5)
+    assert pacer.backlog() == 2
+    for _ in range(5):
+        pacer.acknowledge()
+    assert pacer.backlog() == 0  # never below zero: acknowledgements beyond what was sent are ignored
+
+
+def test_zero_rate_sends_nothing_until_the_end():
+    assert not FramePacer(max_per_second=0).due(now=100.0)
+
+
+def test_pacers_are_per_session_and_a_newer_run_replaces_the_older():
+    pacers = Pacers(max_per_second=10)
+    first = pacers.start("session-a", "live")
+    other = pacers.start("session-b", "live")
+    first.send(now=0.0), other.send(now=0.0)
+    pacers.acknowledge("session-a", "live")
+    assert first.backlog() == 0 and other.backlog() == 1
+    second = pacers.start("session-a", "live")
+    pacers.finish("session-a", "live", first)  # the older run ending does not drop the newer one's pacer
+    pacers.acknowledge("session-a", "live")
+    assert second.drawn == 0 and len(pacers) == 2  # nothing sent yet: nothing to acknowledge
+    pacers.finish("session-a", "live", second)
+    pacers.acknowledge("session-z", "live")  # an unknown session is ignored
+    assert len(pacers) == 1
