@@ -58,7 +58,7 @@ test-device-stack: $(DEVICE_TORCH)/.done
 bench-speed: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/kvviz bench speed
 
-# The shipped sweeps (results_db/README.md), resumable: rerun to continue. Each config runs as SHARDS
+# The shipped sweeps (docs/findings.md), resumable: rerun to continue. Each config runs as SHARDS
 # one-thread processes, one per core (benchmarks/sweep_threads.py: 1.76x one two-thread process on 2 cores).
 SWEEPS ?= sweep-2k sweep-2k-inertia needle-grid reasoning-budget reasoning-budget-interval16 reasoning-budget-sampled \
 	sweep-2k-expected-attention needle-grid-expected-attention sweep-2k-kvzip reasoning-budget-lazyeviction \

@@ -1,4 +1,4 @@
-"""Print issue 43's findings from the stored rows: the tables behind results_db/README.md's prose-needle section.
+"""Print issue 43's findings from the stored rows: the tables behind docs/findings.md's prose-needle section.
 
     .venv/bin/python benchmarks/issue43_findings.py [--task prose_needle] [--rho 0.9]
 

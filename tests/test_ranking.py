@@ -443,11 +443,11 @@ def test_a_policy_only_ranked_is_no_quality_reference_and_is_marked_so(tmp_path,
 
 
 def test_the_ranking_tables_in_results_db_readme_are_the_shipped_rows_means():
-    """results_db/README.md prints each shipped ranking sweep's means: every cell must be what the store
+    """docs/findings.md prints each shipped ranking sweep's means: every cell must be what the store
     computes from the rows (rounded to 3 places), and every setting the sweep ranked must have its line."""
     import re
 
-    text = (Path(__file__).parents[1] / "results_db" / "README.md").read_text()
+    text = (Path(__file__).parents[1] / "docs" / "findings.md").read_text()
     store = Store()
     for sweep_name in ("ranking-arithmetic", "ranking-arithmetic-generated"):
         section = text.split(f"**`{sweep_name}/`")[1]

@@ -238,7 +238,7 @@ def arithmetic_reasoning(tokenizer, target_tokens: int | None, seed: int, steps:
     away, multiplies or splits the count, keeping it a whole number from 0 to 200 (a subtraction leaves at
     least 1, a division is exact).  Even ``steps = 1`` is at the edge of SmolLM2-135M-Instruct: its full cache
     solved 3 of 17 in a probe and 0 of 16 in ``configs/reasoning-budget.toml``, in 68-176 tokens
-    (results_db/README.md); larger models want more steps.
+    (docs/findings.md); larger models want more steps.
 
     The prompt is as short as the problem; ``target_tokens`` is only an upper bound (None: none), and a
     prompt over it is refused rather than cut or padded.  ``meta`` holds the groups and the further
