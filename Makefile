@@ -63,11 +63,13 @@ bench-speed: $(STAMP)
 SWEEPS ?= sweep-2k sweep-2k-inertia needle-grid reasoning-budget reasoning-budget-interval16 reasoning-budget-sampled \
 	sweep-2k-expected-attention needle-grid-expected-attention sweep-2k-kvzip reasoning-budget-lazyeviction \
 	reasoning-budget-sampled-lazyeviction prose-2k-headline prose-pilot
+# Sweeps whose rows are committed while they run (some of their cells): `make sweeps` finishes them.
+UNDER_WAY ?= prose-2k-inertia
 SHARDS ?= 2
 # The damage-ranking sweeps (AvoKV-E's Table 3 measured), run by `kvviz bench ranking`
 RANKINGS ?= ranking-arithmetic ranking-arithmetic-generated
 sweeps: $(STAMP)
-	for name in $(SWEEPS); do \
+	for name in $(SWEEPS) $(UNDER_WAY); do \
 		for i in $$(seq 0 $$(($(SHARDS) - 1))); do \
 			HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/kvviz bench run configs/$$name.toml \
 				--shards $(SHARDS) --shard $$i & \
