@@ -8,7 +8,6 @@ budget next to the slot cache; the engine drives it explicitly, and inside ``mod
 from __future__ import annotations
 
 import inspect
-import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -18,54 +17,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import scoring
+from . import scoring, settings
 from .cache import SlotCache
 from .policies import Policy, make_policy, setting_label
 from .policies.base import BudgetTooSmall
+from .settings import MAX_NEW_TOKENS, Settings, compressed, largest_compression, resolve_budget  # noqa: F401
 from .trace import StepEvent, Trace, model_dtype
-
-MAX_NEW_TOKENS = 64  # stream() and run() when the caller gives none
-
-
-def resolve_budget(prompt_len: int, *, compression: float | None = None, budget: int | None = None) -> int:
-    """``B = floor((1 - rho) * L0)`` from a compression ratio ``rho``, or an absolute ``budget``."""
-    if budget is not None and compression is not None:
-        raise ValueError("give either a compression ratio or an absolute budget, not both")
-    if budget is not None:
-        if budget < 1:
-            raise ValueError(f"budget must be at least 1 token, got {budget}")
-        if budget != int(budget):  # 12.5 would silently run at 12
-            raise ValueError(f"budget is a number of tokens, a whole number; got {budget}")
-        return int(budget)
-    if compression is None:
-        return prompt_len
-    check_compression(compression)
-    value = compressed(prompt_len, compression)
-    if value < 1:
-        most = largest_compression(prompt_len, 1)
-        fix = f"lower it to {most:g} or less" if most else "only compression 0 leaves any of it"
-        raise ValueError(f"compression {compression:g} leaves no cache for a {prompt_len}-token prompt; {fix}, "
-                         "or use a longer prompt")
-    return value
 
 
 def check_compression(compression: float) -> None:
     """A compression ratio in [0, 1) (NaN is not); what any prompt needs before its own budget is worked out."""
-    if not 0.0 <= compression < 1.0:
-        raise ValueError(f"compression must be in [0, 1), got {compression}")
-
-
-def compressed(prompt_len: int, compression: float) -> int:
-    """``floor((1 - rho) * L0)``; the epsilon keeps e.g. (1 - 0.9) * 100 = 9.999999999999998 from flooring to 9."""
-    return math.floor((1.0 - compression) * prompt_len + 1e-9)
-
-
-def largest_compression(prompt_len: int, entries: int) -> float | None:
-    """The largest compression, to two decimals, that leaves at least ``entries`` of a ``prompt_len``-token
-    prompt; None where even 0 leaves fewer (the prompt is shorter)."""
-    if prompt_len < entries:
-        return None
-    return max(step / 100 for step in range(100) if compressed(prompt_len, step / 100) >= entries)
+    settings.compression(compression)
 
 
 def at_compression(error: BudgetTooSmall, compression: float, prompt_len: int, *, given: str | None = None,
@@ -251,10 +213,8 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0 or math.isinf(self.temperature):  # NaN fails the first test
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        settings.temperature(self.temperature)
+        settings.top_p(self.top_p)
         self.generator = torch.Generator().manual_seed(self.seed)
 
     def settings(self) -> dict:
@@ -607,8 +567,7 @@ def stream(model, tokenizer, prompt: str | list[int], policy: str | Policy = "in
 def check_prompt(model, prompt_ids: list[int], max_new_tokens: int) -> None:
     if not prompt_ids:
         raise ValueError("the prompt is empty; type some text")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    settings.max_new_tokens(max_new_tokens)
     limit = model.config.max_position_embeddings
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(
@@ -640,9 +599,10 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
         raise ValueError(f"run() takes {', '.join(sorted(_RUN_ARGS))}, not {', '.join(policy_kwargs)}: set a "
                          "policy object's parameters where it is made")
     if not run_kwargs.get("temperature") and run_kwargs.keys() & {"top_p", "seed"}:
-        given = " and ".join(f"{k}=" for k in ("top_p", "seed") if k in run_kwargs)
-        raise ValueError(f"{given} shape sampling, and temperature 0 decodes greedily: pass temperature > 0 (the "
-                         "random policy's own seed: make_policy('random', seed=N))")
+        raise settings.greedy_but_given([f"{k}=" for k in ("top_p", "seed") if k in run_kwargs], "temperature",
+                                        "pass temperature > 0 (the random policy's own seed: "
+                                        "make_policy('random', seed=N))")
+    asked = Settings(**{k: v for k, v in run_kwargs.items() if k in Settings.__dataclass_fields__})
     try:
         policy_obj = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
     except ValueError as error:
@@ -651,16 +611,12 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
         raise ValueError(f"{error}; and run() itself takes {', '.join(sorted(_RUN_ARGS))}") from None
     prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=run_kwargs.get("chat", True))
     events = list(stream(model, tokenizer, prompt_ids, policy_obj, **run_kwargs))
-    budget = resolve_budget(len(prompt_ids), compression=run_kwargs.get("compression"), budget=run_kwargs.get("budget"))
     # A policy object is named by its registry entry (what budget_note, the diagnostics and the app look up)
     name = policy if isinstance(policy, str) else setting_label(policy_obj).split()[0]
-    sampling = Sampler(*(run_kwargs.get(k, default) for k, default in
-                         (("temperature", 0.0), ("top_p", 1.0), ("seed", 0)))).settings()
-    trace = Trace(list(prompt_ids), budget, name, policy_obj.params(), getattr(model.config, "name_or_path", ""), events,
-                  sampling=sampling, dtype=model_dtype(model),
-                  max_new_tokens=run_kwargs.get("max_new_tokens", MAX_NEW_TOKENS),
-                  compression=run_kwargs.get("compression"), prompt=prompt if isinstance(prompt, str) else "",
-                  chat=run_kwargs.get("chat", True) if isinstance(prompt, str) else None)
+    trace = Trace.from_run(asked, prompt_ids, asked.budget_for(len(prompt_ids)), name, policy_obj.params(), events,
+                           model=getattr(model.config, "name_or_path", ""), dtype=model_dtype(model),
+                           prompt=prompt if isinstance(prompt, str) else "",
+                           chat=run_kwargs.get("chat", True) if isinstance(prompt, str) else None)
     text = tokenizer.decode(trace.token_ids, skip_special_tokens=True)
     return Result(text, trace)
 

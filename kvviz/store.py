@@ -34,6 +34,9 @@ from typing import Any
 import duckdb
 import pandas as pd
 
+# The sentences about these rows live in kvviz.notes, shared with the app; imported here where callers found them.
+from .notes import HELD_OVER_WHY, held_over_note, suite_notes  # noqa: F401
+
 # The repository's results_db/ (the package is installed editable, or run from the checkout as the Space
 # image does); KVVIZ_RESULTS points elsewhere, e.g. for an installed copy.
 ROOT = Path(os.environ.get("KVVIZ_RESULTS") or Path(__file__).resolve().parent.parent / "results_db")
@@ -173,32 +176,6 @@ def held_over_budget(frame: pd.DataFrame) -> pd.DataFrame:
             .sort_values(cut, na_position="first").reset_index(drop=True))
 
 
-# A reviewer read "held over the budget" as a fault; for these policies it is their rule.  No-break spaces
-# keep "interval - 1" whole where a figure's note wraps (a line began "- 1, or only")
-HELD_OVER_WHY = (" (by design where a policy evicts only at checkpoints, up to B + interval\u00a0-\u00a01, or only at the "
-                 "prefill, growing by the tokens generated)")
-
-
-def held_over_note(frame: pd.DataFrame) -> str:
-    """One line naming each policy's cells in ``frame`` (:meth:`Store.speed_vs_quality` rows) that held over
-    HELD_OVER times the budget, grouped per policy (``"avokv B=80: 184, B=112: 184; snapkv ρ=0.9: 219 of
-    B=199"``); empty where none did."""
-    over = held_over_budget(frame)
-    if over.empty:
-        return ""
-    several = len(frame.groupby(["model", "task"])) > 1
-
-    def held(row) -> str:
-        if not pd.isna(row.absolute_budget):
-            return f"B={int(row.absolute_budget)}: {row.decode_cache:.0f}"
-        return f"ρ={row.compression:g}: {row.decode_cache:.0f} of B={row.budget:.0f}"
-
-    cells = "; ".join(f"{policy} " + ", ".join(held(row) for row in part.itertuples())
-                      for policy, part in over.groupby("policy", sort=True))
-    return (f"held over {HELD_OVER:g}x the budget (mean largest cache while decoding, entries"
-            + (", on the task that held the most" if several else "") + f"): {cells}{HELD_OVER_WHY}")
-
-
 def ranking_caveats(frame: pd.DataFrame) -> pd.DataFrame:
     """Per measured sweep of :meth:`Store.damage_ranking` rows, what qualifies its means: ``past_end`` and
     ``ended_by_step`` (traces, as there) and ``prompt_share``, the share of the ranked entries that are the
@@ -209,28 +186,6 @@ def ranking_caveats(frame: pd.DataFrame) -> pd.DataFrame:
         sweep: {"past_end": int(part.past_end.max()), "ended_by_step": int(part.ended_by_step.max()),
                 "prompt_share": next(iter((part.prompt_ranked / part.candidates).dropna()), float("nan"))}
         for sweep, part in measured.groupby("sweep")}).T
-
-
-def suite_notes(frame: pd.DataFrame, left_out: pd.DataFrame, suite: str) -> list[str]:
-    """What :meth:`Store.paper_comparison`'s ``frame`` averages: per model, the measured tasks, and those
-    :meth:`Store.left_out_of_suite` names (``left_out``), with why; the paper side as printed."""
-    measured = frame[frame.origin == "measured"]
-    notes = [f"measured {model}: mean over {tasks}" for model, tasks in
-             measured.groupby("model").task_names.agg(lambda names: max(names, key=len)).items()]
-    for model, part in left_out.groupby("model"):
-        below = [f"{row.task} (full cache {row.full_score:.3f})" for row in part.itertuples()
-                 if row.reason != "no full-cache row"]
-        missing = [row.task for row in part.itertuples() if row.reason == "no full-cache row"]
-        if below:
-            notes.append(f"measured {model}: left out {', '.join(below)}: under {FULL_CACHE_FLOOR:g} with the "
-                         "full cache, a policy's score there is mostly noise")
-        if missing:
-            notes.append(f"measured {model}: left out {', '.join(missing)}: no full-cache row to be relative to")
-    if (frame.origin != "measured").any():
-        notes.append("paper: the aggregate as printed" + (", the mean over RULER's 13 subtasks, on which the papers' "
-                                                          "full caches score well" if suite == "RULER" else ""))
-    return notes
-
 
 
 class Store:

@@ -10,58 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .notes import budget_note, checkpoint_note, run_note, sampling_note  # noqa: F401 -- their old home
+
 
 def model_dtype(model) -> str:
     """A model's dtype as a trace records it: ``"bfloat16"``, ``"float32"``."""
     return str(model.dtype).removeprefix("torch.")
-
-
-def run_note(trace) -> str:
-    """The model, its dtype and the sampling of a trace, for a caption (``" on M in bfloat16, sampled ..."``)."""
-    return (f" on {trace.model or 'an unnamed model'}" + (f" in {trace.dtype}" if trace.dtype else "")
-            + sampling_note(trace.sampling))
-
-
-def budget_note(trace) -> str:
-    """How the trace's cache was sized: ``"budget B = 127 (compression ρ = 0.9)"``, the budget alone where it
-    was given in tokens (or the trace predates recording ρ), and no budget for the full cache, whose B is
-    only the prompt's length."""
-    if trace.policy == "full":
-        return "no eviction (full cache)"
-    return f"budget B = {trace.budget}" + ("" if trace.compression is None else
-                                             f" (compression ρ = {trace.compression:g})")
-
-
-def checkpoint_note(trace) -> str:
-    """Why a checkpointed policy's (AvoKV-E's, R-KV's, LazyEviction's) cache ended over budget with nothing
-    evicted, or "": those evict only at a checkpoint, and a run that ended before its first one kept every
-    entry."""
-    from .policies import REGISTRY
-    from .policies.checkpointed import CheckpointPolicy
-
-    spec = REGISTRY.get(trace.policy)
-    if spec is None or not issubclass(spec.cls, CheckpointPolicy) or not trace.events:
-        return ""
-    last = trace.events[-1]
-    if last.cache_size <= trace.budget or any(event.evicted.size for event in trace.events):
-        return ""
-    try:
-        policy = spec.build(**trace.params)
-    except ValueError:  # parameters this version refuses: the schedule is unknown
-        return ""
-    first = policy.first_checkpoint(trace.prompt_len, trace.budget)
-    if last.step >= first:  # not this schedule's run (nothing evicted at a checkpoint): say nothing rather than guess
-        return ""
-    ended = "was stopped" if trace.stopped else "ended"
-    return (f"no checkpoint reached: {trace.policy} evicts every {policy.interval} generated tokens, first at step "
-            f"{first} here, and this run {ended} at step {last.step}; the cache was not cut")
-
-
-def sampling_note(sampling: dict) -> str:
-    """How a run picked its tokens, for a caption (``", sampled at temperature 0.6, ..."``): empty when greedy."""
-    if not sampling:
-        return ""
-    return f", sampled at temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, seed {sampling['seed']}"
 
 
 @dataclass
@@ -171,6 +125,37 @@ class Trace:
     # and in traces saved before they were recorded.
     prompt: str = ""
     chat: bool | None = None
+
+    @classmethod
+    def from_run(cls, settings, prompt_ids, budget: int, policy: str, params: dict, events: list[StepEvent], *,
+                 model: str = "", dtype: str = "", stopped: bool = False, prompt: str = "",
+                 chat: bool | None = None) -> "Trace":
+        """The trace of a run made under ``settings`` (a :class:`kvviz.settings.Settings`: its sampling, its
+        length and the compression that set ``budget`` are recorded from it, so that no caller records one and
+        runs another).
+
+        Parameters
+        ----------
+        settings : kvviz.settings.Settings
+            What the run was asked for.
+        prompt_ids : sequence of int, shape (L0,)
+            The prompt's token ids, as fed (after any chat template).
+        budget : int
+            The budget in tokens the run held (``settings.budget_for(L0)``).
+        policy, params : str, dict
+            The policy's registry name and every parameter it ran with (``Policy.params()``).
+        events : list of StepEvent
+            The run's steps, the prefill first.
+        model, dtype : str
+            The model's name and dtype (:func:`model_dtype`).
+        stopped : bool
+            Whether Stop ended the run early.
+        prompt, chat : str, bool or None
+            The prompt as typed and whether the chat template was asked for; ``""`` and None for token ids.
+        """
+        return cls(list(prompt_ids), budget, policy, params, model, events, settings.sampling, dtype,
+                   settings.max_new_tokens, stopped=stopped, compression=settings.compression, prompt=prompt,
+                   chat=chat)
 
     @property
     def prompt_len(self) -> int:

@@ -185,7 +185,7 @@ def test_device_sampling_draws_the_engine_samplers_tokens(temperature, top_p):
 
 
 def test_device_sampler_refuses_what_the_engine_refuses():
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match="top_p must be above 0 and at most 1"):
         DeviceSampler(0.5, 0.0)
 
 

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import dataclasses
 import math
 import threading
 import traceback
@@ -18,12 +19,13 @@ import pyarrow as pa
 import torch
 
 from .. import backend as backends
-from .. import engine
+from .. import engine, settings
 from ..models import load_model, load_tokenizer
 from ..policies import REGISTRY, Policy, build_setting, get_spec, setting_label
 from ..policies.base import BudgetTooSmall
 from ..policies.checkpointed import CheckpointPolicy
 from ..quote import excerpt, kind
+from ..settings import APP_NAMES, Bounds, Settings
 from .config import Limits
 
 log = logging.getLogger(__name__)
@@ -117,8 +119,9 @@ def unused_parameters(spec, values: dict) -> dict[str, str] | None:
         return None
 
 
-def whole_number(label: str, value, low: int, high: int | None = None) -> int:
-    """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused."""
+def whole_number(label: str, value, low: int | None, high: int | None = None) -> int:
+    """A count typed in a widget or sent to the API: None, NaN, infinity and fractions are refused; so is a
+    number under ``low`` or over ``high`` (None: the caller's :mod:`kvviz.settings` check bounds it)."""
     if value is None or (isinstance(value, str) and not value.strip()):
         raise ValueError(f"{label} is empty; type a whole number")
     if not isinstance(value, (int, float, str)):
@@ -133,7 +136,7 @@ def whole_number(label: str, value, low: int, high: int | None = None) -> int:
         if not math.isfinite(number) or number != int(number):
             raise ValueError(f"{label} must be a whole number, got {excerpt(value)}")
         number = int(number)
-    if number < low or (high is not None and number > high):
+    if (low is not None and number < low) or (high is not None and number > high):
         raise ValueError(f"{label} must be between {low} and {high}, got {number}" if high is not None
                          else f"{label} must be at least {low}, got {number}")
     return number
@@ -224,22 +227,19 @@ class Request:
 
 
 MAX_TEMPERATURE = 2.0  # the app's: its slider's end (the library takes any)
+# What the app allows beyond the library's rules; each deployment adds its own max new tokens (Limits.bounds).
+# At most 2**53 - 1 for a seed: the page carries it as a double, which would round a larger one to another.
+BOUNDS = Bounds(temperature=MAX_TEMPERATURE, seed=MAX_SEED)
 
 
 def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
     """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
-    temperature = fraction("temperature", temperature or 0.0)
-    top_p = fraction("top-p", 1.0 if top_p is None else top_p)
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
-        raise ValueError(f"temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature:g}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top-p must be above 0 and at most 1, got {top_p:g}")
-    if temperature == 0:
+    asked = Settings(temperature=fraction("temperature", temperature or 0.0),
+                     top_p=fraction("top-p", 1.0 if top_p is None else top_p), names=APP_NAMES, bounds=BOUNDS)
+    if asked.greedy:
         return {}
-    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank.
-    # At most 2**53 - 1: the page and the Number input carry it as a double, which rounds a larger seed to
-    # another one silently (the run and its trace would name a seed nobody typed).
-    return engine.Sampler(temperature, top_p, whole_number("the seed", seed, 0, MAX_SEED)).settings()
+    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank
+    return dataclasses.replace(asked, seed=whole_number("the seed", seed, None)).sampling
 
 
 def check_prompt_text(prompt) -> None:
@@ -261,7 +261,8 @@ def check_settings(limits: Limits, model_name: str, prompt: str, budget_mode: st
     check_prompt_text(prompt)
     if not isinstance(budget_mode, str) or budget_mode not in ("compression", "budget"):
         raise ValueError(f"size the cache by 'compression' or 'budget', got {excerpt(budget_mode)}")
-    return whole_number("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
+    return settings.max_new_tokens(whole_number(APP_NAMES["max_new_tokens"], max_new_tokens, None),
+                                   APP_NAMES["max_new_tokens"], limits.max_new_tokens)
 
 
 def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, compression: float, budget: float,
@@ -274,10 +275,9 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
     sampling = check_sampling(temperature, top_p, seed)
     # the typed numbers too, before a model load that can take minutes
     if budget_mode == "budget":
-        value = whole_number("the budget", budget, 1)
+        value = settings.budget(whole_number(APP_NAMES["budget"], budget, None), APP_NAMES["budget"])
     else:
-        compression = fraction("compression", compression)
-        engine.check_compression(compression)
+        compression = settings.compression(fraction("compression", compression), APP_NAMES["compression"])
     model, tokenizer = get_model(limits, model_name)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=chat)
     if len(prompt_ids) > limits.max_prompt_tokens:
