@@ -1,0 +1,7 @@
+"""``python -m kvviz.cli ...``, as the ``kvviz`` script."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
