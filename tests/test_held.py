@@ -21,9 +21,9 @@ def write(tmp_path, rows):
     return Store(tmp_path)
 
 
-def held_store(tmp_path):
+def held_store(tmp_path, **extra):
     """4 samples.  TOVA holds 199 at 0.9.  SnapKV holds 208 at 0.9 (B + 9 new tokens) and 199 at 0.905; it
-    wins sample 0 at 0.905 and loses samples 1 and 2 at 0.9."""
+    wins sample 0 at 0.905 and loses samples 1 and 2 at 0.9.  ``extra``: fields every row gets."""
     rows = []
     for sample in range(4):
         meta = {"depth": 0.1 + 0.25 * sample}
@@ -38,7 +38,7 @@ def held_store(tmp_path):
         # held far less (stopped at once, 7% under TOVA's 199): no partner within 5%
         rows.append({"sample": sample, "meta": meta, "policy": "streaming", "compression": 0.91, "score": 1.0,
                      "max_decode_cache": 185})
-    return write(tmp_path, rows)
+    return write(tmp_path, [{**row, **extra} for row in rows])
 
 
 def test_cells_pair_only_at_equal_cache_held(tmp_path):
@@ -76,7 +76,7 @@ def test_depth_strata_and_their_means(tmp_path):
 
 
 def test_the_depth_figure_draws_at_most_eight_policies_and_says_what_it_left_out(tmp_path):
-    from kvviz.ui.results import Colours, _depth_figure
+    from kvviz.ui.results import Colours, _depth_figure, caption_of
 
     names = ["full", "inertia", "tova", "h2o", "snapkv", "streaming", "knorm", "keydiff", "random", "cumulative"]
     rows = [{"sample": sample, "meta": {"depth": sample / 10 + 0.05}, "policy": name,
@@ -89,9 +89,8 @@ def test_the_depth_figure_draws_at_most_eight_policies_and_says_what_it_left_out
     figure = _depth_figure(frame, Colours(names))
     drawn = {trace.name for trace in figure.data}
     assert len(drawn) == 8 and {"full", "inertia"} <= drawn and "cumulative" not in drawn
-    title = figure.layout.title.text
-    head = title.split("<br>")[0]
-    title = " ".join(title.replace("<sup>", " ").replace("</sup>", " ").replace("<br>", " ").split())  # notes wrap
+    head = figure.layout.title.text.split("<br>")[0]
+    title = " ".join(caption_of(figure)[1])  # the caveats: in the note under the figure
     assert head.startswith("Quality vs needle depth at ρ = 0.9") and "ρ = 0.75" not in head
     assert "2 more policies (cumulative, random)" in title and "other compressions (0.75)" in title, title
     # each line is one point per tenth: TOVA 0 over the first half, 1 over the second
@@ -118,12 +117,31 @@ def test_a_task_whose_full_cache_scores_under_the_floor_is_not_ranked(tmp_path):
 
 def test_the_depth_figure_marks_a_task_its_full_cache_fails(tmp_path):
     from kvviz.store import NOT_RANKED
-    from kvviz.ui.results import Colours, _depth_figure
+    from kvviz.ui.results import Colours, _depth_figure, caption_of
 
     rows = [{"task": task, "sample": sample, "meta": {"depth": sample / 5 + 0.1}, "policy": policy,
              "compression": 0.9, "score": float(task == "easy" or sample < 3), "max_decode_cache": 199}
             for task in ("easy", "hard") for sample in range(5) for policy in ("full", "tova")]
     figure = _depth_figure(quality_vs_depth(write(tmp_path, rows)), Colours(["full", "tova"]))
-    title = " ".join(figure.layout.title.text.replace("<sup>", " ").replace("</sup>", " ").replace("<br>", " ").split())
+    title = " ".join(caption_of(figure)[1])
     # hard: the full cache scores 3 of 5 = 0.6 < 0.8; easy: 1.0
     assert f"{NOT_RANKED} (full cache under 0.8): hard (0.60)" in title and "easy (" not in title
+
+
+def test_the_results_tab_pairs_at_equal_cache_held_by_default(tmp_path):
+    """SnapKV holds more than TOVA at ρ = 0.9: the Paired section leaves that unfair cell out by default, pairs
+    SnapKV at 0.905 with TOVA at 0.9 instead, and says both; the nominal pairing still shows the 0.9 cell."""
+    from kvviz.ui.results import PAIRINGS, SECTIONS, caption_of, query
+
+    store = held_store(tmp_path, decode_tok_s=10.0)
+    at = 3 * SECTIONS.index("Paired differences")
+    figure, table = query(store, "(all)", "(all)", [], "measured", reference="tova")[at:at + 2]
+    assert list(zip(table.policy, table.compression)) == [("snapkv", 0.905)]
+    assert table.paired_at.iloc[0] == "equal cache held (tova at ρ=0.9)"
+    assert (table.wins.iloc[0], table.ties.iloc[0], table.losses.iloc[0]) == (1, 3, 0)
+    notes = " ".join(caption_of(figure)[1])
+    assert "paired at equal cache held (each policy given no more than tova held): snapkv ρ=0.905" in notes
+    assert "held more than tova at the same cut, with no cell at equal memory" in notes and "snapkv ρ=0.9" in notes
+    nominal = query(store, "(all)", "(all)", [], "measured", reference="tova", pairing=PAIRINGS[1])[at + 1]
+    assert list(zip(nominal.policy, nominal.compression)) == [("snapkv", 0.9)]
+    assert (nominal.wins.iloc[0], nominal.losses.iloc[0]) == (1, 2)  # wins sample 0, loses 1 and 2

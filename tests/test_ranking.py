@@ -20,6 +20,13 @@ CONFIG = {"name": "rank-tiny", "model": "tiny-random-llama", "step": 6, "future"
           "policies": ["inertia", "tova", "recency", "keydiff"]}
 
 
+
+def said(figure) -> str:
+    """What a Results figure says: its title, then the caveats of the note under it, one text."""
+    from kvviz.ui.results import caption_of
+
+    return " ".join([figure.layout.title.text or "", *caption_of(figure)[1]])
+
 def rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
 
@@ -337,14 +344,14 @@ def test_the_ranking_figure_draws_a_panel_per_metric_measured_and_paper_side_by_
     assert "0.900 (printed)<br>pooled" in auroc.hovertext[2] and "trace" not in auroc.hovertext[2]
     assert list(figure.layout.yaxis.categoryarray) == list(auroc.y)[::-1]  # top to bottom as listed
     assert {shape.x0 for shape in figure.layout.shapes} == {0.5, 0.1, 0.0}  # a random ranking's values
-    title = figure.layout.title.text
+    title = said(figure)
     assert "1 other setting hidden (inertia alpha=0.5)" in title and "mean over 2 traces" in title
     assert set(table.policy) == {"inertia", "tova", "avokv", "attention only"}
     # model, task and source leave it alone (the paper's reference is why it exists); policies apply to both
     assert list(ranking_figure(store, "R1", "AIME24", [], "paper")[0].data[0].y) == list(auroc.y)
     assert list(ranking_figure(store, ALL, ALL, ["tova", "avokv"], ALL)[0].data[0].y) == ["tova", "AvoKV-E: avokv"]
     shown = ranking_figure(store, ALL, ALL, [], "measured", settings=True)[0]
-    assert "inertia alpha=0.5" in shown.data[0].y and "hidden" not in shown.layout.title.text
+    assert "inertia alpha=0.5" in shown.data[0].y and "hidden" not in said(shown)
     # the sweeps filter measured rows only
     assert list(ranking_figure(store, ALL, ALL, [], ALL, sweeps=["paper"])[0].data[0].y) == [
         "AvoKV-E: avokv", "AvoKV-E: attention only"]

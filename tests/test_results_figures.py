@@ -10,9 +10,9 @@ import pandas as pd
 
 from kvviz.store import Store
 from kvviz.ui.results import (ALL, LEGEND_ROW, SETTINGS_BOX, _dodge, _line_figure, _on_cut_axes, _refresh_figure,
-                              query, with_reference)
+                              caption_of, query, with_reference)
 
-FIGURES = ["quality", "hits", "paired", "comparison", "alpha", "refresh", "speed", "cache", "depth", "grid", "ranking"]
+FIGURES = ["quality", "hits", "paired", "comparison", "alpha", "refresh", "inertia", "speed", "cache", "depth", "grid", "ranking"]
 
 
 def write_rows(folder: Path, rows: list[dict]) -> None:
@@ -38,6 +38,11 @@ def sweep_store(tmp_path: Path, policies: list[str], cuts=(0.5, 0.9, 0.95), samp
 
 def figures(out) -> dict:
     return dict(zip(FIGURES, out[0::3]))
+
+
+def note(fig) -> str:
+    """The caveats the tab writes under ``fig``, as one text."""
+    return " ".join(caption_of(fig)[1])
 
 
 def test_the_policies_filter_keeps_the_full_cache_every_policy_is_read_against(tmp_path):
@@ -69,18 +74,18 @@ def test_a_picked_policy_with_no_rows_for_the_filters_is_named_with_where_its_ro
                + [{"source": "paper", "sweep": "p", "model": "m", "task": "A", "policy": "attention only",
                    "metric": "auroc", "params": {}, "compression": None, "sample": 0, "score": 0.7}])
     store = sweep_store(tmp_path, ["tova"])  # measured tova and full on tasks t and needle_grid
-    title = figures(query(store, ALL, ALL, ["thinkv (impl.)", "tova"], "measured"))["quality"].layout.title.text
-    assert "thinkv (impl.): no rows for these filters (its rows: paper on A, B)" in title and "tova:" not in title
-    title = figures(query(store, ALL, "A", ["tova"], ALL))["quality"].layout.title.text
-    assert "tova: no rows for these filters (its rows: measured on needle_grid, t)" in title
-    title = figures(query(store, ALL, "A", ["thinkv (impl.)"], ALL))["quality"].layout.title.text
-    assert "no rows for these filters" not in title  # drawn there
+    said = note(figures(query(store, ALL, ALL, ["thinkv (impl.)", "tova"], "measured"))["quality"])
+    assert "thinkv (impl.): no rows for these filters (its rows: paper on A, B)" in said and "tova:" not in said
+    said = note(figures(query(store, ALL, "A", ["tova"], ALL))["quality"])
+    assert "tova: no rows for these filters (its rows: measured on needle_grid, t)" in said
+    said = note(figures(query(store, ALL, "A", ["thinkv (impl.)"], ALL))["quality"])
+    assert "no rows for these filters" not in said  # drawn there
     # "thinkv" would be drawn only by a setting of itself: "thinkv (impl.)" is another policy
-    title = figures(query(store, ALL, "A", ["thinkv", "thinkv (impl.)"], ALL))["quality"].layout.title.text
-    assert "thinkv: no rows at all" in title
+    said = note(figures(query(store, ALL, "A", ["thinkv", "thinkv (impl.)"], ALL))["quality"])
+    assert "thinkv: no rows at all" in said
     # rows of a damage probe's ranking, not quality: said so, not "no rows"
-    title = figures(query(store, ALL, ALL, ["attention only"], ALL))["quality"].layout.title.text
-    assert "attention only: only auroc rows (A: a damage probe's ranking" in title
+    said = note(figures(query(store, ALL, ALL, ["attention only"], ALL))["quality"])
+    assert "attention only: only auroc rows (A: a damage probe's ranking" in said
 
 
 def test_the_full_cache_line_spans_the_same_x_in_every_panel_that_shares_an_axis():
@@ -136,7 +141,7 @@ def test_paired_points_nudged_apart_stay_nearer_their_own_cut_than_the_next(tmp_
     neighbouring cuts keep apart."""
     policies = [f"p{index:02d}" for index in range(12)]
     store = sweep_store(tmp_path, policies)
-    fig = figures(query(store, ALL, "t", [], "measured", reference="full"))["paired"]
+    fig = figures(query(store, ALL, "t", [], "measured", reference="full", every=True))["paired"]
     assert {trace.name for trace in fig.data} == set(policies)
     for trace in fig.data:
         offsets = [x - cut for x, cut in zip(trace.x, (0.5, 0.9, 0.95))]
@@ -171,7 +176,7 @@ def test_no_legend_is_taller_than_its_plot(tmp_path):
     from kvviz.ui.results import legend_entries
 
     store = sweep_store(tmp_path, [f"p{index:02d}" for index in range(25)], cuts=(0.5, 0.9), samples=2)
-    drawn = figures(query(store, ALL, ALL, [], "measured", reference="full"))
+    drawn = figures(query(store, ALL, ALL, [], "measured", reference="full", every=True))
     for name, fig in drawn.items():
         entries = legend_entries(fig)
         assert plot_height(fig) >= LEGEND_ROW * entries, (name, entries, fig.layout.height)
@@ -220,7 +225,7 @@ def test_a_speed_panels_sweeps_wrap_under_what_it_holds():
     """Four sweeps' names on one line with what the panel holds ran into the next panel's title at 1000 px:
     each title line holds at most SWEEPS_WIDTH characters (a sweep's name is never broken at its hyphens),
     and the top margin grows by a line of panel title each."""
-    from kvviz.ui.results import PANEL_TITLE_HEIGHT, SWEEPS_WIDTH, _speed_figure
+    from kvviz.ui.results import MARGIN, PANEL_TITLE_HEIGHT, SWEEPS_WIDTH, _speed_figure
 
     sweeps = ["sweep-2k", "sweep-2k-expected-attention", "sweep-2k-inertia", "sweep-2k-kvzip"]
     frame = pd.DataFrame([{"model": "m", "task": "t", "policy": policy, "compression": cut, "absolute_budget": None,
@@ -233,7 +238,7 @@ def test_a_speed_panels_sweeps_wrap_under_what_it_holds():
     assert lines[0] == "compression cells (ρ)" and len(lines) >= 3
     assert all(len(line) <= SWEEPS_WIDTH for line in lines)
     assert sorted(name.strip() for line in lines[1:] for name in line.split(",") if name.strip()) == sorted(sweeps)
-    assert fig.layout.margin.t >= 50 + 22 * 2 + PANEL_TITLE_HEIGHT * len(lines)  # the title's notes, then these
+    assert fig.layout.margin.t >= MARGIN["t"] + PANEL_TITLE_HEIGHT * len(lines)  # the title's line, then these
 
 
 def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(tmp_path):
@@ -309,3 +314,97 @@ def test_two_models_needle_grids_are_never_averaged_into_one(tmp_path):
     drawn = figures(query(store, ALL, ALL, [], ALL))["grid"]
     assert [trace.z.tolist() for trace in drawn.data] == [[[1.0]], [[0.0]]]
     assert [note.text for note in drawn.layout.annotations] == ["a<br>tova ρ=0.5", "b<br>tova ρ=0.5"]
+
+
+def shown_policies(fig, table: pd.DataFrame) -> set[str]:
+    """The distinct policies a figure draws: its legend's, and its table's (bars and heatmaps have no legend),
+    each setting counted as its policy."""
+    from kvviz.ui.results import policy_of
+
+    names = {trace.name.split(" · ")[0] for trace in fig.data if trace.name and trace.showlegend is not False}
+    names |= set(table.policy) if "policy" in table else set()
+    return {policy_of(name) for name in names if not name.startswith(("full cache", "ρ=", "B="))}
+
+
+def test_every_figure_over_the_shipped_store_reads_in_one_look():
+    """A title carried up to ten lines of caveats and a legend up to 25 policies.  With the tab's default
+    filters every figure over results_db/ has a title of at most two lines, draws at most eight policies, has a
+    sentence on how to read it, and keeps its caveats in the note under it, none in its title."""
+    from kvviz.ui.results import SECTIONS, SHOWN_MOST, sections
+
+    drawn = dict(sections(Store(), ALL, ALL, [], "measured"))
+    assert sorted(drawn) == list(range(len(SECTIONS)))
+    for index, (fig, table, _) in drawn.items():
+        title = fig.layout.title.text or ""
+        assert title.count("<br>") + title.count("\n") <= 1, (SECTIONS[index], title)
+        policies = shown_policies(fig, table)
+        assert len(policies) <= SHOWN_MOST, (SECTIONS[index], sorted(policies))
+        read, notes = caption_of(fig)
+        assert len(read) > 40 and read.endswith(".") and read.count(". ") == 0, (SECTIONS[index], read)
+        for caveat in notes:
+            assert caveat not in title and caveat[:30] not in title, (SECTIONS[index], caveat)
+    quality = drawn[SECTIONS.index("Quality vs compression")][0]
+    assert any(note.startswith("held over") for note in caption_of(quality)[1])  # a caveat, under the figure
+    assert "full" in shown_policies(quality, drawn[0][1])  # the reference always counted among the eight
+
+
+def test_show_all_policies_brings_the_others_back():
+    """The default eight are a click away from the rest: 'Show all policies' draws every measured policy, and
+    the default figure's note names those it left out."""
+    from kvviz.ui.results import SHOW_ALL, sections
+
+    store = Store()
+    _, (default, table, _) = next(sections(store, ALL, ALL, [], "measured"))
+    _, (every, everything, _) = next(sections(store, ALL, ALL, [], "measured", every=True))
+    assert set(table.policy) < set(everything.policy) and len(set(everything.policy)) > 8
+    left_out = sorted(set(everything.policy) - set(table.policy))
+    assert any(f"{len(left_out)} more policies ({', '.join(left_out[:4])}" in note and SHOW_ALL in note
+               for note in caption_of(default)[1])
+    assert {trace.name for trace in every.data} >= set(left_out)
+
+
+def test_only_the_first_section_is_open_and_each_figure_has_its_note_under_it(tmp_path):
+    import gradio as gr
+
+    from kvviz.ui.results import SECTIONS, build_results_tab
+
+    with gr.Blocks() as app:
+        build_results_tab(app, sweep_store(tmp_path, ["tova"]))
+    accordions = [block for block in app.blocks.values() if isinstance(block, gr.Accordion)]
+    assert [block.label for block in accordions] == list(SECTIONS)
+    assert [block.open for block in accordions] == [True] + [False] * (len(SECTIONS) - 1)
+    for accordion in accordions:
+        children = accordion.children
+        plot = next(index for index, child in enumerate(children) if isinstance(child, gr.Plot))
+        assert isinstance(children[plot + 1], gr.Markdown), accordion.label
+    results = next(fn for fn in app.fns.values() if fn.api_name == "results")
+    defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
+    last = list(results.fn(*defaults))[-1]
+    assert len(last) == 4 * len(SECTIONS)
+    assert last[1].startswith("**How to read it:** Each line is a policy's mean score")
+
+
+def test_inertia_settings_are_paired_against_its_defaults_from_any_sweep(tmp_path):
+    """A sweep of InertiaKV's α, refresh, score-free and layer weighting lands in results_db/ without code
+    changes: each setting is paired against InertiaKV at its defaults, with its interval, sign test and the
+    smallest difference the run could detect."""
+    from kvviz.ui.results import SECTIONS, inertia_family
+
+    base = {"source": "measured", "sweep": "prose-2k-inertia", "model": "m", "task": "prose_needle",
+            "metric": "string_match", "seed": 0, "prompt_len": 100, "max_new_tokens": 10, "chat": False}
+    runs = [("inertia", {}), ("inertia", {"alpha": 0.5}), ("inertia", {"refresh": 16}), ("score-free", {}),
+            ("inertia-decoupled", {})]
+    rows = [{**base, "policy": "full", "params": {}, "compression": None, "sample": sample, "score": 1.0}
+            for sample in range(12)]
+    rows += [{**base, "policy": policy, "params": params, "compression": 0.9, "sample": sample,
+              "score": float(sample % (index + 2) != 0)}
+             for index, (policy, params) in enumerate(runs) for sample in range(12)]
+    write_rows(tmp_path / "prose-2k-inertia", rows)
+    store = Store(tmp_path)
+    assert {"inertia", "score-free", "single-step", "inertia-lazy", "inertia-decoupled"} <= set(inertia_family(store))
+    at = 3 * SECTIONS.index("InertiaKV settings vs its defaults")
+    figure, table = query(store, ALL, ALL, [], "measured")[at:at + 2]
+    assert set(table.policy) == {"inertia alpha=0.5", "inertia refresh=16", "score-free", "inertia-decoupled"}
+    assert {"low", "high", "p_sign", "detectable", "wins", "losses"} <= set(table.columns)
+    notes = " ".join(caption_of(figure)[1])
+    assert "sign test (McNemar's on 0/1 scores)" in notes and "smallest |Δ| these runs could detect" in notes

@@ -15,6 +15,13 @@ from kvviz.store import Store
 from kvviz.ui import results
 
 
+
+def said(figure) -> str:
+    """What a Results figure says: its title, then the caveats of the note under it, one text."""
+    from kvviz.ui.results import caption_of
+
+    return " ".join([figure.layout.title.text or "", *caption_of(figure)[1]])
+
 def test_paired_delta_counts_and_sign_test_by_hand():
     result = paired_delta([np.array([1.0, 0.0, 0.0, -1.0, 1.0])])
     assert result.delta == pytest.approx(0.2)
@@ -176,12 +183,12 @@ def test_results_tab_draws_each_policys_interval_around_zero(tmp_path):
     out = results.query(store, results.ALL, results.ALL, [], "measured", reference="inertia")
     index = 3 * results.SECTIONS.index("Paired differences")
     figure, table = out[index], out[index + 1]
-    assert "to inertia" in figure.layout.title.text
+    assert "to inertia" in said(figure)
     titles = {a.text for a in figure.layout.annotations}
     assert {"single_needle", "multi_key_needle", "RULER: mean of 2 tasks"} <= titles
     # which two: Measured vs paper averages only the tasks whose full cache passes, this every task that pairs
     assert "<sup>RULER: mean of 2 tasks: multi_key_needle, single_needle (a difference needs no full cache" \
-        in figure.layout.title.text
+        in said(figure)
     lazy = [t for t in figure.data if t.name == "inertia-lazy"]
     assert len(lazy) == 3 and sum(t.showlegend for t in lazy) == 1  # one legend entry across the panels
     # each panel's line is one task's row of the table: Δ, and the interval as bars above and below it
@@ -193,7 +200,7 @@ def test_results_tab_draws_each_policys_interval_around_zero(tmp_path):
     assert len(table) == len(results.paired(store, "inertia", None, None, None))
     # the reference falls back to inertia when the one asked for was not measured; papers have no samples
     fallback = results.query(store, results.ALL, results.ALL, [], "measured", reference="tova")[index]
-    assert "to inertia" in fallback.layout.title.text
+    assert "to inertia" in said(fallback)
     paper = results.query(store, results.ALL, results.ALL, [], "paper", reference="inertia")
     assert paper[index + 1].empty
 

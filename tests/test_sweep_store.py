@@ -22,6 +22,13 @@ from servers import free_port, serve
 CONFIG = Path(__file__).parent / "fixtures" / "sweep_tiny.toml"
 
 
+
+def said(figure) -> str:
+    """What a Results figure says: its title, then the caveats of the note under it, one text."""
+    from kvviz.ui.results import caption_of
+
+    return " ".join([figure.layout.title.text or "", *caption_of(figure)[1]])
+
 def rows(folder: Path) -> list[dict]:
     return [json.loads(line) for p in sorted(folder.glob("rows*.jsonl")) for line in p.read_text().splitlines()]
 
@@ -347,8 +354,7 @@ def test_a_task_the_full_cache_fails_is_left_out_of_the_measured_aggregate_and_n
         "measured m: left out multi_value: no full-cache row to be relative to",
         "paper: the aggregate as printed, the mean over RULER's 13 subtasks, on which the papers' full caches "
         "score well"]
-    title = query(store, "(all)", "(all)", [], "measured", "RULER")[3 * SECTIONS.index("Measured vs paper")] \
-        .layout.title.text
+    title = said(query(store, "(all)", "(all)", [], "measured", "RULER")[3 * SECTIONS.index("Measured vs paper")])
     assert "left out variable_tracking (full cache 0.120)" in title and "left out multi_value" in title
 
 
@@ -572,7 +578,7 @@ def test_max_length_hits_figure_draws_the_store_frame(tmp_path):
     assert sorted(y for trace in figure.data if trace.name != "full" for y in trace.y) == \
         pytest.approx(sorted(drawn[drawn.policy != "full"].hit_rate))
     assert [a.text for a in figure.layout.annotations] == ["t", "t2"]
-    assert figure.layout.title.text.startswith("Max-length hits vs compression")
+    assert said(figure).startswith("Max-length hits vs compression")
 
 
 def test_max_length_hits_figure_says_what_is_missing(tmp_path):
@@ -641,12 +647,12 @@ def test_a_table_that_hides_other_settings_says_so_under_it(tmp_path, capsys):
     assert main(["results", "--root", str(tmp_path), "--settings"]) == 0
     assert "hidden" not in capsys.readouterr().out
     quality = SECTIONS.index("Quality vs compression") * 3
-    title = query(Store(tmp_path), "(all)", "r", [], "measured")[quality].layout.title.text
+    title = said(query(Store(tmp_path), "(all)", "r", [], "measured")[quality])
     # (rows without R-KV's pooling ran the head means, kvviz's R-KV before the parameter)
     plain = " ".join(part.strip() for part in re.split(r"</?sup>|<br>", title) if part.strip())
     assert f"2 other settings hidden (avokv interval=16, rkv interval=16 pooling=head-mean): tick '{SETTINGS_BOX}'" \
         in plain
-    assert "hidden" not in query(Store(tmp_path), "(all)", "r", [], "measured", settings=True)[quality].layout.title.text
+    assert "hidden" not in said(query(Store(tmp_path), "(all)", "r", [], "measured", settings=True)[quality])
 
 
 def test_scores_on_a_0_1_scale_print_with_three_decimals(tmp_path, capsys):
@@ -1000,7 +1006,7 @@ def test_results_tab_draws_more_models_than_marker_symbols(tmp_path):
         "circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon", "circle", "square"]
     # named in a note under the title, not the panel's title, where ten names ran past its edge
     assert [a.text for a in figure.layout.annotations] == ["measured"]
-    assert "<sup>markers: ● m0, ■ m1, ◆ m2, ▲ m3, ✕ m4, ★ m5, ✚ m6, ⬟ m7, ● m8, ■ m9" in figure.layout.title.text
+    assert "markers: ● m0, ■ m1, ◆ m2, ▲ m3, ✕ m4, ★ m5, ✚ m6, ⬟ m7, ● m8, ■ m9" in said(figure)
 
 
 def test_refresh_curve_follows_the_registry_presets(tmp_path):
@@ -1119,7 +1125,7 @@ def test_refresh_figure_draws_score_free_apart_and_joins_speeds_within_one_sweep
     free, free_speed = traces["ρ=0.9 score-free score"], traces["ρ=0.9 score-free tok/s"]
     assert (list(free.x), list(free.y), free.yaxis) == ([1, 8], [0.4, 0.4], "y")
     assert (list(free_speed.y), free_speed.yaxis) == ([12.0, 12.0], "y2")
-    title = fig.layout.title.text
+    title = said(fig)
     assert "score-free" in title and "not r → ∞" in title and "one line per sweep" in title and "s2" in title
 
 
@@ -1325,8 +1331,8 @@ def test_quality_and_hits_figures_put_budget_cells_on_a_budget_axis(tmp_path):
         assert drawn[(budget_axis, "tova")] == [64, 128] and drawn[(budget_axis, "full")] == [64, 128]
         assert sorted(title for title in axes.values()) == ["KV budget (tokens)", "compression ρ", "compression ρ"]
         assert all(max(x) <= 1 for (axis, _), x in drawn.items() if axis != budget_axis)
-    assert quality.layout.title.text.startswith("Quality vs compression or KV budget")
-    assert hits.layout.title.text.startswith("Max-length hits vs compression or KV budget")
+    assert said(quality).startswith("Quality vs compression or KV budget")
+    assert said(hits).startswith("Max-length hits vs compression or KV budget")
     assert [list(t.y) for t in hits.data if t.name == "tova" and list(t.x) == [64, 128]] == [[1.0, 0.0]]
 
 
@@ -1440,7 +1446,7 @@ def test_results_command_says_when_a_sample_is_the_mean_of_sampled_draws(tmp_pat
     from kvviz.ui.results import query
 
     figure = query(Store(tmp_path), None, None, None, "measured", None, None, None, False)[0]
-    assert "each sample the mean of up to 4 sampled draws" in figure.layout.title.text
+    assert "each sample the mean of up to 4 sampled draws" in said(figure)
     assert list(figure.data[0].y) == [0.5]
 
 
@@ -1530,11 +1536,11 @@ def test_speed_and_cache_figures_average_every_point_over_the_same_tasks(tmp_pat
     assert {trace.name: list(trace.y) for trace in cache.data} == {"h2o": [0.5], "tova": [0.5],
                                                                    "full cache: 0.75": [0.75, 0.75]}
     for figure in (speed, cache):
-        assert "mean over a, b; extra left out (not run at every point)" in figure.layout.title.text
+        assert "mean over a, b; extra left out (not run at every point)" in said(figure)
     # One task chosen: every point over it alone, nothing left out.
     cache = query(Store(tmp_path), "(all)", "extra", [], "measured")[3 * SECTIONS.index("Quality vs cache held")]
     assert {trace.name: list(trace.y) for trace in cache.data} == {"tova": [1.0], "full cache: 0.00": [0.0, 0.0]}
-    assert "left out" not in cache.layout.title.text
+    assert "left out" not in said(cache)
 
 
 def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsys):
@@ -1556,12 +1562,12 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
     paired = capsys.readouterr().out.split("t · m · vs inertia")[1]
     assert "avokv" in paired and paired.endswith(
         "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95" + HELD_OVER_WHY + "\n")
-    # ... and so do the app's quality and paired figures, under their titles
-    from kvviz.ui.results import SECTIONS, query
+    # ... and so do the app's quality and paired figures (paired at the same nominal cut), in their notes
+    from kvviz.ui.results import PAIRINGS, SECTIONS, query
 
-    figures = query(Store(tmp_path), "(all)", "t", [], "measured", reference="inertia")
+    figures = query(Store(tmp_path), "(all)", "t", [], "measured", reference="inertia", pairing=PAIRINGS[1])
     for section in ("Quality vs compression", "Paired differences"):
-        title = figures[3 * SECTIONS.index(section)].layout.title.text  # the note wraps over several lines
+        title = said(figures[3 * SECTIONS.index(section)])  # the note wraps over several lines
         plain = " ".join(part.strip() for part in re.split(r"</?sup>|<br>", title) if part.strip())
         assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95" \
             + HELD_OVER_WHY in plain
@@ -1597,7 +1603,7 @@ def test_the_results_tab_shows_other_settings_as_their_own_policies_when_asked(t
     assert "inertia alpha=0.3" not in names(default[0]) and "inertia" in names(default[0])
     every = query(store, "(all)", "t", [], "measured", settings=True)
     assert {"inertia", "inertia alpha=0.3", "inertia refresh=8"} <= set(names(every[0]))
-    assert "every setting run, each its own line" in every[0].layout.title.text
+    assert "every setting run, each its own line" in said(every[0])
     table = every[1].value if hasattr(every[1], "value") else every[1]
     assert set(table.policy) >= {"inertia alpha=0.3", "inertia refresh=8"}
     colours = {trace.name: trace.line.color for trace in every[0].data if trace.mode and "lines" in trace.mode}
@@ -1759,7 +1765,7 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
 
     import gradio as gr
 
-    from kvviz.ui import results as tab
+    from kvviz.ui.results import tab
 
     drawn = []
     sections = tab.sections
@@ -1810,7 +1816,7 @@ def test_the_open_sections_are_sent_first_and_the_others_then_without_them(tmp_p
 
     import gradio as gr
 
-    from kvviz.ui import results as tab
+    from kvviz.ui.results import tab
 
     sections = tab.sections
     release = threading.Event()
@@ -1829,34 +1835,34 @@ def test_the_open_sections_are_sent_first_and_the_others_then_without_them(tmp_p
     updates = results.fn(*defaults)
     first = next(updates)
     opened = [tab.SECTIONS.index(title) for title in tab.OPEN]
-    assert opened == [0, 3]
+    assert opened == [0]  # the first section only: the others open with a click
     for index in range(len(tab.SECTIONS)):
-        figure, table, csv = first[3 * index:3 * index + 3]
+        figure, note, table, csv = first[4 * index:4 * index + 4]
         if index in opened:
             assert isinstance(figure, gr.components.plot.PlotData) and len(table.columns) and \
-                csv["value"].endswith(".csv")
+                csv["value"].endswith(".csv") and note.startswith("**How to read it:**")
         else:
-            assert figure is tab.PENDING[0] and table is tab.PENDING[1] and csv == {"__type__": "update", "value": None}
+            assert figure is tab.PENDING[0] and table is tab.PENDING[2] and csv == {"__type__": "update", "value": None}
     assert "drawing for the new filters" in tab.PENDING[0].layout.annotations[0].text
     release.set()
     last = next(updates)
     assert list(updates) == []
     for index in range(len(tab.SECTIONS)):
-        figure, table, csv = last[3 * index:3 * index + 3]
-        assert isinstance(figure, gr.components.plot.PlotData) and table is not tab.PENDING[1] and \
+        figure, note, table, csv = last[4 * index:4 * index + 4]
+        assert isinstance(figure, gr.components.plot.PlotData) and table is not tab.PENDING[2] and \
             csv["value"].endswith(".csv")
         if index in opened:
-            assert figure is first[3 * index]  # drawn once
+            assert figure is first[4 * index]  # drawn once
     again = list(results.fn(*defaults))
     assert len(again) == 1
-    assert [again[0][3 * index] for index in range(len(tab.SECTIONS))] == \
-        [last[3 * index] for index in range(len(tab.SECTIONS))]
+    assert [again[0][4 * index] for index in range(len(tab.SECTIONS))] == \
+        [last[4 * index] for index in range(len(tab.SECTIONS))]
 
 
 def test_a_failed_drawing_is_raised_to_the_request_and_drawn_again_next_time(tmp_path, monkeypatch):
     import gradio as gr
 
-    from kvviz.ui import results as tab
+    from kvviz.ui.results import tab
 
     sections, calls = tab.sections, []
 
@@ -1874,7 +1880,7 @@ def test_a_failed_drawing_is_raised_to_the_request_and_drawn_again_next_time(tmp
     with pytest.raises(gr.Error, match="drawing the results failed: RuntimeError: the store went away; change a "
                                        "filter or reload"):
         list(results.fn(*defaults))
-    assert len(list(results.fn(*defaults))[-1]) == 3 * len(tab.SECTIONS)
+    assert len(list(results.fn(*defaults))[-1]) == 4 * len(tab.SECTIONS)
     assert len(calls) == 2
 
 
@@ -1938,9 +1944,9 @@ def test_the_quality_figure_names_tasks_the_full_cache_itself_fails(tmp_path):
             for policy, score in (("full", full), ("tova", 0.5))]
     write_rows(tmp_path / "sweep", rows)
     figure = query(Store(tmp_path), "(all)", "(all)", [], "measured")[3 * SECTIONS.index("Quality vs compression")]
-    assert (f"<sup>full cache under {FULL_CACHE_FLOOR:g} (the model fails these even unevicted):</sup>"
-            "<br><sup>hard 0.000 (a policy above it there is noise" in figure.layout.title.text)
-    assert "easy 1.000" not in figure.layout.title.text
+    assert (f"full cache under {FULL_CACHE_FLOOR:g} (the model fails these even unevicted): hard 0.000 (a policy "
+            "above it there is noise" in said(figure))
+    assert "easy 1.000" not in said(figure)
 
 
 def test_coinciding_points_of_a_few_policies_are_drawn_apart_on_x():
@@ -1966,7 +1972,7 @@ def test_coinciding_points_of_a_few_policies_are_drawn_apart_on_x():
 
     figure = _line_figure(frame.drop(columns=["axis", "position"]), "compression", "score", "Q (x)", "ρ", "score")
     assert {trace.name: list(trace.x) for trace in figure.data}["avokv"] == [pytest.approx(80 + step / 2)]
-    assert "nudged apart on x" in figure.layout.title.text
+    assert "nudged apart on x" in said(figure)
 
 
 def test_other_settings_are_listed_by_value_not_as_text(tmp_path):
