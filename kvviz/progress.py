@@ -36,15 +36,24 @@ class ForwardProgress:
 
     ``fraction`` is the share of the current forward's layers done, in [0, 1]; ``cancel()`` makes the next
     layer raise :class:`Cancelled`, so a long prefill stops within one layer's time.  ``on_layer`` (optional)
-    is called with the fraction after every layer.
+    is called with the fraction after every layer.  Once :meth:`follow` names a thread, only forwards on
+    that thread count (a server runs other sessions' forwards on the same model at the same time).
     """
 
     def __init__(self, model: nn.Module, on_layer: Callable[[float], None] | None = None):
         self.layers = decoder_layers(model)
         self.done = 0
         self.on_layer = on_layer
+        self.thread: int | None = None
         self._cancelled = threading.Event()
         self._hooks: list = []
+
+    def follow(self, thread: int | None = None) -> None:
+        """Count only the forwards of ``thread`` (default: the calling thread)."""
+        self.thread = threading.get_ident() if thread is None else thread
+
+    def _ours(self) -> bool:
+        return self.thread is None or threading.get_ident() == self.thread
 
     @property
     def fraction(self) -> float:
@@ -55,6 +64,8 @@ class ForwardProgress:
 
     def _before(self, index: int):
         def hook(module, args):
+            if not self._ours():
+                return
             if self._cancelled.is_set():
                 raise Cancelled("the run was cancelled")
             if index == 0:  # a new forward starts counting again
@@ -62,6 +73,8 @@ class ForwardProgress:
         return hook
 
     def _after(self, module, args, output) -> None:
+        if not self._ours():
+            return
         self.done += 1
         if self.on_layer is not None:
             self.on_layer(self.fraction)
@@ -88,10 +101,11 @@ _DONE = object()
 
 
 def with_heartbeats(events: Iterator, every: float = 0.5, on_close: Callable[[], None] | None = None,
-                    join_seconds: float = 10.0) -> Iterator:
+                    join_seconds: float = 10.0, on_start: Callable[[], None] | None = None) -> Iterator:
     """``events``' items, with a :class:`Heartbeat` each ``every`` s that passes without one.
 
-    The iterator runs in a daemon thread; its exception is raised here.  Closing this generator (a UI's Stop)
+    The iterator runs in a daemon thread, which first calls ``on_start`` (e.g. :meth:`ForwardProgress.follow`);
+    its exception is raised here.  Closing this generator (a UI's Stop)
     calls ``on_close`` (e.g. :meth:`ForwardProgress.cancel`) and waits up to ``join_seconds`` for the thread
     to end after its current item.
     """
@@ -100,6 +114,8 @@ def with_heartbeats(events: Iterator, every: float = 0.5, on_close: Callable[[],
 
     def work() -> None:
         try:
+            if on_start is not None:
+                on_start()
             for item in events:
                 while not stop.is_set():
                     try:

@@ -35,6 +35,24 @@ def test_a_cancelled_forward_stops_between_two_layers(tiny):
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[1] == 3  # the hooks are gone
 
 
+def test_a_followed_progress_ignores_forwards_on_other_threads(tiny):
+    model, _ = tiny
+    with ForwardProgress(model) as progress:
+        worker = threading.Thread(target=progress.follow)
+        worker.start(), worker.join()
+        model(input_ids=torch.tensor([[1, 2, 3]]))  # this thread's forward: another session's
+        assert progress.done == 0
+        progress.follow()
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert progress.fraction == 1.0
+
+
+def test_heartbeats_run_on_start_in_the_worker_thread_before_the_first_item():
+    seen = []
+    items = list(with_heartbeats(iter([1]), every=0.1, on_start=lambda: seen.append(threading.current_thread().name)))
+    assert items == [1] and seen == ["kvviz-run"]
+
+
 def test_prefill_progress_through_the_engine_reaches_one_before_the_first_event(tiny, tiny_prompt):
     model, tokenizer = tiny
     fractions = []
