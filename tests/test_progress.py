@@ -142,3 +142,47 @@ def test_pacers_are_per_session_and_a_newer_run_replaces_the_older():
     pacers.finish("session-a", "live", second)
     pacers.acknowledge("session-z", "live")  # an unknown session is ignored
     assert len(pacers) == 1
+
+
+def test_a_slow_prefill_reports_rising_layer_shares_then_the_events(tiny, tiny_prompt):
+    from kvviz.ui.waiting import events_with_progress
+
+    model, tokenizer = tiny
+    layers = decoder_layers(model)
+    slow_layers = [layer.register_forward_pre_hook(lambda module, args: time.sleep(0.15)) for layer in layers]
+    try:
+        events = kvviz.stream(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=2,
+                              backend="engine")
+        out = list(events_with_progress(events, model, len(tiny_prompt), every=0.05))
+    finally:
+        for handle in slow_layers:
+            handle.remove()
+    notes = [item for item in out if isinstance(item, str)]
+    steps = [item.step for item in out if not isinstance(item, str)]
+    assert steps == [0, 1]
+    assert out.index(notes[-1]) < out.index(next(item for item in out if not isinstance(item, str)))
+    shares = [int(note.split(": ")[1].split("%")[0]) for note in notes]
+    assert shares == sorted(shares) and len(set(shares)) >= 2  # it rises, layer by layer
+    assert f"{len(tiny_prompt):,}-token prompt" in notes[0]
+    assert all(not layer._forward_hooks for layer in layers)
+
+
+def test_closing_during_the_prefill_cancels_it_between_layers(tiny, tiny_prompt):
+    from kvviz.ui.waiting import events_with_progress
+
+    model, tokenizer = tiny
+    layers = decoder_layers(model)
+    ran = []
+    slow_layers = [layer.register_forward_pre_hook(lambda module, args: (ran.append(1), time.sleep(0.3)))
+                   for layer in layers]
+    try:
+        events = kvviz.stream(model, tokenizer, tiny_prompt, "inertia", compression=0.5, max_new_tokens=2,
+                              backend="engine")
+        stream = events_with_progress(events, model, len(tiny_prompt), every=0.05)
+        assert isinstance(next(stream), str)  # the prefill is under way
+        stream.close()
+    finally:
+        for handle in slow_layers:
+            handle.remove()
+    assert len(ran) < len(layers)  # stopped before the prefill reached its last layer
+    assert not [t for t in threading.enumerate() if t.name == "kvviz-run"]
