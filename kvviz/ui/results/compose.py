@@ -254,7 +254,9 @@ def _depth(view: View) -> tuple:
     else:
         depth = quality_vs_depth(view.store, view.task, view.model, view.drawn,
                                  sweeps=list(view.sweeps) if view.sweeps else None)
-    return _depth_figure(depth, view.colours, chosen=bool(view.policies) or view.every), depth, "quality_vs_depth"
+    depth, more = view.limit(depth.sort_values("policy", kind="stable"))  # the table holds what is drawn
+    depth = depth.sort_index()
+    return _noted(_depth_figure(depth, view.colours, chosen=True), more), depth, "quality_vs_depth"
 
 
 def _grid(view: View) -> tuple:
