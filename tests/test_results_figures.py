@@ -357,9 +357,10 @@ def test_show_all_policies_brings_the_others_back():
     _, (default, table, _) = next(sections(store, ALL, ALL, [], "measured"))
     _, (every, everything, _) = next(sections(store, ALL, ALL, [], "measured", every=True))
     assert set(table.policy) < set(everything.policy) and len(set(everything.policy)) > 8
-    left_out = sorted(set(everything.policy) - set(table.policy))
-    assert any(f"{len(left_out)} more policies ({', '.join(left_out[:4])}" in note and SHOW_ALL in note
-               for note in caption_of(default)[1])
+    left_out = set(everything.policy) - set(table.policy)
+    said = next(note for note in caption_of(default)[1] if note.startswith(f"{len(left_out)} more policies ("))
+    named = said.split(" (", 1)[1].split(")")[0].split(", ")
+    assert SHOW_ALL in said and len(named) == 5 and named[-1] == "..." and set(named[:4]) <= left_out
     assert {trace.name for trace in every.data} >= set(left_out)
 
 
@@ -407,4 +408,4 @@ def test_inertia_settings_are_paired_against_its_defaults_from_any_sweep(tmp_pat
     assert set(table.policy) == {"inertia alpha=0.5", "inertia refresh=16", "score-free", "inertia-decoupled"}
     assert {"low", "high", "p_sign", "detectable", "wins", "losses"} <= set(table.columns)
     notes = " ".join(caption_of(figure)[1])
-    assert "sign test (McNemar's on 0/1 scores)" in notes and "smallest |Δ| these runs could detect" in notes
+    assert "sign test (McNemar's on 0/1 scores) p < 0.05: " in notes and "smallest |Δ| these runs could detect" in notes

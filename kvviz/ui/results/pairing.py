@@ -135,10 +135,10 @@ def _inertia_notes(differences: pd.DataFrame) -> list[str]:
     if cells.empty:
         return []
     found = cells[cells.significant.astype(bool)]
-    said = ("sign test (McNemar's on 0/1 scores) p < 0.05: " + "; ".join(
+    said = "sign test (McNemar's on 0/1 scores) p < 0.05: " + ("; ".join(
         f"{row.policy} on {row.task} {_cut_label(row.compression, row.absolute_budget)} Δ {row.delta:+.3f} "
         f"[{row.low:+.3f}, {row.high:+.3f}]" for row in found.itertuples())
-        if len(found) else "no setting differs from the defaults by the sign test (p < 0.05) in any cell")
+        if len(found) else "no setting differs from the defaults in any cell")
     detectable = cells.detectable.dropna()
     reach = (f"the smallest |Δ| these runs could detect (80% power): {detectable.min():.3f} to "
              f"{detectable.max():.3f} (column `detectable`)" if len(detectable) else "")
