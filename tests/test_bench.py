@@ -444,7 +444,7 @@ def no_model(monkeypatch):
 
 @pytest.mark.parametrize("key, value, message", [
     ("compression", "0.5", "key 'compression': must be a list of ratios in [0, 1)"),
-    ("compression", "[0.5, 1.0]", "key 'compression': 1.0 is not a ratio in [0, 1)"),
+    ("compression", "[0.5, 1.0]", "key 'compression': each ratio must be in [0, 1), got 1.0"),
     ("tasks", '"x"', "key 'tasks': must be a list of tables"),
     ("tasks", '[{ name = "single_needle", length = 100 }]', "tasks[0] (single_needle): has no 'samples'; add samples"),
     ("tasks", '[{ name = "single_needle", samples = 1 }]', "tasks[0] (single_needle): has no 'length'; add length"),
