@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .. import settings
 from ..models import DEFAULT_MODEL, DTYPES, check_device, check_model_name
 from ..trace import TraceBounds
 
@@ -59,6 +60,7 @@ class Limits:
             except ValueError as error:
                 raise ValueError(f"the models (KVVIZ_DEFAULT_MODEL, KVVIZ_MODELS, kvviz serve --models): {error}") \
                     from None
+        settings.max_new_tokens(self.max_new_tokens, "the max new tokens (KVVIZ_MAX_NEW_TOKENS)")
         if not 0 <= self.figures_per_second <= 60:  # also refuses NaN
             raise ValueError(f"the figures per second (KVVIZ_FIGURES_PER_SECOND, kvviz serve --figures-per-second) "
                              f"must be from 0 (only when a run ends) to 60, got {self.figures_per_second}")
