@@ -30,6 +30,11 @@ import traceback
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
+# Looked up here when a context runs, so that a test can replace any of them on this module
+from .speed_runs import (STATIC, UNBLOCKED, UNCOMPILED, UNFUSED, VARIANTS, backend_agreement,  # noqa: F401
+                         replayed_seconds, static_agreement, static_baseline, static_configurations, time_backend,
+                         time_engine, time_generate, time_static, _sync)
+
 # torch is imported inside the functions that use it: `kvviz --help` reads add_arguments and should
 # not wait seconds for it.
 
@@ -117,42 +122,6 @@ def without_cudnn_on_failure(run, cuda: bool) -> tuple[dict, str | None]:
     return run(), note
 
 
-def _sync(device) -> None:
-    import torch
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def replayed_seconds(step, device, replays: int) -> float:
-    """Seconds per call of ``step`` (no arguments): on a GPU, one CUDA graph of it replayed ``replays`` times
-    between two events (no launch gaps, as a decode step runs); elsewhere eager calls after one warm-up."""
-    import torch
-    if torch.device(device).type != "cuda":
-        step()
-        start = time.perf_counter()
-        for _ in range(replays):
-            step()
-        return (time.perf_counter() - start) / replays
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (cuBLAS handles, compiled kernels) on the capture's stream
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / replays
-
-
 def haystack_prompt(tokenizer, tokens: int) -> list[int]:
     """A deterministic ~``tokens``-token chat prompt: varied filler sentences around a passkey question."""
     subjects = ["The river", "A lantern", "The old map", "Our neighbour", "The committee", "A small boat"]
@@ -189,195 +158,9 @@ def build_from_config(name: str, device: str, dtype: str | None = None):
     return model
 
 
-class _TokenClock:
-    """A ``generate`` streamer that timestamps tokens: the first ``put`` is the prompt, the next the first
-    generated token (end of prefill), the rest one per decode step -- the same split the engine reports."""
-
-    def __init__(self, device):
-        self.device, self.stamps = device, []
-
-    def put(self, value) -> None:
-        _sync(self.device)
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def time_generate(model, prompt_ids: list[int], new_tokens: int, device) -> dict:
-    """Plain ``model.generate`` with HF's default dynamic cache (the baseline), timed per token."""
-    import torch
-    ids = torch.tensor([prompt_ids], device=device)
-    clock = _TokenClock(device)
-    _sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                       streamer=clock)
-    _sync(device)
-    first_token, end = clock.stamps[1], time.perf_counter()
-    decode = end - first_token
-    return {"prefill_s": first_token - start, "decode_s": decode, "decode_tok_s": (new_tokens - 1) / decode}
-
-
-def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
-                device, shared=None) -> dict:
-    from ..engine import decode
-    from ..policies import make_policy
-
-    policy = make_policy(policy_name)
-    _sync(device)
-    start = time.perf_counter()
-    prefill_done, score, evict, steps = None, 0.0, 0.0, 0
-    for event in decode(model, tokenizer, prompt_ids, policy, budget=None if policy_name == "full" else budget,
-                        max_new_tokens=new_tokens, ignore_eos=True, shared=shared):
-        if event.step == 0:
-            _sync(device)
-            prefill_done = time.perf_counter()
-        else:
-            score, evict, steps = score + event.t_score, evict + event.t_evict, steps + 1
-    _sync(device)
-    decode_s = time.perf_counter() - prefill_done
-    return {"first_token_s": prefill_done - start, "decode_s": decode_s, "decode_tok_s": steps / decode_s,
-            "score_share": score / decode_s, "evict_share": evict / decode_s,
-            "final_cache": int(event.cache_size)}
-
-
-# static-no-scoring: the B-slot step without scoring or an eviction choice (a ring), the baseline of every
-# static row's scoring_eviction_share
-STATIC = {"static-no-scoring": dict(scoring=False), "static-inertia": {}, "static-inertia-lazy": dict(refresh=4),
-          "static-score-free": dict(refresh=0)}
 # Issue 6's targets need these rows (the ratio's baseline, the step without scoring, full and Lazy refresh):
 # they run even past --time-limit, which only skips the configurations after them.
 TARGET_ROWS = ("generate", "static-no-scoring", "static-inertia", "static-inertia-lazy")
-# Measured again with one matrix-vector product per projection module (fuse=False), to show what stacking
-# q/k/v and gate/up into one product each buys.
-UNFUSED = ("static-no-scoring", "static-inertia")
-# Measured again without compile, to show what it buys -- and the targets' rows if compiling fails, when they
-# too run past the time limit.
-UNCOMPILED = ("static-no-scoring", "static-inertia", "static-inertia-lazy")
-# Measured again with the value product as one product over all slots (value_block=0), to show what blocks
-# of slots buy; a GPU only, the one place the step runs in blocks by default.
-UNBLOCKED = ("static-no-scoring", "static-inertia")
-# Each such row's scoring_eviction_share is against its own baseline (static_baseline).
-VARIANTS = ("-unfused", "-uncompiled", "-unblocked")
-
-
-def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, device,
-                options: dict, shared=None) -> dict:
-    """The static decode path (:mod:`kvviz.fast`): B + 1 slots, scores from the attention pass, EMA and
-    arg-min on the device, one CUDA graph per step variant on a GPU."""
-    import torch
-    from ..fast import StaticInertia
-
-    static = StaticInertia(model, **options)  # outside the clock: importing the compiler is not prefill
-    cuda = torch.device(device).type == "cuda"
-    setup_peak: list[int] = []
-
-    def on_ready() -> None:  # the B + 1 slots now hold the cache: the decode phase's peak counts from here
-        if cuda:
-            setup_peak.append(torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-
-    _sync(device)
-    start = time.perf_counter()
-    run = static.generate(tokenizer, prompt_ids, budget, new_tokens, graph=True, timer=lambda: _sync(device),
-                          shared=shared, on_ready=on_ready)
-    _sync(device)
-    end = time.perf_counter()
-    decode_s = end - run.first_token_time
-    setup_s = run.setup_seconds()
-    # decode_tok_s is the steady state (setup steps out); with_setup_tok_s counts compile and capture too.
-    result = {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": setup_s,
-              "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s}
-    if setup_peak:  # absolute byte counts, made relative by measure()
-        result["_setup_peak_bytes"], result["_decode_peak_bytes"] = setup_peak[0], torch.cuda.max_memory_allocated()
-    return result
-
-
-AGREEMENT_TOKENS = 6  # tokens of the untimed agreement run: four static steps after the engine's two
-
-
-def static_agreement(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget: int, options: dict,
-                     shared=None) -> dict:
-    """What the static step keeps at this shape, against the reference engine from the same shared prefill.
-
-    Reading kept positions syncs with the device every step, so the timed runs cannot: this is an untimed
-    run of the same step (eager, no graph) for up to ``AGREEMENT_TOKENS`` tokens, and the engine's run of the
-    policy it computes (``recency`` for the step without scoring).  Returns ``final_cache`` (entries live
-    after the last step), ``engine_tokens_equal`` and ``engine_kept_overlap`` (the share of the engine's
-    kept positions the static step also keeps, at its last step): in float32 they agree exactly (the tests);
-    in bfloat16 two attention kernels round differently, and this is how far that goes at the real shape.
-    """
-    from ..engine import decode
-    from ..fast import StaticInertia
-
-    tokens = min(new_tokens, AGREEMENT_TOKENS)
-    path = StaticInertia(model, **{**options, "compile": False})
-    static = path.generate(tokenizer, prompt_ids, budget, tokens, record_kept=True, shared=shared)
-    events = list(decode(model, tokenizer, prompt_ids, path.reference_policy(), budget=budget, max_new_tokens=tokens,
-                         ignore_eos=True, shared=shared))
-    engine_kept = set(events[-1].kept.tolist())
-    return {"final_cache": len(static.kept[-1]),
-            "engine_tokens_equal": static.token_ids == [event.new_token_id for event in events],
-            "engine_kept_overlap": len(set(static.kept[-1]) & engine_kept) / len(engine_kept)}
-
-
-def time_backend(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int, device,
-                 compile: bool, shared=None) -> dict:
-    """A policy on the static backend (:mod:`kvviz.backend`): as :func:`time_static`, the policy's scorer asked
-    for a per-slot utility beside the attention, the slot freed by a device reduction, CUDA graphs on a GPU."""
-    import torch
-    from ..backend.static import StaticBackend
-    from ..policies import make_policy
-
-    static = StaticBackend(model, make_policy(policy_name), compile=compile)
-    _sync(device)
-    start = time.perf_counter()
-    run = static.generate(tokenizer, prompt_ids, budget, new_tokens, timer=lambda: _sync(device), shared=shared)
-    _sync(device)
-    decode_s = time.perf_counter() - run.first_token_time
-    del static
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-    return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": run.setup_seconds(),
-            "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s}
-
-
-def backend_agreement(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
-                      shared=None) -> dict:
-    """The backend's events against the engine's for up to ``AGREEMENT_TOKENS`` tokens (untimed), as
-    :func:`static_agreement` reports them."""
-    from ..backend.static import StaticBackend
-    from ..engine import decode
-    from ..policies import make_policy
-
-    tokens = min(new_tokens, AGREEMENT_TOKENS)
-    static = list(StaticBackend(model, make_policy(policy_name)).stream(
-        tokenizer, prompt_ids, budget=budget, max_new_tokens=tokens, ignore_eos=True, shared=shared))
-    events = list(decode(model, tokenizer, prompt_ids, make_policy(policy_name), budget=budget, max_new_tokens=tokens,
-                         ignore_eos=True, shared=shared))
-    engine_kept = set(events[-1].kept.tolist())
-    return {"final_cache": int(static[-1].cache_size),
-            "engine_tokens_equal": [e.new_token_id for e in static] == [e.new_token_id for e in events],
-            "engine_kept_overlap": len(set(static[-1].kept.tolist()) & engine_kept) / len(engine_kept)}
-
-
-def static_baseline(name: str) -> str:
-    """The ring a static row's ``scoring_eviction_share`` is measured against: the same variant's."""
-    return "static-no-scoring" + next((suffix for suffix in VARIANTS if name.endswith(suffix)), "")
-
-
-def static_configurations(compile: bool, blocked: bool = False) -> dict[str, dict]:
-    """The static rows: ``blocked`` (a GPU, where the value product runs in blocks) adds the unblocked ones."""
-    configurations = {name: dict(options, compile=compile) for name, options in STATIC.items()}
-    configurations.update({f"{name}-unfused": dict(STATIC[name], compile=compile, fuse=False) for name in UNFUSED})
-    if blocked:
-        configurations.update({f"{name}-unblocked": dict(STATIC[name], compile=compile, value_block=0)
-                               for name in UNBLOCKED})
-    if compile:
-        configurations.update({f"{name}-uncompiled": dict(STATIC[name], compile=False) for name in UNCOMPILED})
-    return configurations
 
 
 def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -> Iterator[dict]:
@@ -390,22 +173,42 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     rows once a compiled static row has failed (the other compiled static rows are then not run).
     """
     import torch
-    from ..engine import prefill, resolve_budget, shared_window
-    from ..policies import make_policy
+    from ..engine import resolve_budget
 
     policies = policy_names(args.policies)
     budget = resolve_budget(len(prompt_ids), compression=args.compression)
-    device = args.device
-    best: dict[str, dict] = {}
-    cuda = torch.device(device).type == "cuda"
+    cuda = torch.device(args.device).type == "cuda"
+    shared, prefill_row = _shared_prefill(model, prompt_ids, policies, args.device, cuda)
+    yield prefill_row
+    if shared is None:
+        return
+    context = _Context(model, tokenizer, prompt_ids, args, budget, shared, cuda)
+    runs = context.runs(policies)
+    emitted: set[str] = set()
+    order = [(repeat, name) for repeat in range(args.repeats) for name in runs]  # interleaved: drift hits all alike
+    for index, (repeat, name) in enumerate(order):
+        past = index and deadline is not None and time.perf_counter() > deadline
+        if past and not (repeat == 0 and context.target(name)):  # the rest is skipped
+            continue
+        context.keep(name, runs[name]())
+        if repeat == args.repeats - 1:
+            emitted.add(name)
+            yield context.row_of(name)
+    for name in runs:  # cut short by the deadline: the best run so far, or skipped
+        if name not in emitted:
+            yield context.row_of(name)
+    del shared, context
 
-    compile = args.compile == "on" or (args.compile == "auto" and cuda)
-    errors: dict[str, str] = {}
-    first_setup: dict[str, float] = {}
 
-    # One prefill per prompt, copied by every engine and static run (as the sweep runner does): at 64k on
-    # an 8B model a prefill costs seconds, and eleven of them would eat a GPU session. `generate` keeps
-    # its own. Peak memory is reported beyond this resident copy.
+def _shared_prefill(model, prompt_ids, policies: list[str], device, cuda: bool) -> tuple:
+    """The one prefill every engine and static run copies, and its row: ``(None, error row)`` if it failed.
+
+    At 64k on an 8B model a prefill costs seconds, and one per configuration would eat a GPU session (the
+    sweep runner shares it too); ``generate`` keeps its own.  Peak memory is reported beyond this copy."""
+    import torch
+    from ..engine import prefill, shared_window
+    from ..policies import make_policy
+
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _sync(device)
@@ -418,8 +221,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     except Exception as error:  # noqa: BLE001 -- e.g. out of memory: no configuration can run on this context
         failure = error_text(error)
         if not (cuda and torch.backends.cuda.cudnn_sdp_enabled()):
-            yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure}
-            return
+            return None, {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure}
         # cuDNN is SDPA's first choice on Hopper in recent torch; a long-context failure there must not
         # cost the whole context. Without it SDPA falls back to flash / memory-efficient kernels, for every
         # run from here on (the prefill row says so).
@@ -430,136 +232,157 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
             shared = prefill(model, prompt_ids, window=window)
             _sync(device)
         except Exception as retry:  # noqa: BLE001
-            yield {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure,
-                   "retry_without_cudnn": error_text(retry)}
-            return
-    resident = shared.cache.nbytes()
-    prefill_row = {"what": "prefill", "prompt_len": len(prompt_ids), "prefill_s": round(shared.seconds, 5)}
+            return None, {"what": "prefill", "prompt_len": len(prompt_ids), "error": failure,
+                          "retry_without_cudnn": error_text(retry)}
+    row = {"what": "prefill", "prompt_len": len(prompt_ids), "prefill_s": round(shared.seconds, 5)}
     if fallback:
-        prefill_row["sdpa_fallback"] = fallback
+        row["sdpa_fallback"] = fallback
     if cuda:
-        prefill_row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    yield prefill_row
+        row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    return shared, row
 
-    def compiled_failure() -> str | None:
+
+class _Context:
+    """One context's configurations after its shared prefill: each run (a failure kept as its error), the
+    best of its repeats, and its row."""
+
+    def __init__(self, model, tokenizer, prompt_ids, args, budget: int, shared, cuda: bool):
+        self.model, self.tokenizer, self.prompt_ids, self.args = model, tokenizer, prompt_ids, args
+        self.budget, self.shared, self.cuda = budget, shared, cuda
+        self.resident = shared.cache.nbytes()
+        self.compile = args.compile == "on" or (args.compile == "auto" and cuda)
+        self.statics = static_configurations(self.compile, blocked=cuda) if args.static else {}
+        self.backend_rows = {f"backend-{name}": name for name in policy_names(args.backend_policies, empty=True)}
+        self.best: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        self.first_setup: dict[str, float] = {}
+        self.agreement: dict[tuple, dict] = {}  # one per step variant: compiling does not change what is kept
+
+    def runs(self, policies: list[str]) -> dict:
+        """Each configuration's run, by row name, in the order the rows come out."""
+        model, tokenizer, prompt_ids, args = self.model, self.tokenizer, self.prompt_ids, self.args
+        budget, device, shared, measured = self.budget, args.device, self.shared, self.measured
+        runs = {"generate": lambda: measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
+        for name, options in self.statics.items():
+            runs[name] = lambda name=name, options=options: measured(
+                name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options,
+                shared=shared)
+        for row_name, name in self.backend_rows.items():
+            runs[row_name] = lambda row_name=row_name, name=name: measured(
+                row_name, time_backend, model, tokenizer, prompt_ids, name, args.new_tokens, budget, device,
+                self.compile, shared=shared)
+        for name in policies:
+            runs[name] = lambda name=name: measured(name, time_engine, model, tokenizer, prompt_ids, name,
+                                                    args.new_tokens, budget, device, shared=shared)
+        return runs
+
+    def compiled_failure(self) -> str | None:
         """The compiled static row that failed, if one has."""
-        return next((other for other in errors if other in statics and statics[other].get("compile")), None)
+        return next((other for other in self.errors if other in self.statics and self.statics[other].get("compile")),
+                    None)
 
-    def measured(name, function, *call_args, **call_kwargs) -> dict | None:
+    def target(self, name: str) -> bool:
+        """A row that runs past the deadline: a target row, or, once the compiled step has failed, the same
+        row uncompiled (judged in its place)."""
+        return name in TARGET_ROWS or (self.compiled_failure() is not None and name.endswith("-uncompiled")
+                                       and name.removesuffix("-uncompiled") in TARGET_ROWS)
+
+    def measured(self, name, function, *call_args, **call_kwargs) -> dict | None:
         """One configuration; a failure becomes an ``error`` row and the run goes on to the next one."""
-        if name in errors:
+        import torch
+
+        if name in self.errors:
             return None
-        failed = compiled_failure()
-        if name in statics and statics[name].get("compile") and failed:
+        failed = self.compiled_failure()
+        if name in self.statics and self.statics[name].get("compile") and failed:
             # Dynamo does not remember a failed compile: each compiled row would spend its time failing alike,
             # while the -uncompiled rows, the targets' stand-ins now, wait behind them.
-            errors[name] = f"not run: the compiled static step failed in {failed} (see its row)"
+            self.errors[name] = f"not run: the compiled static step failed in {failed} (see its row)"
             return None
 
         def attempt() -> dict:
-            if cuda:
+            if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
             try:
                 return function(*call_args, **call_kwargs)
             finally:
-                if cuda:
+                if self.cuda:
                     torch.cuda.empty_cache()  # a failed capture must not hold memory for the next configuration
 
         try:
-            result, fallback_note = without_cudnn_on_failure(attempt, cuda)
+            result, fallback_note = without_cudnn_on_failure(attempt, self.cuda)
         except Exception as error:  # noqa: BLE001 -- reported in the output, not swallowed
-            errors[name] = error_text(error)
+            self.errors[name] = error_text(error)
             return None
         if fallback_note:
             result["sdpa_fallback"] = fallback_note
-        if cuda:
+        if self.cuda:
             # The static path resets the counter once its slots replace step 1's prompt-sized cache: its
             # peak is the larger of the two phases', and the decode phase's is reported on its own.
             peak = max(torch.cuda.max_memory_allocated(), result.pop("_setup_peak_bytes", 0))
-            result["peak_memory_gb"] = (peak - resident) / 2**30
+            result["peak_memory_gb"] = (peak - self.resident) / 2**30
             if "_decode_peak_bytes" in result:
-                result["decode_peak_memory_gb"] = (result.pop("_decode_peak_bytes") - resident) / 2**30
+                result["decode_peak_memory_gb"] = (result.pop("_decode_peak_bytes") - self.resident) / 2**30
         return result
 
-    statics = static_configurations(compile, blocked=torch.device(device).type == "cuda") if args.static else {}
-    runs = {"generate": lambda: measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
-    for name, options in statics.items():
-        runs[name] = lambda name=name, options=options: measured(
-            name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options, shared=shared)
-    backend_rows = {f"backend-{name}": name for name in policy_names(args.backend_policies, empty=True)}
-    for row_name, name in backend_rows.items():
-        runs[row_name] = lambda row_name=row_name, name=name: measured(
-            row_name, time_backend, model, tokenizer, prompt_ids, name, args.new_tokens, budget, device, compile,
-            shared=shared)
-    for name in policies:
-        runs[name] = lambda name=name: measured(name, time_engine, model, tokenizer, prompt_ids, name,
-                                                args.new_tokens, budget, device, shared=shared)
-    agreement: dict[tuple, dict] = {}  # one per step variant: compiling does not change what is kept
+    def keep(self, name: str, result: dict | None) -> None:
+        """Keep a repeat's result if it is the fastest so far, and the setup time of the first."""
+        if result is not None and "setup_s" in result:
+            self.first_setup.setdefault(name, result["setup_s"])  # the repeat that compiled, if any did
+        if result is not None and (name not in self.best or result["decode_tok_s"] > self.best[name]["decode_tok_s"]):
+            self.best[name] = result
 
-    def row_of(name: str) -> dict:
-        row = {"what": name, "prompt_len": len(prompt_ids), "budget": budget if name not in
-               ("generate", "full") else len(prompt_ids) + args.new_tokens, "new_tokens": args.new_tokens}
-        if name.startswith("static-") or name in backend_rows:
-            row["compiled"] = compile and not name.endswith("-uncompiled")
-        if name in errors:
-            return {**row, "error": errors[name]}
-        if name not in best:
-            return {**row, "skipped": f"not started within --time-limit {args.time_limit:g} s"}
-        result = dict(best[name])
-        if name in first_setup:
-            result["first_setup_s"] = first_setup[name]
-        if name in statics:
-            variant = tuple(sorted((k, v) for k, v in statics[name].items() if k != "compile"))
-            if variant not in agreement:
-                try:
-                    agreement[variant] = static_agreement(model, tokenizer, prompt_ids, args.new_tokens, budget,
-                                                          statics[name], shared=shared)
-                except Exception as error:  # noqa: BLE001 -- the timing stands; the row says why it has no count
-                    agreement[variant] = {"agreement_error": error_text(error)}
-                    if cuda:
-                        torch.cuda.empty_cache()
-            result.update(agreement[variant])
-        if name in backend_rows:
-            try:
-                result.update(backend_agreement(model, tokenizer, prompt_ids, backend_rows[name], args.new_tokens,
-                                                budget, shared=shared))
-            except Exception as error:  # noqa: BLE001 -- the timing stands; the row says why it has no count
-                result["agreement_error"] = error_text(error)
+    def row_of(self, name: str) -> dict:
+        """A configuration's row: its best repeat, rounded, with its agreement and its ratios."""
+        prompt_len, new_tokens = len(self.prompt_ids), self.args.new_tokens
+        row = {"what": name, "prompt_len": prompt_len, "budget": self.budget if name not in
+               ("generate", "full") else prompt_len + new_tokens, "new_tokens": new_tokens}
+        if name.startswith("static-") or name in self.backend_rows:
+            row["compiled"] = self.compile and not name.endswith("-uncompiled")
+        if name in self.errors:
+            return {**row, "error": self.errors[name]}
+        if name not in self.best:
+            return {**row, "skipped": f"not started within --time-limit {self.args.time_limit:g} s"}
+        result = dict(self.best[name])
+        if name in self.first_setup:
+            result["first_setup_s"] = self.first_setup[name]
+        result.update(self.agreement_of(name))
         # rounded numbers; the text (an sdpa_fallback note, an error) and the flags as they are
         row = {**row, **{k: round(v, 5) if isinstance(v, float) else v for k, v in result.items()}}
+        best = self.best
         if "generate" in best:
             row["vs_generate"] = round(result["decode_tok_s"] / best["generate"]["decode_tok_s"], 3)
         # The static step cannot time its parts: what scoring and eviction cost together is its slowdown against
         # the same step with neither (the ring of static-no-scoring, same compile setting), which runs before it.
         baseline = static_baseline(name)
-        if (name in statics or name in backend_rows) and not name.startswith("static-no-scoring") and baseline in best:
+        if (name in self.statics or name in self.backend_rows) and not name.startswith("static-no-scoring") \
+                and baseline in best:
             row["scoring_eviction_share"] = round(1 - result["decode_tok_s"] / best[baseline]["decode_tok_s"], 4)
         return row
 
-    def target(name: str) -> bool:
-        """A row that runs past the deadline: a target row, or, once the compiled step has failed, the same
-        row uncompiled (judged in its place)."""
-        return name in TARGET_ROWS or (compiled_failure() is not None and name.endswith("-uncompiled")
-                                       and name.removesuffix("-uncompiled") in TARGET_ROWS)
+    def agreement_of(self, name: str) -> dict:
+        """What a static or backend row keeps against the engine (untimed), or why it has no count."""
+        import torch
 
-    emitted: set[str] = set()
-    order = [(repeat, name) for repeat in range(args.repeats) for name in runs]  # interleaved: drift hits all alike
-    for index, (repeat, name) in enumerate(order):
-        past = index and deadline is not None and time.perf_counter() > deadline
-        if past and not (repeat == 0 and target(name)):  # the rest is skipped
-            continue
-        result = runs[name]()
-        if result is not None and "setup_s" in result:
-            first_setup.setdefault(name, result["setup_s"])  # the repeat that compiled, if any did
-        if result is not None and (name not in best or result["decode_tok_s"] > best[name]["decode_tok_s"]):
-            best[name] = result
-        if repeat == args.repeats - 1:
-            emitted.add(name)
-            yield row_of(name)
-    for name in runs:  # cut short by the deadline: the best run so far, or skipped
-        if name not in emitted:
-            yield row_of(name)
-    del shared
+        model, tokenizer, prompt_ids, new_tokens = self.model, self.tokenizer, self.prompt_ids, self.args.new_tokens
+        if name in self.statics:
+            variant = tuple(sorted((k, v) for k, v in self.statics[name].items() if k != "compile"))
+            if variant not in self.agreement:
+                try:
+                    self.agreement[variant] = static_agreement(model, tokenizer, prompt_ids, new_tokens, self.budget,
+                                                               self.statics[name], shared=self.shared)
+                except Exception as error:  # noqa: BLE001 -- the timing stands; the row says why it has no count
+                    self.agreement[variant] = {"agreement_error": error_text(error)}
+                    if self.cuda:
+                        torch.cuda.empty_cache()
+            return self.agreement[variant]
+        if name in self.backend_rows:
+            try:
+                return backend_agreement(model, tokenizer, prompt_ids, self.backend_rows[name], new_tokens,
+                                         self.budget, shared=self.shared)
+            except Exception as error:  # noqa: BLE001 -- the timing stands; the row says why it has no count
+                return {"agreement_error": error_text(error)}
+        return {}
 
 
 def check_arguments(args) -> None:
@@ -613,39 +436,10 @@ def policy_names(text: str, empty: bool = False) -> list[str]:
 
 
 def main(args) -> int:
-    import torch
-    import transformers
-
-    from ..models import load_model
-    from ..trace import model_dtype
-
     check_arguments(args)  # refused before the model loads
     started = time.perf_counter()  # --time-limit counts the model's build too
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
-            "compile": args.compile}
-    if args.device.startswith("cuda"):
-        meta["gpu"] = torch.cuda.get_device_name()
-        # Which fused attention kernels SDPA may pick (cuDNN leads on Hopper in recent torch).
-        meta["sdpa_enabled"] = [name for name, on in (
-            ("cudnn", torch.backends.cuda.cudnn_sdp_enabled()), ("flash", torch.backends.cuda.flash_sdp_enabled()),
-            ("mem_efficient", torch.backends.cuda.mem_efficient_sdp_enabled())) if on]
-    if args.config:
-        model = build_from_config(args.config, args.device, args.dtype)
-        tokenizer = _NullTokenizer()
-        generator = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, model.config.vocab_size, (int(n),), generator=generator).tolist()
-                   for n in args.contexts.split(",")]
-        meta["model"] = f"{args.config} (random weights)"
-    else:
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-        # checked before the haystack is built: building one past the context takes minutes, to be refused
-        _check_context(model, [range(args.prompt_tokens)], args)
-        prompts = [haystack_prompt(tokenizer, args.prompt_tokens)]
-        meta["model"] = args.model
-    meta["dtype"] = model_dtype(model)
-    _check_context(model, prompts, args)
+    meta = _meta(args)
+    model, tokenizer, prompts = _model_and_prompts(args, meta)
     out = open(args.out, "w") if args.out else None
 
     def emit(record: dict) -> None:  # line by line: a run cut short by a time limit keeps what it measured
@@ -678,6 +472,50 @@ def main(args) -> int:
         if out is not None:
             out.close()
     return 0
+
+
+def _meta(args) -> dict:
+    """The run's first line: when, where, on what software and device (the model and dtype are added later)."""
+    import torch
+    import transformers
+
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
+            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
+            "compile": args.compile}
+    if args.device.startswith("cuda"):
+        meta["gpu"] = torch.cuda.get_device_name()
+        # Which fused attention kernels SDPA may pick (cuDNN leads on Hopper in recent torch).
+        meta["sdpa_enabled"] = [name for name, on in (
+            ("cudnn", torch.backends.cuda.cudnn_sdp_enabled()), ("flash", torch.backends.cuda.flash_sdp_enabled()),
+            ("mem_efficient", torch.backends.cuda.mem_efficient_sdp_enabled())) if on]
+    return meta
+
+
+def _model_and_prompts(args, meta: dict) -> tuple:
+    """The model, its tokenizer and the prompts to time, each checked against the model's context; names the
+    model and its dtype in ``meta``."""
+    import torch
+
+    from ..models import load_model
+    from ..trace import model_dtype
+
+    if args.config:
+        model = build_from_config(args.config, args.device, args.dtype)
+        tokenizer = _NullTokenizer()
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, model.config.vocab_size, (int(n),), generator=generator).tolist()
+                   for n in args.contexts.split(",")]
+        meta["model"] = f"{args.config} (random weights)"
+    else:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        # checked before the haystack is built: building one past the context takes minutes, to be refused
+        _check_context(model, [range(args.prompt_tokens)], args)
+        prompts = [haystack_prompt(tokenizer, args.prompt_tokens)]
+        meta["model"] = args.model
+    meta["dtype"] = model_dtype(model)
+    _check_context(model, prompts, args)
+    return model, tokenizer, prompts
 
 
 class _NullTokenizer:
