@@ -236,9 +236,9 @@ def figure_colours(figure) -> dict[str, set[str]]:
                                                      ("single_needle", "measured", True), ("(all)", "measured", False),
                                                      ("(all)", "paper", True)])
 def test_figures_keep_each_names_colour_across_figures_and_filters(store, colours, task, source, settings):
-    out = query(store, "(all)", task, [], source, colours=colours, settings=settings)
-    figures = dict(zip(["quality", "hits", "paired", "comparison", "alpha", "refresh", "speed", "cache", "depth", "grid"],
-                       out[0::3]))
+    out = query(store, "(all)", task, [], source, colours=colours, settings=settings, every=True)  # every policy
+    figures = dict(zip(["quality", "hits", "paired", "comparison", "alpha", "refresh", "inertia", "speed", "cache",
+                        "depth", "grid"], out[0::3]))
     for name in ("quality", "hits", "paired", "comparison", "speed", "cache"):
         found = figure_colours(figures[name])
         # the quality-vs-cache figure names its full-cache lines by what they average: the full cache's colour
@@ -263,7 +263,7 @@ def test_no_legend_of_every_setting_shown_scrolls(store, colours, source):
     figures: Plotly bounds a legend beside the plot by the plot's height.  Each figure is at least as tall."""
     from kvviz.ui.results import LEGEND_ROW, legend_entries
 
-    out = query(store, "(all)", "(all)", [], source, colours=colours, settings=True)
+    out = query(store, "(all)", "(all)", [], source, colours=colours, settings=True, every=True)  # the longest
     for figure in out[0::3]:
         margin = figure.layout.margin
         plot = (figure.layout.height or 450) - (100 if margin.t is None else margin.t) - (80 if margin.b is None

@@ -386,7 +386,7 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
 
     from kvviz.ui.app import build_app
     from kvviz.ui.config import Limits
-    from kvviz.ui.results import SECTIONS
+    from kvviz.ui.results import PAIRINGS, SECTIONS
 
     store = handmade_store(tmp_path)
     port = free_port()
@@ -395,15 +395,15 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
     url = serve(app, port)
     try:
         client = Client(url, verbose=False)
-        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, [], api_name="/results")
-        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, [],
+        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, [], False, PAIRINGS[0], api_name="/results")
+        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, [], False, PAIRINGS[0],
                                    api_name="/results")
-        only_paper = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, ["paper"],
+        only_paper = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, ["paper"], False, PAIRINGS[0],
                                     api_name="/results")
-        assert len(everything) == 3 * len(SECTIONS)  # each figure with its table and CSV
+        assert len(everything) == 4 * len(SECTIONS)  # each figure with its note, table and CSV
 
         def at(section: str) -> int:  # where a section's figure is among the outputs
-            return 3 * SECTIONS.index(section)
+            return 4 * SECTIONS.index(section)
 
         def policies(table):
             column = table["headers"].index("policy")
@@ -413,21 +413,21 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
             return Path(download["value"] if isinstance(download, dict) else download)
 
         # inertia-lazy here sets refresh = 8: a refresh-sweep point, not the policy at its default
-        assert policies(everything[1]) == {"inertia", "score-free", "tova", "full"}
-        assert policies(only_tova[1]) == {"tova", "full"}  # and the full cache, the reference tova is read against
-        sources = only_paper[1]["headers"].index("source")
-        assert {row[sources] for row in only_paper[1]["data"]} == {"paper"}  # the sweep filter
-        assert path(only_tova[2]).read_text().startswith("source,model,task,policy")
+        assert policies(everything[2]) == {"inertia", "score-free", "tova", "full"}
+        assert policies(only_tova[2]) == {"tova", "full"}  # and the full cache, the reference tova is read against
+        sources = only_paper[2]["headers"].index("source")
+        assert {row[sources] for row in only_paper[2]["data"]} == {"paper"}  # the sweep filter
+        assert path(only_tova[3]).read_text().startswith("source,model,task,policy")
         # measured vs paper: each source relative to its own full cache (0.75 / 1.0 and 42 / 84 for inertia)
-        comparison = everything[at("Measured vs paper") + 1]
+        comparison = everything[at("Measured vs paper") + 2]
         rows_ = {(r[comparison["headers"].index("origin")], r[comparison["headers"].index("policy")]):
                  r[comparison["headers"].index("relative")] for r in comparison["data"]}
         assert rows_[("measured", "inertia")] == pytest.approx(0.75)
         assert rows_[("paper: InertiaKV", "inertia")] == pytest.approx(0.5)
-        assert policies(only_tova[at("Measured vs paper") + 1]) == {"tova"}
-        assert path(everything[at("Measured vs paper") + 2]).read_text().startswith("origin,model,policy,compression")
-        assert policies(everything[at("Quality vs decode speed") + 1]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
-        assert policies(only_tova[at("Needle in a haystack grid") + 1]) == {"tova"}  # the needle grid follows the filter
+        assert policies(only_tova[at("Measured vs paper") + 2]) == {"tova"}
+        assert path(everything[at("Measured vs paper") + 3]).read_text().startswith("origin,model,policy,compression")
+        assert policies(everything[at("Quality vs decode speed") + 2]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
+        assert policies(only_tova[at("Needle in a haystack grid") + 2]) == {"tova"}  # the needle grid follows the filter
     finally:
         app.close()
 
@@ -1791,7 +1791,7 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
     first = handler(*defaults)
     again = handler(*defaults)
     assert len(drawn) == 1 and first[0] is again[0]  # the same figure, not drawn again
-    assert first[2] == again[2] and first[2] is not again[2]
+    assert first[3] == again[3] and first[3] is not again[3]  # the CSV update: a dict of its own each time
     other = [*defaults]
     other[3] = "paper"
     handler(*other)
