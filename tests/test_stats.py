@@ -187,7 +187,7 @@ def test_results_tab_draws_each_policys_interval_around_zero(tmp_path):
     titles = {a.text for a in figure.layout.annotations}
     assert {"single_needle", "multi_key_needle", "RULER: mean of 2 tasks"} <= titles
     # which two: Measured vs paper averages only the tasks whose full cache passes, this every task that pairs
-    assert "<sup>RULER: mean of 2 tasks: multi_key_needle, single_needle (a difference needs no full cache" \
+    assert "RULER: mean of 2 tasks: multi_key_needle, single_needle (a difference needs no full cache" \
         in said(figure)
     lazy = [t for t in figure.data if t.name == "inertia-lazy"]
     assert len(lazy) == 3 and sum(t.showlegend for t in lazy) == 1  # one legend entry across the panels
