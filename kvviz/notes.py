@@ -62,8 +62,7 @@ def sampling_note(sampling: dict) -> str:
 
 
 
-# A reviewer read "held over the budget" as a fault; for these policies it is their rule.  No-break spaces
-# keep "interval - 1" whole where a figure's note wraps (a line began "- 1, or only")
+# The design behind a checkpointed or prefill-time policy's larger cache; no-break spaces keep "interval - 1" whole.
 HELD_OVER_WHY = (" (by design where a policy evicts only at checkpoints, up to B + interval\u00a0-\u00a01, or only at the "
                  "prefill, growing by the tokens generated)")
 

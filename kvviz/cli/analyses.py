@@ -57,7 +57,7 @@ def cmd_probe(args) -> int:
     width = max([20, *(len(name) + 2 for name in quality)])  # expected-attention-decode is 25 characters
     print(f"{'policy':<{width}}{'AUROC':>8}{'p':>8}{'AP':>8}{'top-k rec':>11}{'false-safe':>12}{'Spearman':>10}")
     for name, q in sorted(quality.items(), key=lambda item: -np.nan_to_num(item[1]["auroc"])):
-        p_value = "<0.001" if q["auroc_p"] < 0.001 else f"{q['auroc_p']:.3f}"  # 0.000 read as certainty
+        p_value = "<0.001" if q["auroc_p"] < 0.001 else f"{q['auroc_p']:.3f}"  # never "0.000", which reads as certainty
         print(f"{name:<{width}}{q['auroc']:>8.3f}{p_value:>8}{q['average_precision']:>8.3f}"
               f"{q['topk_recall']:>11.3f}{q['false_safe_rate']:>12.3f}{q['spearman']:>10.3f}")
     if quality:  # what the columns measure, with this probe's own k

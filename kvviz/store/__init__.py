@@ -321,7 +321,7 @@ class Store(Loaded):
             SELECT {table}policy, setting, count(*) AS rows FROM results WHERE setting <> '{{}}' AND {where}
             GROUP BY ALL
             """, params)
-        # by value, not as text: "alpha=0.95, alpha=0.9" read as out of order
+        # by value, not as text: alpha=0.9 before alpha=0.95
         order = sorted(range(len(frame)), key=lambda i: (
             *(frame[c].iloc[i] for c in ("source", "model", "task") if per_table), frame.policy.iloc[i],
             _setting_order(frame.setting.iloc[i])))

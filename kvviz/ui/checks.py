@@ -126,7 +126,7 @@ def whole_number(label: str, value, low: int | None, high: int | None = None) ->
         raise ValueError(f"{label} is empty; type a whole number")
     if not isinstance(value, (int, float, str)):
         raise ValueError(f"{label} must be a whole number, got {kind(value)} ({excerpt(value)})")
-    if isinstance(value, int):  # exactly: through a float, 2**63 - 1 read as 2**63 and a 400-digit one overflowed
+    if isinstance(value, int):  # exactly: a float would round 2**63 - 1 and overflow on 400 digits
         number = int(value)  # True is 1
     else:
         try:
@@ -238,7 +238,7 @@ def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
                      top_p=fraction("top-p", 1.0 if top_p is None else top_p), names=APP_NAMES, bounds=BOUNDS)
     if asked.greedy:
         return {}
-    # an emptied seed box is refused, as an emptied budget is: it ran as seed 0 while the box stayed blank
+    # an emptied seed box is refused, as an emptied budget is, rather than run as some seed nobody typed
     return dataclasses.replace(asked, seed=whole_number("the seed", seed, None)).sampling
 
 
