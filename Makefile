@@ -28,8 +28,10 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "could not install chromium: the browser tests will be skipped"
 
+# One pytest worker per core (at most 4); the files that share a server or a browser run whole on one worker
+# (tests/conftest.py).  Then the tests of the transformers interfaces on the oldest release.
 test: $(STAMP) browser
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 	$(MAKE) test-oldest
 
 # The engine against the oldest transformers in the supported range (the GPU machines run 5.17), layered
@@ -39,10 +41,10 @@ $(OLDEST)/.done: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(OLDEST) "transformers==5.17.0" "huggingface-hub>=1.5,<2"
 	touch $(OLDEST)/.done
 
-ENGINE_TESTS := tests/test_engine.py tests/test_policies_inertia.py tests/test_policies_zoo.py \
-	tests/test_diagnostics_probe.py tests/test_fast.py tests/test_backend.py tests/test_gpu_check.py tests/test_models.py
+# Only the tests marked transformers_api: the generate equalities, the cache and attention interfaces on every
+# family, model loading.  The rest of the suite does not touch what changed between 5.17 and 5.24.
 test-oldest: $(OLDEST)/.done
-	HF_HUB_OFFLINE=1 PYTHONPATH=$(OLDEST) $(PY) -m pytest -q $(ENGINE_TESTS)
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(OLDEST) $(PY) -m pytest -q -n auto --maxprocesses 4 -m transformers_api
 
 # The same tests on the GPU machines' own stack, torch 2.11 (its CUDA build, which also runs on a CPU) and
 # transformers 5.17, so that an API that torch lacks fails here rather than in a 15-minute device lease.
@@ -52,6 +54,8 @@ $(DEVICE_TORCH)/.done: $(OLDEST)/.done
 	$(PY) -m pip install -q --target $(DEVICE_TORCH) "torch==2.11.0"
 	touch $(DEVICE_TORCH)/.done
 
+ENGINE_TESTS := tests/test_engine.py tests/test_policies_inertia.py tests/test_policies_zoo.py \
+	tests/test_diagnostics_probe.py tests/test_fast.py tests/test_backend.py tests/test_gpu_check.py tests/test_models.py
 test-device-stack: $(DEVICE_TORCH)/.done
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(DEVICE_TORCH):$(OLDEST) $(PY) -m pytest -q $(ENGINE_TESTS)
 

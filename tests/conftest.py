@@ -8,12 +8,25 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`make test` runs one worker per core) each worker takes one thread: two one-thread
+# processes do more on two cores than two two-thread ones fighting over them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 import kvviz  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. The passkey is 71432. Remember it. "
         "Grass is green, the sky is blue. What is the passkey? ")
+
+
+# Files whose tests share one server, browser or cluster (a module fixture): one xdist worker runs each whole,
+# so that it starts once.  Every other test goes wherever a worker is free.
+SHARED_PER_FILE = {"test_app.py", "test_browser.py", "test_landing.py", "test_load_test.py", "test_sweep_ray.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SHARED_PER_FILE:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.fixture(scope="session")

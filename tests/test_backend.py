@@ -100,6 +100,7 @@ def test_backend_gives_the_engines_events_greedy_and_sampled(models, family, set
             reference, static))
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("setting", list(SETTINGS.values()), ids=list(SETTINGS))
 def test_a_budget_above_the_prompt_grows_the_cache_then_evicts_as_the_engine(models, setting):
     """Budget 66 of 56 tokens: 10 steps add a slot each without evicting, then the cache holds B + 1 slots."""
@@ -110,6 +111,7 @@ def test_a_budget_above_the_prompt_grows_the_cache_then_evicts_as_the_engine(mod
     assert [len(e.evicted) for e in static[1:]] == ([0] * 17 if setting == "full" else [0] * 10 + [1] * 7)
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family, setting", [("llama", "score-free"), ("qwen3", "h2o"), ("mistral", "random")])
 def test_backend_equals_the_engine_over_hundreds_of_steps_at_a_tiny_budget(models, family, setting):
     """256 steps at B = 5: every step an eviction among 6 slots, Score-Free's ulp-close entering means, H2O's
@@ -225,6 +227,7 @@ def test_a_subclass_and_an_unsupported_family_are_refused(models):
     assert backend.choose(gemma, kvviz.make_policy("tova"), device="cuda") == "engine"
 
 
+@pytest.mark.transformers_api
 def test_run_with_the_static_backend_gives_the_engines_trace(models):
     model, tokenizer, prompt = models["mistral"]
     engine_run = kvviz.run(model, tokenizer, prompt, "knorm", budget=16, max_new_tokens=10, backend="engine")

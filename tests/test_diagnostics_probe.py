@@ -328,6 +328,7 @@ def test_aligned_quality_ranks_every_policy_on_the_entries_all_of_them_judged():
     assert aligned.tolist() == [True, False, True, True]
 
 
+@pytest.mark.transformers_api
 def test_batched_probe_equals_one_at_a_time_and_physical_eviction(tiny, tiny_prompt):
     model, tokenizer = tiny
     step, future = 3, 4

@@ -23,6 +23,7 @@ def generate_ids(model, prompt_ids, new_tokens):
     return out[0, len(prompt_ids):].tolist()
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family", kvviz.models.SUPPORTED_TYPES)
 def test_full_policy_equals_generate(family, tiny_prompt):
     model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
@@ -31,6 +32,7 @@ def test_full_policy_equals_generate(family, tiny_prompt):
     assert len(result.token_ids) == 24
 
 
+@pytest.mark.transformers_api
 def test_stops_after_eos_like_generate(tiny_prompt):
     model, tokenizer = kvviz.load_model("tiny-random-llama")
     free_run = kvviz.run(model, tokenizer, tiny_prompt, "full", max_new_tokens=12).token_ids
@@ -40,6 +42,7 @@ def test_stops_after_eos_like_generate(tiny_prompt):
     assert result.token_ids == generate_ids(model, tiny_prompt, 12)
 
 
+@pytest.mark.transformers_api
 def test_budget_above_everything_equals_generate(tiny, tiny_prompt):
     model, tokenizer = tiny
     budget = len(tiny_prompt) + 24
@@ -77,6 +80,7 @@ def test_physical_eviction_equals_masked_full_cache(tiny, tiny_prompt, policy):
     assert result.token_ids != generate_ids(model, tiny_prompt, 40)
 
 
+@pytest.mark.transformers_api
 def test_attach_warns_when_generate_was_not_given_its_cache(tiny, tiny_prompt):
     """model.generate without the cache makes one of its own and runs unevicted; attach said nothing, and an
     empty cache.events read as a run that evicted nothing.  It warns, naming the argument; with it, no warning."""
@@ -96,6 +100,7 @@ def test_attach_warns_when_generate_was_not_given_its_cache(tiny, tiny_prompt):
     assert len(cache.events) == 2
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family", [f for f in kvviz.models.SUPPORTED_TYPES if f != "llama"])
 def test_physical_eviction_equals_masked_full_cache_on_every_family(family, tiny_prompt):
     """Mixtures of experts, fused QKV (Phi-3), norms after attention (OLMo-2), Granite's multipliers, Gemma's
@@ -116,6 +121,7 @@ def test_every_policy_respects_its_bound_and_reports_consistent_sets(tiny, tiny_
     check_policy_run(*tiny, tiny_prompt, name, max_new_tokens=40)
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family", [f for f in kvviz.models.SUPPORTED_TYPES if f != "llama"])
 def test_every_policy_runs_within_its_bound_on_every_family(family, tiny_prompt):
     model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
@@ -172,6 +178,7 @@ def test_cache_memory_is_physically_reduced(tiny, tiny_prompt):
     assert all(e.cache_bytes == 17 * per_slot for e in steps)  # B slots + one for the incoming token
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("policy", ["inertia", "inertia-lazy", "score-free"])
 def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     model, tokenizer = tiny
@@ -182,6 +189,7 @@ def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family", [f for f in kvviz.models.SUPPORTED_TYPES if f != "llama"])
 def test_generate_integration_matches_engine_on_other_families(family, tiny_prompt):
     model, tokenizer = kvviz.load_model(f"tiny-random-{family}")
@@ -193,6 +201,7 @@ def test_generate_integration_matches_engine_on_other_families(family, tiny_prom
     assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("name, params", [("avokv", dict(interval=2, delay=8, sinks=1)), ("snapkv", dict(window=1)),
                                           ("rkv", dict(interval=2, window=8, prompt_queries=True))])
 def test_a_one_token_prompt_is_still_a_prefill_for_policies_that_read_prompt_queries(tiny, name, params):
@@ -280,6 +289,7 @@ class Recorder:
         self.attn[view.layer] = view.attn.clone()
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family", kvviz.models.SUPPORTED_TYPES)
 def test_captured_scores_equal_eager_attention(family, tiny_prompt):
     """The SDPA-side capture (grouped queries, no repeat_kv) equals eager attention's own weights, with each
@@ -305,6 +315,7 @@ def capture_state(model):
     return model.config._attn_implementation, [hasattr(m, "kvviz_rope") for m in model.modules()]
 
 
+@pytest.mark.transformers_api
 def test_installed_gives_someone_elses_model_back_as_it_was(tiny_prompt):
     from kvviz.models import tiny_model
 
@@ -326,6 +337,7 @@ def test_installed_gives_someone_elses_model_back_as_it_was(tiny_prompt):
     assert capture_state(model) == capture_state(fresh)
 
 
+@pytest.mark.transformers_api
 def test_installed_leaves_a_model_installed_by_load_model_installed():
     model, _ = kvviz.load_model("tiny-random-llama")
     before = capture_state(model)
@@ -334,6 +346,7 @@ def test_installed_leaves_a_model_installed_by_load_model_installed():
     assert capture_state(model) == before and before[0] == "kvviz_sdpa"
 
 
+@pytest.mark.transformers_api
 def test_install_refuses_another_attention_before_changing_anything():
     from kvviz.models import tiny_model
 
@@ -359,6 +372,7 @@ def run_snapkv_and_inertia(model, tokenizer, prompt_ids):
                                   budget=20, max_new_tokens=4))
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("use", [attach_and_generate, run_snapkv_and_inertia])
 def test_the_engine_gives_the_model_back_as_it_was(use, tiny_prompt):
     from kvviz.models import tiny_model
@@ -691,6 +705,7 @@ def test_prompt_over_context_is_refused(tiny):
         kvviz.run(model, tokenizer, too_long, "full", max_new_tokens=4)
 
 
+@pytest.mark.transformers_api
 def test_shared_prefill_gives_the_same_runs_as_separate_prefills(tiny, tiny_prompt):
     model, tokenizer = tiny
     names = ["inertia", "tova", "snapkv", "full", "expected-attention", "expected-attention-decode", "kvzip"]
@@ -769,6 +784,7 @@ def test_a_shared_prefill_records_queries_up_to_its_byte_limit_and_a_policy_past
     assert kvviz.engine.shared_window([kvviz.make_policy("inertia")], model, len(tiny_prompt)) == 0
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_prefill_time_policy_scores_a_shared_prefill_exactly(family, tiny_prompt):
     model, tokenizer = kvviz.models.tiny_model(family)

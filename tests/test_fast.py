@@ -8,6 +8,7 @@ import kvviz
 from kvviz.fast import StaticInertia
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("refresh", [1, 4, 0])  # InertiaKV, InertiaKV-Lazy, Score-Free
 def test_static_path_equals_the_reference_engine(family, refresh, tiny_prompt):
@@ -131,6 +132,7 @@ def test_weights_replaced_after_the_path_is_built_are_the_ones_it_decodes_with(t
     assert after.kept == [e.kept.tolist() for e in reference.trace.decode_steps]
 
 
+@pytest.mark.transformers_api
 def test_fusing_leaves_the_hf_forward_as_it_was(tiny_prompt):
     import copy
 
@@ -414,6 +416,7 @@ def test_static_path_stops_after_a_stop_token(tiny, tiny_prompt):
     assert len(stopped.step_seconds) == len(stopped.setup_steps) == max(0, first + 1 - 2)
 
 
+@pytest.mark.transformers_api
 def test_static_path_gives_the_model_back_as_it_was(tiny, tiny_prompt):
     """Its first two steps run through the engine's score capture; afterwards the caller's SDPA model is
     SDPA again, with no kvviz attribute left on its attention modules, and decodes as a fresh copy does."""

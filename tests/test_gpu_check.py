@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE_SIM = Path(__file__).parent / "fixtures" / "device_sim"  # blocks pandas, pyarrow, gradio, duckdb, scipy, ...
 
@@ -27,6 +29,7 @@ def run_check(tmp_path: Path, *args: str) -> tuple[int, list[dict], list[dict]]:
     return done.returncode, checks, speed
 
 
+@pytest.mark.transformers_api
 def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     code, checks, speed = run_check(tmp_path, "--budget-s", "300")
     assert code == 0

@@ -12,6 +12,10 @@ from kvviz.models import ModelNotFound, check_supported, tiny_model
 from kvviz.scoring import rope_frequencies
 
 
+# Every test here loads models through transformers' own loaders and configs.
+pytestmark = pytest.mark.transformers_api
+
+
 def test_every_family_loads_by_its_tiny_name_with_the_capture_installed():
     for family in kvviz.models.SUPPORTED_TYPES:
         model, _ = kvviz.load_model(f"tiny-random-{family}")
