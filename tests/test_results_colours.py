@@ -119,7 +119,8 @@ def test_policies_at_their_defaults_are_clearly_distinct(store, colours):
     everything = store.options("policy")
     assert len(measured) >= 18 and len(everything) >= 28
     closest = min((distance(colours(a), colours(b)), a, b) for a, b in itertools.combinations(measured, 2))
-    assert closest[0] >= 19, closest  # the old palette's: 12.6
+    # further apart than the pinks found too close (17.9), also as measured policies are added (20 today)
+    assert closest[0] > distance("#FF6692", "#FB00D1") + 0.5, closest  # the old palette's: 12.6
     closest = min((distance(colours(a), colours(b)), a, b) for a, b in itertools.combinations(everything, 2))
     assert closest[0] >= 12, closest  # the old palette's: 4.9
     assert colours("full") == "#5A5A5A"  # the reference: neutral, as the grey reference lines are
