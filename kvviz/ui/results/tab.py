@@ -75,7 +75,7 @@ QUALITY_NOTE = ("Measured rows are SmolLM2-135M on short synthetic tasks, not th
                 "similar digit tokens (`benchmarks/avokv_needle_digits.py`); needle_grid's needle is a "
                 "sentence of words, which it keeps as well as the others do. The paper applies it to "
                 "generated reasoning, where the prompt fits the budget. "
-                "`results_db/README.md` discusses each such row.")
+                "`docs/findings.md` discusses each such row.")
 
 
 # What a section says above its figure: what its rows are and which filters apply
@@ -163,7 +163,7 @@ def _filters(store: Store) -> dict:
         every = gr.Checkbox(False, label=f"{SHOW_ALL}: with none chosen, each figure draws at most {SHOWN_MOST} "
                                          "(the full cache, InertiaKV and the headline baselines first)")
     with gr.Row():
-        # One run's cells (results_db/README.md says where and when each ran): its speeds compare
+        # One run's cells (docs/findings.md says where and when each ran): its speeds compare
         sweeps = gr.Dropdown(store.options("sweep"), value=[], multiselect=True,
                              label="Sweeps (none = all; a cell run by two sweeps counts in either)")
     return dict(model=model, task=task, policies=policies, source=source, settings=settings, sweeps=sweeps,
