@@ -337,6 +337,46 @@ def compiled_decode_layer():
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # decoder layouts decode_layer reproduces
 
 
+LONGEST = torch.iinfo(torch.long).max  # a position no entry has: where the lowest utility is not
+
+
+@dataclass
+class _Slots:
+    """The static step's ``slots`` (B + 1), on the device and updated in place: each layer's keys and values,
+    the position in each slot (-1: empty), the EMA utility per slot, the slot the next token takes, that token
+    and its position."""
+
+    slots: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    m: torch.Tensor
+    free: torch.Tensor
+    token: torch.Tensor
+    position: torch.Tensor
+    slot_ids: torch.Tensor
+
+    def kept(self) -> list[int]:
+        """The positions in the slots after the step's eviction, sorted (reads the device)."""
+        return sorted(self.positions[self.slot_ids != self.free[0]].tolist())
+
+
+def capture_step(run_step) -> "torch.cuda.CUDAGraph":
+    """Run ``run_step`` once on a side stream, then record it as a CUDA graph on that same stream without
+    running it.  The eager run warms up cuBLAS and any compile; BLAS handles and workspaces are created per
+    stream on first use, which must not happen inside a capture (PyTorch's make_graphed_callables captures on
+    its warm-up stream for this)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        run_step()
+    return graph
+
+
 class StaticInertia:
     """InertiaKV decoding over a static slot cache (attention scorer, all layers eligible).
 
@@ -411,12 +451,49 @@ class StaticInertia:
                              f"between 1 and the prompt length + 1 ({len(prompt_ids) + 1}), got {budget}: "
                              "lower the budget, or use the engine")
         stop_ids = stop_ids or set()
-        model, device = self.model, self.model.device
         projections = self.projections()  # the weights as they are now; a restack's copy before any clock starts
+        start = self._start(tokenizer, prompt_ids, budget, max_new_tokens, record_kept, timer, stop_ids, shared)
+        if isinstance(start, StaticRun):  # ended within the engine's two steps
+            return start
+        tokens, kept_log, first_token_time, slots = start
+        if on_ready is not None:
+            on_ready()
+        step = functools.partial(self._step, slots, projections)
+        graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        runs: dict[bool, int] = {}  # steps so far of each variant
+        setup_steps: list[bool] = []
+        captured = graph and self.model.device.type == "cuda"
+        clock = StepClock(self.model.device)
+        clock.mark()
+        for k in range(2, max_new_tokens):
+            scoring = self.scoring and ((k - 1) % self.refresh == 0 if self.refresh else False)
+            setup_steps.append(self._setup_step(runs, scoring, captured))
+            if captured and scoring in graphs:
+                graphs[scoring].replay()
+            elif captured:  # runs this step once, then records it for the variant's later steps
+                graphs[scoring] = capture_step(lambda: step(scoring))
+            else:
+                step(scoring)
+            clock.mark()
+            tokens.append(slots.token.clone())  # stays on the device: converted once at the end
+            if record_kept:  # test-only: reading the kept set syncs with the host
+                kept_log.append(slots.kept())
+            if stop_ids and int(slots.token) in stop_ids:
+                break
+        tokens = tokens[:2] + [int(t) for t in tokens[2:]]
+        return StaticRun(tokens, kept_log, first_token_time, clock.intervals(), setup_steps)
+
+    def _start(self, tokenizer, prompt_ids: list[int], budget: int, max_new_tokens: int, record_kept: bool, timer,
+               stop_ids: set[int], shared) -> StaticRun | tuple:
+        """Prefill and step 1 through the reference engine (step 1 attends to the whole prompt), then the B + 1
+        slots: ``(tokens, kept log, first token's time, slots)``, or the whole run where it ends first.
+
+        The engine's cache has room for the whole prompt (8.6 GB at 64k on Llama-3.1-8B): it is released with
+        this call, so that only the slots are live once it returns."""
+        model = self.model
         policy = self.reference_policy()
-        # Prefill and step 1 through the reference engine: step 1 attends to the whole prompt.  Its score
-        # capture is installed only for these two steps: the static step below calls no HF attention, and
-        # the caller's model gets its own attention implementation back.
+        # The score capture is installed for these two steps only: the static step calls no HF attention,
+        # and the caller's model gets its own attention implementation back.
         with installed(model):
             cache = engine.EvictingCache(model, policy, budget=budget, capacity=len(prompt_ids) + 1)
             events = engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=2,
@@ -432,6 +509,14 @@ class StaticInertia:
             kept_log = [second.kept.tolist()] if record_kept else []
             if max_new_tokens <= 2 or second.new_token_id in stop_ids:
                 return StaticRun(tokens[:max_new_tokens], kept_log, first_token_time)
+        slots = self._slots(cache, policy, budget, len(prompt_ids) + 1, tokens[-1])
+        events.close()
+        return tokens, kept_log, first_token_time, slots
+
+    def _slots(self, cache, policy, budget: int, position: int, token: int) -> "_Slots":
+        """The B + 1 slots filled from the engine's ``cache`` after step 1, the next step to consume ``token``
+        at ``position``."""
+        device = self.model.device
         slots = budget + 1
         # The slot cache is padded to whole value blocks; padding is never written, so it stays zero.
         padded = padded_slots(slots, self.value_block)
@@ -449,79 +534,40 @@ class StaticInertia:
         if self.scoring:
             m[:size] = policy.m[live[order]].to(device)
         free = torch.tensor([size], device=device)  # the empty slot takes the next token
-        # The engine's cache has room for the whole prompt (8.6 GB at 64k on Llama-3.1-8B): from here on
-        # only the B + 1 slots are live.
-        events.close()
-        del events, cache, policy
-        if on_ready is not None:
-            on_ready()
-        token = torch.tensor([[tokens[-1]]], device=device)
-        position = torch.tensor([[len(prompt_ids) + 1]], device=device)
-        big = torch.iinfo(torch.long).max
-        slot_ids = torch.arange(slots, device=device)
+        return _Slots(slots, keys, values, positions, m, free, token=torch.tensor([[token]], device=device),
+                      position=torch.tensor([[position]], device=device),
+                      slot_ids=torch.arange(slots, device=device))
 
-        def step(scoring: bool) -> None:  # in place only: a CUDA graph replays exactly these kernels
-            if self.scoring:
-                # A new token enters at 0 on scoring steps, else at the mean of the entries already cached,
-                # summed in float64 as the engine does (the mean must not depend on slot order).
-                m_enter = torch.zeros((), device=device) if scoring else \
-                    (torch.where(slot_ids == free, 0.0, m.double()).sum() / (slots - 1)).float()
-                m.index_fill_(0, free, 0.0)
-                m.index_add_(0, free, m_enter.reshape(1))
-            positions.index_copy_(0, free, position[0])
-            hidden = model.model.embed_tokens(token)
-            cos, sin = model.model.rotary_emb(hidden, position)
-            for layer, fused, layer_keys, layer_values in zip(self.layers, projections, keys, values):
-                hidden = self.layer_step(layer, hidden, cos, sin, free, layer_keys, layer_values,
-                                         m if scoring else None, self.alpha, self.fp32_logits, fused, slots,
-                                         self.value_block)
-            logits = model.lm_head(model.model.norm(hidden))[0, -1]
-            token.copy_(logits.argmax().reshape(1, 1))
-            if self.scoring:
-                lowest = torch.where(m == m.min(), positions, big).argmin()  # ties: the older position goes
-                free.copy_(lowest.reshape(1))
-            else:  # the oldest entry sits in the next slot round
-                free.copy_((free + 1) % slots)
-            position.add_(1)
+    def _step(self, s: "_Slots", projections: list, scoring: bool) -> None:
+        """One decode step over the slots, in place only: a CUDA graph replays exactly these kernels."""
+        model, device, slots = self.model, self.model.device, s.slots
+        if self.scoring:
+            # A new token enters at 0 on scoring steps, else at the mean of the entries already cached,
+            # summed in float64 as the engine does (the mean must not depend on slot order).
+            m_enter = torch.zeros((), device=device) if scoring else \
+                (torch.where(s.slot_ids == s.free, 0.0, s.m.double()).sum() / (slots - 1)).float()
+            s.m.index_fill_(0, s.free, 0.0)
+            s.m.index_add_(0, s.free, m_enter.reshape(1))
+        s.positions.index_copy_(0, s.free, s.position[0])
+        hidden = model.model.embed_tokens(s.token)
+        cos, sin = model.model.rotary_emb(hidden, s.position)
+        for layer, fused, layer_keys, layer_values in zip(self.layers, projections, s.keys, s.values):
+            hidden = self.layer_step(layer, hidden, cos, sin, s.free, layer_keys, layer_values,
+                                     s.m if scoring else None, self.alpha, self.fp32_logits, fused, slots,
+                                     self.value_block)
+        logits = model.lm_head(model.model.norm(hidden))[0, -1]
+        s.token.copy_(logits.argmax().reshape(1, 1))
+        if self.scoring:
+            lowest = torch.where(s.m == s.m.min(), s.positions, LONGEST).argmin()  # ties: the older position goes
+            s.free.copy_(lowest.reshape(1))
+        else:  # the oldest entry sits in the next slot round
+            s.free.copy_((s.free + 1) % slots)
+        s.position.add_(1)
 
-        graphs: dict[bool, torch.cuda.CUDAGraph] = {}
-        runs: dict[bool, int] = {}  # steps so far of each variant
-        setup_steps: list[bool] = []
-        captured = graph and device.type == "cuda"
-        clock = StepClock(device)
-        clock.mark()
-        for k in range(2, max_new_tokens):
-            scoring = self.scoring and ((k - 1) % self.refresh == 0 if self.refresh else False)
-            # Not steady-state time: a variant's first step when it compiles or captures, and its first
-            # replay (graph upload, and the host gap the capture left).
-            count = runs.get(scoring, 0)
-            runs[scoring] = count + 1
-            setup_steps.append((count == 0 and (self.compiled or captured)) or (count == 1 and captured))
-            if captured and scoring in graphs:
-                graphs[scoring].replay()
-            elif captured:
-                # This step runs eagerly on a side stream (it also warms up cuBLAS and compiles), then the
-                # same step is recorded once, on that same stream: BLAS handles and workspaces are created per
-                # stream on first use, which must not happen inside a capture (PyTorch's own
-                # make_graphed_callables captures on its warm-up stream for this).  Later steps of this
-                # variant replay the recording.
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    step(scoring)
-                torch.cuda.current_stream().wait_stream(side)
-                graphs[scoring] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[scoring], stream=side):  # recorded, not executed
-                    step(scoring)
-            else:
-                step(scoring)
-            clock.mark()
-            tokens.append(token.clone())  # stays on the device: converted once at the end
-            if record_kept:  # test-only: reading the kept set syncs with the host
-                live = positions[slot_ids != free[0]]
-                kept_log.append(sorted(live.tolist()))
-            if stop_ids and int(token) in stop_ids:
-                break
-        step_seconds = clock.intervals()
-        tokens = tokens[:2] + [int(t) for t in tokens[2:]]
-        return StaticRun(tokens, kept_log, first_token_time, step_seconds, setup_steps)
+    def _setup_step(self, runs: dict[bool, int], scoring: bool, captured: bool) -> bool:
+        """Count a step of its variant, and say whether it is setup, not steady-state time: the variant's first
+        step when it compiles or captures, and its first replay (graph upload, and the host gap the capture
+        left)."""
+        count = runs.get(scoring, 0)
+        runs[scoring] = count + 1
+        return (count == 0 and (self.compiled or captured)) or (count == 1 and captured)

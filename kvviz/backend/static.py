@@ -21,6 +21,7 @@ engine's in the last bit, which matters only at ulp-close ties (tests/test_backe
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,8 +45,6 @@ class StepRecord:
     token: torch.Tensor  # (1,) the token this step produced
     evicted: torch.Tensor  # (count,) positions freed this step
     scored: bool
-    # Read only every events_every steps: the live slots' positions before eviction (slots,), the freed slots
-    # (count,), the utility after eviction and this step's raw score, per slot (or None)
     # Read only every events_every steps: the positions present before eviction and the raw score per slot,
     # the slots after it (positions), the slots freed among them, the utility per slot (None where absent)
     snapshot: list | None = None
@@ -202,6 +201,42 @@ class StaticBackend:
     def _decode(self, prompt_ids: list[int], budget: Budget, max_new_tokens: int, sampler: DeviceSampler, *,
                 graph: bool | None, shared, snapshot_every: int, on_ready=None) -> Iterator[StepRecord]:
         """Prefill, then one :class:`StepRecord` per step; a snapshot every ``snapshot_every`` steps (0: none)."""
+        run = yield from self._start(prompt_ids, budget, sampler, shared)
+        step = functools.partial(self._step, run)
+        # A sampled step draws from a generator and Random from the host's: those steps run eagerly.
+        capture = self.model.device.type == "cuda" and sampler.greedy and run.scorer.capturable and graph is not False
+        graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        runs: dict[bool, int] = {}
+        ready = on_ready is None
+        for k in range(1, max_new_tokens):
+            slots = run.live + 1
+            count = max(0, slots - budget.limit)
+            scoring = self.policy.wants_scores(k)
+            run.scorer.prepare(len(run.eligible) if scoring else 0)
+            steady = count == 1 and slots == budget.steady == run.cache.capacity
+            setup = self._setup_step(runs, scoring, steady, capture)
+            if steady and capture:
+                if scoring in graphs:
+                    graphs[scoring].replay()
+                else:  # runs this step once, eagerly, and records it
+                    graphs[scoring] = fast.capture_step(lambda: step(scoring, slots, 1, self._layer_fn(True)))
+                victims = run.free.clone()
+            else:
+                victims = step(scoring, slots, count, self._layer_fn(steady))
+            wanted = snapshot_every and (k % snapshot_every == 0 or k == max_new_tokens - 1 or count > 1)
+            before = run.positions[:slots].clone() if count > 1 else None  # the positions present, new token's too
+            snapshot = self._present(run, slots, before) if wanted else None
+            evicted, victims = self._settle(run, budget, slots, count, victims, before)
+            if not ready and run.cache.capacity == budget.steady:
+                on_ready()
+                ready = True
+            if snapshot is not None:
+                snapshot += self._after(run, slots if count <= 1 else run.live, victims)
+            yield StepRecord(k, run.token.reshape(1).clone(), evicted, scoring, snapshot, setup, run.cache.nbytes())
+
+    def _start(self, prompt_ids: list[int], budget: Budget, sampler: DeviceSampler, shared) -> Iterator[StepRecord]:
+        """Prefill (or copy ``shared``) and yield step 0's record; returns the run's state for step 1, whose slots
+        hold every prompt entry (the prompt's slots, or the steady B + 1 if the prompt fits them)."""
         model, policy, device = self.model, self.policy, self.model.device
         prompt_len = len(prompt_ids)
         projections = self.projections()
@@ -213,100 +248,89 @@ class StaticBackend:
         prompt_positions, none = torch.arange(prompt_len), torch.empty(0, dtype=torch.long)
         yield StepRecord(0, token, none, False, [prompt_positions, None, prompt_positions, none, utility],
                          cache_bytes=prefill.cache.nbytes())
-        # Step 1 attends to every prompt entry: the prompt's slots, or the steady B + 1 if the prompt fits them.
         capacity = max(prompt_len + 1, budget.steady)
         cache = self._slots(capacity, [(layer.keys, layer.values) for layer in prefill.cache.layers], prompt_len)
         del prefill  # a prefill of our own: only the slots hold it now
         positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
         positions[:prompt_len] = torch.arange(prompt_len, device=device)
-        scorer = make_scorer(policy, device, capacity)
-        eligible = [index for index in range(len(self.layers)) if policy.wants_layer(index)]
-        live = prompt_len
-        free = torch.tensor([prompt_len], device=device)
-        token_in, position = token.reshape(1, 1).clone(), torch.tensor([[prompt_len]], device=device)
-        evicted_position = torch.zeros(1, dtype=torch.long, device=device)
-        # A sampled step draws from a generator and Random from the host's: those steps run eagerly.
-        capture = device.type == "cuda" and sampler.greedy and scorer.capturable and graph is not False
-        graphs: dict[bool, torch.cuda.CUDAGraph] = {}
-        runs: dict[bool, int] = {}
-        ready = on_ready is None
+        return _Run(cache, positions, free=torch.tensor([prompt_len], device=device),
+                    token=token.reshape(1, 1).clone(), position=torch.tensor([[prompt_len]], device=device),
+                    evicted=torch.zeros(1, dtype=torch.long, device=device), live=prompt_len,
+                    scorer=make_scorer(policy, device, capacity), sampler=sampler, projections=projections,
+                    eligible=[index for index in range(len(self.layers)) if policy.wants_layer(index)])
 
-        def step(scoring: bool, slots: int, count: int, layer_fn) -> torch.Tensor:
-            """One token over ``slots`` slots, freeing ``count``; in place only (a CUDA graph replays it)."""
-            keys, values = cache
-            scorer.begin(scoring, free, slots)
-            positions.index_copy_(0, free, position[0])
-            live_positions = positions[:slots]
-            hidden = model.model.embed_tokens(token_in)
-            cos, sin = model.model.rotary_emb(hidden, position)
-            for index, (layer, fused, layer_keys, layer_values) in enumerate(zip(self.layers, projections,
-                                                                                keys, values)):
-                hidden, probs = layer_fn(layer, hidden, cos, sin, free, layer_keys, layer_values, self.fp32_logits,
-                                         fused, slots, self.value_block)
-                if scoring and index in eligible:
-                    scorer.observe(SlotView(index, None, layer_keys[0, :, :slots], layer_values[0, :, :slots],
-                                            layer.self_attn.scaling, _attn=probs.reshape(self.heads, slots),
-                                            groups=self.heads // self.kv_heads), live_positions)
-            logits = model.lm_head(model.model.norm(hidden))[0, -1]
-            token_in.copy_(sampler(logits).reshape(1, 1))
-            victims = scorer.evict(live_positions, count)
-            if count == 1:  # the steady step: the freed slot takes the next token
-                evicted_position.copy_(live_positions[victims])
-                free.copy_(victims)
-            position.add_(1)
-            return victims
+    def _step(self, run: "_Run", scoring: bool, slots: int, count: int, layer_fn) -> torch.Tensor:
+        """One token over ``slots`` slots, freeing ``count``; in place only (a CUDA graph replays it)."""
+        model, scorer = self.model, run.scorer
+        keys, values = run.cache
+        scorer.begin(scoring, run.free, slots)
+        run.positions.index_copy_(0, run.free, run.position[0])
+        live_positions = run.positions[:slots]
+        hidden = model.model.embed_tokens(run.token)
+        cos, sin = model.model.rotary_emb(hidden, run.position)
+        for index, (layer, fused, layer_keys, layer_values) in enumerate(zip(self.layers, run.projections,
+                                                                            keys, values)):
+            hidden, probs = layer_fn(layer, hidden, cos, sin, run.free, layer_keys, layer_values, self.fp32_logits,
+                                     fused, slots, self.value_block)
+            if scoring and index in run.eligible:
+                scorer.observe(SlotView(index, None, layer_keys[0, :, :slots], layer_values[0, :, :slots],
+                                        layer.self_attn.scaling, _attn=probs.reshape(self.heads, slots),
+                                        groups=self.heads // self.kv_heads), live_positions)
+        logits = model.lm_head(model.model.norm(hidden))[0, -1]
+        run.token.copy_(run.sampler(logits).reshape(1, 1))
+        victims = scorer.evict(live_positions, count)
+        if count == 1:  # the steady step: the freed slot takes the next token
+            run.evicted.copy_(live_positions[victims])
+            run.free.copy_(victims)
+        run.position.add_(1)
+        return victims
 
-        for k in range(1, max_new_tokens):
-            slots = live + 1
-            count = max(0, slots - budget.limit)
-            scoring = policy.wants_scores(k)
-            scorer.prepare(len(eligible) if scoring else 0)
-            steady = count == 1 and slots == budget.steady == cache.capacity
-            setup = not steady  # the benchmark's steady rate counts only steps of the static shape
-            if steady and capture:
-                runs[scoring] = runs.get(scoring, 0) + 1
-                setup = runs[scoring] <= 2  # the capture (and compile), then the graph's first upload
-                if scoring in graphs:
-                    graphs[scoring].replay()
-                else:  # runs this step once, eagerly, and records it
-                    graphs[scoring] = capture_step(lambda: step(scoring, slots, 1, self._layer_fn(True)))
-                victims = free.clone()
-            else:
-                if steady and self.compiled:
-                    runs[scoring] = runs.get(scoring, 0) + 1
-                    setup = runs[scoring] == 1
-                victims = step(scoring, slots, count, self._layer_fn(steady))
-            before = positions[:slots].clone() if count > 1 else None  # the positions present, new token's too
-            snapshot = None
-            if snapshot_every and (k % snapshot_every == 0 or k == max_new_tokens - 1 or count > 1):
-                raw = scorer.raw(positions[:slots])  # before a compaction resets the step's scores
-                snapshot = [(before if count > 1 else positions[:slots]).clone(), None if raw is None else raw.clone()]
-            if count == 1:
-                evicted = evicted_position.clone()
-                live = slots - 1
-            elif count == 0:
-                evicted = evicted_position.new_empty(0)
-                live = slots
-                free.fill_(slots)
-            else:  # step 1 over the whole prompt: the survivors move into the steady slots, as the engine moves them
-                evicted = before[victims]
-                order = engine_compaction(victims, slots)
-                cache = self._slots(budget.steady, [(k_[:, :, order], v_[:, :, order]) for k_, v_ in zip(*cache)],
-                                    order.numel())
-                compacted = torch.full((budget.steady,), -1, dtype=torch.long, device=device)
-                compacted[: order.numel()] = positions[order]
-                positions = compacted
-                scorer.compact(order, budget.steady)
-                live, victims = order.numel(), victims.new_empty(0)
-                free = torch.tensor([live], device=device)
-            if not ready and cache.capacity == budget.steady:
-                on_ready()
-                ready = True
-            if snapshot is not None:  # the slots after eviction: their positions, the freed ones, the utility
-                after = positions[: slots if count <= 1 else live]
-                utility = scorer.utility(after)
-                snapshot += [after.clone(), victims.clone(), None if utility is None else utility.clone()]
-            yield StepRecord(k, token_in.reshape(1).clone(), evicted, scoring, snapshot, setup, cache.nbytes())
+    def _setup_step(self, runs: dict[bool, int], scoring: bool, steady: bool, capture: bool) -> bool:
+        """Whether a step is setup, which the benchmark's steady rate leaves out: every step before the static
+        shape; of a captured variant, the capture (and compile) and the graph's first upload; of a compiled
+        one, its first step.  Counts the variant's steady steps."""
+        if not steady:
+            return True
+        if not (capture or self.compiled):
+            return False
+        runs[scoring] = runs.get(scoring, 0) + 1
+        return runs[scoring] <= 2 if capture else runs[scoring] == 1
+
+    def _present(self, run: "_Run", slots: int, before: torch.Tensor | None) -> list:
+        """A snapshot's first half, read before a compaction resets the step's scores: the positions present
+        (the new token's too) and the step's raw score per slot."""
+        raw = run.scorer.raw(run.positions[:slots])
+        return [(before if before is not None else run.positions[:slots]).clone(), None if raw is None else raw.clone()]
+
+    def _after(self, run: "_Run", count: int, victims: torch.Tensor) -> list:
+        """A snapshot's second half, the first ``count`` slots after eviction: their positions, the freed ones
+        among them, the utility per slot."""
+        after = run.positions[:count]
+        utility = run.scorer.utility(after)
+        return [after.clone(), victims.clone(), None if utility is None else utility.clone()]
+
+    def _settle(self, run: "_Run", budget: Budget, slots: int, count: int, victims: torch.Tensor,
+                before: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's evicted positions, and the freed slots left to report; on step 1 over the whole prompt the
+        survivors move into the steady slots, as the engine moves them."""
+        if count == 1:
+            run.live = slots - 1
+            return run.evicted.clone(), victims
+        if count == 0:
+            run.live = slots
+            run.free.fill_(slots)
+            return run.evicted.new_empty(0), victims
+        evicted = before[victims]
+        order = engine_compaction(victims, slots)
+        run.cache = self._slots(budget.steady, [(keys[:, :, order], values[:, :, order])
+                                                for keys, values in zip(*run.cache)], order.numel())
+        compacted = torch.full((budget.steady,), -1, dtype=torch.long, device=self.model.device)
+        compacted[: order.numel()] = run.positions[order]
+        run.positions = compacted
+        run.scorer.compact(order, budget.steady)
+        run.live = order.numel()
+        run.free = torch.tensor([run.live], device=self.model.device)
+        return evicted, victims.new_empty(0)
 
     def _layer_fn(self, steady: bool):
         """The compiled layer for the steady shape; eager while shapes still change (no recompiling per step)."""
@@ -378,15 +402,20 @@ def engine_compaction(freed: torch.Tensor, slots: int) -> torch.Tensor:
     return order
 
 
-def capture_step(run_step) -> "torch.cuda.CUDAGraph":
-    """Run ``run_step`` once on a side stream (warming up cuBLAS and any compile there), then record it as a
-    CUDA graph on that same stream (as :meth:`kvviz.fast.StaticInertia.generate` does) without running it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        run_step()
-    return graph
+@dataclass
+class _Run:
+    """A run's device state between steps: the slots, the position in each (-1: empty), the slot the next
+    token takes, that token and its position, the position the steady step freed, and the live entries;
+    and what stays fixed: the scorer, the sampler, each layer's stacked projections, the scored layers."""
+
+    cache: "Slots"
+    positions: torch.Tensor
+    free: torch.Tensor
+    token: torch.Tensor
+    position: torch.Tensor
+    evicted: torch.Tensor
+    live: int
+    scorer: object
+    sampler: DeviceSampler
+    projections: list
+    eligible: list[int]
