@@ -13,14 +13,18 @@ from __future__ import annotations
 import json
 import time
 
+import gradio as gr
+
 from kvviz.tasks.examples import EXAMPLES
-from kvviz.ui.app import make_live_handler
+from kvviz.ui import live
 from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 from kvviz.ui.config import Limits
 
 
 def main() -> None:
-    handler = make_live_handler(Limits())
+    with gr.Blocks():
+        tab = live.layout(Limits())
+    handler = live.make_live_handler(Limits(), tab)
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     prompt = EXAMPLES["Passkey in a haystack"] * 2
     stamps, sizes, yields = [], [], 0
@@ -29,10 +33,11 @@ def main() -> None:
     for out in handler("SmolLM2-135M-Instruct", prompt, "inertia", "compression", 0.9, 256, 64, True, *greedy,
                        *widgets, "", None):
         yields += 1
-        if out[2] is not None and not isinstance(out[2], dict):  # a figure update, not a skip/clear
+        figures = [out.get(plot) for plot in (tab.retention, tab.ranks, tab.timeline)] if isinstance(out, dict) else []
+        if figures and figures[0] is not None and not isinstance(figures[0], dict):  # a figure, not a clear
             stamps.append(time.perf_counter())
-            sizes.append(max(len(out[i].to_json()) for i in (2, 3, 4)
-                             if out[i] is not None and not isinstance(out[i], dict)))  # skips are dicts
+            sizes.append(max(len(figure.to_json()) for figure in figures
+                             if figure is not None and not isinstance(figure, dict)))  # updates are dicts
     span = stamps[-1] - stamps[1]  # from the first decode step's update to the last
     print(json.dumps({"yields": yields, "figure_updates": len(stamps),
                       "figure_updates_per_s": round((len(stamps) - 2) / span, 2), "max_figure_bytes": max(sizes)}))

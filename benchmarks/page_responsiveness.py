@@ -21,7 +21,7 @@ import statistics
 import time
 from datetime import datetime, timezone
 
-from kvviz.ui import app
+from kvviz.ui import app, common
 from kvviz.ui.config import Limits
 
 TINY = "tiny-random-llama"
@@ -79,18 +79,18 @@ def main() -> None:
 
     rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": TINY,
                       "machine": platform.node(), "seconds_each": args.seconds}}]
-    text_every = app.TEXT_EVERY_S
+    text_every = common.TEXT_EVERY_S
     # The app as it was (text per token, figures 10/s) first, then the text at most 30/s at each figure rate.
     settings = [("text every token, 10 figures/s", 0.0, 10.0), *((f"text at most 30/s, {rate:g} figures/s",
                                                                  text_every, rate) for rate in (10.0, 4.0, 2.0, 0.0))]
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, headless=True,
                                              args=["--no-sandbox", "--disable-gpu"])
-        for label, app.TEXT_EVERY_S, rate in settings:  # TEXT_EVERY_S: read by the running handler at each step
+        for label, common.TEXT_EVERY_S, rate in settings:  # TEXT_EVERY_S: read by the running handler at each step
             demo, url = serve(rate)
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
             try:
-                rows.append({"what": label, "text_every_s": round(app.TEXT_EVERY_S, 4), "figures_per_second": rate,
+                rows.append({"what": label, "text_every_s": round(common.TEXT_EVERY_S, 4), "figures_per_second": rate,
                              **measure(page, url, args.seconds)})
             finally:
                 page.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import tempfile
@@ -21,6 +22,36 @@ from servers import free_port, serve
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "tiny-random-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog. The passkey is 71432. Remember it. " * 3
+
+
+@functools.cache
+def tabs():
+    """The Live and Compare tabs' components, which the handlers return their outputs by."""
+    from kvviz.ui import compare, live
+
+    with gr.Blocks():
+        return live.layout(Limits(models=(TINY,))), compare.layout(Limits(models=(TINY,)))
+
+
+def live_tab():
+    return tabs()[0]
+
+
+def compare_tab():
+    return tabs()[1]
+
+
+def outputs_of(update: dict, components: list) -> list:
+    """A handler's update (``{component: value}``, or one skip of them all) as a list in ``components``' order,
+    each left out one a skip."""
+    if update == gr.skip():
+        return [gr.skip()] * len(components)
+    return [update.get(component, gr.skip()) for component in components]
+
+
+def positional(handler, components: list):
+    """``handler`` with its update read back in ``components``' order (:func:`outputs_of`)."""
+    return lambda *args, **kwargs: outputs_of(handler(*args, **kwargs), components)
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +130,13 @@ def test_generate_takes_params_as_an_object_too(client):
 def test_parameter_widgets_take_the_selected_policys_meaning():
     """Widgets are shared by parameter name; SnapKV's window (>= 1, prompt queries that vote) is not R-KV's
     (>= 0, recent entries kept), and the strings a JSON client sends are read as what they say."""
-    from kvviz.ui.app import _show_parameters
-    from kvviz.ui.checks import PARAM_NAMES, policy_from_inputs
+    from kvviz.ui.controls import shown_parameters
+    from kvviz.ui.checks import policy_from_inputs
 
-    updates = dict(zip(PARAM_NAMES, _show_parameters("snapkv")[1:]))
+    updates = shown_parameters("snapkv")
     assert updates["window"]["visible"] and updates["window"]["minimum"] == 1
     assert "vote" in updates["window"]["label"] and "pooling" in updates["kernel"]["label"]
-    rkv = dict(zip(PARAM_NAMES, _show_parameters("rkv")[1:]))
+    rkv = shown_parameters("rkv")
     assert rkv["window"]["minimum"] == 0 and "recent" in rkv["window"]["label"]
     assert not updates["alpha"]["visible"]
     assert policy_from_inputs("avokv", {"normalise": "false"}, strict=True).normalise is False
@@ -117,14 +148,14 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
     it out (it is not refused for a value it would ignore); choosing ema shows it again holding what it held,
     so that single-step stays single-step (alpha 0) after sum and back."""
     from kvviz.policies import REGISTRY
-    from kvviz.ui.app import _describe, _show_parameters, _show_parameters_in_use
+    from kvviz.ui.controls import describe, shown_parameters, parameters_in_use
     from kvviz.ui.checks import PARAM_NAMES, _models, policy_from_inputs
 
-    shown = dict(zip(PARAM_NAMES, _show_parameters("cumulative")[1:]))
+    shown = shown_parameters("cumulative")
     assert not shown["alpha"]["visible"] and shown["refresh"]["visible"]
-    assert dict(zip(PARAM_NAMES, _show_parameters("inertia")[1:]))["alpha"]["visible"]
+    assert shown_parameters("inertia")["alpha"]["visible"]
     widgets = {name: None for name in PARAM_NAMES} | {"alpha": 0.3, "aggregation": "sum", "refresh": 2, "window": 5}
-    after = dict(zip(PARAM_NAMES, _show_parameters_in_use("inertia", *widgets.values())))
+    after = parameters_in_use("inertia", *widgets.values())
     assert after["alpha"] == {"__type__": "update", "visible": False}  # its value stays
     assert after["refresh"] == {"__type__": "update", "visible": True}
     assert after["window"] == {"__type__": "update"}  # not inertia's: left alone
@@ -132,30 +163,30 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
     assert (summed.aggregation, summed.alpha, summed.refresh) == ("sum", 0.8, 2)
     with pytest.raises(ValueError, match="alpha does nothing"):  # the API's JSON says what it sends
         policy_from_inputs("inertia", {"alpha": 0.3, "aggregation": "sum"}, strict=True)
-    again = dict(zip(PARAM_NAMES, _show_parameters_in_use("inertia", *(widgets | {"aggregation": "ema"}).values())))
+    again = parameters_in_use("inertia", *(widgets | {"aggregation": "ema"}).values())
     assert again["alpha"] == {"__type__": "update", "visible": True}
     single = widgets | {"alpha": 0.0, "refresh": 1}  # single-step's widgets after sum and back to ema
     assert policy_from_inputs("single-step", single | {"aggregation": "ema"}).alpha == 0.0
     assert policy_from_inputs("single-step", single).alpha == 0.8  # under sum: cumulative's run
     _models[TINY] = tiny  # the description states the previous-step weight of what would run
-    assert "with these parameters: **1**." in _describe("single-step", TINY, *single.values())
+    assert "with these parameters: **1**." in describe("single-step", TINY, *single.values())
     # ... and describes what it now is, not the entry picked
-    assert _describe("single-step", TINY, *single.values()).startswith(
+    assert describe("single-step", TINY, *single.values()).startswith(
         "These settings are **cumulative**: **Cumulative** (InertiaKV ablation). m <- m + s")
-    assert _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values()).startswith("**Single-step**")
-    assert _describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values()).startswith(
+    assert describe("single-step", TINY, *(single | {"aggregation": "ema"}).values()).startswith("**Single-step**")
+    assert describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values()).startswith(
         "**InertiaKV**. Layer-sequential EMA")  # alpha 0.5 is still InertiaKV; its family is its name, said once
-    assert "with these parameters: **0**." in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
+    assert "with these parameters: **0**." in describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
     # a changed value that is no other entry is named beside the entry's text, which describes the entry's value
-    assert "Changed here" not in _describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
-    halfway = _describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values())
+    assert "Changed here" not in describe("single-step", TINY, *(single | {"aggregation": "ema"}).values())
+    halfway = describe("inertia", TINY, *(single | {"aggregation": "ema", "alpha": 0.5}).values())
     assert "Changed here: `alpha` = **0.5**, not 0.8 (EMA coefficient" in halfway
     assert "`refresh`" not in halfway  # refresh 1 is InertiaKV's own
     expected = widgets | {p["name"]: p["default"] for p in REGISTRY["expected-attention"].parameters()}
     assert "Changed here: `vnorm` = **false**, not true (multiply the expected attention by the value norm)." in \
-        _describe("expected-attention", TINY, *(expected | {"vnorm": False}).values())
-    decoupled = dict(zip(PARAM_NAMES, _show_parameters_in_use(
-        "inertia-decoupled", *(widgets | {"aggregation": "ema", "layer_weighting": "last"}).values())))
+        describe("expected-attention", TINY, *(expected | {"vnorm": False}).values())
+    decoupled = parameters_in_use("inertia-decoupled",
+                                  *(widgets | {"aggregation": "ema", "layer_weighting": "last"}).values())
     assert decoupled["last_k"]["visible"] and not decoupled["layers"]["visible"]
 
 
@@ -270,7 +301,8 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     next click; an API call (no id) goes by a ticket of its own."""
     import gradio as gr
 
-    from kvviz.ui.app import make_compare_handler, make_live_handler
+    from kvviz.ui.compare import make_compare_handler
+    from kvviz.ui.live import make_live_handler
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
     from kvviz.ui.tickets import button_ticket, request_stop, retire, run_ticket
 
@@ -287,15 +319,16 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     assert same is tickets and later != running
     assert request_stop(tickets) == gr.skip()  # Stop again: the stopped run is still showing itself
     defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
-    live = make_live_handler(limits)
+    live = make_live_handler(limits, live_tab())
     assert list(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, later,
-                     tickets)) == [(gr.skip(),) * 12]
+                     tickets)) == [gr.skip()]  # every output skipped
     _tickets_of(tickets)[running].done = True  # the stopped run has shown itself
     _, compared = button_ticket(tickets)
     cancel = request_stop(tickets)  # none decodes: the hidden field changes, cancelling what waits in the queue
     assert isinstance(cancel, float) and request_stop(tickets) != cancel
-    assert list(make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False,
-                                             *GREEDY, ticket_id=compared, tickets=tickets)) == [(gr.skip(),) * 14]
+    assert list(make_compare_handler(limits, compare_tab())(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0,
+                                                            6, False, *GREEDY, ticket_id=compared,
+                                                            tickets=tickets)) == [gr.skip()]
 
     _, refused = button_ticket(tickets)
     retire(tickets)  # its check refused (or a full queue refused the check or the run)
@@ -308,8 +341,9 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     assert run_ticket(full_queue, tickets) == (None, None)
     _, fresh = button_ticket(tickets)  # a refused run is over: the next click runs
     *_, last = live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, fresh, tickets)
-    assert last[9].steps == 10 and last[-1] == gr.skip()  # ran to the end; the session keeps its tickets
-    assert kvviz.Trace.load(last[7]["value"]).compression == 0.5  # the trace says how B was set
+    tab = live_tab()
+    assert last[tab.view_state].steps == 10 and tab.buttons.tickets not in last  # ran to the end; the session keeps its tickets
+    assert kvviz.Trace.load(last[tab.download]["value"]).compression == 0.5  # the trace says how B was set
     button_ticket(tickets)  # and after it, the next
     with pytest.raises(TypeError, match="ticket id"):
         next(live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults[:-1], None))
@@ -330,25 +364,26 @@ def test_a_stopped_run_that_fails_to_show_itself_warns_and_ends_as_a_run_does(ti
     re-sends a deferred run only after one that ended normally); the ticket is over either way."""
     import gradio as gr
 
-    from kvviz.ui import app
-    from kvviz.ui.app import make_compare_handler, make_live_handler
+    from kvviz.ui import compare, live
+    from kvviz.ui.compare import make_compare_handler
+    from kvviz.ui.live import make_live_handler
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
     from kvviz.ui.tickets import button_ticket
 
     def broken(*args, **kwargs):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(app, "live_result", broken)
-    monkeypatch.setattr(app, "comparison_result", broken)
+    monkeypatch.setattr(live, "live_result", broken)
+    monkeypatch.setattr(compare, "comparison_result", broken)
     warnings = []
     monkeypatch.setattr(gr, "Warning", lambda message, **kwargs: warnings.append(message))
     _models[TINY] = tiny
     # Long enough to be decoding after four updates (the text updates at most 30 times a second)
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=120)
     defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
-    for name, run_of in (("run", lambda ticket_id, tickets: make_live_handler(limits)(
+    for name, run_of in (("run", lambda ticket_id, tickets: make_live_handler(limits, live_tab())(
             TINY, PROMPT, "inertia", "compression", 0.5, 0, 120, False, *GREEDY, *defaults, ticket_id, tickets)),
-                         ("comparison", lambda ticket_id, tickets: make_compare_handler(limits)(
+                         ("comparison", lambda ticket_id, tickets: make_compare_handler(limits, compare_tab())(
             TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 120, False, *GREEDY, ticket_id=ticket_id,
             tickets=tickets))):
         tickets, ticket_id = button_ticket(None)
@@ -384,7 +419,7 @@ def test_memory_is_freed_after_stop(client):
 def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_same_steps(tiny):
     """Level: the policies still decoding (not at max new tokens, not after an end-of-sequence) have all made
     the same number of steps, at least one; a run that had ended may have made more or fewer."""
-    from kvviz.ui.app import Progress
+    from kvviz.ui.common import Progress
     from kvviz.ui.checks import Request
 
     model, tokenizer = tiny
@@ -410,7 +445,9 @@ def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_sa
 def test_a_compared_run_that_ends_early_says_where_on_its_panel_and_in_the_note(tiny):
     """A run whose token is the end of sequence ended there: its text panel's label, its retention panel's
     key and the divergence lines say at which step; the runs that went on say nothing of the kind."""
-    from kvviz.ui.app import Progress, _compare_outputs, compared_labels, panel_title
+    from kvviz.ui.common import Progress
+    from kvviz.ui.compare import compare_outputs
+    from kvviz.ui.compare_views import compared_labels, panel_title
     from kvviz.ui.checks import Request
 
     model, tokenizer = tiny
@@ -427,10 +464,11 @@ def test_a_compared_run_that_ends_early_says_where_on_its_panel_and_in_the_note(
             run.add(name, event)
     assert run.views["tova"].ended == 3 and run.views["inertia"].ended is None
     assert compared_labels(run.views) == ["inertia", "tova · ended at step 3 (end of sequence)"]
-    outputs = _compare_outputs(["inertia", "tova"], run.texts, run.views, figures=True, final=True)
-    assert [outputs[i]["label"] for i in (0, 1)] == compared_labels(run.views)
-    assert outputs[8].endswith("\n- **tova** ended at step 3: it produced its end of sequence")
-    assert "ended" not in outputs[8].replace("**tova** ended", "")
+    tab = compare_tab()
+    outputs = compare_outputs(tab, ["inertia", "tova"], run.texts, run.views, figures=True, final=True)
+    assert [outputs[text]["label"] for text in tab.texts[:2]] == compared_labels(run.views)
+    assert outputs[tab.divergence].endswith("\n- **tova** ended at step 3: it produced its end of sequence")
+    assert "ended" not in outputs[tab.divergence].replace("**tova** ended", "")
     assert "ended at step 3" in panel_title("tova", run.views["tova"])[-1]
     assert not any("ended" in line for line in panel_title("inertia", run.views["inertia"]))
 
@@ -567,7 +605,7 @@ def test_rank_matrix_tells_kept_unscored_from_evicted_and_not_yet_generated():
 
 
 def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_say_why_over_budget(tiny):
-    from kvviz.ui.app import stats_markdown
+    from kvviz.ui.live_views import stats_markdown
 
     model, tokenizer = tiny
     streaming = kvviz.run(model, tokenizer, PROMPT, "streaming", chat=False, budget=20, max_new_tokens=6).trace
@@ -672,7 +710,8 @@ def test_the_judged_slots_line_shows_only_where_the_protected_are_unranked(tiny)
 def test_a_policy_the_model_cannot_serve_is_refused_by_the_check_before_the_run():
     """Expected Attention on a model with dynamic RoPE: the check says so (a toast with what to change)
     instead of the run failing after its prefill."""
-    from kvviz.ui.app import make_compare_check, make_live_check
+    from kvviz.ui.compare import CompareChecks
+    from kvviz.ui.live import make_live_check
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     name = "tiny-random-mistral"  # a name of its own: the other tests' llama stays as it is
@@ -687,8 +726,8 @@ def test_a_policy_the_model_cannot_serve_is_refused_by_the_check_before_the_run(
             make_live_check(limits)(name, PROMPT, "expected-attention", "compression", 0.5, 0, 8, False, *GREEDY,
                                     *defaults)
         with pytest.raises(Exception, match="fixed frequencies"):
-            make_compare_check(limits)(name, PROMPT, ["inertia", "expected-attention"], "compression", 0.5, 0, 8,
-                                       False)
+            CompareChecks(limits, compare_tab()).check(name, PROMPT, ["inertia", "expected-attention"],
+                                                       "compression", 0.5, 0, 8, False)
         make_live_check(limits)(name, PROMPT, "inertia", "compression", 0.5, 0, 8, False, *GREEDY, *defaults)
     finally:
         _models.pop(name, None)
@@ -701,7 +740,8 @@ def test_values_typed_past_a_sliders_end_reach_our_checks_and_are_named(tiny, mo
     fraction typed as the budget is refused, no longer rounded."""
     import gradio as gr
 
-    from kvviz.ui.app import make_live_check, parameter_past_end_note, past_end_note
+    from kvviz.ui.live import make_live_check
+    from kvviz.ui.controls import parameter_past_end_note, past_end_note
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
     from kvviz.ui.widgets import TypedSlider
 
@@ -748,7 +788,8 @@ def test_one_setting_typed_two_ways_is_named_as_one():
 
 def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
     """Four chips, three panels: the page says which chip ran as which policy, for the whole run."""
-    from kvviz.ui.app import make_compare_handler, repeats_note
+    from kvviz.ui.compare import make_compare_handler
+    from kvviz.ui.presets import repeats_note
     from kvviz.ui.checks import _models
 
     assert repeats_note(["inertia", "tova", "streaming", "inertia alpha=0.8"]) == \
@@ -760,23 +801,26 @@ def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
     assert repeats_note(["inertia", "tova"]) == "" and repeats_note(["inertia", 3]) == ""
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
-    updates = list(make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova", "streaming", "inertia alpha=0.8"],
-                                                "compression", 0.5, 0, 4, False))
-    divergences = [u[8] for u in updates[2:] if isinstance(u[8], str)]  # after the tickets and the clearing
+    tab = compare_tab()
+    updates = list(make_compare_handler(limits, tab)(TINY, PROMPT, ["inertia", "tova", "streaming", "inertia alpha=0.8"],
+                                                     "compression", 0.5, 0, 4, False))
+    divergences = [u[tab.divergence] for u in updates[2:] if isinstance(u.get(tab.divergence), str)]  # after the tickets and the clearing
     assert divergences and all(d.startswith("*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*\n\n")
                                for d in divergences)
-    assert "**tova** vs **inertia**" in divergences[-1] and list(updates[-1][-3]) == ["inertia", "tova", "streaming"]
+    assert "**tova** vs **inertia**" in divergences[-1] and list(updates[-1][tab.state]) == ["inertia", "tova", "streaming"]
 
 
 def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(tiny):
     """Before the first token: at the click, "loading <model>…" while the check loads it (on a page with no
     comparison yet, one panel per chosen policy, labelled); once checked, each chosen policy's empty panel
     and "prefill…"; the Live tab says the same."""
-    from kvviz.ui.app import make_compare_check, make_compare_handler, make_live_handler
+    from kvviz.ui.compare import CompareChecks, make_compare_handler
+    from kvviz.ui.live import make_live_handler
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
-    announce = make_compare_check(limits).announce
+    tab = compare_tab()
+    announce = positional(CompareChecks(limits, tab).announce, [tab.divergence, *tab.texts, *tab.figs])
     chosen = ["inertia", "tova", "streaming", "avokv interval=16"]
     inputs = (TINY, PROMPT, chosen, "compression", 0.5, 0, 4, False)
     _models.pop(TINY, None)
@@ -791,27 +835,29 @@ def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(ti
     _models[TINY] = tiny
     assert all(u == gr.skip() for u in announce(*inputs, None))  # loaded: the check is quick
     prompt_len = len(tiny[1](PROMPT, add_special_tokens=False)["input_ids"])
-    updates = make_compare_handler(limits)(*inputs)
+    updates = make_compare_handler(limits, tab)(*inputs)
     next(updates)  # an API call's tickets
     start = next(updates)
-    assert [(p["value"], p["label"], p["visible"]) for p in start[:4]] == [("", label, True) for label in chosen]
-    assert [(p["value"], p["visible"]) for p in start[4:8]] == [(None, True)] * 4  # the last figures go
-    assert start[8] == f"*prefill of the {prompt_len}-token prompt…*"
-    two = make_compare_handler(limits)(TINY, PROMPT, chosen[:2], "compression", 0.5, 0, 4, False)
+    assert [(start[t]["value"], start[t]["label"], start[t]["visible"]) for t in tab.texts] == \
+        [("", label, True) for label in chosen]
+    assert [(start[f]["value"], start[f]["visible"]) for f in tab.figs] == [(None, True)] * 4  # the last figures go
+    assert start[tab.divergence] == f"*prefill of the {prompt_len}-token prompt…*"
+    two = make_compare_handler(limits, tab)(TINY, PROMPT, chosen[:2], "compression", 0.5, 0, 4, False)
     next(two)
-    assert [p["visible"] for p in next(two)[:8]] == [True, True, False, False] * 2
+    start = next(two)
+    assert [start[p]["visible"] for p in [*tab.texts, *tab.figs]] == [True, True, False, False] * 2
     defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
-    live = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, 0.0, 1.0, 0,
-                                     *defaults, "", None)
+    live = make_live_handler(limits, live_tab())(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, 0.0, 1.0,
+                                                 0, *defaults, "", None)
     next(live)
-    assert next(live)[1] == f"**run** `inertia` · *prefill of the {prompt_len}-token prompt…*"
+    assert next(live)[live_tab().stats] == f"**run** `inertia` · *prefill of the {prompt_len}-token prompt…*"
 
 
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
-    from kvviz.ui.app import make_compare_check
+    from kvviz.ui.compare import CompareChecks
     from kvviz.ui.checks import _models
 
-    note = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refusal_note
+    note = CompareChecks(Limits(models=(TINY,), max_prompt_tokens=400), compare_tab()).refusal_note
     _models.pop(TINY, None)  # as if Stop came before the model loaded: nothing to say, and no load
     assert note(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False) == {"__type__": "update"}
     assert TINY not in _models
@@ -835,11 +881,13 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
 def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny):
     """A refusal keeps the last comparison's results on the page, as the Live tab keeps its last run, but
     says they are the previous comparison's: in the note, on each panel and on both tables."""
-    from kvviz.ui.app import NOT_RUN, make_compare_check, mark_previous_run
+    from kvviz.ui.live import NOT_RUN, mark_previous_run
+    from kvviz.ui.compare import CompareChecks
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
-    marks = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).refused_marks
+    marks = positional(CompareChecks(Limits(models=(TINY,), max_prompt_tokens=400), compare_tab()).refused_marks,
+                       compare_tab().marked)
     refused = (TINY, PROMPT, ["inertia"], "compression", 0.5, 0, 4, False)
     note, *texts, fates, stability = marks(*refused, {"inertia": follow_view(), "tova alpha=0.5": follow_view()})
     assert note == ("*Not compared: choose two to four policies to compare (one policy twice needs two settings, "
@@ -870,9 +918,10 @@ def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny)
 def test_an_edit_after_a_refused_comparison_restates_or_clears_the_reason():
     """The note of a refused click follows the inputs as they are edited: the reason they have now, nothing
     once they pass (with no comparison on the page); what a comparison itself wrote there stays."""
-    from kvviz.ui.app import make_compare_check
+    from kvviz.ui.compare import CompareChecks
 
-    edited = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).edited
+    edited = positional(CompareChecks(Limits(models=(TINY,), max_prompt_tokens=400), compare_tab()).edited,
+                        compare_tab().marked)
     refused = "*Not compared: choose two to four policies to compare (...).*"
     note, *labels = edited(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 9999, False, None, None, refused)
     assert "max new tokens must be between 1 and 512" in note and all(u == gr.skip() for u in labels[-2:])
@@ -885,11 +934,13 @@ def test_an_edit_after_a_comparison_marks_it_as_made_from_earlier_inputs(tiny):
     """A finished comparison stays when the inputs change, but its note names what changed and every panel and
     table says "earlier inputs"; the inputs it ran on, set back, take the marks off.  Only the inputs that
     decide the run count: the budget box while ρ sizes the cache, top-p while decoding is greedy, do not."""
-    from kvviz.ui.app import compared_inputs, make_compare_check
+    from kvviz.ui.common import compared_inputs
+    from kvviz.ui.compare import CompareChecks
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
-    edited = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=400)).edited
+    edited = positional(CompareChecks(Limits(models=(TINY,), max_prompt_tokens=400), compare_tab()).edited,
+                        compare_tab().marked)
     ran_on = (TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False, 0.0, 0.95, 0)
     ran = {"inputs": compared_inputs(*ran_on), "note": "**prompt** 6 tokens"}
     views = {"inertia": follow_view(), "tova": follow_view()}
@@ -1029,7 +1080,7 @@ def test_the_history_figure_leaves_room_under_the_budget_line_for_its_label():
 def test_a_result_tables_columns_are_as_wide_as_their_longest_word():
     """The probe's and the spectrum's tables get each column's width from its longest word, header or cell
     (9 px a character, 16 of padding), as a result arrives: Gradio otherwise broke 'Spearman' mid-word."""
-    from kvviz.ui.app import fit_columns
+    from kvviz.ui.common import fit_columns
 
     frame = pd.DataFrame({"policy": ["inertia", "avokv interval=16"], "false-safe rate": [0.0769, 0.0],
                           "Spearman": [-0.043, 0.1692]})
@@ -1043,7 +1094,7 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     unjudged) with S = +inf (a sink), -.2, .1, .5 and evicted 1 and 2.  Scrubbed to step 2, the table is step
     1's: 1 (-.2), 2 (.1), 3 (.5), then the sink; step 0 had no decision yet."""
     from kvviz.trace import StepEvent
-    from kvviz.ui.app import scrub
+    from kvviz.ui.live_views import scrub
 
     nan, none = float("nan"), np.empty(0, np.int64)
     view = RunView(5, 4, 2, ["a", "b", "c", "d", "e"])
@@ -1066,7 +1117,7 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     # As shown: the position as '#', the sink's +inf spelled out (JSON has none), each column as wide as its
     # longest word in header or cells, 9 px a character and 16 of padding: # 1, token 5, S 4 ('+inf', '-0.2'),
     # fate 7 ('evicted'; 'kept (sink)' wraps), p 3 ('0.1')
-    from kvviz.ui.app import decision_views
+    from kvviz.ui.live_views import decision_views
     shown = decision_views(view, 2)[1]
     assert shown["value"].columns.tolist() == ["#", "token", "S", "fate", "p"]
     assert shown["value"]["S"].tolist() == [-0.2, 0.1, 0.5, "+inf"]
@@ -1086,7 +1137,7 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert "the cache would have passed B + 3 = 5 entries" in caption_at(4)
     assert caption_at(1) == caption
     # The key says what the terms are and how the score combines them, at the run's own weights
-    from kvviz.ui.app import terms_key
+    from kvviz.ui.common import terms_key
     keyed = RunView(5, 4, 2, ["a", "b", "c", "d", "e"], terms_key=terms_key(kvviz.make_policy("avokv", lambda_b=0.2)))
     for event in view.events:
         keyed.add(event)
@@ -1116,25 +1167,28 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert few.follow("", 1) == ([3, 1, 2, 0], "at step 1: the 2 evicted (newest first), then the next 2 in line "
                                                "for eviction")
     # a value typed past either end (the browser sets the box to the end only when it loses focus) reads as it
-    title = lambda outputs: outputs[3].layout.title.text  # the step detail names its step
-    assert title(scrub(view, 99)) == title(scrub(view, 2)) and title(scrub(view, -3)) == title(scrub(view, 0))
-    assert title(scrub(view, 2)) != title(scrub(view, 0)) and title(scrub(view, "nan")) == title(scrub(view, 2))
-    outputs = scrub(view, 2)
-    assert len(outputs) == 8 and "**Step 1**" in outputs[5] and outputs[6]["visible"]
+    tab = live_tab()
+    title = lambda outputs: outputs[tab.detail].layout.title.text  # the step detail names its step
+    assert title(scrub(tab, view, 99)) == title(scrub(tab, view, 2))
+    assert title(scrub(tab, view, -3)) == title(scrub(tab, view, 0))
+    assert title(scrub(tab, view, 2)) != title(scrub(tab, view, 0))
+    assert title(scrub(tab, view, "nan")) == title(scrub(tab, view, 2))
+    outputs = scrub(tab, view, 2)
+    assert len(outputs) == 8 and "**Step 1**" in outputs[tab.terms_note] and outputs[tab.terms]["visible"]
     # the scrubber is left as it is at a step, and set to the step shown where it was typed as something else
-    assert outputs[7] == gr.skip() and scrub(view, 1.0)[7] == gr.skip()
-    assert [scrub(view, typed)[7]["value"] for typed in (1.5, 99, -3, None)] == [1, 2, 0, 0]
+    assert outputs[tab.step_slider] == gr.skip() and scrub(tab, view, 1.0)[tab.step_slider] == gr.skip()
+    assert [scrub(tab, view, typed)[tab.step_slider]["value"] for typed in (1.5, 99, -3, None)] == [1, 2, 0, 0]
     # and says why, in a toast: the box changed under the user's typing
-    from kvviz.ui.app import scrub_note
+    from kvviz.ui.live_views import scrub_note
     assert scrub_note(view, 1.5, 1) == "Scrub to step takes whole steps: 1.5 shows step 1"
     assert scrub_note(view, 1e5, 2) == "Scrub to step goes from 0 to 2: 100000 was set to 2"
     assert scrub_note(view, -3, 0) == "Scrub to step goes from 0 to 2: -3 was set to 0"
     assert scrub_note(view, "nan", 2) == "Scrub to step: 'nan' is not a step; showing the last, 2"
     assert scrub_note(view, None, 0) is None and scrub_note(view, 2.0, 2) is None
     # the per-step plot marks the scrubbed step on each of its three rows; the streaming figure stays unmarked
-    assert [shape.x0 for shape in outputs[2].layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2, 2, 2]
+    assert [shape.x0 for shape in outputs[tab.timeline].layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2, 2, 2]
     assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == STEP_MARKER_COLOR]
-    table = outputs[6]["value"]
+    table = outputs[tab.terms]["value"]
     assert table["#"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
     detail = view.step_detail_figure(1)
     assert "S -0.2" in detail.data[0].hovertext[1] and "S " not in detail.data[0].hovertext[4]  # 4: not judged
@@ -1144,7 +1198,7 @@ def test_whitespace_tokens_show_in_table_cells_not_as_blanks():
     """The fates table and the Why table: a newline, tab or spaces-only token is a symbol, not an empty
     cell; a space before a word stays as it is; the text searched (Follow) is the token's own."""
     from kvviz.trace import StepEvent
-    from kvviz.ui.app import compare_fates
+    from kvviz.ui.compare_views import compare_fates
     from kvviz.ui.figures import visible_whitespace
 
     tokens = ["system", "\n", " ", "\t", "  ", " The", "a\r\n"]
@@ -1188,7 +1242,7 @@ def two_compared_views() -> dict[str, RunView]:
 
 def test_the_sampling_accordion_says_how_the_run_will_decode():
     """Closed, its title said 'temperature 0: greedy' after a preset had set T = 0.6 inside it."""
-    from kvviz.ui.app import sampling_label
+    from kvviz.ui.controls import sampling_label
 
     assert sampling_label(0, 0.95) == "Sampling (temperature 0: greedy)"
     assert sampling_label(0.6, 0.95) == "Sampling (temperature 0.6, top-p 0.95)"
@@ -1198,21 +1252,24 @@ def test_the_sampling_accordion_says_how_the_run_will_decode():
 def test_compares_panels_follow_the_number_of_settings_chosen_before_any_run():
     """The page starts with three panels; a four-policy preset showed three until it ran.  Before a run the
     panels follow the box, labelled with each setting; after one they keep showing it."""
-    from kvviz.ui.app import COMPARISONS, placeholder_panels
+    from kvviz.ui.presets import COMPARISONS
+    from kvviz.ui.compare import placeholder_panels
 
     four = next(entries for entries in COMPARISONS.values() if len(entries) == 4)
-    updates = placeholder_panels(four, None)
+    tab = compare_tab()
+    panels = [*tab.texts, *tab.figs]
+    updates = outputs_of(placeholder_panels(tab, four, None), panels)
     assert [u["visible"] for u in updates] == [True] * 8
     assert [u["label"] for u in updates[:4]] == four
-    two = placeholder_panels(["inertia", "tova"], None)
+    two = outputs_of(placeholder_panels(tab, ["inertia", "tova"], None), panels)
     assert [u["visible"] for u in two] == [True, True, False, False] * 2
-    assert placeholder_panels(four, {"a": None}) == (gr.skip(),) * 8  # a comparison is on show
-    assert placeholder_panels(["inertia"] * 5, None) == (gr.skip(),) * 8  # refused by the run's check
+    assert placeholder_panels(tab, four, {"a": None}) == gr.skip()  # a comparison is on show: every panel skipped
+    assert placeholder_panels(tab, ["inertia"] * 5, None) == gr.skip()  # refused by the run's check
 
 
 def test_compare_follows_prompt_tokens_through_each_policy():
     """The two runs of two_compared_views: each column the fate of the followed token under one policy."""
-    from kvviz.ui.app import compare_fates
+    from kvviz.ui.compare_views import compare_fates
 
     views = two_compared_views()
     note, table = compare_fates(views, "42")
@@ -1240,10 +1297,12 @@ def test_compare_follows_prompt_tokens_through_each_policy():
 def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     """The same two runs: " 42" (#3) is kept to the end by a (a line down its column through the last step,
     no cross) and evicted at step 1 by b (a line through step 0, a cross on step 1)."""
-    from kvviz.ui.app import compare_follow
+    from kvviz.ui.compare import compare_follow
 
     views = two_compared_views()
-    note, table, *panels = compare_follow(views, "42")
+    tab = compare_tab()
+    follow = positional(functools.partial(compare_follow, tab), [tab.fates_note, tab.fates, *tab.figs])
+    note, table, *panels = follow(views, "42")
     assert len(panels) == 4 and panels[2] == panels[3] == gr.skip()
     kept, evicted = panels[0]["value"], panels[1]["value"]
     line, top = kept.data[2], kept.data[3]  # data[1]: the line's white halo
@@ -1251,24 +1310,24 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     assert list(top.x) == [3] and top.hovertext == ("#3  42: kept to the end",)
     assert len(kept.data) == 4 and "red followed" in kept.layout.title.text
     assert kept.data[0].showscale is False  # a quarter-width panel: its title is the key
-    from kvviz.ui.app import divergence_markdown
+    from kvviz.ui.compare_views import divergence_markdown
     assert "identical for the 2 tokens both produced" in divergence_markdown(["a", "b"], views)
     for view in views.values():
         del view.events[1:]  # stopped at the prefill: one token each
     assert "identical for the 1 token both produced" in divergence_markdown(["a", "b"], views)
-    from kvviz.ui.app import jaccard_figure
+    from kvviz.ui.compare_views import jaccard_figure
     jaccard = jaccard_figure(["a", "b"], views)  # one point: the prefill's keep sets, both the whole prompt
     assert list(jaccard.data[0].x) == [0] and list(jaccard.data[0].y) == [1.0]
     assert list(jaccard.layout.xaxis.range) == [-0.5, 0.5]  # the step there is, not an axis from -1 to 1
     # the key wraps at its dots, not inside an item, where a quarter-width panel would cut it
-    from kvviz.ui.app import compare_panel
+    from kvviz.ui.compare_views import compare_panel
     view = views["b"]
     view.pinned = (4, 0)
     title = compare_panel("b", view, [3]).layout.title.text
     assert title.endswith("dark kept · pale evicted</span><br><span style='font-size:10px'>"
                           "green protected · red followed</span>")
     # a label that wraps ("lazyeviction interval=16") no longer makes its panel taller than the others
-    from kvviz.ui.app import compare_panels
+    from kvviz.ui.compare_views import compare_panels
     long, short = compare_panels({"lazyeviction interval=16 threshold=2": view, "b": views["a"]}, [3])
     assert long.layout.title.text.count("<br>") > short.layout.title.text.count("<br>")
     assert long.layout.height == short.layout.height and long.layout.margin.t == short.layout.margin.t
@@ -1279,11 +1338,11 @@ def test_compare_marks_the_followed_tokens_on_each_retention_panel():
     assert len(views["a"].retention_figure().data) == 1  # the figure a run streams into stays unmarked
     assert list(kept.layout.yaxis.range) == [1.5, -0.5]  # the heatmap's rows, the triangles on its top edge
     # With nothing typed, the table lists the disputed tokens and the panels go back to unmarked.
-    note, table, *panels = compare_follow(views, "")
+    note, table, *panels = follow(views, "")
     assert table["value"]["#"].tolist() == [1, 3] and "Marked" not in note
     assert [len(panel["value"].data) for panel in panels[:2]] == [1, 1]
     # Before any comparison has ended, the panels (a run may be drawing them) are left alone.
-    assert compare_follow(None, "42")[2:] == (gr.skip(),) * 4
+    assert follow(None, "42")[2:] == [gr.skip()] * 4
 
 
 def test_compare_panels_share_their_position_and_step_ranges():
@@ -1291,7 +1350,7 @@ def test_compare_panels_share_their_position_and_step_ranges():
     the positions of the longer run, so a cell is one size across the row and the short run ends where it
     ended, not at the bottom of its panel."""
     from kvviz.trace import StepEvent
-    from kvviz.ui.app import compare_panels
+    from kvviz.ui.compare_views import compare_panels
 
     def run(steps: int) -> RunView:
         view = RunView(4, steps, 8, list("abcd"))
@@ -1313,14 +1372,16 @@ def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
     from the step it entered the cache; an empty field (the boundary entries, which change per step) marks
     nothing, and the figure a run streams into stays unmarked."""
     from kvviz.trace import StepEvent
-    from kvviz.ui.app import followed_views, scrub, step_views
+    from kvviz.ui.live_views import followed_views, scrub, step_views
 
     # prompt [a][b][c][d], budget 4: step 1 adds #4 ("x") and evicts #1; step 2 adds #5 and evicts #4
     view = RunView(4, 3, 4, ["a", "b", "c", "d"])
     view.add(StepEvent(0, 0, 0, "x", np.arange(4), np.empty(0, np.int64)), "x")
     view.add(StepEvent(1, 0, 0, "y", np.array([0, 2, 3, 4]), np.array([1])), "y")
     view.add(StepEvent(2, 0, 0, "z", np.array([0, 2, 3, 5]), np.array([4])), "z")
-    history, retention = followed_views(view, "#1, #4", 2)
+    tab = live_tab()
+    followed = followed_views(tab, view, "#1, #4", 2)
+    history, retention = followed[tab.history], followed[tab.retention]
     halo, line, top, cross = retention.data[1:]
     # a 1-px red line vanished on the kept cells' navy: it lies on a wider white one
     assert list(halo.x) == list(line.x) and halo.line.width > line.line.width and "255,255,255" in halo.line.color
@@ -1333,30 +1394,34 @@ def test_live_marks_the_typed_follow_tokens_on_its_retention_heatmap():
     # the step's line is not mistaken for a followed token's, nor for the green of protected entries
     assert STEP_MARKER_COLOR not in (line.line.color, "#2ca02c") and STEP_MARKER_COLOR not in FOLLOW_COLORS
     # scrubbing keeps the marks, at the step scrubbed to; nothing typed, nothing marked
-    scrubbed = scrub(view, 1, "#1")[0]
+    scrubbed = scrub(tab, view, 1, "#1")[tab.retention]
     assert list(scrubbed.data[2].x) == [1, 1, None]
     assert [shape.y0 for shape in scrubbed.layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [1]
-    assert len(scrub(view, 1, "")[0].data) == 1 and len(followed_views(view, "", 2)[1].data) == 1
-    assert "red followed" not in scrub(view, 1, "")[0].layout.title.text
+    assert len(scrub(tab, view, 1, "")[tab.retention].data) == 1
+    assert len(followed_views(tab, view, "", 2)[tab.retention].data) == 1
+    assert "red followed" not in scrub(tab, view, 1, "")[tab.retention].layout.title.text
     # at a run's end the views after it mark what was typed, and leave the heatmap alone without it
-    assert len(step_views(view, "#1", 2)[3].data) == 5 and step_views(view, "", 2)[3] == gr.skip()
+    assert len(step_views(tab, view, "#1", 2)[tab.retention].data) == 5
+    assert step_views(tab, view, "", 2)[tab.retention] == gr.skip()
     assert len(view.retention_figure().data) == 1
-    assert followed_views(None, "#1", 0) == (gr.skip(), gr.skip())
+    assert followed_views(tab, None, "#1", 0) == gr.skip()  # both outputs skipped
 
 
 def test_compare_lists_each_policys_stability_diagnostics(tiny):
     """The table beside the comparison holds, per policy, what diagnostics.summary gives for the same run
     made alone by kvviz.run (a shared prefill changes nothing), n/a where the policy records no such score."""
     from kvviz import diagnostics
-    from kvviz.ui.app import RAW_STEPS, compare_diagnostics, make_compare_handler
+    from kvviz.ui.common import RAW_STEPS
+    from kvviz.ui.compare_views import compare_diagnostics
+    from kvviz.ui.compare import make_compare_handler
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     model, tokenizer = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
-    *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova", "streaming"], "compression", 0.5, 0,
-                                            12, False)
-    table = compare_diagnostics(last[-3])["value"]
+    *_, last = make_compare_handler(limits, compare_tab())(TINY, PROMPT, ["inertia", "tova", "streaming"],
+                                                           "compression", 0.5, 0, 12, False)
+    table = compare_diagnostics(last[compare_tab().state])["value"]
     assert list(table.columns) == ["diagnostic", "inertia", "tova", "streaming"]  # a column per policy: no scrolling
     table = table.set_index("diagnostic")
     # The steps the raw rows average over: every one of the 11 decode steps, but none for StreamingLLM.
@@ -1378,25 +1443,27 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
 
 def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     """Following tokens while a comparison runs must not show the previous comparison's fates."""
-    from kvviz.ui.app import make_compare_handler
+    from kvviz.ui.compare import make_compare_handler
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     from kvviz.ui.tickets import Tickets
 
-    updates = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False)
+    tab = compare_tab()
+    updates = make_compare_handler(limits, tab)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 4, False)
     first = next(updates)  # an API call's first in its session: only its tickets, before the checks
-    assert isinstance(first[-1], Tickets) and all(u == {"__type__": "update"} for u in first[:-1])
-    assert next(updates)[-3:-1] == (None, None)  # the state outputs (views; inputs and note), before any step
+    assert list(first) == [tab.buttons.tickets] and isinstance(first[tab.buttons.tickets], Tickets)
+    start = next(updates)
+    assert (start[tab.state], start[tab.ran]) == (None, None)  # the state outputs (views; inputs and note), before any step
     *_, last = updates
-    assert set(last[-3]) == {"inertia", "tova"}
+    assert set(last[tab.state]) == {"inertia", "tova"}
     # what the page marks "earlier inputs" against: the inputs this run was given and its own note, which a
     # later click's comparison cannot have replaced
-    assert last[-2] == {"inputs": {"model": TINY, "prompt": PROMPT, "policies": ["inertia", "tova"],
-                                   "cache size by": "compression", "compression ρ": 0.5, "max new tokens": 4,
-                                   "chat template": False, "temperature": 0.0}, "note": last[8]}
-    assert last[8].startswith("**prompt**")
+    assert last[tab.ran] == {"inputs": {"model": TINY, "prompt": PROMPT, "policies": ["inertia", "tova"],
+                                        "cache size by": "compression", "compression ρ": 0.5, "max new tokens": 4,
+                                        "chat template": False, "temperature": 0.0}, "note": last[tab.divergence]}
+    assert last[tab.divergence].startswith("**prompt**")
 
 
 def test_the_probe_step_goes_no_further_than_a_run_may_decode(client):
@@ -1580,22 +1647,26 @@ def test_the_probe_names_a_ranking_that_is_mostly_one_tied_score(tiny, monkeypat
 def test_an_analysis_of_earlier_inputs_names_what_changed():
     """The probe's result after its prompt or policies changed: the note says which, the labels say so, and the
     inputs it ran on restore both; before any run there is nothing to mark."""
-    from kvviz.ui.app import Staleness
+    from kvviz.ui.common import Staleness
 
-    staleness = Staleness("probe", ["model", "prompt", "policies"], ["Ranking", "Blindspot"])
-    assert all(update == gr.update() for update in staleness.mark(None, "m", "p", ["a", "b"]))
+    with gr.Blocks():
+        outputs = [gr.Markdown(), gr.Dataframe(), gr.Plot()]
+    staleness = Staleness("probe", ["model", "prompt", "policies"], outputs[0],
+                          {outputs[1]: "Ranking", outputs[2]: "Blindspot"})
+    assert staleness.outputs == outputs
+    assert staleness.mark(None, "m", "p", ["a", "b"]) == gr.skip()  # every output left as it is
     state = staleness.remember("m", "p", ["a", "b"], "40 entries probed")
-    note, table, plot = staleness.mark(state, "m", "p2", ["a", "c"])
+    note, table, plot = outputs_of(staleness.mark(state, "m", "p2", ["a", "c"]), outputs)
     assert note == ("**Earlier inputs: the prompt, policies changed since this probe ran; run it again for the "
                     "current ones.** 40 entries probed")
     assert table["label"] == "Ranking (earlier inputs)" and plot["label"] == "Blindspot (earlier inputs)"
     assert "visible" not in plot  # the blindspot stays hidden where the probe had none
-    assert staleness.mark(state, "m", "p", ["a", "b"]) == ("40 entries probed", gr.update(label="Ranking"),
-                                                            gr.update(label="Blindspot"))
+    assert outputs_of(staleness.mark(state, "m", "p", ["a", "b"]), outputs) == [
+        "40 entries probed", gr.update(label="Ranking"), gr.update(label="Blindspot")]
 
 
 def test_the_prompt_size_shows_before_a_run(tiny):
-    from kvviz.ui.app import make_prompt_counter
+    from kvviz.ui.common import make_prompt_counter
     from kvviz.ui.checks import _models
 
     count = make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=50))
@@ -1796,7 +1867,7 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
     """A GPU deployment runs bfloat16 models: the app must load them so and decode as the library does."""
     import torch
 
-    from kvviz.ui.app import make_live_handler
+    from kvviz.ui.live import make_live_handler
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models, get_model
 
     name = "tiny-random-qwen2"
@@ -1806,12 +1877,12 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
         model, tokenizer = get_model(limits, name)
         assert model.dtype == torch.bfloat16 and get_model(limits, name)[0] is model  # loaded once
         defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
-        *_, last = make_live_handler(limits)(name, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY,
+        *_, last = make_live_handler(limits, live_tab())(name, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY,
                                              *defaults, "", None)
         expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
-        assert last[0] == expected.text
-        assert [e.kept.tolist() for e in last[9].events] == [e.kept.tolist() for e in expected.trace.events]
-        assert kvviz.Trace.load(last[7]["value"]).dtype == "bfloat16"  # the download says how it decoded
+        assert last[live_tab().text] == expected.text
+        assert [e.kept.tolist() for e in last[live_tab().view_state].events] == [e.kept.tolist() for e in expected.trace.events]
+        assert kvviz.Trace.load(last[live_tab().download]["value"]).dtype == "bfloat16"  # the download says how it decoded
     finally:
         _models.pop(name, None)
 
@@ -1822,24 +1893,24 @@ GREEDY = (0.0, 0.95, 0)  # the Sampling widgets as the page starts: temperature 
 def test_a_one_token_run_says_why_its_cache_is_over_budget_and_offers_no_scrubber(tiny):
     """One new token is the prefill alone: no decode step ran, so nothing was evicted yet (InertiaKV evicts
     at every step) and there is no step to scrub to.  The stats line counts allocated memory as such."""
-    from kvviz.ui.app import make_live_handler
+    from kvviz.ui.live import make_live_handler
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
-    *_, last = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 1, False, *GREEDY,
+    *_, last = make_live_handler(limits, live_tab())(TINY, PROMPT, "inertia", "compression", 0.5, 0, 1, False, *GREEDY,
                                          *defaults, "", None)
-    stats, slider = last[1], last[6]
+    stats, slider = last[live_tab().stats], last[live_tab().step_slider]
     assert "(over B: no decode step ran, and eviction starts at the first, or at a checkpoint)" in stats
     assert "does not evict" not in stats
     assert slider["visible"] is False
-    *_, last = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, *GREEDY,
+    *_, last = make_live_handler(limits, live_tab())(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, *GREEDY,
                                          *defaults, "", None)
-    assert "over B" not in last[1] and last[6]["visible"] is True and last[6]["maximum"] == 3
+    assert "over B" not in last[live_tab().stats] and last[live_tab().step_slider]["visible"] is True and last[live_tab().step_slider]["maximum"] == 3
     assert "**decode** – (no decode step)" in stats
-    bytes_ = last[9].events[-1].cache_bytes
-    assert f"entries, {bytes_ / 2**20:.2f} MiB allocated" in last[1]
+    bytes_ = last[live_tab().view_state].events[-1].cache_bytes
+    assert f"entries, {bytes_ / 2**20:.2f} MiB allocated" in last[live_tab().stats]
 
 
 def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
@@ -1894,18 +1965,21 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monk
     no chat template); Run with those controls makes the same tokens and keep sets.  A trace recorded from
     token ids has no prompt text: its ids' text is used, and reads back as the same ids.  A trace of a model
     not served here is refused, naming how to serve it."""
-    from kvviz.ui.app import make_live_handler, make_reuse_handler
+    from kvviz.ui.live import make_live_handler
+    from kvviz.ui.traces import TraceReuse
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     _models[TINY] = tiny
     model, tokenizer = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     widgets = {**{name: PARAMETERS[name]["default"] for name in PARAM_NAMES}, "alpha": 0.3, "refresh": 2}
-    *_, ran = make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.6, 0, 9, False, 0.7, 0.9, 3,
+    *_, ran = make_live_handler(limits, live_tab())(TINY, PROMPT, "inertia", "compression", 0.6, 0, 9, False, 0.7, 0.9, 3,
                                         *widgets.values(), "", None)
-    saved = ran[7]["value"]
+    saved = ran[live_tab().download]["value"]
+    reuse = TraceReuse(limits, live_tab())
+    settings_of = positional(reuse.settings, reuse.outputs)  # the controls, as reuse.outputs lists them
     model_name, prompt, chat, policy, mode, rho, budget, max_new, temperature, top_p, seed, description, *params = \
-        make_reuse_handler(limits)(saved)
+        settings_of(saved)
     assert (model_name, prompt, chat, policy, mode, rho["value"], max_new) == \
         (TINY, PROMPT, False, "inertia", "compression", 0.6, 9)
     assert (temperature, top_p, seed) == (0.7, 0.9, 3) and rho["visible"] and not budget["visible"]
@@ -1914,9 +1988,9 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monk
     assert shown == {name: widgets[name] for name in own}  # InertiaKV's own, at the trace's values, shown
     assert "`alpha` = **0.3**" in description and "`refresh` = **2**" in description
     held = [update.get("value", widgets[name]) for name, update in zip(PARAM_NAMES, params)]  # others as they were
-    *_, again = make_live_handler(limits)(model_name, prompt, policy, mode, rho["value"], budget.get("value"),
+    *_, again = make_live_handler(limits, live_tab())(model_name, prompt, policy, mode, rho["value"], budget.get("value"),
                                           max_new, chat, temperature, top_p, seed, *held, "", None)
-    first, second = kvviz.Trace.load(saved), kvviz.Trace.load(again[7]["value"])
+    first, second = kvviz.Trace.load(saved), kvviz.Trace.load(again[live_tab().download]["value"])
     assert second.token_ids == first.token_ids and second.params == first.params
     assert [e.kept.tolist() for e in second.events] == [e.kept.tolist() for e in first.events]
 
@@ -1925,7 +1999,7 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monk
     assert library.trace.prompt == "" and library.trace.chat is None
     library.trace.model = TINY
     library.trace.save(tmp_path / "ids.parquet")
-    outputs = make_reuse_handler(limits)(str(tmp_path / "ids.parquet"))
+    outputs = settings_of(str(tmp_path / "ids.parquet"))
     assert outputs[2] is False and outputs[4] == "budget" and outputs[6]["value"] == 20
     assert kvviz.engine.encode_prompt(tokenizer, outputs[1], chat=False) == ids
     # sampled hotter than the app allows (the library takes any temperature): set to the most, and said
@@ -1933,21 +2007,20 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monk
     library.trace.save(tmp_path / "hot.parquet")
     warnings = []
     monkeypatch.setattr(gr, "Warning", warnings.append)
-    assert make_reuse_handler(limits)(str(tmp_path / "hot.parquet"))[8:11] == (2.0, 0.9, 1)
+    assert settings_of(str(tmp_path / "hot.parquet"))[8:11] == [2.0, 0.9, 1]
     assert warnings == ["hot.parquet sampled at temperature 3; 2 is the most allowed here, and the rerun is set "
                         "to that"]
     library.trace.model = "someone/other-model"
     library.trace.save(tmp_path / "other.parquet")
-    reuse_settings = make_reuse_handler(limits)
-    for step in (reuse_settings.check, reuse_settings):  # the page's check (no outputs), and the handler itself
+    for step in (reuse.check, reuse.settings):  # the page's check (no outputs), and the handler itself
         with pytest.raises(gr.Error, match="ran on someone/other-model, which is not served here; start the app "
                                            "with `kvviz serve --models someone/other-model`"):
             step(str(tmp_path / "other.parquet"))
     library.trace.model, library.trace.policy = TINY, "thinkv"
     library.trace.save(tmp_path / "policy.parquet")
     with pytest.raises(gr.Error, match="ran policy 'thinkv', which this version does not have; choose one of"):
-        reuse_settings.check(str(tmp_path / "policy.parquet"))
-    assert reuse_settings.check(saved) is None  # a trace it can rerun passes silently
+        reuse.check(str(tmp_path / "policy.parquet"))
+    assert reuse.check(saved) is None  # a trace it can rerun passes silently
 
 
 def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, tiny):
@@ -1971,7 +2044,7 @@ def test_compare_tab_shows_each_policys_own_run_and_where_they_diverge(client, t
 
 def outputs_alone(view):
     """The layout of ``view``'s Compare panel as the only panel, titled 'tova'."""
-    from kvviz.ui.app import compare_panels
+    from kvviz.ui.compare_views import compare_panels
 
     return compare_panels({"tova": view})[0].layout
 
@@ -1981,14 +2054,15 @@ def test_a_long_settings_label_wraps_in_its_panels_title():
     'avokv interval=16': a label wraps at its spaces, and every panel of the comparison grows by the lines the
     longest title takes, so that their plots stay in line."""
     from kvviz.trace import StepEvent
-    from kvviz.ui.app import _compare_outputs
+    from kvviz.ui.compare import compare_outputs
 
     views = {}
     for name in ("tova", "avokv interval=16 normalise=false"):
         view = views[name] = RunView(6, 3, 4, list("abcdef"))
         view.add(StepEvent(0, 0, 0, "!", np.arange(6), np.empty(0, np.int64), np.zeros(6, np.float32)), "!")
-    outputs = _compare_outputs(list(views), {name: "" for name in views}, views, figures=True, final=False)
-    short, long = (outputs[4 + i]["value"].layout for i in range(2))
+    tab = compare_tab()
+    outputs = compare_outputs(tab, list(views), {name: "" for name in views}, views, figures=True, final=False)
+    short, long = (outputs[fig]["value"].layout for fig in tab.figs[:2])
     assert short.title.text.split("<br>")[0] == "tova"
     assert long.title.text.split("<br>")[:2] == ["avokv interval=16", "normalise=false"]
     assert long.height == short.height and long.margin.t == short.margin.t  # in line with each other
@@ -1998,12 +2072,14 @@ def test_a_long_settings_label_wraps_in_its_panels_title():
 def test_every_comparison_from_the_papers_runs_at_the_tabs_defaults(tiny):
     """Two to four distinct policies (distinct as policies, not only as labels), each accepted by the check
     on the tab's own example and settings, so that picking one and pressing Compare runs."""
-    from kvviz.ui.app import COMPARISONS, EXAMPLES, make_compare_check
+    from kvviz.ui.presets import COMPARISONS
+    from kvviz.tasks.examples import EXAMPLES
+    from kvviz.ui.compare import CompareChecks
     from kvviz.ui.checks import compare_settings
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
-    check = make_compare_check(Limits(models=(TINY,), max_prompt_tokens=4096, max_new_tokens=512))
+    check = CompareChecks(Limits(models=(TINY,), max_prompt_tokens=4096, max_new_tokens=512), compare_tab()).check
     for name, entries in COMPARISONS.items():
         settings = compare_settings(entries)
         assert list(settings) == entries, name  # each entry is its own canonical label: none repeats another
@@ -2041,66 +2117,70 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
 
 
 def test_downloads_keep_only_the_newest_folders(monkeypatch, tmp_path):
-    import kvviz.ui.app as app
+    from kvviz.ui import common
 
-    monkeypatch.setattr(app, "DOWNLOADS", tmp_path)
-    monkeypatch.setattr(app, "KEEP_DOWNLOADS", 3)
-    made = [app.download_folder() for _ in range(5)]
+    monkeypatch.setattr(common, "DOWNLOADS", tmp_path)
+    monkeypatch.setattr(common, "KEEP_DOWNLOADS", 3)
+    made = [common.download_folder() for _ in range(5)]
     assert sorted(tmp_path.iterdir()) == sorted(made[-3:])  # the two oldest went
 
 
 def test_a_comparison_whose_download_fails_still_shows_everything(tiny, monkeypatch):
     """Saving the traces is the last step: a full disk (or any failure there) costs the download only."""
-    import kvviz.ui.app as app
-    from kvviz.ui import checks
+    from kvviz.ui import checks, compare
 
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
     checks._models[TINY] = tiny
-    monkeypatch.setattr(app, "save_comparison", full_disk)
+    monkeypatch.setattr(compare, "save_comparison", full_disk)
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
-    *_, last = app.make_compare_handler(limits)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6, False)
-    assert list(last[-3]) == ["inertia", "tova"] and last[-4] == {"__type__": "update"}  # state, no download
-    assert "vs **inertia**" in last[8]
+    tab = compare_tab()
+    *_, last = compare.make_compare_handler(limits, tab)(TINY, PROMPT, ["inertia", "tova"], "compression", 0.5, 0, 6,
+                                                         False)
+    assert list(last[tab.state]) == ["inertia", "tova"] and tab.download not in last  # state, no download
+    assert "vs **inertia**" in last[tab.divergence]
 
 
 def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_download(tiny):
-    from kvviz.ui.app import Progress, compare_diagnostics, compare_fates, make_compare_handler, make_open_handler, \
-        save_comparison
+    from kvviz.ui.common import Progress
+    from kvviz.ui.compare_views import compare_diagnostics, compare_fates
+    from kvviz.ui.compare import make_compare_handler, save_comparison
+    from kvviz.ui.traces import make_open_handler
     from kvviz.ui.checks import Request, _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
-    *_, last = make_compare_handler(limits)(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], "compression", 0.5, 0,
-                                            8, False)
-    assert list(last[-3]) == ["inertia", "inertia alpha=0.3"]
-    view_len = last[-3]["inertia"].prompt_len
-    assert list(compare_diagnostics(last[-3])["value"].columns)[1:] == ["inertia", "inertia alpha=0.3"]
+    tab = compare_tab()
+    *_, last = make_compare_handler(limits, tab)(TINY, PROMPT, ["inertia", "inertia alpha=0.3"], "compression", 0.5,
+                                                 0, 8, False)
+    assert list(last[tab.state]) == ["inertia", "inertia alpha=0.3"]
+    view_len = last[tab.state]["inertia"].prompt_len
+    assert list(compare_diagnostics(last[tab.state])["value"].columns)[1:] == ["inertia", "inertia alpha=0.3"]
     # The download: one trace per setting, in order, each the policy it is labelled as, with its own run.
     import zipfile
 
     from kvviz.policies import setting_label
 
-    with zipfile.ZipFile(last[-4]["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
+    with zipfile.ZipFile(last[tab.download]["value"]) as bundle, tempfile.TemporaryDirectory() as folder:
         assert bundle.namelist() == ["1-inertia.parquet", "2-inertia_alpha=0.3.parquet"]
         bundle.extractall(folder)
         traces = [kvviz.Trace.load(Path(folder) / name) for name in bundle.namelist()]
-        opened = make_open_handler(limits)(str(Path(folder) / "2-inertia_alpha=0.3.parquet"))  # in the Live tab
+        opened = make_open_handler(limits, live_tab())(str(Path(folder) / "2-inertia_alpha=0.3.parquet"))  # in the Live tab
         # a label longer than a file name may be is cut in its name (the index keeps names unique)
         long_label = "inertia layers=" + ",".join(["0"] * 200)
         run = Progress.start(Request(tiny[0], tiny[1], [0] * view_len, 4, 8), TINY,
                              {long_label: kvviz.make_policy("inertia")}, [])
-        run.views[long_label] = last[-3]["inertia"]
+        run.views[long_label] = last[tab.state]["inertia"]
         archive = save_comparison(run)
         with zipfile.ZipFile(archive) as long_names:
             assert [len(name) for name in long_names.namelist()] == [len("1-") + 80 + len(".parquet")]
-        assert "**opened** 2-inertia_alpha=0.3.parquet: `inertia` (alpha=0.3" in opened[1]
-    assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[-3])
-    for trace, view in zip(traces, last[-3].values()):
+        assert "**opened** 2-inertia_alpha=0.3.parquet: `inertia` (alpha=0.3" in opened[live_tab().stats]
+    assert [setting_label(kvviz.make_policy(t.policy, **t.params)) for t in traces] == list(last[tab.state])
+    for trace, view in zip(traces, last[tab.state].values()):
         assert [e.kept.tolist() for e in trace.events] == [e.kept.tolist() for e in view.events]
         assert trace.prompt_len == view.prompt_len and trace.dtype == "float32" and trace.model == TINY
-    columns = list(compare_fates(last[-3], "#0-3")[1]["value"].columns)
+    columns = list(compare_fates(last[tab.state], "#0-3")[1]["value"].columns)
     assert columns[2].startswith("inertia (to step") and columns[3].startswith("inertia alpha=0.3 (to step")
 
 
@@ -2303,13 +2383,18 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     shown), 160 new tokens and T = 0.6, top-p 0.95: the comparison is accepted, and AvoKV-E evicts nothing
     until generation fills B, then cuts at its checkpoints.  Other presets set their policies alone."""
     from kvviz.policies import build_setting
-    from kvviz.ui.app import COMPARISONS, EXAMPLES, REASONING_PRESETS, make_preset_handler
+    from kvviz.ui.presets import COMPARISONS, REASONING_PRESETS, make_preset_handler
+    from kvviz.tasks.examples import EXAMPLES
     from kvviz.ui.checks import _models, validate
 
     _models[TINY] = tiny
     model, tokenizer = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=300)
-    chosen = make_preset_handler(limits)
+    tab = compare_tab()
+    chosen = positional(make_preset_handler(limits, tab), [tab.policies, tab.prompt, tab.settings.mode,
+                                                           tab.settings.budget, tab.settings.max_new,
+                                                           tab.settings.temperature, tab.settings.top_p,
+                                                           tab.preset_note])
     assert len(REASONING_PRESETS) == 2
     name = REASONING_PRESETS[0]
     policies, prompt, mode, budget, new_tokens, temperature, top_p, note = chosen(name, TINY, EXAMPLES["Four-key needle"],
@@ -2318,7 +2403,7 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     assert (policies, prompt, mode, budget) == (COMPARISONS[name], EXAMPLES["Short reasoning"], "budget", prompt_len + 32)
     assert (new_tokens, temperature, top_p) == (160, 0.6, 0.95) and f"B = {prompt_len + 32}" in note
     # Edited by hand afterwards, the note says what no longer holds against what the preset set; set back, its own
-    from kvviz.ui.app import preset_note_after_edit, preset_regime
+    from kvviz.ui.presets import preset_note_after_edit, preset_regime
     after = [TINY, prompt, True, mode, budget, new_tokens, temperature, top_p]
     regime = preset_regime(note, *after)
 
@@ -2346,19 +2431,19 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     assert cut and cut[0] > 32 and max(event.cache_size for event in run.trace.events) <= budget + 15
     # the user's own prompt stays, and B is sized to it; a preset of InertiaKV's sets its policies alone
     own = "Explain, step by step, why the sky is blue."
-    assert chosen(name, TINY, own, False)[1:4] == (
-        own, "budget", len(kvviz.engine.encode_prompt(tokenizer, own, chat=False)) + 32)
+    assert chosen(name, TINY, own, False)[1:4] == [
+        own, "budget", len(kvviz.engine.encode_prompt(tokenizer, own, chat=False)) + 32]
     inertia = list(COMPARISONS)[0]
-    assert chosen(inertia, TINY, own, False) == (COMPARISONS[inertia], gr.skip(), "compression", *(gr.skip(),) * 4,
-                                                 "")
+    assert chosen(inertia, TINY, own, False) == [COMPARISONS[inertia], gr.skip(), "compression", *(gr.skip(),) * 4,
+                                                 ""]
     # after an AvoKV-E preset, InertiaKV's undoes what that set (and only that: 3000 tokens the user chose stay)
     undone = chosen(inertia, TINY, prompt, True, mode, new_tokens, temperature, top_p)
-    assert undone[:7] == (COMPARISONS[inertia], EXAMPLES["Four-key needle"], "compression", gr.skip(), 48, 0.0,
-                          gr.skip())
+    assert undone[:7] == [COMPARISONS[inertia], EXAMPLES["Four-key needle"], "compression", gr.skip(), 48, 0.0,
+                          gr.skip()]
     assert undone[7] == ("*Back to the prompt-compression regime InertiaKV runs: the cache sized by compression ρ, "
                          "the four-key needle prompt, 48 new tokens, greedy decoding, as the tab starts.*")
-    assert chosen(inertia, TINY, own, False, "budget", 3000, 0.6, 0.95)[1:7] == (
-        gr.skip(), "compression", gr.skip(), gr.skip(), 0.0, gr.skip())
+    assert chosen(inertia, TINY, own, False, "budget", 3000, 0.6, 0.95)[1:7] == [
+        gr.skip(), "compression", gr.skip(), gr.skip(), 0.0, gr.skip()]
 
 
 def test_a_budget_above_the_prompt_evicts_once_generation_fills_it(client, tiny):
@@ -2406,19 +2491,19 @@ def test_retention_figure_outlines_sinks_and_the_protected_tail(tiny):
 
 
 def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(tiny):
-    from kvviz.ui.app import _show_parameters
     from kvviz.ui.checks import _models
 
     _models[TINY] = tiny  # the app's cache of loaded models (3 layers)
-    description = _show_parameters("inertia", TINY)[0]
+    controls = live_tab().controls  # the policy picked: its description, and its parameters shown
+    description = controls.show("inertia", TINY)[controls.description]
     assert "0.512" in description  # 0.8 ** 3
-    assert "0.8" in _show_parameters("inertia-decoupled", TINY)[0].split("Previous-step weight on")[1]
+    assert "0.8" in controls.show("inertia-decoupled", TINY)[controls.description].split("Previous-step weight on")[1]
     # With alpha changed in its widget the weight follows: 0.3 ** 3 = 0.027.
-    from kvviz.ui.app import _describe
+    from kvviz.ui.controls import describe
     from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     widgets = [0.3 if name == "alpha" else PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    assert "**0.027**" in _describe("inertia", TINY, *widgets)
+    assert "**0.027**" in describe("inertia", TINY, *widgets)
 
 
 def test_an_empty_seed_is_refused_when_sampling_and_ignored_when_greedy():
@@ -2474,21 +2559,22 @@ def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeyp
     """Between the clearing update and the finished run, the Live tab sends the text only when TEXT_EVERY_S
     has passed (figures held back to the end by figures_per_second=0): at 0 once per token (the prefill's and
     the 24 decode steps'), at infinity never, and the finished run still shows all of it, figures included."""
-    from kvviz.ui import app, checks
+    from kvviz.ui import checks, common, live
 
-    monkeypatch.setattr(app, "TEXT_EVERY_S", text_every_s)
+    monkeypatch.setattr(common, "TEXT_EVERY_S", text_every_s)
     checks._models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=25, figures_per_second=0)
     defaults = [checks.PARAMETERS[p]["default"] for p in checks.PARAM_NAMES]
-    outputs = list(app.make_live_handler(limits)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 25, False, *GREEDY,
-                                                 *defaults, "", None))
+    tab = live_tab()
+    outputs = list(live.make_live_handler(limits, tab)(TINY, PROMPT, "inertia", "compression", 0.5, 0, 25, False,
+                                                       *GREEDY, *defaults, "", None))
     streamed = outputs[2:-1]  # after the API call's session holder and the clear, before the finished run
-    assert len(streamed) == text_updates and all(isinstance(out[0], str) for out in streamed)
-    assert [len(out[0]) for out in streamed] == sorted(len(out[0]) for out in streamed)  # the text only grows
-    final = outputs[-1][0]
-    assert final.startswith(streamed[-1][0] if streamed else "") and final
-    assert all(out[2] == {"__type__": "update"} for out in streamed)  # no figure while streaming
-    assert outputs[-1][2].data[0].type == "heatmap"
+    assert len(streamed) == text_updates and all(isinstance(out[tab.text], str) for out in streamed)
+    assert [len(out[tab.text]) for out in streamed] == sorted(len(out[tab.text]) for out in streamed)  # the text only grows
+    final = outputs[-1][tab.text]
+    assert final.startswith(streamed[-1][tab.text] if streamed else "") and final
+    assert all(list(out) == [tab.text] for out in streamed)  # no figure while streaming: the text alone
+    assert outputs[-1][tab.retention].data[0].type == "heatmap"
 
 
 def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_stats(tiny, tmp_path):
@@ -2497,7 +2583,8 @@ def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_st
     checkpoint); a trace of one, opened (e.g. from `kvviz generate`), says why its cache was not cut.  A
     24-token run is cut, and says nothing."""
     from kvviz import engine
-    from kvviz.ui import app, checks
+    from kvviz.ui import checks, traces
+    from kvviz.ui.live import make_live_handler
 
     checks._models[TINY] = tiny
     prompt_len = len(engine.encode_prompt(tiny[1], PROMPT, chat=False))
@@ -2505,16 +2592,16 @@ def test_a_checkpointed_run_that_never_reached_a_checkpoint_says_so_under_its_st
     widgets = {name: checks.PARAMETERS[name]["default"] for name in checks.PARAM_NAMES} | {"interval": 16, "delay": 8}
 
     def live(new_tokens):
-        return app.make_live_handler(limits)(TINY, PROMPT, "avokv", "budget", 0.9, prompt_len - 2, new_tokens,
-                                             False, *GREEDY, *widgets.values(), "", None)
+        return make_live_handler(limits, live_tab())(TINY, PROMPT, "avokv", "budget", 0.9, prompt_len - 2, new_tokens,
+                                                     False, *GREEDY, *widgets.values(), "", None)
 
     with pytest.raises(gr.Error, match="the first here would be at step 14, after this run's last step \\(7\\)"):
         list(live(8))
-    assert "no checkpoint" not in [*live(24)][-1][1]
+    assert "no checkpoint" not in [*live(24)][-1][live_tab().stats]
     run = kvviz.run(*tiny, PROMPT, kvviz.make_policy("avokv", interval=16, delay=8), chat=False,
                     budget=prompt_len - 2, max_new_tokens=8)
     run.trace.save(tmp_path / "short.parquet")
-    stats = app.make_open_handler(limits)(str(tmp_path / "short.parquet"))[1]
+    stats = traces.make_open_handler(limits, live_tab())(str(tmp_path / "short.parquet"))[live_tab().stats]
     assert stats.endswith("*no checkpoint reached: avokv evicts every 16 generated tokens, first at step 14 "
                           "here, and this run ended at step 7; the cache was not cut*")
 
@@ -2525,7 +2612,7 @@ def test_an_opened_traces_views_are_sized_by_what_it_generated_not_by_a_number_i
     import pyarrow.parquet as pq
 
     from kvviz.trace import Trace
-    from kvviz.ui import app, checks
+    from kvviz.ui import checks, traces
 
     checks._models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30)
@@ -2536,22 +2623,22 @@ def test_an_opened_traces_views_are_sized_by_what_it_generated_not_by_a_number_i
         pq.write_table(table.replace_schema_metadata({b"kvviz": json.dumps({**meta, "max_new_tokens": asked})}),
                        tmp_path / "edited.parquet")
         trace = Trace.load(tmp_path / "edited.parquet")
-        assert len(trace.events) == 6 and app.opened_length(trace, limits) == expected
-    outputs = app.make_open_handler(limits)(str(tmp_path / "edited.parquet"))
-    assert "opened" in outputs[1]
+        assert len(trace.events) == 6 and traces.opened_length(trace, limits) == expected
+    outputs = traces.make_open_handler(limits, live_tab())(str(tmp_path / "edited.parquet"))
+    assert "opened" in outputs[live_tab().stats]
     # A trace longer than any run here is refused before its views are built: they grow with steps x positions
     small = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=4)
     message = (r"run.parquet has a \d+-token prompt and 5 decode steps; this app opens traces of up to 400 prompt "
                r"tokens and 4 steps \(KVVIZ_MAX_PROMPT_TOKENS, KVVIZ_MAX_NEW_TOKENS\): read it with `kvviz trace "
                "FILE`, or serve with larger limits")
     with pytest.raises(gr.Error, match=message):
-        app.check_trace(str(tmp_path / "run.parquet"), small)
+        traces.check_trace(str(tmp_path / "run.parquet"), small)
     with pytest.raises(gr.Error, match=message):
-        app.make_open_handler(small)(str(tmp_path / "run.parquet"))
+        traces.make_open_handler(small, live_tab())(str(tmp_path / "run.parquet"))
     short = Limits(models=(TINY,), max_prompt_tokens=10, max_new_tokens=30)
     with pytest.raises(gr.Error, match="this app opens traces of up to 10 prompt tokens"):
-        app.make_open_handler(short)(str(tmp_path / "run.parquet"))
-    assert app.check_trace(str(tmp_path / "run.parquet"), limits) is None
+        traces.make_open_handler(short, live_tab())(str(tmp_path / "run.parquet"))
+    assert traces.check_trace(str(tmp_path / "run.parquet"), limits) is None
 
 
 def test_loading_one_model_holds_up_no_session_using_another(tiny, monkeypatch):
@@ -2587,10 +2674,10 @@ def test_loading_one_model_holds_up_no_session_using_another(tiny, monkeypatch):
 
 
 def test_the_prompt_counter_says_what_is_wrong_instead_of_failing(tiny):
-    from kvviz.ui import app, checks
+    from kvviz.ui import checks, common
 
     checks._models[TINY] = tiny
-    count = app.make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=400))
+    count = common.make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=400))
     assert count(TINY, "half an emoji \ud83d", False) == ("*the prompt has a broken character at position 14 (half of "
                                                           "a pair, e.g. of an emoji cut in two); delete it or paste the "
                                                           "text again*")
@@ -2638,7 +2725,7 @@ def test_titles_break_into_lines_a_plot_in_a_1000_px_window_holds():
 
 
 def test_stop_while_a_model_loads_replaces_the_loading_line_and_leaves_other_notes():
-    from kvviz.ui.app import loading_note, stopped_while_loading
+    from kvviz.ui.common import loading_note, stopped_while_loading
 
     repeats = "*Run once: `tova` is given twice.*"
     assert stopped_while_loading(f"{repeats}\n\n{loading_note('some-model')}") == \
@@ -2651,7 +2738,7 @@ def test_stop_while_a_model_loads_replaces_the_loading_line_and_leaves_other_not
 def test_the_comparison_states_its_prompt_budget_and_the_cache_each_policy_reached(tiny):
     """L0 and B, which the Compare tab showed nowhere, and each cache's largest size while decoding: TOVA
     holds B, SnapKV (prefill-time) grows by each of the 5 tokens fed back."""
-    from kvviz.ui.app import divergence_markdown
+    from kvviz.ui.compare_views import divergence_markdown
 
     model, tokenizer = tiny
     views = {}
@@ -2666,7 +2753,7 @@ def test_the_comparison_states_its_prompt_budget_and_the_cache_each_policy_reach
 
 
 def test_the_diagnostics_table_explains_n_a_only_where_a_row_reads_n_a(tiny):
-    from kvviz.ui.app import diagnostics_markdown
+    from kvviz.ui.live_views import diagnostics_markdown
 
     model, tokenizer = tiny
     inertia = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=20, max_new_tokens=6).trace
@@ -2698,7 +2785,8 @@ def test_coming_back_to_the_live_tab_counts_the_prompt_once_another_tab_loaded_t
 def test_the_compare_tab_counts_its_prompt_like_the_live_tab(tiny):
     """Compare's B is a share of its prompt too: its prompt's token count shows under it, as the prompt, the
     model or the chat template change, and when the tab is opened."""
-    from kvviz.ui.app import EXAMPLES, build_app
+    from kvviz.tasks.examples import EXAMPLES
+    from kvviz.ui.app import build_app
     from kvviz.ui.checks import _models
 
     app = build_app(Limits(models=(TINY,)))
@@ -2725,7 +2813,7 @@ def test_the_tokens_by_fate_carry_their_colour_key():
 def test_a_typed_setting_the_registry_refuses_is_said_when_it_is_entered():
     """Not only at the next Compare: the newest entry of the Policies box is checked as it comes, and the
     preset box stops naming a comparison the list no longer is."""
-    from kvviz.ui.app import COMPARISONS, policies_edited
+    from kvviz.ui.presets import COMPARISONS, policies_edited
 
     preset, entries = next(iter(COMPARISONS.items()))
     with pytest.warns(UserWarning, match=r"alpha must be between 0.0 and 1.0, got '2' \(in the Policies box"):
@@ -2747,7 +2835,7 @@ def test_a_typed_setting_the_registry_refuses_is_said_when_it_is_entered():
 def test_a_full_policies_box_says_why_it_takes_no_fifth():
     """The box takes four chips at most and drops a fifth typed entry unsaid: from the fourth on a line under it
     says so, gone again once one is removed."""
-    from kvviz.ui.app import policies_full_note
+    from kvviz.ui.presets import policies_full_note
 
     for entries in (None, [], ["inertia", "tova"], ["inertia", "tova", "streaming"]):
         assert policies_full_note(entries) == {"__type__": "update", "value": "", "visible": False}
@@ -2759,7 +2847,7 @@ def test_long_legends_and_messages_go_under_the_plot_a_line_each():
     """Four long settings' Jaccard pairs beside the plot left it 60 px wide at 1000 px, and a followed
     number's 14 tokens in rows of three ran over the token history's x title: both legends now list an entry a
     line under the plot, the figure growing by a line each; a long message in an empty figure is broken."""
-    from kvviz.ui.app import jaccard_figure
+    from kvviz.ui.compare_views import jaccard_figure
     from kvviz.ui.figures import LEGEND_LINE, TITLE_12_CHARS, _empty_figure
 
     names = ["avokv interval=16", "avokv interval=16 lambda_b=0", "avokv interval=16 delay=8",
@@ -2779,7 +2867,7 @@ def test_long_legends_and_messages_go_under_the_plot_a_line_each():
 def test_a_live_run_is_marked_as_the_earlier_inputs_once_they_change():
     """The Live tab's stats name the inputs changed since its run (as the Compare tab marks a comparison), only
     those that decide the run; set back, the stats are the run's own; a refused click's note is left alone."""
-    from kvviz.ui.app import NOT_RUN, earlier_run_note, run_inputs
+    from kvviz.ui.live import NOT_RUN, earlier_run_note, run_inputs
 
     ran_on = (TINY, PROMPT, "inertia", "compression", 0.9, 256, 48, False, 0.0, 0.95, 0, 0.8, 4)
     ran = {"inputs": run_inputs(*ran_on), "note": "**run** `inertia`"}
@@ -2856,10 +2944,10 @@ def test_every_endpoint_argument_of_a_wrong_type_is_refused_by_name(client, capl
 def test_a_deployment_on_the_static_backend_streams_the_engines_events_and_refuses_what_it_cannot_run(tiny):
     """KVVIZ_BACKEND=static (what "auto" takes on a GPU) on this CPU: /generate's stream is the engine's,
     step for step, and a policy the static step cannot run is refused before the run, naming why."""
-    from kvviz.ui import app, checks
+    from kvviz.ui import api, checks
 
     checks._models[TINY] = tiny
-    generate = {backend: app.make_generate_api(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30,
+    generate = {backend: api.make_generate_api(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30,
                                                       backend=backend))
                 for backend in ("engine", "static")}
     for policy in ("tova", "inertia-lazy"):

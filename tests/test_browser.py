@@ -115,7 +115,7 @@ def test_run_watch_scrub(page):
     assert len(final) >= len(first) and final  # text appeared and grew
     # What the page shows is the run itself: the app's defaults (InertiaKV, its ρ), chat template off.
     import kvviz
-    from kvviz.ui.app import LIVE_COMPRESSION
+    from kvviz.ui.live import LIVE_COMPRESSION
 
     model, tokenizer = kvviz.load_model(TINY)
     run = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=LIVE_COMPRESSION, max_new_tokens=48)
@@ -237,10 +237,10 @@ def test_run_right_after_stop_runs_once_the_stopped_run_has_shown_itself(page, m
     """Stop, then Run while the stopped run still shows what it ran (held open here until the click has come,
     as a long run's figures and trace take a while): the click is not dropped; its run waits for that, then
     goes to its end with the inputs as they are then."""
-    from kvviz.ui import app, tickets
+    from kvviz.ui import live, tickets
 
     clicked, before = [], set()
-    monkeypatch.setattr(app, "live_result", held_open(app.live_result, clicked, before))
+    monkeypatch.setattr(live, "live_result", held_open(live.live_result, clicked, before))
     page.get_by_role("tab", name="Live").click()
     start_a_long_run(page)
     max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
@@ -626,10 +626,10 @@ def test_a_stopped_comparison_shows_and_zips_what_ran(page):
 def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown_itself(page, monkeypatch):
     """The Compare tab's Stop, then Compare while the stopped comparison still shows itself (held open here
     until the click has come): the click is not dropped, and its comparison runs to its end."""
-    from kvviz.ui import app, tickets
+    from kvviz.ui import compare, tickets
 
     clicked, before = [], set()
-    monkeypatch.setattr(app, "comparison_result", held_open(app.comparison_result, clicked, before))
+    monkeypatch.setattr(compare, "comparison_result", held_open(compare.comparison_result, clicked, before))
     page.get_by_role("tab", name="Compare").click()
     page.get_by_label("Prompt").nth(1).fill(PROMPT)
     max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")

@@ -11,18 +11,26 @@ from pathlib import Path
 import pytest
 
 from kvviz.engine import encode_prompt
-from kvviz.tasks import TASKS, needle_grid
-from kvviz.tasks.synthetic import SHORT_PROMPT_TASKS
-from kvviz.tasks import loaders
+from kvviz.tasks import TASKS, loaders, needle_grid
 from kvviz.tasks.loaders import from_records, longbench, read_jsonl
-from kvviz.tasks.metrics import (edit_similarity, exact_match, last_boxed, math_equal, rouge_l_f, string_match,
-                                 token_f1, whole_match)
+from kvviz.tasks.metrics import (
+    edit_similarity,
+    exact_match,
+    last_boxed,
+    math_equal,
+    rouge_l_f,
+    string_match,
+    token_f1,
+    whole_match,
+)
+from kvviz.tasks.synthetic import SHORT_PROMPT_TASKS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_string_match_is_the_share_of_gold_values_found():
-    assert string_match("The numbers are 1234567 and 7654321.", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
+    found = string_match("The numbers are 1234567 and 7654321.", ["1234567", "7654321", "1111111"])
+    assert found == pytest.approx(2 / 3)
     assert string_match("APPLE", ["apple"]) == 1.0
 
 
@@ -114,7 +122,8 @@ def test_multi_key_has_distractors_and_prose_haystack_varies(tiny):
 def test_needle_grid_covers_lengths_and_depths(tiny):
     _, tokenizer = tiny
     grid = needle_grid(tokenizer, [300, 600], [0.0, 0.5, 1.0])
-    assert [(s.meta["length"], s.meta["depth"]) for s in grid] == [(l, d) for l in (300, 600) for d in (0.0, 0.5, 1.0)]
+    assert [(s.meta["length"], s.meta["depth"]) for s in grid] == [(length, d) for length in (300, 600)
+                                                                   for d in (0.0, 0.5, 1.0)]
     first, last = grid[0].prompt, grid[2].prompt
     assert first.index("San Francisco is eat") < last.index("San Francisco is eat")
     assert all(s.metric == "rouge_l" for s in grid)
@@ -331,7 +340,7 @@ def test_the_benchmarks_read_the_apps_example_prompts_without_loading_the_ui():
         import rank_stability
     finally:
         sys.path.remove(str(root / "benchmarks"))
-    from kvviz.ui.app import EXAMPLES
+    from kvviz.tasks.examples import EXAMPLES
 
     assert rank_stability.EXAMPLES is EXAMPLES  # the app still offers the same ones
 

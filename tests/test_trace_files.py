@@ -16,7 +16,7 @@ import pytest
 
 import kvviz
 from kvviz.trace import Trace, TraceBounds
-from kvviz.ui import app, checks
+from kvviz.ui import checks, live, traces
 from kvviz.ui.config import Limits
 
 TINY = "tiny-random-llama"
@@ -87,6 +87,12 @@ def files(tmp_path_factory):
 LIMITS = Limits(models=(TINY,), max_prompt_tokens=4096, max_new_tokens=512)
 
 
+def live_tab():
+    """The Live tab's components, which the open handler returns its outputs by."""
+    with gr.Blocks():
+        return live.layout(LIMITS)
+
+
 @pytest.mark.parametrize("what", ["two million rows", "one 20M-entry list", "a 100 MB text cell",
                                   "a 20 MB prompt in the metadata", "a million prompt ids",
                                   "parameters nested 100k deep", "a 300-term decision"])
@@ -97,12 +103,12 @@ def test_a_hostile_trace_is_refused_quickly_within_bounded_memory(files, what):
         refs.write("5")
     before, start = rss(), time.monotonic()
     with pytest.raises(gr.Error) as refusal:  # the upload's check: the app's bounds
-        app.check_trace(path, LIMITS)
+        traces.check_trace(path, LIMITS)
     elapsed, peak = time.monotonic() - start, rss("VmHWM")
     assert "failed" not in str(refusal.value) and len(str(refusal.value)) < 400  # a reason, not a crash
     assert elapsed < MAX_SECONDS and peak - before < MAX_GROWTH, (elapsed, (peak - before) / 2**20)
     with pytest.raises(gr.Error):  # the open handler, as an API call reaches it without the check
-        app.make_open_handler(LIMITS)(path)
+        traces.make_open_handler(LIMITS, live_tab())(path)
     gc.collect()
     assert rss() - before < MAX_GROWTH  # and the memory of the refused file is not kept
 
@@ -154,7 +160,8 @@ def test_opening_a_trace_loads_a_tokenizer_not_the_model(monkeypatch, tmp_path):
 
     monkeypatch.setattr(checks, "get_model", no_load)
     monkeypatch.setattr(checks, "_models", {})
-    outputs = app.make_open_handler(LIMITS)(str(tmp_path / "run.parquet"))
-    assert "opened" in outputs[1] and "shown as ids" not in outputs[1]
+    tab = live_tab()
+    outputs = traces.make_open_handler(LIMITS, tab)(str(tmp_path / "run.parquet"))
+    assert "opened" in outputs[tab.stats] and "shown as ids" not in outputs[tab.stats]
     assert TINY in checks._tokenizers
     assert TraceBounds().max_steps > LIMITS.max_new_tokens  # the library's own reader is not the app's

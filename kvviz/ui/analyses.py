@@ -6,12 +6,14 @@ last-query attention).  Each is checked first, so that a refusal leaves the last
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import gradio as gr
 import numpy as np
 import pandas as pd
 
 from .checks import build_policies, model_and_prompt, policy_settings, refusing, release_memory, whole_number
+from .common import Staleness, fit_columns
 from .config import Limits
 from .figures import blindspot_figure, spectrum_figure, spectrum_layers_figure
 
@@ -172,3 +174,94 @@ def auroc_list(quality: dict[str, dict], names: list[str]) -> str:
     """``"tova 0.24, p = 0.012"`` for each of ``names``: the probe's AUROC and its p-value against chance."""
     return "; ".join(f"{name} {quality[name]['auroc']:.2f}, p = {quality[name].get('auroc_p', float('nan')):.3f}"
                      for name in names)
+
+
+PROBE_LABEL = "Ranking quality (AUROC / AP vs top-decile damage)"
+BLINDSPOT_LABEL = "Attention-only blindspot (AvoKV-E Fig. 1a)"
+SPECTRUM_LABEL, SPECTRUM_LAYERS_LABEL, SPECTRUM_TABLE_LABEL = "Scorer spectrum", "By layer", "Mean over steps"
+
+
+@dataclass
+class AnalysesPanel:
+    """The Compare tab's two accordions: the oracle damage probe and the scorer spectrum."""
+
+    p_step: gr.Number
+    p_sample: gr.Number
+    p_run: gr.Button
+    p_table: gr.Dataframe
+    p_note: gr.Markdown
+    p_blindspot: gr.Plot
+    p_state: gr.State  # the inputs the probe last ran on, and its note (Staleness)
+    s_steps: gr.Number
+    s_layer: gr.Textbox
+    s_run: gr.Button
+    s_figure: gr.Plot
+    s_layers: gr.Plot
+    s_table: gr.Dataframe
+    s_note: gr.Markdown
+    s_state: gr.State
+
+    @classmethod
+    def layout(cls) -> "AnalysesPanel":
+        with gr.Accordion("Oracle damage probe", open=False):
+            gr.Markdown("Removes one cache entry at a time at the chosen step, replays the next 8 tokens "
+                        "of the full-cache continuation, and ranks each policy's utility against the damage. "
+                        "Below: AvoKV-E's blindspot test, the share of high-damage entries (top decile) "
+                        "by AvoKV-E's read-pressure and payload ranks at that step; the outlined cell holds "
+                        "the rarely read entries with large values that attention alone would evict.")
+            with gr.Row():
+                p_step = gr.Number(value=8, label="Step")
+                p_sample = gr.Number(value=128, label=f"Entries sampled (1-{MAX_PROBE_SAMPLE})")
+                p_run = gr.Button("Run probe")
+            p_table = gr.Dataframe(label=PROBE_LABEL, interactive=False, wrap=True)
+            p_note = gr.Markdown()
+            # AvoKV-E Fig. 1(a): is removing a rarely read entry with a large value damaging?
+            p_blindspot = gr.Plot(label=BLINDSPOT_LABEL, visible=False)
+        with gr.Accordion("Scorer spectrum (InertiaKV §5.1)", open=False):
+            gr.Markdown("How far each scorer's ranking of the cache sits from last-query attention: "
+                        "Spearman and top-B Jaccard (B = 10% of the cache) at one layer, and through "
+                        "InertiaKV's EMA over layers, on the full-cache greedy run of this prompt. "
+                        "Scorers close to attention (value-norm, entropy weighting) keep quality in the "
+                        "paper; those far from it (key norm, recency) fail on retrieval.")
+            with gr.Row():
+                s_steps = gr.Number(value=8, label="Steps")
+                # a Textbox: a Number widget cannot stay empty in the browser (it shows and sends 0)
+                s_layer = gr.Textbox(value="", label="Layer (empty: the middle one)", placeholder="middle")
+                s_run = gr.Button("Run spectrum")
+            s_figure = gr.Plot(label=SPECTRUM_LABEL)
+            s_layers = gr.Plot(label=SPECTRUM_LAYERS_LABEL)
+            s_table = gr.Dataframe(label=SPECTRUM_TABLE_LABEL, interactive=False, wrap=True)
+            s_note = gr.Markdown()
+        return cls(p_step, p_sample, p_run, p_table, p_note, p_blindspot, gr.State(None), s_steps, s_layer, s_run,
+                   s_figure, s_layers, s_table, s_note, gr.State(None))
+
+    def wire(self, limits: Limits, model, prompt, policies, chat, compared) -> None:
+        """Each runs on its own button over the Compare tab's ``model``, ``prompt``, ``policies`` and ``chat``;
+        a new prompt, policy list or comparison (``compared``: its passed check) marks its last result."""
+        probe_staleness = Staleness("probe", ["model", "prompt", "policies", "chat template", "step",
+                                              "entries sampled"], self.p_note,
+                                    {self.p_table: PROBE_LABEL, self.p_blindspot: BLINDSPOT_LABEL})
+        spectrum_staleness = Staleness("spectrum", ["model", "prompt", "chat template", "steps", "layer"], self.s_note,
+                                       {self.s_figure: SPECTRUM_LABEL, self.s_layers: SPECTRUM_LAYERS_LABEL,
+                                        self.s_table: SPECTRUM_TABLE_LABEL})
+        # Each is checked first (no outputs), so that a refusal leaves the last result unmarked.
+        probe_inputs = [model, prompt, policies, chat, self.p_step, self.p_sample]
+        self.p_run.click(make_probe_check(limits), probe_inputs, None, api_name=False, concurrency_limit=None).success(
+            make_probe_handler(limits), probe_inputs, [self.p_table, self.p_note, self.p_blindspot],
+            concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="probe"
+        ).success(probe_staleness.remember, [*probe_inputs, self.p_note], self.p_state, api_name=False, queue=False)
+        spectrum_inputs = [model, prompt, chat, self.s_steps, self.s_layer]
+        self.s_run.click(make_spectrum_check(limits), spectrum_inputs, None, api_name=False,
+                         concurrency_limit=None).success(
+            make_spectrum_handler(limits), spectrum_inputs, [self.s_table, self.s_note, self.s_figure, self.s_layers],
+            concurrency_limit=limits.runs_per_model, concurrency_id="model", api_name="spectrum"
+        ).success(spectrum_staleness.remember, [*spectrum_inputs, self.s_note], self.s_state, api_name=False,
+                  queue=False)
+        for staleness, state, inputs in ((probe_staleness, self.p_state, probe_inputs),
+                                         (spectrum_staleness, self.s_state, spectrum_inputs)):
+            for trigger in (compared.success, *(component.change for component in inputs)):
+                trigger(staleness.mark, [state, *inputs], staleness.outputs, api_name=False, queue=False,
+                        trigger_mode="always_last", show_progress="hidden")
+        # each column as wide as its longest word, set as a result arrives (the API's result stays a table)
+        for table in (self.p_table, self.s_table):
+            table.change(fit_columns, table, table, api_name=False, queue=False, show_progress="hidden")

@@ -8,10 +8,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import gradio as gr
 import numpy as np
 
 from ..policies import REGISTRY
 from ..trace import Trace
+from .compare_views import compare_panels
 from .figures import RunView
 
 FOLDER = Path(__file__).resolve().parents[2] / "assets" / "landing"
@@ -93,3 +95,18 @@ def load_landing(folder: Path = FOLDER) -> Landing | None:
     traces = {label: Trace.load(folder / name) for label, name in manifest["traces"].items()}
     return Landing(manifest["prompt"], manifest["needle"], manifest["compression"], manifest["model"],
                    manifest["full_answer"], manifest["tokens"], traces)
+
+
+def layout(landing: Landing) -> None:
+    """The Start-here tab: the shipped comparison's sentence, and each policy's answer over its heatmap with
+    the needle's columns in red."""
+    gr.Markdown(landing.summary(), elem_id="landing-summary")
+    panels = compare_panels(landing.views, followed=landing.needle_positions)
+    with gr.Row():
+        for (label, trace), panel in zip(landing.traces.items(), panels):
+            with gr.Column(min_width=300):
+                gr.Textbox(landing.answer(label), label=f"{landing.display(label)} answered", interactive=False,
+                           elem_classes=["landing-answer"])
+                gr.Plot(panel, show_label=False)
+    gr.Markdown("Run it yourself: the Live tab starts on this prompt with InertiaKV, and the Compare tab runs "
+                "any policies side by side.")

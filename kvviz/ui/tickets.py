@@ -115,13 +115,13 @@ def run_ticket(ticket_id, tickets: Tickets | None) -> tuple[Ticket | None, Ticke
     return ticket, None
 
 
-def ticketed(ticket_id, tickets: Tickets | None, outputs: int, steps) -> Iterator[tuple]:
+def ticketed(ticket_id, tickets: Tickets | None, steps) -> Iterator[dict]:
     """A run by its ticket: ``steps(ticket, made)`` streams it (``made``: a holder made here for an API
-    session); stopped while queued or checked, it leaves every view as it is.  Its ticket is over however the
-    run ends, refused as it starts included, so that the next click gets one."""
+    session); stopped while queued or checked, it leaves every view as it is (one skip of all its outputs).
+    Its ticket is over however the run ends, refused as it starts included, so that the next click gets one."""
     ticket, made = run_ticket(ticket_id, tickets)
     if ticket is None:
-        yield (gr.skip(),) * outputs
+        yield gr.skip()
         return
     try:
         yield from steps(ticket, made)
