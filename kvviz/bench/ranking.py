@@ -196,11 +196,11 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
     step, future = int(config["step"]), int(config.get("future", 8))
     sample = sweep.make_sample(task, tokenizer, sample_index, seed, chat)
     prompt_ids = engine.encode_prompt(tokenizer, sample.prompt, chat=chat)
-    where = f"{label} sample {sample_index}"
+    where = f"ranking config {config['name']!r}: {label} sample {sample_index}"
     try:
         probe.check_fits(model, prompt_ids, step, future, step_name="step", future_name="future")
     except ValueError as error:
-        raise ValueError(f"ranking config {config['name']!r}: {where}: {error}") from None
+        raise ValueError(f"{where}: {error}") from None
     built = [make_policy(name, **dict(params)) for name, params in settings]
     names = [setting_label(policy) for policy in built]  # as the store and the Compare tab name them
     policies = dict(zip(names, built))
@@ -209,28 +209,10 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
         if note:
             print(f"note: {note}", file=sys.stderr)
     start = time.perf_counter()
-    candidates = config.get("sample")
-    result = probe.probe(model, tokenizer, prompt_ids, step, policies=policies, sample=candidates,
-                         seed=sweep._sample_seed(seed, f"{label}/candidates", sample_index), future=future,
-                         batch=int(config.get("batch", 16)), generated_only=config.get("candidates") == "generated")
-    unscored = [name for name in names if name not in result.utilities]
-    if unscored:  # a policy whose utility exists only after some event this probe never reached
-        raise ValueError(f"ranking config {config['name']!r}: {where}: {', '.join(unscored)} had no utility at "
-                         f"step {step}; leave {'it' if len(unscored) == 1 else 'them'} out")
-    try:
-        quality, aligned = probe.aligned_quality(result.utilities, result.damage)
-    except ValueError as error:
-        raise ValueError(f"ranking config {config['name']!r}: {where}: {error}") from None
+    result, quality, aligned = _probed(config, model, tokenizer, prompt_ids, names, policies, label, sample_index,
+                                       seed, where)
     seconds = time.perf_counter() - start
-    high = probe.top_decile(result.damage[aligned])
-    # A short prompt's entries (most of them the chat template's, the same in every trace) can outnumber the
-    # generated ones: how many of each count says what a ranking was mostly asked to tell apart
-    from_prompt = result.candidates[aligned] < len(prompt_ids)
-    # Where the full-cache answer ended (new tokens up to its end-of-sequence; null: not within step + future):
-    # the probe decodes past it, so a trace that ends before step + future replays tokens after its answer
-    eos = engine.eos_ids(model, tokenizer)
-    generated = result.sequence[len(prompt_ids):]
-    ended = next((index + 1 for index, token in enumerate(generated) if token in eos), None)
+    traced = {"step": step, "future": future, **_trace_counts(result, aligned, prompt_ids, model, tokenizer)}
     # AP, top-k recall and the false-safe rate break ties as the policies do, AUROC gives them half credit:
     # how much of each ranking one tied score is says how far to trust the first three
     ties = {name: probe.largest_tie(result.utilities[name][aligned]) for name in names}
@@ -250,12 +232,49 @@ def _probe_trace(config: dict, task: dict, label: str, sample_index: int, settin
                 # undefined (a utility constant over the entries: Spearman has no order to correlate) is
                 # stored as null, which the store's means leave out, never as NaN, which it refuses
                 "score": None if value != value else value,
-                "meta": {"step": step, "future": future, "candidates": len(result.candidates),
-                         "aligned": int(aligned.sum()), "high_damage": int(high.sum()), "ended_at": ended,
-                         "prompt_ranked": int(from_prompt.sum()), "prompt_high_damage": int((from_prompt & high).sum()),
-                         "largest_tie": ties[name],
+                "meta": {**traced, "largest_tie": ties[name],
                          **({"auroc_p": quality[name]["auroc_p"]} if metric == "auroc" else {})},
                 "seconds": seconds, **meta,
             })
             written += 1
     return written
+
+
+def _probed(config: dict, model, tokenizer, prompt_ids: list[int], names: list[str], policies: dict, label: str,
+            sample_index: int, seed: int, where: str) -> tuple:
+    """The probe of one trace at the config's step, and each policy's ranking quality against its damage:
+    ``(result, quality, aligned)`` as :func:`kvviz.probe.aligned_quality` gives them."""
+    from .. import probe
+
+    step, future = int(config["step"]), int(config.get("future", 8))
+    result = probe.probe(model, tokenizer, prompt_ids, step, policies=policies, sample=config.get("sample"),
+                         seed=sweep._sample_seed(seed, f"{label}/candidates", sample_index), future=future,
+                         batch=int(config.get("batch", 16)), generated_only=config.get("candidates") == "generated")
+    unscored = [name for name in names if name not in result.utilities]
+    if unscored:  # a policy whose utility exists only after some event this probe never reached
+        raise ValueError(f"{where}: {', '.join(unscored)} had no utility at step {step}; leave "
+                         f"{'it' if len(unscored) == 1 else 'them'} out")
+    try:
+        quality, aligned = probe.aligned_quality(result.utilities, result.damage)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    return result, quality, aligned
+
+
+def _trace_counts(result, aligned, prompt_ids: list[int], model, tokenizer) -> dict:
+    """What one trace's rows say of it beside their score: the entries ranked, aligned and high-damage, and
+    where the full-cache answer ended."""
+    from .. import engine, probe
+
+    high = probe.top_decile(result.damage[aligned])
+    # A short prompt's entries (most of them the chat template's, the same in every trace) can outnumber the
+    # generated ones: how many of each count says what a ranking was mostly asked to tell apart
+    from_prompt = result.candidates[aligned] < len(prompt_ids)
+    # Where the full-cache answer ended (new tokens up to its end-of-sequence; null: not within step + future):
+    # the probe decodes past it, so a trace that ends before step + future replays tokens after its answer
+    eos = engine.eos_ids(model, tokenizer)
+    generated = result.sequence[len(prompt_ids):]
+    ended = next((index + 1 for index, token in enumerate(generated) if token in eos), None)
+    return {"candidates": len(result.candidates), "aligned": int(aligned.sum()), "high_damage": int(high.sum()),
+            "ended_at": ended, "prompt_ranked": int(from_prompt.sum()),
+            "prompt_high_damage": int((from_prompt & high).sum())}
