@@ -396,7 +396,7 @@ def check_arguments(args) -> None:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if not 0.0 <= args.compression < 1.0:
         raise ValueError(f"--compression must be in [0, 1), got {args.compression}")
-    if not args.time_limit >= 0:  # NaN too: a negative limit skipped every configuration but generate
+    if not args.time_limit >= 0:  # NaN too: a negative limit would skip every configuration but generate
         raise ValueError(f"--time-limit must be seconds >= 0 (0: no limit), got {args.time_limit:g}")
     if args.config:
         for length in args.contexts.split(","):
