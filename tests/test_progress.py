@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,7 +113,10 @@ def test_pacer_waits_for_the_browser_and_for_its_rate():
     assert pacer.due(now=0.0)
     pacer.send(now=0.0)
     assert not pacer.due(now=0.05)  # faster than 10 a second
-    assert not pacer.due(now=0.5)  # the page has not drawn frame 1
+    assert pacer.due(now=0.1)  # no page has acknowledged anything yet: the plain rate
+    pacer.send(now=0.1)
+    pacer.acknowledge()  # a page: frame 1 drawn, frame 2 not yet
+    assert not pacer.due(now=0.5)
     pacer.acknowledge()
     assert pacer.due(now=0.5)
     pacer.send(now=0.5)
@@ -133,8 +137,10 @@ def test_pacers_are_per_session_and_a_newer_run_replaces_the_older():
     first = pacers.start("session-a", "live")
     other = pacers.start("session-b", "live")
     first.send(now=0.0), other.send(now=0.0)
+    first.send(now=0.1), other.send(now=0.1)
     pacers.acknowledge("session-a", "live")
-    assert first.backlog() == 0 and other.backlog() == 1
+    assert first.backlog() == 1 and other.backlog() == 2
+    assert not first.due(now=0.3) and other.due(now=0.3)  # only session a's page is behind
     second = pacers.start("session-a", "live")
     pacers.finish("session-a", "live", first)  # the older run ending does not drop the newer one's pacer
     pacers.acknowledge("session-a", "live")
@@ -186,3 +192,53 @@ def test_closing_during_the_prefill_cancels_it_between_layers(tiny, tiny_prompt)
             handle.remove()
     assert len(ran) < len(layers)  # stopped before the prefill reached its last layer
     assert not [t for t in threading.enumerate() if t.name == "kvviz-run"]
+
+
+def test_the_live_run_sends_a_new_heatmap_only_once_the_page_drew_the_last(tiny, monkeypatch):
+    """A page that acknowledged one frame and then no more gets no second heatmap until patience runs out;
+    an API client (no acknowledgement ever) gets every frame the rate allows; the text streams either way."""
+    import gradio as gr
+
+    from kvviz.ui import live
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
+    from kvviz.ui.config import Limits
+    from kvviz.ui.tickets import button_ticket
+
+    _models["tiny-random-llama"] = tiny
+    limits = Limits(models=("tiny-random-llama",), max_prompt_tokens=400, max_new_tokens=64,
+                    figures_per_second=60)
+    with gr.Blocks():
+        tab = live.layout(limits)
+    defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
+    prompt = "The quick brown fox jumps over the lazy dog. The passkey is 71432. " * 3
+
+    def heatmaps(pacers: Pacers, session: str) -> int:
+        tickets, ticket = button_ticket(None)
+        handler = live.make_live_handler(limits, tab, pacers)
+        updates = list(handler("tiny-random-llama", prompt, "inertia", "compression", 0.5, 0, 40, False,
+                               0.0, 1.0, 0, *defaults, ticket, tickets, session=session))
+        assert updates[-1][tab.view_state].steps == 40  # ran to the end
+        return sum(1 for update in updates[:-1] if update.get(tab.retention) is not None)
+
+    clock = iter(range(10**6))  # 1 s between frames: never under the 60-a-second cap
+    monkeypatch.setattr(live, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    assert heatmaps(Pacers(max_per_second=60, patience=1000.0), "api") > 10  # draws nothing: the plain rate
+
+    class BehindPage(Pacers):
+        """A page that draws the first heatmap, then falls behind (acknowledges nothing more)."""
+
+        def start(self, session, stream):
+            pacer = super().start(session, stream)
+            send = pacer.send
+
+            def sent(now=None):
+                number = send(now)
+                if number == 1:
+                    pacer.acknowledge()
+                return number
+
+            pacer.send = sent
+            return pacer
+
+    # frame 1, drawn; frame 2; then nothing until the page draws frame 2 (patience: 1000 s)
+    assert heatmaps(BehindPage(max_per_second=60, patience=1000.0), "page") == 2

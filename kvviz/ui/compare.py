@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 import tempfile
 import time
 import zipfile
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,18 +21,59 @@ from .. import engine
 from ..tasks.examples import EXAMPLES
 from . import common
 from .analyses import AnalysesPanel
-from .checks import (_models, build_policies, check_sampling, check_settings, compare_settings, refused,
-                     release_memory, unexpected, validate)
-from .common import (PREFILL, VIEWS_MIN_WIDTH, Progress, RunButtons, changed_inputs, compared_inputs,
-                     download_folder, earlier_inputs, loading_note, make_prompt_counter, stoppable_run, token_texts)
-from .compare_views import (compare_diagnostics, compare_fates, compare_panels, compared_labels, divergence_markdown,
-                            ended_note, followed_prompt_tokens, jaccard_figure)
+from .checks import (
+    _models,
+    build_policies,
+    check_sampling,
+    check_settings,
+    compare_settings,
+    refused,
+    release_memory,
+    unexpected,
+    validate,
+)
+from .common import (
+    PREFILL,
+    VIEWS_MIN_WIDTH,
+    Progress,
+    RunButtons,
+    changed_inputs,
+    compared_inputs,
+    download_folder,
+    earlier_inputs,
+    loading_note,
+    make_prompt_counter,
+    stoppable_run,
+    token_texts,
+)
+from .compare_views import (
+    compare_diagnostics,
+    compare_fates,
+    compare_panels,
+    compared_labels,
+    divergence_markdown,
+    ended_note,
+    followed_prompt_tokens,
+    jaccard_figure,
+)
 from .config import Limits
 from .controls import RunSettings, policy_choices
 from .figures import RunView
-from .presets import (COMPARE_EXAMPLE, COMPARE_NEW_TOKENS, COMPARISONS, POLICIES_FULL, make_preset_handler,
-                      policies_edited, policies_full_note, preset_note_after_edit, preset_regime, repeats_note)
+from .pacing import FramePacer, Pacers
+from .presets import (
+    COMPARE_EXAMPLE,
+    COMPARE_NEW_TOKENS,
+    COMPARISONS,
+    POLICIES_FULL,
+    make_preset_handler,
+    policies_edited,
+    policies_full_note,
+    preset_note_after_edit,
+    preset_regime,
+    repeats_note,
+)
 from .tickets import stopped_run_failed, ticketed
+from .waiting import events_with_progress
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +187,18 @@ def wire(app: gr.Blocks, tab: CompareTab, limits: Limits) -> None:
     tab.settings.wire()
     preset_chosen = _wire_policies(tab, limits)
     checks = CompareChecks(limits, tab)
+    pacers = Pacers(limits.figures_per_second / 4)  # four panels a refresh
+    handler = make_compare_handler(limits, tab, pacers)
+
+    def compare_run(request: gr.Request, *inputs):
+        yield from handler(*inputs, session=request.session_hash if request else "")
+
+    def drawn(request: gr.Request) -> None:
+        pacers.acknowledge(request.session_hash if request else "", "compare")
+
+    tab.figs[0].change(drawn, None, None, api_name=False, queue=False, show_progress="hidden")
     checked, compare = stoppable_run(
-        limits, tab.buttons, checks.check, make_compare_handler(limits, tab), tab.inputs, tab.outputs, "compare",
+        limits, tab.buttons, checks.check, compare_run, tab.inputs, tab.outputs, "compare",
         status=tab.divergence, announce=(checks.announce, [*tab.inputs, tab.state], [tab.divergence, *tab.texts,
                                                                                       *tab.figs]))
     # the prompt's token count, as in the Live tab (B is a share of it)
@@ -322,17 +373,23 @@ class CompareChecks:
         return {tab.divergence: note, **texts, **tables}
 
 
-def make_compare_handler(limits: Limits, tab: CompareTab):
-    """The Compare button's handler: the comparison streamed into the tab's panels, by its click's ticket."""
+def make_compare_handler(limits: Limits, tab: CompareTab, pacers: Pacers | None = None):
+    """The Compare button's handler: the comparison streamed into the tab's panels, by its click's ticket;
+    ``session`` names the browser session whose page acknowledges drawn panels to ``pacers``."""
+    pacers = Pacers(limits.figures_per_second / 4) if pacers is None else pacers
 
     def compare_run(model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
-                    temperature=0.0, top_p=1.0, seed=0, ticket_id="", tickets=None):
-        yield from ticketed(ticket_id, tickets, lambda ticket, made: compare_steps(
-            ticket, made, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens, chat,
-            temperature, top_p, seed))
+                    temperature=0.0, top_p=1.0, seed=0, ticket_id="", tickets=None, *, session: str = ""):
+        pacer = pacers.start(session, "compare")
+        try:
+            yield from ticketed(ticket_id, tickets, lambda ticket, made: compare_steps(
+                ticket, made, pacer, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens,
+                chat, temperature, top_p, seed))
+        finally:
+            pacers.finish(session, "compare", pacer)
 
-    def compare_steps(ticket, made, model_name, prompt, names, budget_mode, compression, budget, max_new_tokens,
-                      chat, temperature, top_p, seed):
+    def compare_steps(ticket, made, pacer, model_name, prompt, names, budget_mode, compression, budget,
+                      max_new_tokens, chat, temperature, top_p, seed):
         if made:  # as in the Live tab: /stop_compare reaches it from now on
             yield {tab.buttons.tickets: made}
         try:
@@ -362,7 +419,9 @@ def make_compare_handler(limits: Limits, tab: CompareTab):
             events = engine.decode_many(request.model, request.tokenizer, request.prompt_ids, policies,
                                         budget=request.budget, max_new_tokens=request.max_new_tokens,
                                         sampler_args=request.sampling)
-            yield from streamed(tab, limits, run, events, ticket, repeated)
+            # closed on Stop or an error, so that the shared prefill under way stops at its next layer
+            with closing(events_with_progress(events, request.model, len(request.prompt_ids))) as events:
+                yield from streamed(tab, run, events, ticket, repeated, pacer)
             result = comparison_result(tab, run, stopped=ticket.is_set(), note=repeated)
             yield result | {tab.ran: {"inputs": ran_inputs, "note": result[tab.divergence]}}
         except Exception as error:
@@ -376,23 +435,29 @@ def make_compare_handler(limits: Limits, tab: CompareTab):
     return compare_run
 
 
-def streamed(tab: CompareTab, limits: Limits, run: Progress, events, ticket, note: str):
+def streamed(tab: CompareTab, run: Progress, events, ticket, note: str, pacer: FramePacer):
     """The comparison's updates as it decodes, until it ends or ``ticket`` is stopped (where every policy still
-    decoding has made the same steps): the texts at most every TEXT_EVERY_S, the panels at a quarter of the
-    Live tab's figure rate (four a refresh)."""
+    decoding has made the same steps): the shared prefill's progress until the first token, the texts at most
+    every TEXT_EVERY_S, the panels when ``pacer`` says the page drew the last ones (at most a quarter of the
+    Live tab's figure rate: four panels a refresh)."""
     names = list(run.views)
-    last_figure = last_text = 0.0
-    figure_every = 4 / limits.figures_per_second if limits.figures_per_second else math.inf
-    for name, event in events:
+    last_text = 0.0
+    for item in events:
+        if isinstance(item, str):  # the prefill's progress, before the first event
+            if ticket.is_set():
+                break
+            yield {tab.divergence: f"{note}\n\n{item}".lstrip()}
+            continue
+        name, event = item
         run.add(name, event)
         if ticket.is_set() and run.level():
             break
         now = time.perf_counter()
-        refresh = now - last_figure >= figure_every
+        refresh = pacer.due(now)
         if not refresh and now - last_text < common.TEXT_EVERY_S:
             continue  # each policy's event would otherwise be an update of its own
         if refresh:
-            last_figure = now
+            pacer.send(now)
         last_text = now
         yield compare_outputs(tab, names, run.texts, run.views, figures=refresh, final=False, note=note)
 

@@ -8,6 +8,7 @@ import functools
 import logging
 import math
 import time
+from contextlib import closing
 from dataclasses import dataclass
 
 import gradio as gr
@@ -17,14 +18,28 @@ from ..tasks.examples import EXAMPLES
 from ..trace import sampling_note
 from . import common
 from .checks import PARAM_NAMES, policy_from_inputs, refused, release_memory, unexpected, used_parameters, validate
-from .common import (PREFILL, VIEWS_MIN_WIDTH, Progress, RunButtons, changed_inputs, compared_inputs,
-                     download_folder, earlier_inputs, loading_note, make_prompt_counter, stoppable_run, token_texts)
+from .common import (
+    PREFILL,
+    VIEWS_MIN_WIDTH,
+    Progress,
+    RunButtons,
+    changed_inputs,
+    compared_inputs,
+    download_folder,
+    earlier_inputs,
+    loading_note,
+    make_prompt_counter,
+    stoppable_run,
+    token_texts,
+)
 from .config import Limits
 from .controls import PolicyControls, RunSettings, policy_choices
 from .figures import RunView
 from .live_views import finished_outputs, followed_views, history_view, scrub, stats_markdown, step_views
+from .pacing import FramePacer, Pacers
 from .tickets import stopped_run_failed, ticketed
 from .traces import TRACES_AT_ONCE, TraceReuse, check_trace, make_open_handler
+from .waiting import events_with_progress
 from .widgets import TypedSlider
 
 log = logging.getLogger(__name__)
@@ -134,9 +149,20 @@ def _views_layout() -> dict:
 
 def wire(app: gr.Blocks, tab: LiveTab, limits: Limits) -> None:
     tab.settings.wire()
+    pacers = Pacers(limits.figures_per_second)
+    handler = make_live_handler(limits, tab, pacers)
+
+    def live_run(request: gr.Request, *inputs):
+        yield from handler(*inputs, session=request.session_hash if request else "")
+
+    def drawn(request: gr.Request) -> None:
+        pacers.acknowledge(request.session_hash if request else "", "live")
+
+    # The page says when it has drawn a retention frame; the run sends the next one only then (FramePacer).
+    tab.retention.change(drawn, None, None, api_name=False, queue=False, show_progress="hidden")
     # Its progress shows under the prompt (the first run's check loads the model); after a refusal the prompt's
     # token count replaces it there, and the last run's views stay.  The API is /generate; /live drives the widgets.
-    checked, live = stoppable_run(limits, tab.buttons, make_live_check(limits), make_live_handler(limits, tab),
+    checked, live = stoppable_run(limits, tab.buttons, make_live_check(limits), live_run,
                                   tab.inputs, tab.outputs, "live", status=tab.prompt_size,
                                   announce=(lambda name: loading_note(name) or gr.skip(), tab.model, tab.prompt_size))
     opened = _wire_traces(tab, limits)
@@ -234,15 +260,21 @@ def make_live_check(limits: Limits):
     return check_live
 
 
-def make_live_handler(limits: Limits, tab: LiveTab):
-    """The Run button's handler: the run streamed into the tab's views, by its click's ticket."""
+def make_live_handler(limits: Limits, tab: LiveTab, pacers: Pacers | None = None):
+    """The Run button's handler: the run streamed into the tab's views, by its click's ticket; ``session``
+    names the browser session whose page acknowledges frames to ``pacers``."""
+    pacers = Pacers(limits.figures_per_second) if pacers is None else pacers
 
-    def live_run(*inputs):
+    def live_run(*inputs, session: str = ""):
         *inputs, ticket_id, tickets = inputs  # the run's inputs, the ticket id its click made, the session's
-        yield from ticketed(ticket_id, tickets, lambda ticket, made: live_steps(ticket, made, *inputs))
+        pacer = pacers.start(session, "live")
+        try:
+            yield from ticketed(ticket_id, tickets, lambda ticket, made: live_steps(ticket, made, pacer, *inputs))
+        finally:
+            pacers.finish(session, "live", pacer)
 
-    def live_steps(ticket, made, model_name, prompt, policy_name, budget_mode, compression, budget, max_new_tokens,
-                   chat, temperature, top_p, seed, *param_values):
+    def live_steps(ticket, made, pacer, model_name, prompt, policy_name, budget_mode, compression, budget,
+                   max_new_tokens, chat, temperature, top_p, seed, *param_values):
         if made:  # an API call's first run in its session: from now on /stop_live reaches it
             yield {tab.buttons.tickets: made}
         try:
@@ -266,7 +298,10 @@ def make_live_handler(limits: Limits, tab: LiveTab):
                tab.download: gr.update(value=None, visible=False), tab.diag: "", tab.view_state: None,
                tab.detail: None}
         try:
-            yield from streamed(tab, limits, run, request.events(policy, limits.backend), ticket, ran)
+            # closed on Stop or an error, so that a prefill under way stops at its next layer
+            with closing(events_with_progress(request.events(policy, limits.backend), request.model,
+                                              len(request.prompt_ids))) as events:
+                yield from streamed(tab, run, events, ticket, ran, pacer)
             yield live_result(tab, run, stopped=ticket.is_set(), ran=ran)
         except Exception as error:  # the run failed: say so, keep serving
             if ticket.is_set():
@@ -279,20 +314,27 @@ def make_live_handler(limits: Limits, tab: LiveTab):
     return live_run
 
 
-def streamed(tab: LiveTab, limits: Limits, run: Progress, events, ticket, ran: str):
-    """The run's updates as it decodes, until it ends or ``ticket`` is stopped: the text at most every
-    TEXT_EVERY_S, the retention heatmap at the figure rate, the other views a fifth and a tenth as often
-    (each redraw costs the browser more than the server, and a fast model otherwise saturates the page)."""
+def streamed(tab: LiveTab, run: Progress, events, ticket, ran: str, pacer: FramePacer):
+    """The run's updates as it decodes, until it ends or ``ticket`` is stopped: the prefill's progress until
+    the first token, the text at most every TEXT_EVERY_S, the retention heatmap when ``pacer`` says the page
+    has drawn the last one, the other views a fifth and a tenth as often (each redraw costs the browser more
+    than the server, and a fast model otherwise saturates the page)."""
     (label, view), = run.views.items()
-    last_figure, last_secondary, last_fate, last_text = 0.0, 0.0, 0.0, 0.0
-    figure_every = 1 / limits.figures_per_second if limits.figures_per_second else math.inf
+    last_secondary, last_fate, last_text = 0.0, 0.0, 0.0
+    figure_every = 1 / pacer.max_per_second if pacer.max_per_second else math.inf
     for event in events:
+        if isinstance(event, str):  # the prefill's progress, before the first event
+            if ticket.is_set():
+                break
+            yield {tab.stats: ran + event}
+            continue
         run.add(label, event)
         if ticket.is_set():
             break
         now = time.perf_counter()
-        if now - last_figure >= figure_every:
-            last_figure = last_text = now
+        if pacer.due(now):
+            pacer.send(now)
+            last_text = now
             update = {tab.text: run.texts[label], tab.stats: ran + stats_markdown(view, now - run.started),
                       tab.retention: view.retention_figure()}
             if now - last_secondary >= 5 * figure_every:

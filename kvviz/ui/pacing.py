@@ -4,7 +4,8 @@ A fast run can make figures faster than a slow client draws them: the page then 
 and a click on Stop waits behind every frame still queued.  A :class:`FramePacer` sends a new frame only
 once the browser has acknowledged the last one (the figure's ``change`` event, which the page fires after
 it applied the update), and never more often than ``max_per_second``.  ``patience`` bounds the wait for an
-acknowledgement that never comes (a client that dropped it), so a run never stops drawing altogether.
+acknowledgement that never comes (a client that dropped it), so a run never stops drawing altogether.  A
+client that has acknowledged nothing (an API client reading the stream, no page) gets the plain rate.
 
 Pacers live in a :class:`Pacers` registry keyed by the browser session, since the acknowledgement arrives
 as a separate request.
@@ -43,7 +44,7 @@ class FramePacer:
         since = now - self.last_sent
         if since < 1 / self.max_per_second:
             return False
-        return self.drawn >= self.sent or since >= self.patience
+        return self.drawn == 0 or self.drawn >= self.sent or since >= self.patience
 
     def send(self, now: float | None = None) -> int:
         """Record a frame as sent; returns its number (1, 2, ...)."""
