@@ -11,6 +11,8 @@
    sample that held the same largest decode cache (within one entry).
 4. Score by needle depth: each policy's mean in each fifth of the text, and the paired difference between
    the needles in the last quarter and the rest (a recency test: unpaired across samples, Fisher's exact test).
+5. InertiaKV's own questions (prose-2k-inertia): each setting (alpha, refresh interval, score-free,
+   decoupled) paired with InertiaKV at its defaults on the same samples, as the Results tab's section does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from scipy import stats
 from kvviz.held import full_cache_ranking, held_table, quality_vs_depth
 from kvviz.stats import paired_table
 from kvviz.store import Store
+from kvviz.ui.results.pairing import inertia_family, paired
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 30)
@@ -79,6 +82,10 @@ def main() -> None:
         out.append(dict(policy=policy, late=late.mean(), late_n=len(late), early=early.mean(), early_n=len(early),
                         difference=late.mean() - early.mean(), fisher_p=p))
     print(pd.DataFrame(out).round(3).to_string(index=False))
+
+    print(f"\n== 5. InertiaKV's settings against its defaults (alpha 0.8, r = 1) on {args.task}, prose-2k-inertia")
+    table = paired(store, "inertia", args.task, None, tuple(inertia_family(store)), True, ("prose-2k-inertia",))
+    print(table[SHOWN].sort_values("delta").round(3).to_string(index=False) if len(table) else "(no rows yet)")
 
 
 if __name__ == "__main__":
