@@ -43,6 +43,7 @@ import time
 STARTED = time.perf_counter()  # --budget-s counts from here: the session's limit includes importing torch
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -103,13 +104,28 @@ def compile_works(device: str) -> bool:
     return works
 
 
+def _static_equals_reference(case: dict, model, tokenizer, prompt, refresh: int, reference, expected: list,
+                              graph: bool, compile: bool, value_block: int | None) -> bool:
+    """One exactness case: the static path's tokens and keep sets against the reference engine's run."""
+    from kvviz.fast import StaticInertia
+
+    static = StaticInertia(model, refresh=refresh, compile=compile, value_block=value_block).generate(
+        tokenizer, prompt, 20, 30, record_kept=True, graph=graph)
+    first = next((i for i, (a, b) in enumerate(zip(static.kept, expected)) if a != b), None)
+    case.update(tokens=static.token_ids == reference.token_ids, kept=static.kept == expected,
+                first_different_step=first)
+    if first is not None:  # one swapped pair reads as a near-tie; more as a real difference
+        case.update(only_static_kept=sorted(set(static.kept[first]) - set(expected[first]))[:8],
+                    only_reference_kept=sorted(set(expected[first]) - set(static.kept[first]))[:8])
+    return case["tokens"] and case["kept"]
+
+
 def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> tuple[bool, bool | None]:
     """Static path == reference engine: (eager and graph-replayed cases all equal, compiled cases all equal
     or None if none ran).  The compiled cases are judged apart: Inductor may fuse the EMA's multiply-add
     into one rounding, which can flip a near-tie that the eager step (the engine's own expression) cannot.
     With under ``COMPILE_CASE_S`` seconds left, compiled cases are skipped (each compiles cold)."""
     import kvviz
-    from kvviz.fast import StaticInertia
     from kvviz.models import tiny_model
 
     ok, compiled_ok = True, None
@@ -144,17 +160,9 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
                     report({"check": "static == reference", "device": device, "family": family, "refresh": refresh,
                             "graph": graph, "compile": True, "skipped": f"{left():.0f} s left"})
                     continue
-                def check(case, graph=graph, compile=compile, value_block=value_block):
-                    static = StaticInertia(model, refresh=refresh, compile=compile, value_block=value_block).generate(
-                        tokenizer, prompt, 20, 30, record_kept=True, graph=graph)
-                    first = next((i for i, (a, b) in enumerate(zip(static.kept, expected)) if a != b), None)
-                    case.update(tokens=static.token_ids == reference.token_ids, kept=static.kept == expected,
-                                first_different_step=first)
-                    if first is not None:  # one swapped pair reads as a near-tie; more as a real difference
-                        case.update(only_static_kept=sorted(set(static.kept[first]) - set(expected[first]))[:8],
-                                    only_reference_kept=sorted(set(expected[first]) - set(static.kept[first]))[:8])
-                    return case["tokens"] and case["kept"]
-
+                check = functools.partial(_static_equals_reference, model=model, tokenizer=tokenizer,
+                                          prompt=prompt, refresh=refresh, reference=reference, expected=expected,
+                                          graph=graph, compile=compile, value_block=value_block)
                 equal = _case({"check": "static == reference", "device": device, "family": family,
                                "refresh": refresh, "graph": graph, "compile": compile,
                                **({"value_block": value_block} if value_block is not None else {})}, check)
@@ -281,6 +289,31 @@ def targets(rows: list[dict], context: int) -> dict:
     return verdict
 
 
+def all_checks(device: str, compiles: bool, backend_policies: str, left) -> bool:
+    """Part 2: the static path and the static backend against the engine, then bfloat16 agreement, each guarded
+    so that the rest goes on; reports the closing ``exactness done`` line and returns its ``all_equal``."""
+    checks_start = time.perf_counter()
+    try:
+        exact, compiled_exact = exactness(device, compiles, left)
+    except Exception as error:  # noqa: BLE001 -- whatever escaped the per-case guards
+        report({"check": "exactness", **_failure(error)})
+        exact, compiled_exact = False, None
+    try:
+        policies = [name.strip() for name in backend_policies.split(",") if name.strip()]
+        exact &= backend_exactness(device, policies) if policies else True
+    except Exception as error:  # noqa: BLE001 -- e.g. the backend's import: reported, the rest goes on
+        report({"check": "backend == engine", **_failure(error)})
+        exact = False
+    if torch.device(device).type == "cuda" and left() > 15:
+        try:
+            bfloat16_agreement(device, compiles, left)
+        except Exception as error:  # noqa: BLE001 -- e.g. an import the device lacks: reported, the rest goes on
+            report({"check": "bfloat16 agreement (reported, not required)", **_failure(error)})
+    report({"check": "exactness done", "all_equal": exact, "compiled_equal": compiled_exact,
+            "seconds": round(time.perf_counter() - checks_start, 1), **float32_settings()})
+    return exact
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -358,25 +391,7 @@ def main() -> int:
         report({"config": args.config, **backend_summary(rows, first)})
     first_took = next((row["seconds"] for row in rows if row.get("what") == "context done"), float("inf"))
 
-    checks_start = time.perf_counter()
-    try:
-        exact, compiled_exact = exactness(args.device, compiles, left)
-    except Exception as error:  # noqa: BLE001 -- whatever escaped the per-case guards
-        report({"check": "exactness", **_failure(error)})
-        exact, compiled_exact = False, None
-    try:
-        policies = [name.strip() for name in args.backend_policies.split(",") if name.strip()]
-        exact &= backend_exactness(args.device, policies) if policies else True
-    except Exception as error:  # noqa: BLE001 -- e.g. the backend's import: reported, the rest goes on
-        report({"check": "backend == engine", **_failure(error)})
-        exact = False
-    if torch.device(args.device).type == "cuda" and left() > 15:
-        try:
-            bfloat16_agreement(args.device, compiles, left)
-        except Exception as error:  # noqa: BLE001 -- e.g. an import the device lacks: reported, the rest goes on
-            report({"check": "bfloat16 agreement (reported, not required)", **_failure(error)})
-    report({"check": "exactness done", "all_equal": exact, "compiled_equal": compiled_exact,
-            "seconds": round(time.perf_counter() - checks_start, 1), **float32_settings()})
+    exact = all_checks(args.device, compiles, args.backend_policies, left)
 
     if len(contexts) > 1:
         # Shorter contexts decode faster, but their new slot counts recompile both step variants as the

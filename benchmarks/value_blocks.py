@@ -65,7 +65,7 @@ def main() -> int:
                 values[:, :slots].normal_()
                 caches.append((keys, values))
 
-            def step() -> None:
+            def step(caches=caches, slots=slots, block=block) -> None:
                 for keys, values in caches:
                     attend(query, keys, values, scaling, fp32_logits, slots, block)
 

@@ -219,7 +219,9 @@ class Sampler:
 
     def settings(self) -> dict:
         """The arguments that recreate this sampler, for a trace; empty when greedy (they change nothing)."""
-        return {} if self.temperature == 0 else {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        if self.temperature == 0:
+            return {}
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
 
     def __call__(self, logits: torch.Tensor) -> int:
         if self.temperature == 0:
@@ -609,7 +611,10 @@ def run(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inert
         if "has no parameter" not in str(error):
             raise
         raise ValueError(f"{error}; and run() itself takes {', '.join(sorted(_RUN_ARGS))}") from None
-    prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=run_kwargs.get("chat", True))
+    if isinstance(prompt, list):
+        prompt_ids = prompt
+    else:
+        prompt_ids = encode_prompt(tokenizer, prompt, chat=run_kwargs.get("chat", True))
     events = list(stream(model, tokenizer, prompt_ids, policy_obj, **run_kwargs))
     # A policy object is named by its registry entry (what budget_note, the diagnostics and the app look up)
     name = policy if isinstance(policy, str) else setting_label(policy_obj).split()[0]

@@ -86,16 +86,17 @@ def depth_bins(depth: pd.Series, bins: int = 10) -> pd.Series:
 
 
 def quality_vs_depth(store: Store, task: str | None = None, model: str | None = None,
-                     policies: list[str] | None = None, bins: int = 10, sweeps: list[str] | None = None) -> pd.DataFrame:
+                     policies: list[str] | None = None, bins: int = 10,
+                     sweeps: list[str] | None = None) -> pd.DataFrame:
     """Mean score per (model, task, policy, compression, needle-depth stratum) over the measured rows whose
     sample records its needle's depth (``meta.depth``: the prose tasks, single_needle, needle_grid), at each
     policy's defaults; ``depth`` is the stratum's midpoint, ``samples`` how many it averages, and
     ``stderr`` the standard error of that mean."""
     frame = store.frame(
-        f"""
+        """
         SELECT model, task, policy, CASE WHEN policy = 'full' THEN NULL ELSE compression END AS compression,
                sample, score, TRY_CAST(json_extract_string(meta, '$.depth') AS DOUBLE) AS depth
-        FROM results WHERE source = 'measured' AND sample IS NOT NULL AND setting = '{{}}'
+        FROM results WHERE source = 'measured' AND sample IS NOT NULL AND setting = '{}'
           AND list_contains(?, metric) AND absolute_budget IS NULL
           AND (? IS NULL OR task = ?) AND (? IS NULL OR model = ?) AND (? IS NULL OR list_contains(?, policy))
           AND (? IS NULL OR list_has_any(ran_in, ?))

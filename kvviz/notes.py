@@ -63,8 +63,8 @@ def sampling_note(sampling: dict) -> str:
 
 
 # The design behind a checkpointed or prefill-time policy's larger cache; no-break spaces keep "interval - 1" whole.
-HELD_OVER_WHY = (" (by design where a policy evicts only at checkpoints, up to B + interval\u00a0-\u00a01, or only at the "
-                 "prefill, growing by the tokens generated)")
+HELD_OVER_WHY = (" (by design where a policy evicts only at checkpoints, up to B + interval\u00a0-\u00a01, "
+                 "or only at the prefill, growing by the tokens generated)")
 
 
 def held_over_note(frame: pd.DataFrame) -> str:

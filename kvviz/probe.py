@@ -304,7 +304,8 @@ def tied_rankings(utilities: dict[str, np.ndarray], aligned: np.ndarray | None) 
     """The policies whose utility over the ranked entries (``aligned``; all where None) is mostly one tied
     score (LazyEviction before entries recur: all 0), with that score's share: their AUROC comes largely
     from ties' half credit, which the reader should know (the p-value already counts the ties)."""
-    shares = {name: largest_tie(utility if aligned is None else utility[aligned]) for name, utility in utilities.items()}
+    shares = {name: largest_tie(utility if aligned is None else utility[aligned])
+              for name, utility in utilities.items()}
     return {name: share for name, share in shares.items() if share >= MOSTLY_TIED}
 
 
@@ -419,8 +420,8 @@ class Blindspot:
     def summary(self) -> str:
         """One line: the blindspot's high-damage count, its interval, the rest's rate and the test."""
         if not self.entries_in:
-            return (f"no entry in the blindspot (N(p) <= 0.2, N(b) >= 0.8) among {self.entries_out}: probe every entry (no "
-                    "sampling) or a longer prompt")
+            return (f"no entry in the blindspot (N(p) <= 0.2, N(b) >= 0.8) among {self.entries_out}: "
+                    "probe every entry (no sampling) or a longer prompt")
         low, high = self.wilson
         enrichment = "∞" if self.enrichment == float("inf") else f"{self.enrichment:.2f}×"
         return (f"N(p) <= 0.2, N(b) >= 0.8: {self.high_damage_in}/{self.entries_in} high-damage ({self.rate_in:.0%}, "

@@ -72,7 +72,8 @@ class LayerView:
         return self._attn
 
     def value_norms(self) -> torch.Tensor:
-        """L2 norm of each cached value, per query head (the KV head's norm repeated over its group), ``(num_heads, n)``."""
+        """L2 norm of each cached value, per query head (the KV head's norm repeated over its group),
+        ``(num_heads, n)``."""
         norms = self.values.float().norm(dim=-1)
         return norms.repeat_interleave(self.num_groups, dim=0)
 

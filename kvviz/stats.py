@@ -144,8 +144,8 @@ def detectable_difference(pairs: int, discordant: int, magnitude: float | None =
 
 def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int = 9999) -> pd.DataFrame:
     """Per (model, task, policy, compression or absolute budget), the paired difference to the reference; and
-    per benchmark suite with two or more tasks, the same over its tasks (stratified by task), labelled ``"<suite>: mean of
-    k tasks"``.
+    per benchmark suite with two or more tasks, the same over its tasks (stratified by task), labelled
+    ``"<suite>: mean of k tasks"``.
 
     Parameters
     ----------

@@ -223,8 +223,10 @@ class Trace:
         at each step distinct kept and evicted positions that existed then (the prompt plus the tokens fed
         back so far), one utility per kept entry, and one raw score and one value of each term per entry present."""
         settings = [("prompt_ids", isinstance(self.prompt_ids, list) and all(_is_int(i) for i in self.prompt_ids),
-                     "a list of token ids"), ("budget", _is_int(self.budget) and self.budget >= 1, "a whole number >= 1"),
-                    ("policy", isinstance(self.policy, str), "a string"), ("model", isinstance(self.model, str), "a string"),
+                     "a list of token ids"),
+                    ("budget", _is_int(self.budget) and self.budget >= 1, "a whole number >= 1"),
+                    ("policy", isinstance(self.policy, str), "a string"),
+                    ("model", isinstance(self.model, str), "a string"),
                     ("params", isinstance(self.params, dict), "an object"),
                     ("dtype", isinstance(self.dtype, str), "a string"),
                     ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "a whole number"),
@@ -245,36 +247,40 @@ class Trace:
         if not self.events:
             raise ValueError(f"{name} holds no steps")
         for index, event in enumerate(self.events):
-            if event.step != index:
-                raise ValueError(f"{name}: row {index} is step {event.step}; a trace's steps run 0, 1, 2, ...")
-            if not isinstance(event.text, str) or not _is_int(event.new_token_id):
-                raise ValueError(f"{name}: step {event.step} has no text or token id of the right type")
-            # the views' statistics add these up: a string among them failed there, not here
-            timed = (event.t_forward, event.t_score, event.t_evict)
-            if not (all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
-                        for t in timed) and _is_int(event.cache_bytes) and event.cache_bytes >= 0
-                    and isinstance(event.scored, bool)):
-                raise ValueError(f"{name}: step {event.step} has times, a cache size or a scored flag of the wrong "
-                                 "type (seconds >= 0, bytes a whole number, scored true or false)")
-            end = self.prompt_len + event.step  # positions 0 .. end - 1 exist during step k
-            for what, positions in (("kept", event.kept), ("evicted", event.evicted)):
-                if positions.size and (positions.min() < 0 or positions.max() >= end):
-                    raise ValueError(f"{name}: step {event.step} has {what} positions outside 0..{end - 1}")
-                if np.unique(positions).size != positions.size:
-                    raise ValueError(f"{name}: step {event.step} lists a {what} position twice")
-            if np.intersect1d(event.kept, event.evicted).size:
-                raise ValueError(f"{name}: step {event.step} has positions both kept and evicted")
-            if event.utility is not None and event.utility.shape != event.kept.shape:
-                raise ValueError(f"{name}: step {event.step} has {event.utility.size} utilities for "
-                                 f"{event.kept.size} kept positions")
-            present = event.kept.size + event.evicted.size
-            if event.raw is not None and event.raw.size != present:
-                raise ValueError(f"{name}: step {event.step} has {event.raw.size} raw scores for {present} "
-                                 "entries present")
-            for term, values in (event.components or {}).items():
-                if values.shape != (present,):
-                    raise ValueError(f"{name}: step {event.step} has {values.size} values of {term!r} for "
-                                     f"{present} entries present")
+            self._check_step(name, index, event)
+
+    def _check_step(self, name: str, index: int, event: StepEvent) -> None:
+        """One row of :meth:`check`: the ``index``-th step, its types, positions and per-entry arrays."""
+        if event.step != index:
+            raise ValueError(f"{name}: row {index} is step {event.step}; a trace's steps run 0, 1, 2, ...")
+        if not isinstance(event.text, str) or not _is_int(event.new_token_id):
+            raise ValueError(f"{name}: step {event.step} has no text or token id of the right type")
+        # the views' statistics add these up: a string among them failed there, not here
+        timed = (event.t_forward, event.t_score, event.t_evict)
+        if not (all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
+                    for t in timed) and _is_int(event.cache_bytes) and event.cache_bytes >= 0
+                and isinstance(event.scored, bool)):
+            raise ValueError(f"{name}: step {event.step} has times, a cache size or a scored flag of the wrong "
+                             "type (seconds >= 0, bytes a whole number, scored true or false)")
+        end = self.prompt_len + event.step  # positions 0 .. end - 1 exist during step k
+        for what, positions in (("kept", event.kept), ("evicted", event.evicted)):
+            if positions.size and (positions.min() < 0 or positions.max() >= end):
+                raise ValueError(f"{name}: step {event.step} has {what} positions outside 0..{end - 1}")
+            if np.unique(positions).size != positions.size:
+                raise ValueError(f"{name}: step {event.step} lists a {what} position twice")
+        if np.intersect1d(event.kept, event.evicted).size:
+            raise ValueError(f"{name}: step {event.step} has positions both kept and evicted")
+        if event.utility is not None and event.utility.shape != event.kept.shape:
+            raise ValueError(f"{name}: step {event.step} has {event.utility.size} utilities for "
+                             f"{event.kept.size} kept positions")
+        present = event.kept.size + event.evicted.size
+        if event.raw is not None and event.raw.size != present:
+            raise ValueError(f"{name}: step {event.step} has {event.raw.size} raw scores for {present} "
+                             "entries present")
+        for term, values in (event.components or {}).items():
+            if values.shape != (present,):
+                raise ValueError(f"{name}: step {event.step} has {values.size} values of {term!r} for "
+                                 f"{present} entries present")
 
 
 @dataclass(frozen=True)
@@ -314,12 +320,9 @@ EVENT_COLUMNS = {f.name for f in StepEvent.__dataclass_fields__.values()}
 LIST_COLUMNS = ("kept", "evicted", "utility", "raw")
 
 
-def _read_bounded(path: Path, name: str, bounds: TraceBounds):
-    """The trace's metadata (a dict) and its arrow table, each size checked before it is read."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
+def _check_file(path: Path, name: str, bounds: TraceBounds) -> None:
+    """Refuse what is no trace file before arrow reads it: a missing path, a folder, a zip, a file that does not
+    end in a parquet footer, or one with a footer larger than these bounds' settings could make."""
     if not path.exists():  # said plainly: arrow's message for this would read as a corrupt file
         raise ValueError(f"{path} does not exist; give the path of a trace saved with "
                          "`kvviz generate --trace FILE` or the Live tab's download")
@@ -340,18 +343,12 @@ def _read_bounded(path: Path, name: str, bounds: TraceBounds):
     footer = int.from_bytes(tail[:4], "little")
     if footer > 3 * bounds.max_meta_bytes + 4_000_000:  # the settings are in it twice: as is and in arrow's schema
         raise bounds.too_large(name, f"has a parquet footer of {footer:,} bytes")
-    try:
-        parquet = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as error:
-        # arrow names the full path (a server's temporary upload folder, in the app): the name is enough
-        raise ValueError(f"{name} is not a readable parquet file "
-                         f"({str(error).replace(str(path), name)[:200]})") from None
-    meta = _checked_meta(parquet.metadata.metadata or {}, name, bounds, parquet.metadata.num_rows)
-    rows, prompt_len = parquet.metadata.num_rows, len(meta["prompt_ids"])
-    bounds.refuse_size(name, prompt_len, rows - 1)
-    columns = parquet.schema_arrow.names
-    if set(columns) - EVENT_COLUMNS:
-        raise ValueError(f"{name} has columns a kvviz trace does not: {', '.join(sorted(set(columns) - EVENT_COLUMNS))[:200]}")
+
+
+def _check_chunks(parquet, name: str, bounds: TraceBounds, prompt_len: int) -> None:
+    """The footer's sizes of each column chunk, before any is read: entries of the list columns and bytes of
+    the step texts that ``rows`` steps of a ``prompt_len``-token prompt could hold."""
+    rows = parquet.metadata.num_rows
     # Entries a list column can hold: at step k, at most the prompt plus k tokens (a row's empty list counts 1)
     entries = rows * (prompt_len + rows) + rows
     text_bytes = rows * 4 * bounds.max_text_chars
@@ -367,16 +364,13 @@ def _read_bounded(path: Path, name: str, bounds: TraceBounds):
             if column == "text" and chunk.total_uncompressed_size > text_bytes + 100_000:
                 raise ValueError(f"{name}'s step texts take {chunk.total_uncompressed_size:,} bytes; a step's text "
                                  f"is a token or a few ({bounds.max_text_chars} characters at most)")
-    components = parquet.schema_arrow.field("components").type if "components" in columns else None
-    if components is not None and pa.types.is_struct(components) and (components.num_fields > bounds.max_terms or any(
-            len(components.field(i).name) > bounds.max_name_chars for i in range(components.num_fields))):
-        raise ValueError(f"{name} names more than {bounds.max_terms} decision terms, or one too long a name")
-    try:
-        table = parquet.read()
-    except (OSError, pa.ArrowException) as error:
-        raise ValueError(f"{name} is not a readable parquet file ({str(error).replace(str(path), name)[:200]})") \
-            from None
-    # The footer's counts are the writer's word: the buffers just read are checked again before any conversion
+
+
+def _check_table(table, columns: list[str], name: str, bounds: TraceBounds, prompt_len: int, components) -> None:
+    """The buffers just read, before any conversion: the footer's counts are the writer's word."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     bounds.refuse_size(name, prompt_len, table.num_rows - 1)
     if "text" in columns and table.num_rows:
         if not (pa.types.is_string(table["text"].type) or pa.types.is_large_string(table["text"].type)):
@@ -394,6 +388,38 @@ def _read_bounded(path: Path, name: str, bounds: TraceBounds):
             limit = prompt_len + np.arange(table.num_rows)  # at step k: the prompt and k tokens
             if np.any(np.nan_to_num(lengths, nan=0) > limit):
                 raise ValueError(f"{name} lists more entries at a step than the prompt and the tokens so far")
+
+
+def _read_bounded(path: Path, name: str, bounds: TraceBounds):
+    """The trace's metadata (a dict) and its arrow table, each size checked before it is read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _check_file(path, name, bounds)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as error:
+        # arrow names the full path (a server's temporary upload folder, in the app): the name is enough
+        raise ValueError(f"{name} is not a readable parquet file "
+                         f"({str(error).replace(str(path), name)[:200]})") from None
+    meta = _checked_meta(parquet.metadata.metadata or {}, name, bounds, parquet.metadata.num_rows)
+    rows, prompt_len = parquet.metadata.num_rows, len(meta["prompt_ids"])
+    bounds.refuse_size(name, prompt_len, rows - 1)
+    columns = parquet.schema_arrow.names
+    if set(columns) - EVENT_COLUMNS:
+        raise ValueError(f"{name} has columns a kvviz trace does not: "
+                         f"{', '.join(sorted(set(columns) - EVENT_COLUMNS))[:200]}")
+    _check_chunks(parquet, name, bounds, prompt_len)
+    components = parquet.schema_arrow.field("components").type if "components" in columns else None
+    if components is not None and pa.types.is_struct(components) and (components.num_fields > bounds.max_terms or any(
+            len(components.field(i).name) > bounds.max_name_chars for i in range(components.num_fields))):
+        raise ValueError(f"{name} names more than {bounds.max_terms} decision terms, or one too long a name")
+    try:
+        table = parquet.read()
+    except (OSError, pa.ArrowException) as error:
+        raise ValueError(f"{name} is not a readable parquet file ({str(error).replace(str(path), name)[:200]})") \
+            from None
+    _check_table(table, columns, name, bounds, prompt_len, components)
     return meta, table
 
 

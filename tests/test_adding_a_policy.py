@@ -15,13 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from conftest import TEXT
 
 import kvviz
 from kvviz.policies import REGISTRY, PolicySpec, by_name, make_policy
 from kvviz.policies.base import StepScorePolicy, param
-
-from conftest import TEXT
 
 POLICIES_DOC = (Path(__file__).resolve().parent.parent / "docs" / "policies.md").read_text()
 NAME = "value-norm"

@@ -83,7 +83,8 @@ def test_bench_outputs_and_a_prompt_past_the_context_are_refused_in_one_line(tmp
             err = capsys.readouterr().err
             assert err.startswith(f"kvviz: error: --out {str(out)!r}") and message in err and err.count("\n") == 1
     monkeypatch.undo()
-    assert main(["bench", "speed", "--config", "tiny", "--contexts", "9000", "--new-tokens", "4", "--repeats", "1"]) == 2
+    assert main(["bench", "speed", "--config", "tiny", "--contexts", "9000", "--new-tokens", "4",
+                 "--repeats", "1"]) == 2
     err = capsys.readouterr().err
     assert "exceeds the model's context of 8192 tokens" in err and "lower --contexts or --new-tokens" in err
 
@@ -212,7 +213,9 @@ def test_a_cudnn_attention_failure_reruns_once_without_cudnn(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: enabled.update(cudnn=on))
     calls = []
 
-    def run(error=RuntimeError("cuDNN Frontend error: No valid execution plans built.")):
+    cudnn_error = RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    def run(error=cudnn_error):
         calls.append(enabled["cudnn"])
         if enabled["cudnn"]:
             raise error
@@ -228,7 +231,7 @@ def test_a_cudnn_attention_failure_reruns_once_without_cudnn(monkeypatch):
                                (False, True, RuntimeError("cudnn error")), (True, False, RuntimeError("cudnn error"))):
         enabled["cudnn"], calls[:] = cudnn, []
 
-        def failing():
+        def failing(error=error):
             calls.append(1)
             raise error
 
@@ -562,8 +565,8 @@ def test_every_cell_is_judged_on_its_real_prompt_and_model_before_anything_decod
     with pytest.raises(ValueError, match=r"2 policy × task × compression cell\(s\) cannot run on this model: snapkv "
                                          r"window = 99 at compression 0.5 on single_needle \(2 sample\(s\), first "
                                          r"sample 0: \d+ tokens, budget \d+: budget \d+ must exceed SnapKV's "
-                                         r"observation window of 99 tokens: .*\); inertia layers = '40' .*names a layer "
-                                         r"beyond this model's"):
+                                         r"observation window of 99 tokens: .*\); "
+                                         r"inertia layers = '40' .*names a layer beyond this model's"):
         sweep.run(config, tmp_path, model=model, tokenizer=tokenizer, progress=False)
     assert not (tmp_path / "rows.jsonl").exists() or not (tmp_path / "rows.jsonl").read_bytes()  # nothing decoded
 

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TEXT
 
 import kvviz
-
-from conftest import TEXT
 
 TINY = ["--model", "tiny-random-llama"]
 
@@ -216,7 +215,8 @@ def test_the_model_dtype_is_chosen_on_the_command_line_and_recorded_in_the_trace
     out = json.loads(capsys.readouterr().out)
     assert kvviz.Trace.load(trace).dtype == "bfloat16"
     assert main(["trace", str(trace)]) == 0
-    assert "inertia (alpha=0.8" in (printed := capsys.readouterr().out) and "on tiny-random-llama in bfloat16:" in printed
+    printed = capsys.readouterr().out
+    assert "inertia (alpha=0.8" in printed and "on tiny-random-llama in bfloat16:" in printed
     model, tokenizer = kvviz.load_model("tiny-random-llama", dtype=torch.bfloat16)
     expected = kvviz.run(model, tokenizer, TEXT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
     assert out["token_ids"] == expected.token_ids
@@ -343,7 +343,8 @@ def test_batches_are_refused_with_a_clear_error(tiny):
     model, _ = tiny
     with kvviz.attach(model, "inertia", compression=0.5) as cache:
         with pytest.raises(ValueError, match="batch size 1"):
-            model.generate(torch.ones(2, 8, dtype=torch.long), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=2)
+            model.generate(torch.ones(2, 8, dtype=torch.long), **{kvviz.engine.cache_kwarg(model): cache},
+                           max_new_tokens=2)
 
 
 def test_unknown_model_fails_with_one_clear_line(tmp_path):
@@ -665,7 +666,8 @@ def test_trace_options_another_view_would_drop_are_refused(tiny, tmp_path, capsy
     for args, message in (
             (["--csv"], "--csv prints the followed tokens' steps; add --follow TEXT_OR_POSITIONS"),
             (["--read-lag", "--follow", "#0"], "--read-lag prints its own table over every generated entry, which "
-                                               "--follow would not change: drop --follow, or run it without --read-lag"),
+                                               "--follow would not change: drop --follow, "
+                                               "or run it without --read-lag"),
             (["--read-lag", "--csv"], "which --csv would not change: drop --csv"),
             (["--read-lag", "--follow", "#0", "--csv"], "which --follow and --csv would not change: drop --follow "
                                                         "and --csv")):
@@ -784,7 +786,8 @@ def test_probe_ranks_every_policy_on_the_entries_all_of_them_judged(capsys):
 
     from kvviz.cli import main
 
-    args = ["probe", *TINY, "--prompt", TEXT * 3, "--no-chat", "--step", "3", "--future", "2", "--policies", "tova,avokv"]
+    args = ["probe", *TINY, "--prompt", TEXT * 3, "--no-chat", "--step", "3", "--future", "2",
+            "--policies", "tova,avokv"]
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     newest = report["prompt_len"] + 3 - 1  # the step's own entry; candidates are everything before it

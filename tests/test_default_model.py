@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import masked_reference
 
 import kvviz
-from test_engine import masked_reference
 
 pytestmark = pytest.mark.default_model
 

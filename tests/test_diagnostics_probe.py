@@ -10,8 +10,16 @@ import torch
 import kvviz
 from kvviz import diagnostics as dx
 from kvviz.cache import SlotCache
-from kvviz.probe import (aligned_quality, auroc, average_precision, check_fits, damage, keep_order, probe,
-                         ranking_quality)
+from kvviz.probe import (
+    aligned_quality,
+    auroc,
+    average_precision,
+    check_fits,
+    damage,
+    keep_order,
+    probe,
+    ranking_quality,
+)
 from kvviz.trace import StepEvent, Trace
 
 
@@ -351,7 +359,8 @@ def test_batched_probe_equals_one_at_a_time_and_physical_eviction(tiny, tiny_pro
                 cache.evict(torch.tensor([removed]))
             for offset in range(future):
                 out = model(input_ids=torch.tensor([[sequence[prefix_len + offset]]]),
-                            position_ids=torch.tensor([[prefix_len + offset]]), **{kvviz.engine.cache_kwarg(model): cache})
+                            position_ids=torch.tensor([[prefix_len + offset]]),
+                            **{kvviz.engine.cache_kwarg(model): cache})
                 logits.append(torch.log_softmax(out.logits[0, -1].float(), -1))
         return torch.stack(logits)
 

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 
 import kvviz
-from kvviz.cache import SlotCache
 from kvviz import engine
+from kvviz.cache import SlotCache
 from kvviz.engine import resolve_budget
 from kvviz.policies import REGISTRY
 from kvviz.policies.checkpointed import CheckpointPolicy
@@ -184,7 +184,8 @@ def test_generate_integration_matches_engine(tiny, tiny_prompt, policy):
     model, tokenizer = tiny
     result = kvviz.run(model, tokenizer, tiny_prompt, policy, compression=0.5, max_new_tokens=20)
     with kvviz.attach(model, policy, compression=0.5) as cache:
-        out = model.generate(torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=20, do_sample=False)
+        out = model.generate(torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache}, max_new_tokens=20,
+                             do_sample=False)
     assert out[0, len(tiny_prompt):].tolist() == result.token_ids
     assert [e.kept.tolist() for e in cache.events] == [e.kept.tolist() for e in result.trace.events]
 
@@ -267,13 +268,15 @@ def test_checkpoint_terms_explain_each_eviction_and_survive_generate_and_parquet
     for ours, theirs in zip(result.trace.events, cache.events):
         assert (ours.components is None) == (theirs.components is None)
         if ours.components:
-            assert all(np.array_equal(ours.components[k], theirs.components[k], equal_nan=True) for k in ours.components)
+            assert all(np.array_equal(ours.components[k], theirs.components[k], equal_nan=True)
+                       for k in ours.components)
     result.trace.save(tmp_path / "avokv.parquet")
     loaded = kvviz.Trace.load(tmp_path / "avokv.parquet")
     for ours, theirs in zip(result.trace.events, loaded.events):
         assert (ours.components is None) == (theirs.components is None)
         if ours.components:
-            assert all(np.array_equal(ours.components[k], theirs.components[k], equal_nan=True) for k in ours.components)
+            assert all(np.array_equal(ours.components[k], theirs.components[k], equal_nan=True)
+                       for k in ours.components)
 
 
 class Recorder:
@@ -301,7 +304,8 @@ def test_captured_scores_equal_eager_attention(family, tiny_prompt):
     with torch.inference_mode():
         model(input_ids=torch.tensor([tiny_prompt]), **{kvviz.engine.cache_kwarg(model): cache})
         with kvviz.scoring.scoring(recorder):
-            model(input_ids=torch.tensor([[17]]), position_ids=torch.tensor([[len(tiny_prompt)]]), **{kvviz.engine.cache_kwarg(model): cache})
+            model(input_ids=torch.tensor([[17]]), position_ids=torch.tensor([[len(tiny_prompt)]]),
+                  **{kvviz.engine.cache_kwarg(model): cache})
         eager = copy.deepcopy(model)
         eager.set_attn_implementation("eager")
         attentions = eager(input_ids=torch.tensor([ids]), output_attentions=True).attentions

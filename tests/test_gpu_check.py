@@ -136,7 +136,8 @@ def test_a_failure_line_shows_where_it_failed_and_the_error_a_capture_masked():
         try:
             deep(20)
         except IndexError:
-            raise RuntimeError("operation failed due to a previous error during capture")  # as the capture's exit
+            # as the capture's exit raises it: chained implicitly, the case _failure must read
+            raise RuntimeError("operation failed due to a previous error during capture")  # noqa: B904
     except RuntimeError as error:
         record = gpu_check._failure(error)
     assert record["error"] == "RuntimeError: operation failed due to a previous error during capture"

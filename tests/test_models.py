@@ -11,7 +11,6 @@ from kvviz.fast import StaticInertia
 from kvviz.models import ModelNotFound, check_supported, tiny_model
 from kvviz.scoring import rope_frequencies
 
-
 # Every test here loads models through transformers' own loaders and configs.
 pytestmark = pytest.mark.transformers_api
 
@@ -26,9 +25,11 @@ def test_every_family_loads_by_its_tiny_name_with_the_capture_installed():
 
 
 def test_an_unsupported_family_is_refused_with_the_families_that_are():
-    with pytest.raises(ModelNotFound, match="'gpt2' model; kvviz supports Llama \\(llama\\), Qwen2/2.5 \\(qwen2\\).*Gemma \\(gemma\\)"):
+    with pytest.raises(ModelNotFound, match="'gpt2' model; kvviz supports Llama \\(llama\\), Qwen2/2.5 \\(qwen2\\)"
+                                            ".*Gemma \\(gemma\\)"):
         check_supported(AutoConfig.for_model("gpt2"), "gpt2")
-    with pytest.raises(ModelNotFound, match="no tiny model 'tiny-random-gpt2'; choose tiny-random-<family> with a family of llama"):
+    with pytest.raises(ModelNotFound, match="no tiny model 'tiny-random-gpt2'; "
+                                            "choose tiny-random-<family> with a family of llama"):
         kvviz.load_model("tiny-random-gpt2")
 
 
@@ -87,7 +88,8 @@ def test_kvzip_refuses_a_repeat_pass_past_the_positions_its_cache_was_rotated_fo
     assert len(prompt) + 3 <= 64 < reach
     calls = forward_counter(longrope)
     with pytest.raises(ValueError, match=f"runs to position {reach - 1}, beyond LongRoPE's original length of 64, "
-                                         "past which transformers rotates every position otherwise.*shorten the prompt"):
+                                         "past which transformers rotates every position otherwise"
+                                         ".*shorten the prompt"):
         kvviz.run(longrope, tokenizer, prompt, "kvzip", budget=30, max_new_tokens=3)
     assert calls == []
     short, _ = tiny_model("llama", max_position_embeddings=reach - 1)  # the same reach past a plain context

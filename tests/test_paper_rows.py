@@ -75,7 +75,8 @@ def test_spot_values_equal_the_printed_tables(paper_store):
     assert stored(paper_store, "Table 10", model="Qwen2.5-14B", task="RULER", policy="inertia-lazy") == \
         float(cells["Lazy4"])
     cells = printed_line(10, "Mistral-7B", "LongBench-v2†")
-    assert stored(paper_store, "Table 10", model="Mistral-7B", task="LongBench-v2", policy="full") == float(cells["Full"])
+    assert stored(paper_store, "Table 10", model="Mistral-7B", task="LongBench-v2",
+                  policy="full") == float(cells["Full"])
     cells = printed_line(11, "RULER", "2048")
     assert stored(paper_store, "Table 11", task="RULER", absolute_budget=2048, policy="tova+ema",
                   params='{"alpha":0.9}') == float(cells["TOVA+EMA(0.9)"])

@@ -33,7 +33,8 @@ def test_expected_attention_is_the_gaussian_expectation_of_the_softmax_numerator
     excluded[0] = True
     got = expected_attention(keys, torch.ones_like(keys), mean, None, scaling, excluded, vnorm=False, epsilon=0.0)
     expected = torch.softmax(scaling * (mean @ keys[0, 1:].T)[0], -1)
-    torch.testing.assert_close(got.double(), torch.cat([torch.zeros(1, dtype=torch.float64), expected]), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.double(), torch.cat([torch.zeros(1, dtype=torch.float64), expected]),
+                               rtol=1e-5, atol=1e-7)
 
 
 def test_rope_algebra_agrees_with_transformers_rotary_code(tiny):
@@ -87,7 +88,8 @@ def _pre_rope_queries(model, ids):
     scoring.install(model)
     try:
         with torch.inference_mode(), scoring.scoring(recorder):
-            model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], **{cache_kwarg(model): cache})
+            model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
+                  **{cache_kwarg(model): cache})
     finally:
         for hook in hooks:
             hook.remove()
@@ -154,7 +156,8 @@ def test_prefill_keep_set_and_utility_equal_the_written_out_formula(family, tiny
     model, tokenizer = kvviz.models.tiny_model(family)
     budget, sinks = 30, 4
     reference = _reference_prefill_scores(model, tiny_prompt, future=512, sinks=sinks)
-    events = kvviz.run(model, tokenizer, tiny_prompt, "expected-attention", budget=budget, max_new_tokens=4).trace.events
+    result = kvviz.run(model, tokenizer, tiny_prompt, "expected-attention", budget=budget, max_new_tokens=4)
+    events = result.trace.events
     ranked = sinks + torch.argsort(reference[sinks:], descending=True)
     expected = sorted(range(sinks)) + sorted(ranked[:budget - sinks].tolist())
     assert events[0].kept.tolist() == sorted(expected)

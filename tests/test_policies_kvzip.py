@@ -24,7 +24,8 @@ def _reference_scores(family, tokenizer, prompt, chunk, sinks):
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
         text = engine.REPEAT_ALL if start == 0 else engine.REPEAT_FROM
-        repeat = tokenizer(text, add_special_tokens=False)["input_ids"] + prompt[max(0, start - 8):start] + prompt[start:end]
+        repeat = (tokenizer(text, add_special_tokens=False)["input_ids"] + prompt[max(0, start - 8):start]
+                  + prompt[start:end])
         with torch.no_grad():
             attentions = model(input_ids=torch.tensor([prompt + repeat]), output_attentions=True).attentions
         columns = torch.zeros(length + len(repeat), dtype=torch.bool)
@@ -61,7 +62,8 @@ def test_reconstruction_leaves_the_prefill_cache_and_the_output_unchanged(tiny, 
     model, tokenizer = tiny
     length = len(tiny_prompt)
     cache = engine.EvictingCache(model, KVzip(), budget=length, capacity=length + 1)
-    first = next(engine.decode(model, tokenizer, tiny_prompt, cache.policy, budget=length, max_new_tokens=4, cache=cache))
+    first = next(engine.decode(model, tokenizer, tiny_prompt, cache.policy, budget=length, max_new_tokens=4,
+                               cache=cache))
     assert first.kept.tolist() == list(range(length)) and cache.seen == length
     plain = engine.prefill(model, tiny_prompt)
     order = torch.argsort(cache.live_positions())

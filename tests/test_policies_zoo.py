@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_policies_inertia import drive
 
 from kvviz.policies import REGISTRY, make_policy
 from kvviz.policies.avokv import eviction_risk, max_cosine_to_others
 from kvviz.policies.checkpointed import percentile_rank, window_attention
 from kvviz.scoring import LayerView, PrefillView
-from test_policies_inertia import drive
 
 # -------------------------------------------------------------------------------------------- AvoKV-E
 
@@ -201,7 +201,8 @@ def test_avokvs_first_checkpoint_on_an_over_budget_prompt_reads_the_last_w_obs_q
                                                  {"avokv": policy, "tova": make_policy("tova")}, budget=40,
                                                  max_new_tokens=2) if who == "avokv" and e.step == 1)
     else:
-        event = [e for e in decode(model, tokenizer, tiny_prompt, policy, budget=40, max_new_tokens=2) if e.step == 1][0]
+        event = [e for e in decode(model, tokenizer, tiny_prompt, policy, budget=40, max_new_tokens=2)
+                 if e.step == 1][0]
     prompt_len = len(tiny_prompt)
     assert prompt_len > 40 + 15  # over B + interval - 1: a checkpoint at step 1
     eager = copy.deepcopy(model)
@@ -344,14 +345,15 @@ def test_lazyeviction_has_no_query_window_and_says_what_to_lower():
     with pytest.raises(ValueError, match="budget 8 must exceed the 8 entries LazyEviction .* lower window"):
         make_policy("lazyeviction").reset(20, 8)
     # at delay 0 (the paper's rule, 32 below 768) the advice names the delay that shrinks the tail
-    with pytest.raises(ValueError, match="must exceed the 36 entries AvoKV-E .* \\(or lower sinks to 3 or fewer, or the "
-                                         "tail \\(delay between 8 and 31; 0 is the paper's rule, 32 at this budget\\)\\)$"):
+    with pytest.raises(ValueError, match="must exceed the 36 entries AvoKV-E .* \\(or lower sinks to 3 or fewer, "
+                                         "or the tail \\(delay between 8 and 31; 0 is the paper's rule, "
+                                         "32 at this budget\\)\\)$"):
         make_policy("avokv").reset(20, 36)
     # each piece of advice, taken at its limit, makes the budget do; where none can (B = 1), none is offered
     make_policy("avokv", sinks=3).reset(20, 36)
     make_policy("avokv", delay=31).reset(20, 36)
-    with pytest.raises(ValueError, match="raise the budget above 20 \\(or lower sinks to 1 or fewer and the tail \\(delay "
-                                         "8\\)\\)$"):
+    with pytest.raises(ValueError, match="raise the budget above 20 \\(or lower sinks to 1 or fewer and the tail "
+                                         "\\(delay 8\\)\\)$"):
         make_policy("avokv", delay=16).reset(20, 10)
     make_policy("avokv", delay=8, sinks=1).reset(20, 10)
     with pytest.raises(ValueError, match="raise the budget above 12 \\(or lower sinks to 0 and the tail \\(delay and "
@@ -696,7 +698,8 @@ def test_a_setting_is_a_name_and_parameters_labelled_by_what_it_changes():
     for text, label in [("inertia-lazy refresh=1", "inertia"), ("single-step alpha=0.8", "inertia"),
                         ("cumulative aggregation=ema", "inertia"), ("inertia-vnorm scorer=attention", "inertia"),
                         ("score-free refresh=4", "inertia-lazy"), ("inertia alpha=0", "single-step"),
-                        ("inertia alpha=-0", "single-step"), ("expected-attention decode=true", "expected-attention-decode"),
+                        ("inertia alpha=-0", "single-step"),
+                        ("expected-attention decode=true", "expected-attention-decode"),
                         ("single-step alpha=0.5", "inertia alpha=0.5"),  # a tie: the registry's first name
                         ("inertia-decoupled", "inertia-decoupled")]:  # another class: never plain inertia
         assert build_setting(text)[0] == label, text

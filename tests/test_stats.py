@@ -15,7 +15,6 @@ from kvviz.store import Store
 from kvviz.ui import results
 
 
-
 def said(figure) -> str:
     """What a Results figure says: its title, then the caveats of the note under it, one text."""
     from kvviz.ui.results import caption_of
@@ -274,7 +273,8 @@ def test_parameter_settings_pair_with_the_reference_at_its_defaults(tmp_path, ca
     assert cli.main(["results", "--root", str(tmp_path), "--settings"]) == 0  # the plain table lists them too
     rows = {line.split()[0] + (" " + line.split()[1] if line.split()[1].startswith("alpha") else ""): line.split()
             for line in capsys.readouterr().out.splitlines() if line.startswith(("inertia", "tova"))}
-    assert rows["inertia alpha=0.95"][2:4] == ["1.000", "(6)"] and rows["inertia"][1:3] == ["0.000", "(6)"]  # alpha=0.8 spells the defaults: one experiment
+    # alpha=0.8 spells the defaults: one experiment
+    assert rows["inertia alpha=0.95"][2:4] == ["1.000", "(6)"] and rows["inertia"][1:3] == ["0.000", "(6)"]
     assert rows["tova"][1:3] == ["0.500", "(6)"]
 
 

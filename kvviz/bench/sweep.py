@@ -9,9 +9,10 @@ compression or budget -- becomes one JSON row in ``OUT/rows.jsonl``, written wit
 skipped, so a SIGKILL loses at most the cell in flight and never duplicates a row.
 
 All policies of one sample share one prefill (:func:`kvviz.engine.prefill`); it records the last prompt
-queries that the policies reading the prompt's queries (SnapKV, AvoKV-E's first window) use.  Decoding is greedy unless ``temperature`` > 0
-(with ``top_p``): then each sample is generated ``draws`` times (AvoKV-E's protocol: T = 0.6, top-p 0.95,
-several samples per problem), one row per draw, every policy's draw d seeded alike.  Rows carry
+queries that the policies reading the prompt's queries (SnapKV, AvoKV-E's first window) use.  Decoding is
+greedy unless ``temperature`` > 0 (with ``top_p``): then each sample is generated ``draws`` times (AvoKV-E's
+protocol: T = 0.6, top-p 0.95, several samples per problem), one row per draw, every policy's draw d seeded
+alike.  Rows carry
 provenance: model, kvviz version and git commit (``-dirty`` where the code differs from it), torch and
 transformers versions, device, seed and date.
 """
@@ -32,16 +33,53 @@ from tqdm import tqdm  # already a dependency of transformers
 
 from ..models import DEFAULT_MODEL
 from ..trace import model_dtype
+
 # The grid, the config's schema and the folder live in their own modules; their names are this module's too,
 # where the command line, the ranking sweeps and the tests have always found them.
-from .sweep_cells import (BENCHMARKS, Cell, _describe, _sample_seed, benchmark_samples, cells, make_sample,  # noqa: F401
-                          policy_settings, sample_count, setting_grids, task_label, truncate_middle)
-from .sweep_config import (BENCHMARK_KEYS, NEEDLE_GRID_KEYS, SWEEP, TOP_LEVEL, _is_int, _is_number,  # noqa: F401
-                           budget_refusal, check_lengths, cut_words, load_config, model_context, read_toml,
-                           refused_cells, unrunnable_cells, validate)
-from .sweep_folder import (RUNNING_LOCK, RowFile, check_params_as_run, check_shard, check_store, claim,  # noqa: F401
-                           finished_cells, grown, status, stored_cells, stored_rows)
-
+from .sweep_cells import (  # noqa: F401
+    BENCHMARKS,
+    Cell,
+    _describe,
+    _sample_seed,
+    benchmark_samples,
+    cells,
+    make_sample,
+    policy_settings,
+    sample_count,
+    setting_grids,
+    task_label,
+    truncate_middle,
+)
+from .sweep_config import (  # noqa: F401
+    BENCHMARK_KEYS,
+    NEEDLE_GRID_KEYS,
+    SWEEP,
+    TOP_LEVEL,
+    _is_int,
+    _is_number,
+    budget_refusal,
+    check_lengths,
+    cut_words,
+    load_config,
+    model_context,
+    read_toml,
+    refused_cells,
+    unrunnable_cells,
+    validate,
+)
+from .sweep_folder import (  # noqa: F401
+    RUNNING_LOCK,
+    RowFile,
+    check_params_as_run,
+    check_shard,
+    check_store,
+    claim,
+    finished_cells,
+    grown,
+    status,
+    stored_cells,
+    stored_rows,
+)
 
 # The folder holding the package and its pyproject.toml: what a row's git_commit describes.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

@@ -136,7 +136,8 @@ def make_sample(task: dict, tokenizer, index: int, seed: int, chat: bool = True)
             sample = dataclasses.replace(sample, prompt=truncate_middle(tokenizer, sample.prompt, task["truncate"]))
         return sample
     if task["name"] not in TASKS:
-        raise ValueError(f"unknown task {task['name']!r}; choose one of {', '.join([*TASKS, 'needle_grid', *BENCHMARKS])}")
+        raise ValueError(f"unknown task {task['name']!r}; "
+                         f"choose one of {', '.join([*TASKS, 'needle_grid', *BENCHMARKS])}")
     options = {k: v for k, v in task.items() if k not in ("name", "label", "length", "samples")}
     if "index" in inspect.signature(TASKS[task["name"]]).parameters:  # one that stratifies by sample (needle depth)
         options["index"] = index

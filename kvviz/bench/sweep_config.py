@@ -370,9 +370,10 @@ def _check_tasks(tasks: list[dict], refuse) -> None:
             raise refuse(where, "chat is the sweep's setting, not a task's: set chat = false at the top of the "
                                 "config (it fits every prompt to its length and encodes it the same way)")
         schema, takes = task_schema(name)
-        check_table(task, schema, unknown=lambda key: refuse(where, f"unknown key {key!r}; {takes}"),
-                    absent=lambda key, spec: refuse(where, spec.absent or f"has no {key!r}"),
-                    broken=lambda key, rule: refuse(where, rule))
+        check_table(task, schema,
+                    unknown=lambda key, where=where, takes=takes: refuse(where, f"unknown key {key!r}; {takes}"),
+                    absent=lambda key, spec, where=where: refuse(where, spec.absent or f"has no {key!r}"),
+                    broken=lambda key, rule, where=where: refuse(where, rule))
         label = task_label(task)
         if label in labels:
             raise refuse(f"tasks[{index}]", f"has the same label {label!r} as tasks[{labels[label]}]; "
@@ -393,11 +394,12 @@ def _check_policies(policies: list, refuse) -> dict[str, tuple[int, tuple]]:
                 raise refuse(where, 'has no name; write { name = "inertia", params = { ... } }')
             where = f"policies[{index}] ({entry['name']})"
             check_table(entry, POLICY,
-                        unknown=lambda key: refuse(where, f"unknown key {key!r}; a policy table has name, params and "
-                                                          "compression or budget"),
-                        absent=lambda key, _: refuse(where, f"has no {key!r}"),
+                        unknown=lambda key, where=where: refuse(where, f"unknown key {key!r}; a policy table has "
+                                                                       "name, params and compression or budget"),
+                        absent=lambda key, _, where=where: refuse(where, f"has no {key!r}"),
                         # a policy's own grid is named as a key of it ("policies[0] (snapkv) compression: ...")
-                        broken=lambda key, rule: refuse(where if key == "params" else f"{where} {key}", rule))
+                        broken=lambda key, rule, where=where: refuse(where if key == "params" else f"{where} {key}",
+                                                                     rule))
         elif not isinstance(entry, str):
             raise refuse(where, f"must be a policy name or a table with name and params, got {entry!r}")
         name = entry["name"] if isinstance(entry, dict) else entry

@@ -16,7 +16,6 @@ from .sweep_cells import Cell, cells, task_label
 from .sweep_config import check_lengths, validate
 from .sweep_folder import RowFile, claim, finished_cells
 
-
 # A Ray worker's loaded model, kept between its tasks: (model name, device, dtype) -> (model, tokenizer, meta).
 _worker_models: dict[tuple, tuple] = {}
 
@@ -123,8 +122,10 @@ def _run_ray(config: dict, out_dir: Path, rows: RowFile, source: str, address: s
         check = ray.remote(max_retries=max_retries, **options)(_ray_check)
         try:
             notes = ray.get(check.remote(config, todo))
-        except ray.exceptions.RayTaskError as error:  # the refusal as the local runner raises it
-            raise error.cause if isinstance(error.cause, ValueError) else error
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, ValueError):  # the refusal as the local runner raises it
+                raise error.cause from None
+            raise
         for note in notes:
             print(f"warning: {note}", file=sys.stderr)
         sample_task = ray.remote(max_retries=max_retries, **options)(_ray_sample)

@@ -31,7 +31,8 @@ def cmd_bench(args) -> int:
             return 0
         # Options the chosen backend would silently ignore: ray deals out the samples itself, local needs no cluster.
         if args.backend == "ray" and (args.shard or args.shards != 1):
-            raise ValueError("--backend ray runs every sample as its own task on the cluster: drop --shards and --shard")
+            raise ValueError("--backend ray runs every sample as its own task on the cluster: "
+                             "drop --shards and --shard")
         if args.ray_address and args.backend != "ray":
             raise ValueError("--ray-address applies to --backend ray only; add --backend ray or drop --ray-address")
         sweep.check_shard(args.shard if args.backend == "local" else 0, args.shards)

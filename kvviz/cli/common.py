@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 # How the generate and trace summaries label their rates: the one over the whole run counts the prefill's time
 # (most of a short run's on a long prompt), the decode one only the decode steps' forward, scoring and eviction.
 WITH_PREFILL = "including the prefill"

@@ -60,9 +60,9 @@ def _validate_generate(args) -> Settings:
 def cmd_generate(args) -> int:
     from .. import engine
     from ..models import load_model
+    from ..notes import checkpoint_note
     from ..policies import make_policy
     from ..policies.base import BudgetTooSmall
-    from ..notes import checkpoint_note
     from ..trace import Trace, model_dtype, time_split
 
     asked = _validate_generate(args)

@@ -89,8 +89,8 @@ def _print_read_lags(trace) -> int:
                          f"of a policy that does, e.g. {record}")
     lags = diagnostics.read_lags(trace.events, trace.prompt_len)
     if not lags.positions.size:
-        raise ValueError(f"no generated entry has {lags.horizon} later queries in this trace ({len(trace.decode_steps)} "
-                         f"decode steps): record a longer run, e.g. {record}")
+        raise ValueError(f"no generated entry has {lags.horizon} later queries in this trace "
+                         f"({len(trace.decode_steps)} decode steps): record a longer run, e.g. {record}")
     split = diagnostics.read_lag_split(lags)
     print(f"read lags (AvoKV-E Fig. 1b): {lags.positions.size} generated entries with {lags.horizon} later queries "
           f"({lags.dropped} too near the end left out); a strong read reaches 85% of the entry's peak attention")

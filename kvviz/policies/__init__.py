@@ -11,7 +11,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from ..quote import cut, excerpt
-
 from .avokv import AvoKVE
 from .base import Policy
 from .expected_attention import ExpectedAttention
@@ -105,44 +104,55 @@ def coerce(policy: str, parameter: dict[str, Any], value: Any) -> Any:
         return ValueError(f"policy {policy!r}: {name} must be {expected}, got {excerpt(value)}")
 
     if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, (int, float)) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise refuse("true or false")
+        return _coerce_bool(value, refuse)
     if isinstance(default, (int, float)):
-        number = value
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise refuse("a number") from None
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise refuse("a number")
-        if isinstance(number, float) and not math.isfinite(number):  # an int is finite (and may not fit a float)
-            raise refuse("a finite number")
-        low, high = parameter.get("low"), parameter.get("high")
-        if isinstance(default, int):
-            if number != int(number):
-                raise refuse("a whole number")
-            number = int(number)
-        else:
-            try:
-                number = float(number) + 0.0  # -0.0 is 0.0
-            except OverflowError:  # a 400-digit integer
-                raise refuse(f"between {low} and {high}" if low is not None and high is not None
-                             else "a finite number") from None
-        if (low is not None and number < low) or (high is not None and number > high):
-            raise refuse(f"between {low} and {high}")
-        return number
+        return _coerce_number(parameter, value, refuse)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise refuse("text")
     value = str(value)
     if parameter.get("choices") and value not in parameter["choices"]:
         raise refuse(f"one of {', '.join(parameter['choices'])}")
     return value
+
+
+def _coerce_bool(value: Any, refuse) -> bool:
+    """A flag's value: a bool, 0 or 1, or a word such as "yes" or "off"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise refuse("true or false")
+
+
+def _coerce_number(parameter: dict[str, Any], value: Any, refuse) -> int | float:
+    """A number's value (also from a string), whole where the default is an int, inside ``low``..``high``."""
+    default = parameter["default"]
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            raise refuse("a number") from None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise refuse("a number")
+    if isinstance(number, float) and not math.isfinite(number):  # an int is finite (and may not fit a float)
+        raise refuse("a finite number")
+    low, high = parameter.get("low"), parameter.get("high")
+    if isinstance(default, int):
+        if number != int(number):
+            raise refuse("a whole number")
+        number = int(number)
+    else:
+        try:
+            number = float(number) + 0.0  # -0.0 is 0.0
+        except OverflowError:  # a 400-digit integer
+            raise refuse(f"between {low} and {high}" if low is not None and high is not None
+                         else "a finite number") from None
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise refuse(f"between {low} and {high}")
+    return number
 
 
 def by_name(specs: list[PolicySpec]) -> dict[str, PolicySpec]:

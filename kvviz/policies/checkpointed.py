@@ -10,7 +10,6 @@ what it kept and the cache as it is then -- only what the prefix provides, so ev
 from __future__ import annotations
 
 import itertools
-
 from collections import deque
 from dataclasses import dataclass
 

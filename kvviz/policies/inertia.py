@@ -6,8 +6,8 @@ float32 softmax of the newest query over the cached keys.  With ``K`` eligible l
 therefore keeps weight ``a**K`` (0.8**30 ~ 0.001 on SmolLM2-135M): alpha sets layer weighting and temporal
 memory together.  After the forward pass the lowest-``m`` tokens are evicted until the cache holds ``B``
 (ties: older first), once per step with one keep set for all layers (§3.1 would also admit evicting
-layer by layer inside the forward).  ``m`` starts at 0 for prompt tokens; a new token enters at 0 on a scoring step and at
-the mean ``m`` of the tokens already cached on a non-scoring step.
+layer by layer inside the forward).  ``m`` starts at 0 for prompt tokens; a new token enters at 0 on a scoring
+step and at the mean ``m`` of the tokens already cached on a non-scoring step.
 
 The same rule gives the paper's operating points and ablations (see the registry presets):
 

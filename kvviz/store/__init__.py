@@ -31,10 +31,33 @@ import pandas as pd
 # The sentences about these rows live in kvviz.notes, shared with the app; imported here where callers found them.
 from ..notes import HELD_OVER_WHY, held_over_note, suite_notes  # noqa: F401
 from .columns import (  # noqa: F401 -- kvviz.store.X, as before the split
-    ROOT, COLUMNS, ACCEPTED, GENERATION, PER_DRAW, SHOWN_LINES, QUALITY_METRICS, RANKING_METRICS, LABEL_PARAMS,
-    SUITES, PREFIXES, FULL_CACHE_FLOOR, RANKED_FLOOR, NOT_RANKED, HELD_OVER, suite_of, policy_defaults,
-    policy_added_parameters, policy_kinds, _literal, _decoded, setting_names, _setting_order, named_by_setting,
-    held_over_budget, ranking_caveats)
+    ACCEPTED,
+    COLUMNS,
+    FULL_CACHE_FLOOR,
+    GENERATION,
+    HELD_OVER,
+    LABEL_PARAMS,
+    NOT_RANKED,
+    PER_DRAW,
+    PREFIXES,
+    QUALITY_METRICS,
+    RANKED_FLOOR,
+    RANKING_METRICS,
+    ROOT,
+    SHOWN_LINES,
+    SUITES,
+    _decoded,
+    _literal,
+    _setting_order,
+    held_over_budget,
+    named_by_setting,
+    policy_added_parameters,
+    policy_defaults,
+    policy_kinds,
+    ranking_caveats,
+    setting_names,
+    suite_of,
+)
 from .load import Loaded
 
 
@@ -131,7 +154,8 @@ class Store(Loaded):
             GROUP BY ALL ORDER BY source, model, task, compression, absolute_budget, refresh
             """, [list(family), list(family.values()), *params])
 
-    def speed_vs_quality(self, task=None, model=None, policies=None, settings: bool = False, sweeps=None) -> pd.DataFrame:
+    def speed_vs_quality(self, task=None, model=None, policies=None, settings: bool = False,
+                         sweeps=None) -> pd.DataFrame:
         """Measured decode throughput, cache size and score per (model, task, policy, compression or absolute
         budget) at defaults (``settings``: every setting run, named as in :meth:`quality_vs_compression`).
 
@@ -156,7 +180,8 @@ class Store(Loaded):
             """, [settings, *params])
         return named_by_setting(frame)
 
-    def max_length_hits(self, task=None, model=None, policies=None, settings: bool = False, sweeps=None) -> pd.DataFrame:
+    def max_length_hits(self, task=None, model=None, policies=None, settings: bool = False,
+                        sweeps=None) -> pd.DataFrame:
         """How many generations reached ``max_new_tokens`` instead of ending with end-of-sequence, per (model,
         task, policy, compression or absolute budget) of each policy at its defaults (AvoKV-E's Table 2 counts
         the same, per absolute budget).
@@ -372,10 +397,10 @@ class Store(Loaded):
                       sweeps=None) -> pd.DataFrame:
         """Each measured trace's damage-ranking metric under a policy next to ``reference``'s (a policy at its
         defaults, or one stored setting of it: :meth:`setting_of`) on the same trace, for paired comparisons
-        (:func:`kvviz.stats.paired_table`, which reads ``metric`` as the task): same sweep (one probe, over the entries all its policies judged), model, task, sample,
-        seed, prompt, step and metric.  Rows: ``model``, ``suite`` (NULL), ``task`` (the row's task, sweep and
-        metric, ``"t · s: auroc"``), ``metric``, ``policy``, ``compression``, ``absolute_budget`` (NULL),
-        ``sample``, ``score``, ``reference_score``."""
+        (:func:`kvviz.stats.paired_table`, which reads ``metric`` as the task): same sweep (one probe, over the
+        entries all its policies judged), model, task, sample, seed, prompt, step and metric.  Rows: ``model``,
+        ``suite`` (NULL), ``task`` (the row's task, sweep and metric, ``"t · s: auroc"``), ``metric``, ``policy``,
+        ``compression``, ``absolute_budget`` (NULL), ``sample``, ``score``, ``reference_score``."""
         where, params = self._filters(task, model, "measured", None, sweeps, metrics=RANKING_METRICS)
         named = self.setting_of(reference)  # (policy, setting)
         frame = self.frame(

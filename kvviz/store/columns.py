@@ -10,7 +10,6 @@ from typing import Any
 
 import pandas as pd
 
-
 # The repository's results_db/ (the package is installed editable, or run from the checkout as the Space
 # image does); KVVIZ_RESULTS points elsewhere, e.g. for an installed copy.
 ROOT = Path(os.environ.get("KVVIZ_RESULTS") or Path(__file__).resolve().parents[2] / "results_db")
@@ -18,8 +17,9 @@ ROOT = Path(os.environ.get("KVVIZ_RESULTS") or Path(__file__).resolve().parents[
 COLUMNS = {"sweep": "VARCHAR", "source": "VARCHAR", "paper": "VARCHAR", "table": "VARCHAR", "model": "VARCHAR",
            "task": "VARCHAR", "policy": "VARCHAR", "params": "JSON", "compression": "DOUBLE",
            "absolute_budget": "INTEGER", "metric": "VARCHAR",
-           "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE", "prompt_len": "INTEGER",
-           "budget": "INTEGER", "max_cache": "INTEGER", "max_decode_cache": "INTEGER", "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
+           "score": "DOUBLE", "sample": "INTEGER", "seed": "INTEGER", "meta": "JSON", "decode_tok_s": "DOUBLE",
+           "prompt_len": "INTEGER", "budget": "INTEGER", "max_cache": "INTEGER", "max_decode_cache": "INTEGER",
+           "max_new_tokens": "INTEGER", "chat": "BOOLEAN",
            "temperature": "DOUBLE", "top_p": "DOUBLE", "dtype": "VARCHAR", "draw": "INTEGER",
            "new_tokens": "INTEGER", "hit_max_tokens": "BOOLEAN", "notes": "VARCHAR", "policy_params": "JSON"}
 # What a stored value of each type may be, in json_type()'s names (null or absent is always allowed), and
@@ -35,7 +35,8 @@ GENERATION = {"max_new_tokens": 32, "chat": True, "temperature": 0.0, "top_p": 1
 PER_DRAW = {"score": "avg(score)", "decode_tok_s": "avg(decode_tok_s)", "max_cache": "max(max_cache)",
             # NULL unless every draw records it (a draw without it could have held more)
             "max_decode_cache": "CASE WHEN count(max_decode_cache) = count(*) THEN max(max_decode_cache) END",
-            "new_tokens": "avg(new_tokens)", "hit_max_tokens": "CASE WHEN count(*) = 1 THEN bool_or(hit_max_tokens) END"}
+            "new_tokens": "avg(new_tokens)",
+            "hit_max_tokens": "CASE WHEN count(*) = 1 THEN bool_or(hit_max_tokens) END"}
 # Bad lines named per shard in a problem; the rest are counted.
 SHOWN_LINES = 5
 # Metrics that are a quality score of a run (paper tables also report deltas, best alphas, AUROCs ...).

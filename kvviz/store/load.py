@@ -11,9 +11,23 @@ from typing import Any
 
 import duckdb
 
-from .columns import (ACCEPTED, COLUMNS, GENERATION, LABEL_PARAMS, PER_DRAW, QUALITY_METRICS, RANKING_METRICS, ROOT,
-                      SHOWN_LINES, _decoded, _literal, policy_added_parameters, policy_defaults, policy_kinds,
-                      suite_of)
+from .columns import (
+    ACCEPTED,
+    COLUMNS,
+    GENERATION,
+    LABEL_PARAMS,
+    PER_DRAW,
+    QUALITY_METRICS,
+    RANKING_METRICS,
+    ROOT,
+    SHOWN_LINES,
+    _decoded,
+    _literal,
+    policy_added_parameters,
+    policy_defaults,
+    policy_kinds,
+    suite_of,
+)
 
 
 class Loaded:
@@ -90,7 +104,8 @@ class Loaded:
                                    f'settings."{name}", {_literal(default)}) END AS "{name}"'
                                    for name, default in GENERATION.items())
         select += ", " + " AND ".join(f'value."{name}" IS NULL AND settings."{name}" IS NULL'
-                                      for name in GENERATION) + " AS unknown_settings, split_part(shard, '/', 1) AS folder"
+                                      for name in GENERATION)
+        select += " AS unknown_settings, split_part(shard, '/', 1) AS folder"
         # A damage-ranking row belongs to its sweep's probe (its step, and the entries all of that sweep's
         # policies judged): two ranking sweeps of one sample are two experiments, never one row or one mean.
         select += (f""", CASE WHEN list_contains({list(RANKING_METRICS)}, json_extract_string(value."metric", '$')) """

@@ -107,7 +107,8 @@ def longbench_v2(records: Iterable[dict]) -> list[Sample]:
     samples = []
     for r in checked(records, "longbench_v2"):
         choices = "\n".join(f"({letter}) {r[f'choice_{letter}']}" for letter in "ABCD")
-        prompt = (f"{r['context']}\n\nWhat is the correct answer to this question: {r['question']}\nChoices:\n{choices}\n"
+        prompt = (f"{r['context']}\n\nWhat is the correct answer to this question: {r['question']}\n"
+                  f"Choices:\n{choices}\n"
                   "Answer with the letter of the correct choice, as in: The correct answer is (A).")
         samples.append(Sample("longbench_v2", prompt, [f"({r['answer']})"], "string_match",
                               {"id": r.get("_id", ""), "difficulty": r.get("difficulty", "")}))

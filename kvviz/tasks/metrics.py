@@ -95,7 +95,8 @@ def normalize_math(answer: str) -> str:
     """Canonical form for comparing final math answers: no spaces, $, \\left/\\right, units of text, trailing .0."""
     answer = answer.strip().strip("$").strip()
     answer = re.sub(r"\\text\{(.*?)\}", r"\1", answer)
-    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", " ", "^\\circ", "^{\\circ}", "\\%", "%", "dfrac", "tfrac"):
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", " ", "^\\circ", "^{\\circ}", "\\%", "%",
+                  "dfrac", "tfrac"):
         answer = answer.replace(token, "frac" if token in ("dfrac", "tfrac") else "")
     answer = re.sub(r"(\d),(\d{3})", r"\1\2", answer)  # 1,000 -> 1000
     answer = re.sub(r"^(-?\d+)\.0+$", r"\1", answer)
@@ -125,5 +126,5 @@ def edit_similarity(prediction: str, answers: list[str]) -> float:
     return max((SequenceMatcher(None, first, answer).ratio() for answer in answers), default=0.0)
 
 
-METRICS = {"string_match": string_match, "whole_match": whole_match, "edit_similarity": edit_similarity, "exact_match": exact_match, "rouge_l": rouge_l_f, "token_f1": token_f1,
-           "math": math_equal}
+METRICS = {"string_match": string_match, "whole_match": whole_match, "edit_similarity": edit_similarity,
+           "exact_match": exact_match, "rouge_l": rouge_l_f, "token_f1": token_f1, "math": math_equal}

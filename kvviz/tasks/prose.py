@@ -76,21 +76,24 @@ def _essay(rng: random.Random) -> str:
     c = rng.choice
     forms = [
         lambda: f"I {c(_VERBS_THINK)} that {c(_ABSTRACT)} matters more in {c(_FIELDS)} than talent does.",
-        lambda: f"When {c(_THINKERS)} first showed me how {c(_FIELDS)} is done, the lesson was mostly about {c(_ABSTRACT)}.",
+        lambda: f"When {c(_THINKERS)} first showed me how {c(_FIELDS)} is done, "
+                f"the lesson was mostly about {c(_ABSTRACT)}.",
         lambda: f"Most of the work is {c(_QUALITIES)}, and that is rarely what people expect.",
         lambda: f"There is a difference, easy to miss, between {c(_ABSTRACT)} and {c(_ABSTRACT)}.",
         lambda: f"Consider how long it takes to become competent at {c(_FIELDS)}: perhaps {rng.randint(3, 15)} years, "
                 f"if the teaching is good.",
         lambda: f"Why should {c(_ABSTRACT)} be so hard to teach?",
-        lambda: f"{_cap(c(_THINKERS))} used to say that {c(_FIELDS)} rewards the {c(_QUALITIES)} and punishes the hurried.",
+        lambda: f"{_cap(c(_THINKERS))} used to say that {c(_FIELDS)} rewards the {c(_QUALITIES)} "
+                "and punishes the hurried.",
         lambda: f"In {_year(rng)}, a small book on {c(_FIELDS)} made the same point with fewer words.",
-        lambda: f"None of this is new, of course.",
+        lambda: "None of this is new, of course.",
         lambda: f"Still, the {c(_QUALITIES)} parts of {c(_FIELDS)} are where {c(_ABSTRACT)} is built.",
         lambda: f"If I had to name one habit worth keeping, it would be {c(_ABSTRACT)} applied to {c(_FIELDS)}.",
         lambda: f"A beginner sees rules; someone with {rng.randint(10, 40)} years behind them sees {c(_ABSTRACT)}.",
         lambda: f"It is tempting, and usually wrong, to treat {c(_ABSTRACT)} as a gift rather than a practice.",
         lambda: f"The same is true, I think, of {c(_FIELDS)} and of {c(_FIELDS)}.",
-        lambda: f"So the question is not whether {c(_ABSTRACT)} helps, but how much of it a {c(_QUALITIES)} week can hold.",
+        lambda: f"So the question is not whether {c(_ABSTRACT)} helps, "
+                f"but how much of it a {c(_QUALITIES)} week can hold.",
     ]
     return c(forms)()
 
@@ -102,15 +105,18 @@ def _history(rng: random.Random) -> str:
         lambda: f"The parish records list {rng.randint(12, 480)} households in {c(_TOWNS)} at that time.",
         lambda: f"Trade in {c(_GOODS)} and {c(_GOODS)} kept the town busy through most of the century.",
         lambda: f"{_name(rng)}, a dealer in {c(_GOODS)}, paid for the rebuilding of {c(_PLACES)} in {_year(rng)}.",
-        lambda: f"It was not until the railway reached {c(_TOWNS)} that the road through {c(_PLACES)} lost its traffic.",
+        lambda: f"It was not until the railway reached {c(_TOWNS)} "
+                f"that the road through {c(_PLACES)} lost its traffic.",
         lambda: f"A fire in {c(_MONTHS)} {_year(rng)} destroyed much of {c(_PLACES)}.",
         lambda: f"According to a letter of {_year(rng)}, the {c(_TRADES)} complained of the price of {c(_GOODS)}.",
         lambda: f"Some of the older houses near {c(_PLACES)} still show the marks of that time.",
         lambda: f"The population fell by almost a {c(['third', 'quarter', 'fifth'])} when the {c(_TRADES)} left.",
-        lambda: f"Carts carried {c(_GOODS)} the {rng.randint(4, 38)} miles from {c(_TOWNS)} to {c(_TOWNS)} twice a week.",
+        lambda: f"Carts carried {c(_GOODS)} the {rng.randint(4, 38)} miles "
+                f"from {c(_TOWNS)} to {c(_TOWNS)} twice a week.",
         lambda: f"Whether the bridge at {c(_TOWNS)} was built of stone or timber is still argued over.",
         lambda: f"In the census of {_year(rng)}, {rng.randint(3, 90)} people gave their trade as {c(_TRADES)[:-1]}.",
-        lambda: f"Later accounts, written long after, make the {c(_TRADES)} of {c(_TOWNS)} sound more prosperous than they were.",
+        lambda: f"Later accounts, written long after, make the {c(_TRADES)} of {c(_TOWNS)} "
+                "sound more prosperous than they were.",
         lambda: f"Among the families who stayed were the {c(_LAST)}s, who kept a shop by {c(_PLACES)}.",
         lambda: f"Little survives from before {_year(rng)} beyond a few deeds and a map.",
     ]
@@ -121,7 +127,8 @@ def _nature(rng: random.Random) -> str:
     c = rng.choice
     forms = [
         lambda: f"Walked out along {c(_TERRAIN)} in {c(_WEATHER)}.",
-        lambda: f"A {c(_BIRDS)} was feeding at the edge of {c(_TERRAIN)}, and it stayed for {rng.randint(2, 40)} minutes.",
+        lambda: f"A {c(_BIRDS)} was feeding at the edge of {c(_TERRAIN)}, "
+                f"and it stayed for {rng.randint(2, 40)} minutes.",
         lambda: f"The {c(_PLANTS)} is flowering early this year, about {rng.randint(5, 21)} days ahead of last spring.",
         lambda: f"Counted {rng.randint(3, 160)} {c(_BIRDS)}s on the falling tide.",
         lambda: f"By mid {c(_MONTHS)} the path across {c(_TERRAIN)} is often under water.",
@@ -134,7 +141,8 @@ def _nature(rng: random.Random) -> str:
         lambda: f"Patches of {c(_PLANTS)} have spread across what was bare mud {rng.randint(2, 12)} years ago.",
         lambda: f"Is it the grazing or the drainage that keeps the {c(_PLANTS)} from coming back?",
         lambda: f"Home before dark, with {c(_WEATHER)} coming in behind me.",
-        lambda: f"A pair of {c(_BIRDS)}s crossed {c(_TERRAIN)} low and fast, heading for the {c(['river', 'sea', 'wood', 'hills'])}.",
+        lambda: f"A pair of {c(_BIRDS)}s crossed {c(_TERRAIN)} low and fast, "
+                f"heading for the {c(['river', 'sea', 'wood', 'hills'])}.",
     ]
     return c(forms)()
 
@@ -212,7 +220,8 @@ def prose_needle(tokenizer, target_tokens: int, seed: int, style: str = "rotate"
     key, value = _key(rng), _number(rng)
     depth, stratum = stratified_depth(rng, index, bins)
     needle = f"The special magic number for the {key} is {value}."
-    question = f"Question: What is the special magic number for the {key}?\nAnswer: The special magic number for the {key} is"
+    question = (f"Question: What is the special magic number for the {key}?\n"
+                f"Answer: The special magic number for the {key} is")
 
     def build(filler):
         return (f"Read the following text. A special magic number is hidden in it; remember it.\n\n"
@@ -285,7 +294,8 @@ _FACTS = [
     ("{person}, {role}, named the boat {answer} after an aunt.",
      "What did {person} name the boat?", "{person} named the boat"),
     ("The horse that {person}, {role}, rode to market was called {answer}.",
-     "What was the name of the horse that {person} rode to market?", "The horse that {person} rode to market was called"),
+     "What was the name of the horse that {person} rode to market?",
+     "The horse that {person} rode to market was called"),
     ("{person}, {role}, kept the accounts in a ledger marked {answer} on its spine.",
      "What was marked on the spine of {person}'s ledger?", "The spine of {person}'s ledger was marked"),
     ("Every winter {person}, {role}, travelled to the town of {answer} to visit a brother.",

@@ -71,7 +71,8 @@ def fit(tokenizer, target_tokens: int, build: Callable[[list[str]], str], filler
     bare = len(encode_prompt(tokenizer, build([]), chat=chat))
     if bare > target_tokens:
         raise ValueError(f"a length of {target_tokens} tokens is below the {bare} this prompt takes with no filler "
-                         f"at all ({'with' if chat else 'without'} the chat template); set the length to {bare} or more")
+                         f"at all ({'with' if chat else 'without'} the chat template); "
+                         f"set the length to {bare} or more")
     sentences: list[str] = []
     low, high = 0, 8
     while True:  # grow until too long, then bisect
@@ -106,7 +107,8 @@ def single_needle(tokenizer, target_tokens: int, seed: int, haystack: str = "noi
     question = f"What is the special magic number for {key} mentioned in the provided text?"
 
     def build(filler):
-        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, [needle], [depth])}\n{question}"
+        return ("Some special magic numbers are hidden within the following text. Memorize them.\n"
+                f"{_insert(filler, [needle], [depth])}\n{question}")
 
     prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
     return Sample("single_needle", prompt, [value], "string_match", {"key": key, "depth": depth, "haystack": haystack})
@@ -124,11 +126,13 @@ def multi_key_needle(tokenizer, target_tokens: int, seed: int, keys: int = 4, ha
     question = f"What is the special magic number for {names[asked]} mentioned in the provided text?"
 
     def build(filler):
-        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, needles, depths)}\n{question}"
+        return ("Some special magic numbers are hidden within the following text. Memorize them.\n"
+                f"{_insert(filler, needles, depths)}\n{question}")
 
     prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
     return Sample("multi_key_needle", prompt, [values[asked]], "string_match",
-                  {"keys": names, "asked": names[asked], "distractors": [v for i, v in enumerate(values) if i != asked]})
+                  {"keys": names, "asked": names[asked],
+                   "distractors": [v for i, v in enumerate(values) if i != asked]})
 
 
 def multi_value(tokenizer, target_tokens: int, seed: int, values: int = 4, haystack: str = "noise",
@@ -142,7 +146,8 @@ def multi_value(tokenizer, target_tokens: int, seed: int, values: int = 4, hayst
     question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
 
     def build(filler):
-        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, needles, depths)}\n{question}"
+        return ("Some special magic numbers are hidden within the following text. Memorize them.\n"
+                f"{_insert(filler, needles, depths)}\n{question}")
 
     prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
     return Sample("multi_value", prompt, numbers, "string_match", {"key": key})
@@ -161,7 +166,8 @@ def multi_query(tokenizer, target_tokens: int, seed: int, keys: int = 4, queries
                 + " mentioned in the provided text?")
 
     def build(filler):
-        return f"Some special magic numbers are hidden within the following text. Memorize them.\n{_insert(filler, needles, depths)}\n{question}"
+        return ("Some special magic numbers are hidden within the following text. Memorize them.\n"
+                f"{_insert(filler, needles, depths)}\n{question}")
 
     prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
     return Sample("multi_query", prompt, [values[i] for i in asked], "string_match",
@@ -179,7 +185,8 @@ def variable_tracking(tokenizer, target_tokens: int, seed: int, chain: int = 4, 
     question = f"Find all variables that are assigned the value {value} in the text above."
 
     def build(filler):
-        return f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n{_insert(filler, statements, depths)}\n{question}"
+        return ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
+                f"{_insert(filler, statements, depths)}\n{question}")
 
     prompt = fit(tokenizer, target_tokens, build, HAYSTACKS[haystack](rng), chat)
     return Sample("variable_tracking", prompt, names, "string_match", {"value": value})
@@ -280,7 +287,8 @@ def arithmetic_reasoning(tokenizer, target_tokens: int | None, seed: int, steps:
         length = len(encode_prompt(tokenizer, prompt, chat=chat))
         if length > target_tokens:
             raise ValueError(f"an arithmetic_reasoning prompt of {steps} step{'s' * (steps != 1)} takes {length} "
-                             f"tokens, over the length {target_tokens}; raise the length (or leave it out) or lower steps")
+                             f"tokens, over the length {target_tokens}; "
+                             "raise the length (or leave it out) or lower steps")
     return Sample("arithmetic_reasoning", prompt, [str(count)], "math",
                   {"person": person, "item": item, "groups": groups, "operations": operations, "steps": steps})
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import logging
-import dataclasses
 import math
 import threading
 import traceback
@@ -31,10 +31,9 @@ from .config import Limits
 log = logging.getLogger(__name__)
 
 try:  # glibc's malloc_trim hands freed heap pages back to the system; other C libraries keep them
-    _libc = ctypes.CDLL("libc.so.6")
-    _libc.malloc_trim
+    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
 except (OSError, AttributeError):
-    _libc = None
+    _malloc_trim = None
 
 # The models loaded by this process, one per name (a load takes seconds to minutes), and a lock per name: one
 # session loading a model must not hold up the sessions using another one already loaded.
@@ -49,8 +48,8 @@ def release_memory() -> None:
     pool, the C heap's free pages and a GPU's blocks back too."""
     gc.collect()
     pa.default_memory_pool().release_unused()
-    if _libc is not None:
-        _libc.malloc_trim(0)
+    if _malloc_trim is not None:
+        _malloc_trim(0)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -233,7 +232,8 @@ BOUNDS = Bounds(temperature=MAX_TEMPERATURE, seed=MAX_SEED)
 
 
 def check_sampling(temperature: float, top_p: float, seed: float) -> dict:
-    """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to change."""
+    """engine.Sampler's arguments from the Sampling widgets (greedy at temperature 0); ValueError says what to
+    change."""
     asked = Settings(temperature=fraction("temperature", temperature or 0.0),
                      top_p=fraction("top-p", 1.0 if top_p is None else top_p), names=APP_NAMES, bounds=BOUNDS)
     if asked.greedy:
@@ -294,8 +294,8 @@ def validate(limits: Limits, model_name: str, prompt: str, budget_mode: str, com
             needed = value - len(prompt_ids) + 2
             more = (f", or allow at least {needed} new tokens" if needed <= limits.max_new_tokens else
                     f" (even {limits.max_new_tokens} new tokens, the most allowed here, would not fill it)")
-            raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} tokens "
-                             f"fed back, so nothing would be evicted; choose a budget below {fed}{more}")
+            raise ValueError(f"a budget of {value} holds the {len(prompt_ids)}-token prompt and all {max_new - 1} "
+                             f"tokens fed back, so nothing would be evicted; choose a budget below {fed}{more}")
         resolved, compression = value, None  # the budget in tokens: no ρ set it
     else:
         resolved = engine.resolve_budget(len(prompt_ids), compression=compression)
@@ -364,9 +364,9 @@ def check_checkpoint_reached(limits: Limits, policy: Policy, prompt_len: int, bu
         options.append(f"set interval to {widest} or less")
     advice = " or ".join(options) or "choose a smaller budget and a shorter interval"
     when = f"after this run's last step ({last})" if first > last else "at this run's last step, after its last forward"
-    raise ValueError(f"{setting_label(policy)} evicts only at its checkpoints, every {policy.interval} generated tokens "
-                     f"once the cache is over B = {budget}: the first here would be at step {first}, {when}, so no "
-                     f"token would be decoded from a cache it cut; {advice}")
+    raise ValueError(f"{setting_label(policy)} evicts only at its checkpoints, every {policy.interval} generated "
+                     f"tokens once the cache is over B = {budget}: the first here would be at step {first}, {when}, "
+                     f"so no token would be decoded from a cache it cut; {advice}")
 
 
 def model_and_prompt(limits: Limits, model_name: str, prompt: str, chat: bool):
