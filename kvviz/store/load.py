@@ -48,6 +48,22 @@ class Loaded:
         # name -> class: which names can state one another's settings (a name without one is its own kind)
         self.kinds = policy_kinds() if kinds is None else kinds
         self._named: dict[tuple, tuple[str | None, str]] = {}
+        self.problems: list[str] = []
+        self._connect()
+        self.shards = self._read_shards()
+        self._check_lines()
+        # The experiment a measured row belongs to; a cell is that plus its draw.
+        # A ranking sweep stores five metrics of one trace and policy: each its own row, never one mean.
+        experiment = ["model", "task", "sample", "seed", "policy", "setting", *self._CUT_BY.values(), "prompt_len",
+                      "metric", "ranking_sweep", *GENERATION]
+        self._build_generations(experiment)
+        self._build_results(experiment)
+        self._report_unknown_settings()
+        self._report_mixed_generation()
+        self._report_mixed_prompts()
+
+    def _connect(self) -> None:
+        """Open the in-memory database with the Python functions the SQL calls and the tables the shards fill."""
         self.con = duckdb.connect(":memory:")
         # One connection, many threads (the app's sessions, its start-up drawing): a query and the fetch of its
         # result go together, or one thread's fetch could return another's rows
@@ -57,12 +73,13 @@ class Loaded:
         self.con.create_function("setting", self._setting, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
         self.con.create_function("named", self._name, ["VARCHAR", "VARCHAR"], "VARCHAR", null_handling="special")
         self.con.create_function("suite", suite_of, ["VARCHAR"], "VARCHAR", null_handling="special")
-        self.problems: list[str] = []
         # One row per line of every shard; ``text`` is NULL where the line's bytes are not UTF-8.
         self.con.execute("CREATE TABLE shard_lines (shard VARCHAR, line_no INTEGER, text VARCHAR)")
         self.con.execute("CREATE TABLE sweep_settings (folder VARCHAR, "
                          + ", ".join(f"{name} {COLUMNS[name]}" for name in GENERATION) + ")")
-        self.shards = self._read_shards()
+
+    def _check_lines(self) -> None:
+        """Parse and type-check every shard line into ``checked_lines``; report the shards with bad lines."""
         fields = "{" + ", ".join(f'"{name}": "JSON"' for name in COLUMNS) + "}"
         # One parse per line: every column as a JSON value (JSON null reads as NULL), checked before any cast.
         self.con.execute(
@@ -80,10 +97,16 @@ class Loaded:
             more = f"; and {bad - len(lines)} more" if bad > len(lines) else ""
             self.problems.append(f"{shard}: skipped {bad} of {total} rows ({'; '.join(lines)}{more}); "
                                  "fix or delete those lines")
-        def read(name: str, kind: str) -> str:  # one JSON value as its column's SQL type
-            return (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
-                    if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})')
 
+    @staticmethod
+    def _read(name: str, kind: str) -> str:
+        """One JSON value of ``checked_lines.value`` as its column's SQL type."""
+        return (f'value."{name}"' if kind == "JSON" else f"""json_extract_string(value."{name}", '$')"""
+                if kind == "VARCHAR" else f'CAST(value."{name}" AS {kind})')
+
+    def _row_select(self) -> str:
+        """The SELECT list that turns a checked line (joined to its sweep's ``settings``) into a row's columns."""
+        read = self._read
         # A row's ``params`` are what its policy ran with: every parameter where the row records them
         # (``policy_params``, written since a changed registry default could otherwise relabel old rows), else
         # the ones its config spelled out (the rest were the defaults of the day).
@@ -111,6 +134,13 @@ class Loaded:
         select += (f""", CASE WHEN list_contains({list(RANKING_METRICS)}, json_extract_string(value."metric", '$')) """
                    """THEN coalesce(json_extract_string(value."sweep", '$'), split_part(shard, '/', 1)) END """
                    "AS ranking_sweep")
+        return select
+
+    # A row outside the per-sample experiments (a paper's, or one without a sample) is kept as it is
+    _SINGLE = "source IS DISTINCT FROM 'measured' OR sample IS NULL"
+
+    def _build_generations(self, experiment: list[str]) -> None:
+        """Materialise ``generations``: every good line as a row, a cell run by two sweeps counted once."""
         # Materialised once: the files never change while the app runs, and the derived columns call Python.
         # ``policy`` = the registry name that states the row's parameters with the fewest changes, and
         # ``setting`` = those changes ('{}' at its defaults), both from the policy as run (the inner SELECT);
@@ -119,13 +149,9 @@ class Loaded:
         # sweep-2k's single-step) counts once -- the full cache whatever ρ or budget each sweep filed it under,
         # since it has neither; a cell generated with other settings (max_new_tokens, chat template) is another
         # experiment and stays.
-        # The experiment a measured row belongs to; a cell is that plus its draw.
-        # A ranking sweep stores five metrics of one trace and policy: each its own row, never one mean.
-        experiment = ["model", "task", "sample", "seed", "policy", "setting", *self._CUT_BY.values(), "prompt_len",
-                      "metric", "ranking_sweep", *GENERATION]
         # ``ran_in``: every sweep that ran the row's experiment (a row written by hand, without a sweep name,
         # by its folder), so that a sweep's filter keeps the cells it shares with a sweep kept in its place.
-        single = "source IS DISTINCT FROM 'measured' OR sample IS NULL"
+        single = self._SINGLE
         # Every row first, duplicates included, so that duplicates that disagree can be reported below
         self.con.execute(
             f"CREATE TEMP TABLE every_generation AS SELECT *, CASE WHEN {single} THEN [coalesce(sweep, folder)] ELSE "
@@ -133,13 +159,16 @@ class Loaded:
             f"{', '.join(experiment)}) END AS ran_in "
             "FROM (SELECT * REPLACE (named(policy, CAST(params AS VARCHAR)) "
             "AS policy) FROM (SELECT *, setting(policy, CAST(params AS VARCHAR)) AS setting, suite(task) AS suite "
-            f"FROM (SELECT {select} FROM checked_lines LEFT JOIN sweep_settings AS settings "
+            f"FROM (SELECT {self._row_select()} FROM checked_lines LEFT JOIN sweep_settings AS settings "
             "ON settings.folder = split_part(shard, '/', 1) WHERE problem = '')))")
         self.con.execute(
             f"CREATE TABLE generations AS SELECT * FROM every_generation QUALIFY {single} OR row_number() OVER "
             f"(PARTITION BY {', '.join(experiment)}, coalesce(draw, 0) ORDER BY sweep) = 1")
         self._report_conflicting_duplicates(experiment, single)
         self.con.execute("DROP TABLE every_generation")
+
+    def _build_results(self, experiment: list[str]) -> None:
+        """Materialise ``results``: one row per measured sample and cell, its draws averaged."""
         # One row per measured sample and cell: the mean over its draws (a greedy sweep has one draw, so its
         # rows are unchanged), so that every figure, count and paired test is per sample -- draws of one
         # prompt are not independent samples.  Grouped by the experiment alone (the draws may come from two
@@ -154,14 +183,15 @@ class Loaded:
             f"UNION ALL BY NAME SELECT {', '.join(per_row)}, "
             + ", ".join(f"{expression} AS {name}" for name, expression in PER_DRAW.items())
             + f", count(*) AS draws FROM generations WHERE {per_sample} GROUP BY {', '.join(experiment)}")
+
+    def _report_unknown_settings(self) -> None:
+        """Say which folders' measured rows fell back to the runner's generation defaults."""
         for folder, rows in self.con.execute(
                 "SELECT folder, count(*) FROM results WHERE source = 'measured' AND unknown_settings "
                 "GROUP BY folder ORDER BY folder").fetchall():
             self.problems.append(f"{folder}: {rows} rows say neither max_new_tokens nor chat and their folder has no "
                                  f"config.toml; read as the runner's defaults ({GENERATION['max_new_tokens']} new "
                                  "tokens, chat template on)")
-        self._report_mixed_generation()
-        self._report_mixed_prompts()
 
     def _report_conflicting_duplicates(self, experiment: list[str], single: str) -> None:
         """Say where one cell (and draw) was stored twice with different scores or sample facts (``meta``: the
