@@ -17,7 +17,7 @@ import gradio as gr
 
 from kvviz.tasks.examples import EXAMPLES
 from kvviz.ui import live
-from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 from kvviz.ui.config import Limits
 
 

@@ -45,8 +45,9 @@ def main() -> None:
         times, opened = [], None
         for _ in range(2):
             start = time.perf_counter()
-            for out in function.fn(*values):  # the open sections (a new combination), then everything
+            for update in function.fn(*values):  # the open sections (a new combination), then everything
                 opened = opened or time.perf_counter() - start
+                out = update  # the last one is everything
             times.append(time.perf_counter() - start)
         # what Gradio still does on every request, drawn or not: turn each figure and table into JSON
         start = time.perf_counter()

@@ -1,9 +1,10 @@
 """InertiaKV §5.1's scorer spectrum on the default model: each scorer's Spearman and top-B Jaccard (B = 10%)
 against last-query attention, at the middle layer and through the InertiaKV utility.
 
-Also each scorer's Spearman at every layer (``by_layer``).  The prompts are the sweeps' single-needle haystacks (prose, about ``--tokens`` tokens, seeds 0 .. samples-1),
-each decoded ``--steps`` greedy steps with the full cache.  One JSON line per prompt, then one with the
-mean over prompts of each scorer's per-prompt means, and of attention's cross-layer agreement.
+Also each scorer's Spearman at every layer (``by_layer``).  The prompts are the sweeps' single-needle
+haystacks (prose, about ``--tokens`` tokens, seeds 0 .. samples-1), each decoded ``--steps`` greedy steps with
+the full cache.  One JSON line per prompt, then one with the mean over prompts of each scorer's per-prompt
+means, and of attention's cross-layer agreement.
 
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/scorer_spectrum.py [--samples 4 --tokens 1000]
 """

@@ -471,7 +471,7 @@ class StaticInertia:
             if captured and scoring in graphs:
                 graphs[scoring].replay()
             elif captured:  # runs this step once, then records it for the variant's later steps
-                graphs[scoring] = capture_step(lambda: step(scoring))
+                graphs[scoring] = capture_step(lambda scoring=scoring: step(scoring))
             else:
                 step(scoring)
             clock.mark()

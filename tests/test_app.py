@@ -9,15 +9,15 @@ import re
 import tempfile
 from pathlib import Path
 
+import gradio as gr
 import numpy as np
 import pandas as pd
-import gradio as gr
 import pytest
+from servers import free_port, serve
 
 import kvviz
 from kvviz.ui.config import Limits
 from kvviz.ui.figures import EMPTY, FOLLOW_COLORS, STEP_MARKER_COLOR, RunView
-from servers import free_port, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "tiny-random-llama"
@@ -130,8 +130,8 @@ def test_generate_takes_params_as_an_object_too(client):
 def test_parameter_widgets_take_the_selected_policys_meaning():
     """Widgets are shared by parameter name; SnapKV's window (>= 1, prompt queries that vote) is not R-KV's
     (>= 0, recent entries kept), and the strings a JSON client sends are read as what they say."""
-    from kvviz.ui.controls import shown_parameters
     from kvviz.ui.checks import policy_from_inputs
+    from kvviz.ui.controls import shown_parameters
 
     updates = shown_parameters("snapkv")
     assert updates["window"]["visible"] and updates["window"]["minimum"] == 1
@@ -148,8 +148,8 @@ def test_parameters_a_setting_leaves_unused_are_hidden_and_keep_their_values(tin
     it out (it is not refused for a value it would ignore); choosing ema shows it again holding what it held,
     so that single-step stays single-step (alpha 0) after sum and back."""
     from kvviz.policies import REGISTRY
-    from kvviz.ui.controls import describe, shown_parameters, parameters_in_use
     from kvviz.ui.checks import PARAM_NAMES, _models, policy_from_inputs
+    from kvviz.ui.controls import describe, parameters_in_use, shown_parameters
 
     shown = shown_parameters("cumulative")
     assert not shown["alpha"]["visible"] and shown["refresh"]["visible"]
@@ -242,10 +242,11 @@ def finished(job) -> tuple:
 def test_stop_ends_the_run_and_shows_and_saves_it_as_the_first_steps_of_the_whole_run(client, tiny):
     """Stop ends the run between two steps, and its last update shows what ran as a finished run's views:
     the scrubber, the diagnostics and a trace whose steps are the first steps of the same run left to go on."""
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    job = client.submit(TINY, PROMPT, "inertia", "budget", 0.5, 24, 3000, False, *GREEDY, *widgets, "", api_name="/live")
+    job = client.submit(TINY, PROMPT, "inertia", "budget", 0.5, 24, 3000, False, *GREEDY, *widgets, "",
+                        api_name="/live")
     outputs_after(job, 5)
     client.predict(api_name="/stop_live")
     text, stats, retention, ranks, timeline, fate, slider, trace_file, diag, detail = finished(job)
@@ -265,7 +266,8 @@ def test_stop_ends_the_run_and_shows_and_saves_it_as_the_first_steps_of_the_whol
     opened = client.predict(handle_file(trace_file["value"]), api_name="/open_trace")
     assert opened[1].split("\n", 1)[1].startswith(f"**stopped** · **tokens** {steps} / 3000")
     client.predict(api_name="/stop_live")  # nothing running: nothing happens, and the next run goes to its end
-    again = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 6, False, *GREEDY, *widgets, "", api_name="/live")
+    again = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 6, False, *GREEDY, *widgets, "",
+                           api_name="/live")
     assert again[1].startswith("**run** `inertia` · **tokens**")
     assert kvviz.Trace.load(again[7]["value"]).events[-1].step == 5
 
@@ -301,9 +303,9 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     next click; an API call (no id) goes by a ticket of its own."""
     import gradio as gr
 
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
     from kvviz.ui.compare import make_compare_handler
     from kvviz.ui.live import make_live_handler
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
     from kvviz.ui.tickets import button_ticket, request_stop, retire, run_ticket
 
     _models[TINY] = tiny
@@ -342,7 +344,8 @@ def test_a_run_stopped_before_it_starts_leaves_the_views_and_each_run_goes_by_it
     _, fresh = button_ticket(tickets)  # a refused run is over: the next click runs
     *_, last = live(TINY, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY, *defaults, fresh, tickets)
     tab = live_tab()
-    assert last[tab.view_state].steps == 10 and tab.buttons.tickets not in last  # ran to the end; the session keeps its tickets
+    # ran to the end; the session keeps its tickets
+    assert last[tab.view_state].steps == 10 and tab.buttons.tickets not in last
     assert kvviz.Trace.load(last[tab.download]["value"]).compression == 0.5  # the trace says how B was set
     button_ticket(tickets)  # and after it, the next
     with pytest.raises(TypeError, match="ticket id"):
@@ -365,9 +368,9 @@ def test_a_stopped_run_that_fails_to_show_itself_warns_and_ends_as_a_run_does(ti
     import gradio as gr
 
     from kvviz.ui import compare, live
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
     from kvviz.ui.compare import make_compare_handler
     from kvviz.ui.live import make_live_handler
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
     from kvviz.ui.tickets import button_ticket
 
     def broken(*args, **kwargs):
@@ -402,11 +405,12 @@ def test_memory_is_freed_after_stop(client):
     """A stopped run lets go of its cache like a finished one."""
     import time
 
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 
     before = live_caches()
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    job = client.submit(TINY, PROMPT, "inertia", "budget", 0.5, 24, 3000, False, *GREEDY, *widgets, "", api_name="/live")
+    job = client.submit(TINY, PROMPT, "inertia", "budget", 0.5, 24, 3000, False, *GREEDY, *widgets, "",
+                        api_name="/live")
     outputs_after(job, 5)
     client.predict(api_name="/stop_live")
     finished(job)
@@ -419,8 +423,8 @@ def test_memory_is_freed_after_stop(client):
 def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_same_steps(tiny):
     """Level: the policies still decoding (not at max new tokens, not after an end-of-sequence) have all made
     the same number of steps, at least one; a run that had ended may have made more or fewer."""
-    from kvviz.ui.common import Progress
     from kvviz.ui.checks import Request
+    from kvviz.ui.common import Progress
 
     model, tokenizer = tiny
     policies = {name: kvviz.make_policy(name) for name in ("inertia", "tova", "streaming")}
@@ -445,10 +449,10 @@ def test_a_stopped_comparison_ends_where_every_policy_still_decoding_made_the_sa
 def test_a_compared_run_that_ends_early_says_where_on_its_panel_and_in_the_note(tiny):
     """A run whose token is the end of sequence ended there: its text panel's label, its retention panel's
     key and the divergence lines say at which step; the runs that went on say nothing of the kind."""
+    from kvviz.ui.checks import Request
     from kvviz.ui.common import Progress
     from kvviz.ui.compare import compare_outputs
     from kvviz.ui.compare_views import compared_labels, panel_title
-    from kvviz.ui.checks import Request
 
     model, tokenizer = tiny
     policies = {name: kvviz.make_policy(name) for name in ("inertia", "tova")}
@@ -485,7 +489,8 @@ def test_run_view_retention_equals_the_trace(tiny):
         exists = trace.prompt_len + max(event.step, 0)
         kept_row = np.flatnonzero(z[event.step, :exists] == 100)
         assert kept_row.tolist() == event.kept.tolist()
-        assert set(np.flatnonzero(z[event.step, :exists] == 0).tolist()) == set(range(exists)) - set(event.kept.tolist())
+        assert (set(np.flatnonzero(z[event.step, :exists] == 0).tolist())
+                == set(range(exists)) - set(event.kept.tolist()))
         assert (z[event.step, exists:] == EMPTY).all()  # not generated yet
 
 
@@ -636,7 +641,8 @@ def test_a_policy_without_utilities_gets_an_explained_rank_panel_and_the_stats_s
     assert snapkv.events[-1].cache_size == 25  # B + 5 tokens fed back: said as what it is
     assert "(over B: this policy evicts at the prefill only; each generated token adds an entry)" in \
         stats_markdown(view, 1.0)
-    avokv = kvviz.run(model, tokenizer, PROMPT, kvviz.make_policy("avokv", interval=4, delay=4, observe_window=4, sinks=2),
+    avokv = kvviz.run(model, tokenizer, PROMPT,
+                      kvviz.make_policy("avokv", interval=4, delay=4, observe_window=4, sinks=2),
                       chat=False, budget=20, max_new_tokens=6).trace
     view = RunView(avokv.prompt_len, 6, 20)
     for event in avokv.events:
@@ -710,9 +716,9 @@ def test_the_judged_slots_line_shows_only_where_the_protected_are_unranked(tiny)
 def test_a_policy_the_model_cannot_serve_is_refused_by_the_check_before_the_run():
     """Expected Attention on a model with dynamic RoPE: the check says so (a toast with what to change)
     instead of the run failing after its prefill."""
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
     from kvviz.ui.compare import CompareChecks
     from kvviz.ui.live import make_live_check
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     name = "tiny-random-mistral"  # a name of its own: the other tests' llama stays as it is
     model, tokenizer = kvviz.models.tiny_model(
@@ -740,9 +746,9 @@ def test_values_typed_past_a_sliders_end_reach_our_checks_and_are_named(tiny, mo
     fraction typed as the budget is refused, no longer rounded."""
     import gradio as gr
 
-    from kvviz.ui.live import make_live_check
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
     from kvviz.ui.controls import parameter_past_end_note, past_end_note
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
+    from kvviz.ui.live import make_live_check
     from kvviz.ui.widgets import TypedSlider
 
     assert TypedSlider(0, 64, step=1).preprocess(999) == 999
@@ -788,9 +794,9 @@ def test_one_setting_typed_two_ways_is_named_as_one():
 
 def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
     """Four chips, three panels: the page says which chip ran as which policy, for the whole run."""
+    from kvviz.ui.checks import _models
     from kvviz.ui.compare import make_compare_handler
     from kvviz.ui.presets import repeats_note
-    from kvviz.ui.checks import _models
 
     assert repeats_note(["inertia", "tova", "streaming", "inertia alpha=0.8"]) == \
         "*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*"
@@ -802,21 +808,23 @@ def test_a_setting_dropped_as_a_repeat_is_named_beside_the_comparison(tiny):
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     tab = compare_tab()
-    updates = list(make_compare_handler(limits, tab)(TINY, PROMPT, ["inertia", "tova", "streaming", "inertia alpha=0.8"],
-                                                     "compression", 0.5, 0, 4, False))
-    divergences = [u[tab.divergence] for u in updates[2:] if isinstance(u.get(tab.divergence), str)]  # after the tickets and the clearing
+    compared = ["inertia", "tova", "streaming", "inertia alpha=0.8"]
+    updates = list(make_compare_handler(limits, tab)(TINY, PROMPT, compared, "compression", 0.5, 0, 4, False))
+    # after the tickets and the clearing
+    divergences = [u[tab.divergence] for u in updates[2:] if isinstance(u.get(tab.divergence), str)]
     assert divergences and all(d.startswith("*Run once: `inertia alpha=0.8` is `inertia` (its defaults).*\n\n")
                                for d in divergences)
-    assert "**tova** vs **inertia**" in divergences[-1] and list(updates[-1][tab.state]) == ["inertia", "tova", "streaming"]
+    assert "**tova** vs **inertia**" in divergences[-1]
+    assert list(updates[-1][tab.state]) == ["inertia", "tova", "streaming"]
 
 
 def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(tiny):
     """Before the first token: at the click, "loading <model>…" while the check loads it (on a page with no
     comparison yet, one panel per chosen policy, labelled); once checked, each chosen policy's empty panel
     and "prefill…"; the Live tab says the same."""
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
     from kvviz.ui.compare import CompareChecks, make_compare_handler
     from kvviz.ui.live import make_live_handler
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     tab = compare_tab()
@@ -854,8 +862,8 @@ def test_a_comparison_says_what_it_waits_for_in_one_labelled_panel_per_policy(ti
 
 
 def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
-    from kvviz.ui.compare import CompareChecks
     from kvviz.ui.checks import _models
+    from kvviz.ui.compare import CompareChecks
 
     note = CompareChecks(Limits(models=(TINY,), max_prompt_tokens=400), compare_tab()).refusal_note
     _models.pop(TINY, None)  # as if Stop came before the model loaded: nothing to say, and no load
@@ -881,9 +889,9 @@ def test_a_stopped_or_refused_comparison_check_writes_only_a_real_reason():
 def test_a_refused_click_marks_what_the_last_comparison_or_run_left_as_its(tiny):
     """A refusal keeps the last comparison's results on the page, as the Live tab keeps its last run, but
     says they are the previous comparison's: in the note, on each panel and on both tables."""
-    from kvviz.ui.live import NOT_RUN, mark_previous_run
-    from kvviz.ui.compare import CompareChecks
     from kvviz.ui.checks import _models
+    from kvviz.ui.compare import CompareChecks
+    from kvviz.ui.live import NOT_RUN, mark_previous_run
 
     _models[TINY] = tiny
     marks = positional(CompareChecks(Limits(models=(TINY,), max_prompt_tokens=400), compare_tab()).refused_marks,
@@ -934,9 +942,9 @@ def test_an_edit_after_a_comparison_marks_it_as_made_from_earlier_inputs(tiny):
     """A finished comparison stays when the inputs change, but its note names what changed and every panel and
     table says "earlier inputs"; the inputs it ran on, set back, take the marks off.  Only the inputs that
     decide the run count: the budget box while ρ sizes the cache, top-p while decoding is greedy, do not."""
+    from kvviz.ui.checks import _models
     from kvviz.ui.common import compared_inputs
     from kvviz.ui.compare import CompareChecks
-    from kvviz.ui.checks import _models
 
     _models[TINY] = tiny
     edited = positional(CompareChecks(Limits(models=(TINY,), max_prompt_tokens=400), compare_tab()).edited,
@@ -1186,7 +1194,8 @@ def test_the_terms_table_lists_the_last_decision_lowest_score_first():
     assert scrub_note(view, "nan", 2) == "Scrub to step: 'nan' is not a step; showing the last, 2"
     assert scrub_note(view, None, 0) is None and scrub_note(view, 2.0, 2) is None
     # the per-step plot marks the scrubbed step on each of its three rows; the streaming figure stays unmarked
-    assert [shape.x0 for shape in outputs[tab.timeline].layout.shapes if shape.line.color == STEP_MARKER_COLOR] == [2, 2, 2]
+    marks = [shape.x0 for shape in outputs[tab.timeline].layout.shapes if shape.line.color == STEP_MARKER_COLOR]
+    assert marks == [2, 2, 2]
     assert not [shape for shape in view.timeline_figure().layout.shapes if shape.line.color == STEP_MARKER_COLOR]
     table = outputs[tab.terms]["value"]
     assert table["#"].tolist() == [1, 2, 3, 0] and table["S"].tolist()[-1] == "+inf"  # not a blank cell
@@ -1252,8 +1261,8 @@ def test_the_sampling_accordion_says_how_the_run_will_decode():
 def test_compares_panels_follow_the_number_of_settings_chosen_before_any_run():
     """The page starts with three panels; a four-policy preset showed three until it ran.  Before a run the
     panels follow the box, labelled with each setting; after one they keep showing it."""
-    from kvviz.ui.presets import COMPARISONS
     from kvviz.ui.compare import placeholder_panels
+    from kvviz.ui.presets import COMPARISONS
 
     four = next(entries for entries in COMPARISONS.values() if len(entries) == 4)
     tab = compare_tab()
@@ -1411,10 +1420,10 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
     """The table beside the comparison holds, per policy, what diagnostics.summary gives for the same run
     made alone by kvviz.run (a shared prefill changes nothing), n/a where the policy records no such score."""
     from kvviz import diagnostics
-    from kvviz.ui.common import RAW_STEPS
-    from kvviz.ui.compare_views import compare_diagnostics
-    from kvviz.ui.compare import make_compare_handler
     from kvviz.ui.checks import _models
+    from kvviz.ui.common import RAW_STEPS
+    from kvviz.ui.compare import make_compare_handler
+    from kvviz.ui.compare_views import compare_diagnostics
 
     _models[TINY] = tiny
     model, tokenizer = tiny
@@ -1443,8 +1452,8 @@ def test_compare_lists_each_policys_stability_diagnostics(tiny):
 
 def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     """Following tokens while a comparison runs must not show the previous comparison's fates."""
-    from kvviz.ui.compare import make_compare_handler
     from kvviz.ui.checks import _models
+    from kvviz.ui.compare import make_compare_handler
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -1455,7 +1464,8 @@ def test_a_new_comparison_drops_the_last_ones_state_before_it_runs(tiny):
     first = next(updates)  # an API call's first in its session: only its tickets, before the checks
     assert list(first) == [tab.buttons.tickets] and isinstance(first[tab.buttons.tickets], Tickets)
     start = next(updates)
-    assert (start[tab.state], start[tab.ran]) == (None, None)  # the state outputs (views; inputs and note), before any step
+    # the state outputs (views; inputs and note), before any step
+    assert (start[tab.state], start[tab.ran]) == (None, None)
     *_, last = updates
     assert set(last[tab.state]) == {"inertia", "tova"}
     # what the page marks "earlier inputs" against: the inputs this run was given and its own note, which a
@@ -1470,7 +1480,8 @@ def test_the_probe_step_goes_no_further_than_a_run_may_decode(client):
     """The probe decodes its step's tokens first, with no Stop and the model's queue behind it: no more than
     this server's max new tokens (3000 here), said with what to choose."""
     with pytest.raises(Exception, match="the probe step is 5000: the probe decodes that many tokens first, and this "
-                                        r"server decodes at most 3000 \(its max new tokens\); choose a step up to 3000"):
+                                        r"server decodes at most 3000 \(its max new tokens\); "
+                                        "choose a step up to 3000"):
         client.predict(TINY, PROMPT, ["inertia"], False, 5000, 16, api_name="/probe")
     # An empty sample field is refused like an empty step; so is a sample that would hold the model for long.
     with pytest.raises(Exception, match=r"entries sampled \(1-256\) is empty; type a whole number"):
@@ -1666,8 +1677,8 @@ def test_an_analysis_of_earlier_inputs_names_what_changed():
 
 
 def test_the_prompt_size_shows_before_a_run(tiny):
-    from kvviz.ui.common import make_prompt_counter
     from kvviz.ui.checks import _models
+    from kvviz.ui.common import make_prompt_counter
 
     count = make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=50))
     _models.pop("tiny-random-qwen2", None)
@@ -1675,7 +1686,8 @@ def test_the_prompt_size_shows_before_a_run(tiny):
     _models[TINY] = tiny
     tokens = len(kvviz.engine.encode_prompt(tiny[1], PROMPT, chat=False))
     assert tokens > 50 and count(TINY, PROMPT, False) == f"*{tokens} tokens: over the limit of 50, shorten it*"
-    assert count(TINY, "short", False) == f"*{len(kvviz.engine.encode_prompt(tiny[1], 'short', chat=False))} tokens (limit 50)*"
+    short = len(kvviz.engine.encode_prompt(tiny[1], "short", chat=False))
+    assert count(TINY, "short", False) == f"*{short} tokens (limit 50)*"
     assert count(TINY, "   ", True) == "*empty prompt*"
 
 
@@ -1778,7 +1790,7 @@ def test_the_deployment_names_its_device_and_dtype_and_refuses_bad_ones(monkeypa
     assert (Limits.from_env().device, Limits.from_env().dtype) == ("cpu", "")  # float32 on the CPU
     with pytest.raises(ValueError, match="unknown device 'gpu': use cpu, cuda or cuda:N"):
         Limits(device="gpu")
-    with pytest.raises(ValueError, match="KVVIZ_DTYPE, kvviz serve --dtype\) must be one of float32, bfloat16"):
+    with pytest.raises(ValueError, match=r"KVVIZ_DTYPE, kvviz serve --dtype\) must be one of float32, bfloat16"):
         Limits(dtype="float8")
     if not __import__("torch").cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU is visible here; use cpu"):
@@ -1810,7 +1822,8 @@ def served_models_are_checked_at_start(monkeypatch):
         check_served_models(Limits(models=("bad id!",)))
     check_served_models(Limits(models=(TINY, "tiny-random-qwen2")))  # built here: nothing to ask
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="'someone/some-model' is not in the local Hugging Face cache, and HF_HUB_OFFLINE"):
+    with pytest.raises(ValueError,
+                       match="'someone/some-model' is not in the local Hugging Face cache, and HF_HUB_OFFLINE"):
         check_served_models(Limits(models=("someone/some-model",)))
 
 
@@ -1867,8 +1880,8 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
     """A GPU deployment runs bfloat16 models: the app must load them so and decode as the library does."""
     import torch
 
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models, get_model
     from kvviz.ui.live import make_live_handler
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models, get_model
 
     name = "tiny-random-qwen2"
     limits = Limits(models=(name,), max_prompt_tokens=400, max_new_tokens=16, dtype="bfloat16")
@@ -1877,12 +1890,14 @@ def test_the_live_tab_runs_the_model_in_the_deployments_dtype():
         model, tokenizer = get_model(limits, name)
         assert model.dtype == torch.bfloat16 and get_model(limits, name)[0] is model  # loaded once
         defaults = [PARAMETERS[p]["default"] for p in PARAM_NAMES]
-        *_, last = make_live_handler(limits, live_tab())(name, PROMPT, "inertia", "compression", 0.5, 0, 10, False, *GREEDY,
-                                             *defaults, "", None)
+        *_, last = make_live_handler(limits, live_tab())(name, PROMPT, "inertia", "compression", 0.5, 0, 10, False,
+                                                         *GREEDY, *defaults, "", None)
         expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.5, max_new_tokens=10)
         assert last[live_tab().text] == expected.text
-        assert [e.kept.tolist() for e in last[live_tab().view_state].events] == [e.kept.tolist() for e in expected.trace.events]
-        assert kvviz.Trace.load(last[live_tab().download]["value"]).dtype == "bfloat16"  # the download says how it decoded
+        assert ([e.kept.tolist() for e in last[live_tab().view_state].events]
+                == [e.kept.tolist() for e in expected.trace.events])
+        # the download says how it decoded
+        assert kvviz.Trace.load(last[live_tab().download]["value"]).dtype == "bfloat16"
     finally:
         _models.pop(name, None)
 
@@ -1893,8 +1908,8 @@ GREEDY = (0.0, 0.95, 0)  # the Sampling widgets as the page starts: temperature 
 def test_a_one_token_run_says_why_its_cache_is_over_budget_and_offers_no_scrubber(tiny):
     """One new token is the prefill alone: no decode step ran, so nothing was evicted yet (InertiaKV evicts
     at every step) and there is no step to scrub to.  The stats line counts allocated memory as such."""
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
     from kvviz.ui.live import make_live_handler
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -1907,18 +1922,20 @@ def test_a_one_token_run_says_why_its_cache_is_over_budget_and_offers_no_scrubbe
     assert slider["visible"] is False
     *_, last = make_live_handler(limits, live_tab())(TINY, PROMPT, "inertia", "compression", 0.5, 0, 4, False, *GREEDY,
                                          *defaults, "", None)
-    assert "over B" not in last[live_tab().stats] and last[live_tab().step_slider]["visible"] is True and last[live_tab().step_slider]["maximum"] == 3
+    assert "over B" not in last[live_tab().stats]
+    assert last[live_tab().step_slider]["visible"] is True and last[live_tab().step_slider]["maximum"] == 3
     assert "**decode** – (no decode step)" in stats
     bytes_ = last[live_tab().view_state].events[-1].cache_bytes
     assert f"entries, {bytes_ / 2**20:.2f} MiB allocated" in last[live_tab().stats]
 
 
 def test_live_tab_runs_to_the_end_and_offers_the_trace(client, tiny):
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 
     # Every parameter widget at its registry default, as the browser sends them for InertiaKV.
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, "", api_name="/live")
+    result = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, "",
+                            api_name="/live")
     text, stats, retention, ranks, timeline, fate, slider, trace_file, diag, detail = result
     model, tokenizer = tiny
     expected = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, budget=24, max_new_tokens=10).trace
@@ -1939,10 +1956,11 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
     scrubber and diagnostics as the run itself showed when it ended; a file that is not a trace is refused."""
     from gradio_client import handle_file
 
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
-    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, "", api_name="/live")
+    live = client.predict(TINY, PROMPT, "inertia", "budget", 0.5, 24, 10, False, *GREEDY, *widgets, "",
+                          api_name="/live")
     trace_file = live[7]["value"] if isinstance(live[7], dict) else live[7]
     opened = client.predict(handle_file(trace_file), api_name="/open_trace")
     plots = lambda result: [json.loads(result[i]["plot"])["data"] for i in (2, 3, 4, 9)]  # + step detail
@@ -1957,7 +1975,8 @@ def test_an_opened_trace_shows_what_its_run_showed(client, tmp_path):
         client.predict(handle_file(str(tmp_path / "notes.parquet")), api_name="/open_trace")
     assert "/" not in str(refused.value)  # the upload's temporary folder stays on the server
     assert not kvviz.Trace.load(trace_file).stopped and kvviz.Trace.load(trace_file).max_new_tokens == 10
-    assert kvviz.Trace.load(trace_file).compression is None and " in float32 · budget B = 24" in opened[1]  # given in tokens
+    # given in tokens
+    assert kvviz.Trace.load(trace_file).compression is None and " in float32 · budget B = 24" in opened[1]
 
 
 def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monkeypatch):
@@ -1965,16 +1984,16 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monk
     no chat template); Run with those controls makes the same tokens and keep sets.  A trace recorded from
     token ids has no prompt text: its ids' text is used, and reads back as the same ids.  A trace of a model
     not served here is refused, naming how to serve it."""
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS, _models
     from kvviz.ui.live import make_live_handler
     from kvviz.ui.traces import TraceReuse
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES, _models
 
     _models[TINY] = tiny
     model, tokenizer = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
     widgets = {**{name: PARAMETERS[name]["default"] for name in PARAM_NAMES}, "alpha": 0.3, "refresh": 2}
-    *_, ran = make_live_handler(limits, live_tab())(TINY, PROMPT, "inertia", "compression", 0.6, 0, 9, False, 0.7, 0.9, 3,
-                                        *widgets.values(), "", None)
+    *_, ran = make_live_handler(limits, live_tab())(TINY, PROMPT, "inertia", "compression", 0.6, 0, 9, False,
+                                                    0.7, 0.9, 3, *widgets.values(), "", None)
     saved = ran[live_tab().download]["value"]
     reuse = TraceReuse(limits, live_tab())
     settings_of = positional(reuse.settings, reuse.outputs)  # the controls, as reuse.outputs lists them
@@ -1988,8 +2007,9 @@ def test_an_opened_traces_settings_rerun_it_in_the_live_tab(tiny, tmp_path, monk
     assert shown == {name: widgets[name] for name in own}  # InertiaKV's own, at the trace's values, shown
     assert "`alpha` = **0.3**" in description and "`refresh` = **2**" in description
     held = [update.get("value", widgets[name]) for name, update in zip(PARAM_NAMES, params)]  # others as they were
-    *_, again = make_live_handler(limits, live_tab())(model_name, prompt, policy, mode, rho["value"], budget.get("value"),
-                                          max_new, chat, temperature, top_p, seed, *held, "", None)
+    *_, again = make_live_handler(limits, live_tab())(model_name, prompt, policy, mode, rho["value"],
+                                                      budget.get("value"), max_new, chat, temperature, top_p, seed,
+                                                      *held, "", None)
     first, second = kvviz.Trace.load(saved), kvviz.Trace.load(again[live_tab().download]["value"])
     assert second.token_ids == first.token_ids and second.params == first.params
     assert [e.kept.tolist() for e in second.events] == [e.kept.tolist() for e in first.events]
@@ -2072,11 +2092,10 @@ def test_a_long_settings_label_wraps_in_its_panels_title():
 def test_every_comparison_from_the_papers_runs_at_the_tabs_defaults(tiny):
     """Two to four distinct policies (distinct as policies, not only as labels), each accepted by the check
     on the tab's own example and settings, so that picking one and pressing Compare runs."""
-    from kvviz.ui.presets import COMPARISONS
     from kvviz.tasks.examples import EXAMPLES
+    from kvviz.ui.checks import _models, compare_settings
     from kvviz.ui.compare import CompareChecks
-    from kvviz.ui.checks import compare_settings
-    from kvviz.ui.checks import _models
+    from kvviz.ui.presets import COMPARISONS
 
     _models[TINY] = tiny
     check = CompareChecks(Limits(models=(TINY,), max_prompt_tokens=4096, max_new_tokens=512), compare_tab()).check
@@ -2111,7 +2130,8 @@ def test_compare_runs_one_policy_at_two_settings_side_by_side(client, tiny):
     assert [row[0] for row in table["data"]] == ["inertia", "single-step"]  # alpha 0 is single-step's own name
     assert table["data"][0][1:] != table["data"][1][1:]
     for bad, message in [(["inertia", 3], "a list of names or settings"), (5, "a list of names or settings"),
-                         (["inertia", "single-step alpha=0.8"], "one setting, which the registry names .inertia.")]:  # alpha 0.8 is inertia
+                         # alpha 0.8 is inertia
+                         (["inertia", "single-step alpha=0.8"], "one setting, which the registry names .inertia.")]:
         with pytest.raises(Exception, match=message):
             client.predict(TINY, PROMPT, bad, "budget", 0.5, 20, 12, False, *GREEDY, "", api_name="/compare")
 
@@ -2143,11 +2163,11 @@ def test_a_comparison_whose_download_fails_still_shows_everything(tiny, monkeypa
 
 
 def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_download(tiny):
-    from kvviz.ui.common import Progress
-    from kvviz.ui.compare_views import compare_diagnostics, compare_fates
-    from kvviz.ui.compare import make_compare_handler, save_comparison
-    from kvviz.ui.traces import make_open_handler
     from kvviz.ui.checks import Request, _models
+    from kvviz.ui.common import Progress
+    from kvviz.ui.compare import make_compare_handler, save_comparison
+    from kvviz.ui.compare_views import compare_diagnostics, compare_fates
+    from kvviz.ui.traces import make_open_handler
 
     _models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=16)
@@ -2166,7 +2186,8 @@ def test_each_compared_setting_keeps_its_label_in_the_fates_diagnostics_and_down
         assert bundle.namelist() == ["1-inertia.parquet", "2-inertia_alpha=0.3.parquet"]
         bundle.extractall(folder)
         traces = [kvviz.Trace.load(Path(folder) / name) for name in bundle.namelist()]
-        opened = make_open_handler(limits, live_tab())(str(Path(folder) / "2-inertia_alpha=0.3.parquet"))  # in the Live tab
+        # in the Live tab
+        opened = make_open_handler(limits, live_tab())(str(Path(folder) / "2-inertia_alpha=0.3.parquet"))
         # a label longer than a file name may be is cut in its name (the index keeps names unique)
         long_label = "inertia layers=" + ",".join(["0"] * 200)
         run = Progress.start(Request(tiny[0], tiny[1], [0] * view_len, 4, 8), TINY,
@@ -2383,9 +2404,9 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
     shown), 160 new tokens and T = 0.6, top-p 0.95: the comparison is accepted, and AvoKV-E evicts nothing
     until generation fills B, then cuts at its checkpoints.  Other presets set their policies alone."""
     from kvviz.policies import build_setting
-    from kvviz.ui.presets import COMPARISONS, REASONING_PRESETS, make_preset_handler
     from kvviz.tasks.examples import EXAMPLES
     from kvviz.ui.checks import _models, validate
+    from kvviz.ui.presets import COMPARISONS, REASONING_PRESETS, make_preset_handler
 
     _models[TINY] = tiny
     model, tokenizer = tiny
@@ -2397,10 +2418,11 @@ def test_avokvs_presets_set_its_regime_a_budget_above_the_prompt_and_the_papers_
                                                            tab.preset_note])
     assert len(REASONING_PRESETS) == 2
     name = REASONING_PRESETS[0]
-    policies, prompt, mode, budget, new_tokens, temperature, top_p, note = chosen(name, TINY, EXAMPLES["Four-key needle"],
-                                                                                   True)
+    policies, prompt, mode, budget, new_tokens, temperature, top_p, note = chosen(
+        name, TINY, EXAMPLES["Four-key needle"], True)
     prompt_len = len(kvviz.engine.encode_prompt(tokenizer, EXAMPLES["Short reasoning"], chat=True))
-    assert (policies, prompt, mode, budget) == (COMPARISONS[name], EXAMPLES["Short reasoning"], "budget", prompt_len + 32)
+    assert (policies, prompt, mode, budget) == (COMPARISONS[name], EXAMPLES["Short reasoning"], "budget",
+                                                prompt_len + 32)
     assert (new_tokens, temperature, top_p) == (160, 0.6, 0.95) and f"B = {prompt_len + 32}" in note
     # Edited by hand afterwards, the note says what no longer holds against what the preset set; set back, its own
     from kvviz.ui.presets import preset_note_after_edit, preset_regime
@@ -2499,8 +2521,8 @@ def test_policy_description_states_the_previous_step_weight_on_the_loaded_model(
     assert "0.512" in description  # 0.8 ** 3
     assert "0.8" in controls.show("inertia-decoupled", TINY)[controls.description].split("Previous-step weight on")[1]
     # With alpha changed in its widget the weight follows: 0.3 ** 3 = 0.027.
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
     from kvviz.ui.controls import describe
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
 
     widgets = [0.3 if name == "alpha" else PARAMETERS[name]["default"] for name in PARAM_NAMES]
     assert "**0.027**" in describe("inertia", TINY, *widgets)
@@ -2521,7 +2543,7 @@ def test_sampled_runs_draw_what_the_library_draws_and_say_so(client, tiny):
     says how it was generated, and Compare gives every policy the same random stream."""
     from gradio_client import handle_file
 
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 
     model, tokenizer = tiny
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
@@ -2570,7 +2592,8 @@ def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeyp
                                                        *GREEDY, *defaults, "", None))
     streamed = outputs[2:-1]  # after the API call's session holder and the clear, before the finished run
     assert len(streamed) == text_updates and all(isinstance(out[tab.text], str) for out in streamed)
-    assert [len(out[tab.text]) for out in streamed] == sorted(len(out[tab.text]) for out in streamed)  # the text only grows
+    # the text only grows
+    assert [len(out[tab.text]) for out in streamed] == sorted(len(out[tab.text]) for out in streamed)
     final = outputs[-1][tab.text]
     assert final.startswith(streamed[-1][tab.text] if streamed else "") and final
     assert all(list(out) == [tab.text] for out in streamed)  # no figure while streaming: the text alone
@@ -2678,9 +2701,9 @@ def test_the_prompt_counter_says_what_is_wrong_instead_of_failing(tiny):
 
     checks._models[TINY] = tiny
     count = common.make_prompt_counter(Limits(models=(TINY,), max_prompt_tokens=400))
-    assert count(TINY, "half an emoji \ud83d", False) == ("*the prompt has a broken character at position 14 (half of "
-                                                          "a pair, e.g. of an emoji cut in two); delete it or paste the "
-                                                          "text again*")
+    assert count(TINY, "half an emoji \ud83d", False) == ("*the prompt has a broken character at position 14 (half "
+                                                          "of a pair, e.g. of an emoji cut in two); delete it or paste "
+                                                          "the text again*")
     assert count(TINY, "hello there", False).endswith("tokens (limit 400)*")
     # a page's JSON carries a lone surrogate as such (Python's own client refuses to send one): Run's check says
     # what to change where the tokenizer raised a TypeError
@@ -2718,7 +2741,8 @@ def test_titles_break_into_lines_a_plot_in_a_1000_px_window_holds():
     assert notes == ["dark kept · pale evicted · blank not yet generated", "red followed · cell = 4 pos × 2 steps",
                      "short"]  # broken at a " · ", the empty note left out
     assert all(len(note) <= NOTE_CHARS for note in notes) and height == 2 * 22 + 3 * 20
-    protected, unprotected = RunView(6, 3, 4, ["a"] * 6, pinned=(2, 3)).retention_figure(), follow_view().retention_figure()
+    protected = RunView(6, 3, 4, ["a"] * 6, pinned=(2, 3)).retention_figure()
+    unprotected = follow_view().retention_figure()
     lines = protected.layout.title.text.count("<sup>")
     assert unprotected.layout.title.text.count("<sup>") == 1 and lines == 3  # the protected bands' note on two
     assert protected.layout.margin.t == unprotected.layout.margin.t + 20 * (lines - 1)
@@ -2883,7 +2907,7 @@ def test_a_live_run_is_marked_as_the_earlier_inputs_once_they_change():
     assert edit(5, 99) == edit(9, 0.5) == ran["note"]  # the budget box under ρ, top-p when greedy: not this run's
     # A parameter InertiaKV has no use for (SnapKV's window, which picking SnapKV sets and which stays set,
     # hidden, once InertiaKV is picked again) is not one of this run's inputs.
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     every = {"inputs": run_inputs(*ran_on[:11], *widgets), "note": ran["note"]}
@@ -2904,7 +2928,7 @@ def test_every_endpoint_argument_of_a_wrong_type_is_refused_by_name(client, capl
 
     long_entry = "inertia " + "x" * 100_000
     deep = "[" * 100_000 + "]" * 100_000
-    from kvviz.ui.checks import PARAMETERS, PARAM_NAMES
+    from kvviz.ui.checks import PARAM_NAMES, PARAMETERS
 
     widgets = [PARAMETERS[name]["default"] for name in PARAM_NAMES]
     live = (TINY, PROMPT, "inertia", "budget", 0.5, 20, 4, False, *GREEDY, *widgets, "")  # as the page sends them
@@ -2914,7 +2938,8 @@ def test_every_endpoint_argument_of_a_wrong_type_is_refused_by_name(client, capl
         ("/generate", dict(prompt={"a": 1}, model=TINY), "the prompt must be text, got an object"),
         ("/generate", dict(prompt=PROMPT, model=TINY, params=deep), "params is nested too deeply"),
         ("/generate", dict(prompt=PROMPT, model=TINY, params=[1, 2]), "params must be a JSON object"),
-        ("/generate", dict(prompt=PROMPT, model=TINY, policy=["x" * 9999]), "unknown policy \\['x+\\.\\.\\.x+'\\]; choose"),
+        ("/generate", dict(prompt=PROMPT, model=TINY, policy=["x" * 9999]),
+         "unknown policy \\['x+\\.\\.\\.x+'\\]; choose"),
         ("/generate", dict(prompt=PROMPT, model=["x"] * 1000), "model \\['x', 'x', 'x', 'x', ...\\] is not available"),
         ("/generate", dict(prompt=PROMPT, model=TINY, compression=[0.5]), "compression must be a number, got a list"),
         ("/generate", dict(prompt=PROMPT, model=TINY, max_new_tokens={"n": 4}), "max new tokens must be a whole"),

@@ -9,9 +9,9 @@ import pytest
 
 import kvviz
 from kvviz.tasks.examples import EXAMPLES, KEYS, PASSKEY
-from kvviz.ui.live import LIVE_COMPRESSION
 from kvviz.ui.config import Limits
 from kvviz.ui.landing import FOLDER, load_landing
+from kvviz.ui.live import LIVE_COMPRESSION
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,21 @@ from pathlib import Path
 import pandas as pd
 
 from kvviz.store import Store
-from kvviz.ui.results import (ALL, LEGEND_ROW, SETTINGS_BOX, _dodge, _line_figure, _on_cut_axes, _refresh_figure,
-                              caption_of, query, with_reference)
+from kvviz.ui.results import (
+    ALL,
+    LEGEND_ROW,
+    SETTINGS_BOX,
+    _dodge,
+    _line_figure,
+    _on_cut_axes,
+    _refresh_figure,
+    caption_of,
+    query,
+    with_reference,
+)
 
-FIGURES = ["quality", "hits", "paired", "comparison", "alpha", "refresh", "inertia", "speed", "cache", "depth", "grid", "ranking"]
+FIGURES = ["quality", "hits", "paired", "comparison", "alpha", "refresh", "inertia", "speed", "cache", "depth", "grid",
+           "ranking"]
 
 
 def write_rows(folder: Path, rows: list[dict]) -> None:
@@ -290,8 +301,9 @@ def test_an_empty_figure_says_which_filter_empties_it(tmp_path):
                 for name, fig in drawn.items()}
 
     said = empties("big", ALL, [], "measured")
-    assert said["quality"] == ["no rows for these filters<br>model big has only paper rows: choose Source paper or (all)"]
-    assert said["speed"][0].endswith("<br>model big has only paper rows: choose Source paper or (all)")
+    only_paper = "<br>model big has only paper rows: choose Source paper or (all)"
+    assert said["quality"] == ["no rows for these filters" + only_paper]
+    assert said["speed"][0].endswith(only_paper)
     assert empties("m", ALL, [], "measured")["quality"] == []  # it has measured rows: nothing to say
     paired = figures(query(store, ALL, ALL, ["tova"], "measured", reference="tova"))["paired"]
     assert [note.text for note in paired.layout.annotations] == [

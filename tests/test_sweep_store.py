@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from servers import free_port, serve
 
 from kvviz.bench import ranking, sweep
 from kvviz.store import HELD_OVER_WHY, Store, setting_names
-from servers import free_port, serve
 
 CONFIG = Path(__file__).parent / "fixtures" / "sweep_tiny.toml"
 
@@ -395,9 +395,10 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
     url = serve(app, port)
     try:
         client = Client(url, verbose=False)
-        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, [], False, PAIRINGS[0], api_name="/results")
-        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, [], False, PAIRINGS[0],
-                                   api_name="/results")
+        everything = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, [], False, PAIRINGS[0],
+                                    api_name="/results")
+        only_tova = client.predict("(all)", "(all)", ["tova"], "measured", "t", "inertia", False, [], False,
+                                   PAIRINGS[0], api_name="/results")
         only_paper = client.predict("(all)", "(all)", [], "(all)", "t", "inertia", False, ["paper"], False, PAIRINGS[0],
                                     api_name="/results")
         assert len(everything) == 4 * len(SECTIONS)  # each figure with its note, table and CSV
@@ -426,8 +427,10 @@ def test_results_tab_filters_change_the_figure_data(tmp_path):
         assert rows_[("paper: InertiaKV", "inertia")] == pytest.approx(0.5)
         assert policies(only_tova[at("Measured vs paper") + 2]) == {"tova"}
         assert path(everything[at("Measured vs paper") + 3]).read_text().startswith("origin,model,policy,compression")
-        assert policies(everything[at("Quality vs decode speed") + 2]) == {"full", "inertia", "score-free", "tova"}  # speed table, measured only
-        assert policies(only_tova[at("Needle in a haystack grid") + 2]) == {"tova"}  # the needle grid follows the filter
+        # the speed table: measured rows only
+        assert policies(everything[at("Quality vs decode speed") + 2]) == {"full", "inertia", "score-free", "tova"}
+        # the needle grid follows the filter
+        assert policies(only_tova[at("Needle in a haystack grid") + 2]) == {"tova"}
     finally:
         app.close()
 
@@ -661,7 +664,8 @@ def test_scores_on_a_0_1_scale_print_with_three_decimals(tmp_path, capsys):
 
     row = {"source": "paper", "sweep": "paper", "paper": "InertiaKV", "table": "Table 4", "model": "L",
            "params": {}, "metric": "accuracy"}
-    write_rows(tmp_path / "paper", [{**row, "task": "LongBench-v2", "policy": "full", "compression": None, "score": 0.288},
+    write_rows(tmp_path / "paper", [{**row, "task": "LongBench-v2", "policy": "full", "compression": None,
+                                     "score": 0.288},
                                     {**row, "task": "LongBench-v2", "policy": "inertia", "compression": 0.9,
                                      "score": 0.294},
                                     {**row, "task": "RULER", "policy": "full", "compression": None, "score": 94.59},
@@ -1402,7 +1406,8 @@ def test_a_sampled_sweep_draws_every_sample_with_common_random_numbers(tmp_path,
     for row in results.itertuples():
         scores = [r["score"] for r in stored if r["sample"] == row.sample and r["policy"] == row.policy
                   and r["absolute_budget"] == (None if pd.isna(row.absolute_budget) else row.absolute_budget)
-                  and (row.policy == "full" or r["compression"] == (None if pd.isna(row.compression) else row.compression))]
+                  and (row.policy == "full"
+                       or r["compression"] == (None if pd.isna(row.compression) else row.compression))]
         assert len(scores) == 3 and row.score == pytest.approx(sum(scores) / 3)
     assert set(store.quality_vs_compression().samples) == {2}  # samples, not draws
     assert set(store.max_length_hits().rows) == {6}  # generations: 2 samples x 3 draws
@@ -1458,7 +1463,8 @@ def test_one_samples_draws_from_two_folders_stay_one_sample(tmp_path):
            "top_p": 0.95}
     write_rows(tmp_path / "a", [{**row, "sweep": "a", "policy": "full", "compression": 0.5, "draw": d, "score": 1.0}
                                 for d in range(2)]
-               + [{**row, "sweep": "a", "policy": "tova", "compression": 0.5, "draw": d, "score": 0.0} for d in range(2)])
+               + [{**row, "sweep": "a", "policy": "tova", "compression": 0.5, "draw": d, "score": 0.0}
+                  for d in range(2)])
     write_rows(tmp_path / "b", [{**row, "sweep": "b", "policy": "full", "compression": 0.3, "draw": d,
                                  "score": float(d < 3)} for d in range(4)]
                + [{**row, "sweep": "a", "policy": "tova", "compression": 0.5, "draw": d, "score": float(d == 3)}
@@ -1556,7 +1562,8 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
     out = capsys.readouterr().out
     # avokv: 95 > 1.1 x 80; inertia held exactly B; tova's compression cell is not judged: its row records no
     # decode-time cache, and its largest cache is the prompt's 70, which the prefill held
-    assert "held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95" + HELD_OVER_WHY + "\n" in out
+    assert ("held over 1.1x the budget (mean largest cache while decoding, entries): avokv B=80: 95"
+            + HELD_OVER_WHY + "\n" in out)
     # The paired table compares the same cells, so it says the same under its own table ...
     assert main(["results", "--root", str(tmp_path), "--vs", "inertia"]) == 0
     paired = capsys.readouterr().out.split("t · m · vs inertia")[1]

@@ -219,7 +219,8 @@ class StaticBackend:
                 if scoring in graphs:
                     graphs[scoring].replay()
                 else:  # runs this step once, eagerly, and records it
-                    graphs[scoring] = fast.capture_step(lambda: step(scoring, slots, 1, self._layer_fn(True)))
+                    graphs[scoring] = fast.capture_step(
+                        lambda scoring=scoring, slots=slots: step(scoring, slots, 1, self._layer_fn(True)))
                 victims = run.free.clone()
             else:
                 victims = step(scoring, slots, count, self._layer_fn(steady))

@@ -70,32 +70,8 @@ def load_config(path: str | Path) -> dict:
 
 def validate(config: dict, source: str = "the ranking config") -> None:
     """Check every key; a problem is a ValueError naming ``source``, the key and what to change."""
-    from ..policies import make_policy
-    from ..policies.base import Policy
-
-    def refuse(where: str, message: str) -> ValueError:
-        return ValueError(f"ranking config {source}: {where}: {message}")
-
-    unknown = sorted(set(config) - set(KEYS))
-    if unknown:
-        raise refuse(f"key {unknown[0]!r}", f"not a ranking setting; the keys are {', '.join(KEYS)}")
-    for required in ("name", "tasks", "policies", "step"):
-        if required not in config:
-            raise ValueError(f"ranking config {source} has no {required!r}")
-    for key, least in (("step", 1), ("future", 1), ("sample", 2), ("batch", 1)):
-        if key in config and not (sweep._is_int(config[key]) and config[key] >= least):
-            raise refuse(f"key {key!r}", f"must be a whole number >= {least}, got {config[key]!r}")
-    if config.get("candidates", "all") not in POOLS:
-        raise refuse("key 'candidates'", f"must be {' or '.join(map(repr, POOLS))}, got {config['candidates']!r}")
-    if config.get("candidates") == "generated" and int(config["step"]) < 2:
-        raise refuse("key 'step'", "with candidates = \"generated\" the step must be >= 2: at step 1 the "
-                                   "model has generated no entry to rank")
-    if not isinstance(config["policies"], list):
-        raise refuse("key 'policies'", 'must be a list, e.g. policies = ["inertia", "avokv"]')
-    for index, entry in enumerate(config["policies"]):
-        if isinstance(entry, dict) and ("compression" in entry or "budget" in entry):
-            raise refuse(f"policies[{index}]", "a probe scores the whole cache, at no compression or budget: "
-                                               "drop compression and budget")
+    _check_keys(config, source)
+    _check_policy_entries(config, source)
     # The rest as a sweep reads it (name, model, chat, seed, the tasks, each policy's name and params, a
     # setting listed twice), at a budget no cache reaches: the probe scores with the cache whole, so no
     # policy's own budget rule (a protected tail longer than B) can refuse a cell here.
@@ -104,17 +80,58 @@ def validate(config: dict, source: str = "the ranking config") -> None:
     except ValueError as error:  # in a ranking config's words: a policy table here has no cut of the cache
         raise ValueError(str(error).replace("sweep config", "ranking config", 1)
                          .replace("has name, params and compression or budget", "has name and params")) from None
+    _check_settings(config, source)
+
+
+def _refuse(source: str, where: str, message: str) -> ValueError:
+    return ValueError(f"ranking config {source}: {where}: {message}")
+
+
+def _check_keys(config: dict, source: str) -> None:
+    """The top-level keys: none unknown, the required ones present, the numbers and the candidate pool."""
+    unknown = sorted(set(config) - set(KEYS))
+    if unknown:
+        raise _refuse(source, f"key {unknown[0]!r}", f"not a ranking setting; the keys are {', '.join(KEYS)}")
+    for required in ("name", "tasks", "policies", "step"):
+        if required not in config:
+            raise ValueError(f"ranking config {source} has no {required!r}")
+    for key, least in (("step", 1), ("future", 1), ("sample", 2), ("batch", 1)):
+        if key in config and not (sweep._is_int(config[key]) and config[key] >= least):
+            raise _refuse(source, f"key {key!r}", f"must be a whole number >= {least}, got {config[key]!r}")
+    if config.get("candidates", "all") not in POOLS:
+        raise _refuse(source, "key 'candidates'",
+                      f"must be {' or '.join(map(repr, POOLS))}, got {config['candidates']!r}")
+    if config.get("candidates") == "generated" and int(config["step"]) < 2:
+        raise _refuse(source, "key 'step'", "with candidates = \"generated\" the step must be >= 2: at step 1 "
+                                            "the model has generated no entry to rank")
+
+
+def _check_policy_entries(config: dict, source: str) -> None:
+    """``policies`` is a list whose tables cut no cache (a probe scores it whole)."""
+    if not isinstance(config["policies"], list):
+        raise _refuse(source, "key 'policies'", 'must be a list, e.g. policies = ["inertia", "avokv"]')
+    for index, entry in enumerate(config["policies"]):
+        if isinstance(entry, dict) and ("compression" in entry or "budget" in entry):
+            raise _refuse(source, f"policies[{index}]", "a probe scores the whole cache, at no compression or "
+                                                        "budget: drop compression and budget")
+
+
+def _check_settings(config: dict, source: str) -> None:
+    """At least two policy settings, each keeping a per-entry utility that a probe can read."""
+    from ..policies import make_policy
+    from ..policies.base import Policy
+
     settings = sweep.policy_settings(config)
     if len(settings) < 2:
-        raise refuse("key 'policies'", "give at least two settings to rank against each other, e.g. "
-                                       'policies = ["inertia", "avokv"]')
+        raise _refuse(source, "key 'policies'", "give at least two settings to rank against each other, e.g. "
+                                                'policies = ["inertia", "avokv"]')
     for name, params in settings:
         policy = make_policy(name, **dict(params))
         if type(policy).utility is Policy.utility:  # full, streaming, random
-            raise refuse(f"policies ({name})", "keeps no per-entry utility, so it ranks nothing; leave it out")
+            raise _refuse(source, f"policies ({name})", "keeps no per-entry utility, so it ranks nothing; leave it out")
         if isinstance(policy, SnapKV):  # it scores only when it compresses the prompt, which a probe never does
-            raise refuse(f"policies ({name})", "scores entries only when it compresses the prompt at prefill, and "
-                                               "a probe keeps the cache whole; leave it out")
+            raise _refuse(source, f"policies ({name})", "scores entries only when it compresses the prompt at "
+                                                        "prefill, and a probe keeps the cache whole; leave it out")
 
 
 def check_lengths(config: dict, context: int, source: str) -> None:

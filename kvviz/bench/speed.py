@@ -31,9 +31,23 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 
 # Looked up here when a context runs, so that a test can replace any of them on this module
-from .speed_runs import (STATIC, UNBLOCKED, UNCOMPILED, UNFUSED, VARIANTS, backend_agreement,  # noqa: F401
-                         replayed_seconds, static_agreement, static_baseline, static_configurations, time_backend,
-                         time_engine, time_generate, time_static, _sync)
+from .speed_runs import (  # noqa: F401
+    STATIC,
+    UNBLOCKED,
+    UNCOMPILED,
+    UNFUSED,
+    VARIANTS,
+    _sync,
+    backend_agreement,
+    replayed_seconds,
+    static_agreement,
+    static_baseline,
+    static_configurations,
+    time_backend,
+    time_engine,
+    time_generate,
+    time_static,
+)
 
 # torch is imported inside the functions that use it: `kvviz --help` reads add_arguments and should
 # not wait seconds for it.
@@ -173,6 +187,7 @@ def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -
     rows once a compiled static row has failed (the other compiled static rows are then not run).
     """
     import torch
+
     from ..engine import resolve_budget
 
     policies = policy_names(args.policies)
@@ -206,6 +221,7 @@ def _shared_prefill(model, prompt_ids, policies: list[str], device, cuda: bool) 
     At 64k on an 8B model a prefill costs seconds, and one per configuration would eat a GPU session (the
     sweep runner shares it too); ``generate`` keeps its own.  Peak memory is reported beyond this copy."""
     import torch
+
     from ..engine import prefill, shared_window
     from ..policies import make_policy
 

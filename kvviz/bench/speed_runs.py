@@ -124,6 +124,7 @@ def time_static(model, tokenizer, prompt_ids: list[int], new_tokens: int, budget
     """The static decode path (:mod:`kvviz.fast`): B + 1 slots, scores from the attention pass, EMA and
     arg-min on the device, one CUDA graph per step variant on a GPU."""
     import torch
+
     from ..fast import StaticInertia
 
     static = StaticInertia(model, **options)  # outside the clock: importing the compiler is not prefill
@@ -184,6 +185,7 @@ def time_backend(model, tokenizer, prompt_ids: list[int], policy_name: str, new_
     """A policy on the static backend (:mod:`kvviz.backend`): as :func:`time_static`, the policy's scorer asked
     for a per-slot utility beside the attention, the slot freed by a device reduction, CUDA graphs on a GPU."""
     import torch
+
     from ..backend.static import StaticBackend
     from ..policies import make_policy
 

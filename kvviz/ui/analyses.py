@@ -35,7 +35,8 @@ def make_spectrum_check(limits: Limits):
     def check_spectrum(model_name, prompt, chat, steps, layer):
         with refusing("checking the spectrum's inputs"):
             whole_number("the steps compared", steps, 1, 64)
-            layer = None if layer is None or not str(layer).strip() else whole_number("the layer", str(layer).strip(), 0)
+            layer = (None if layer is None or not str(layer).strip()
+                     else whole_number("the layer", str(layer).strip(), 0))
             model, _, _ = model_and_prompt(limits, model_name, prompt, chat)
             check_layer(model, layer)
     return check_spectrum
@@ -99,8 +100,8 @@ def make_spectrum_handler(limits: Limits):
                              for row in result.table()]).rename(columns=SPECTRUM_HEADERS)
         cross = result.cross_layer_summary()
         note = (f"Steps 1–{result.steps[-1]} of the full-cache greedy run ({result.cache_sizes[-1]} entries at the "
-                f"end), top-B at 10%; layer {result.layer} of 0-{result.num_layers - 1}. Attention's own agreement between "
-                f"layers: top-B Jaccard {cross['cross_layer_jaccard']:.3f} (sd over layer pairs "
+                f"end), top-B at 10%; layer {result.layer} of 0-{result.num_layers - 1}. Attention's own agreement "
+                f"between layers: top-B Jaccard {cross['cross_layer_jaccard']:.3f} (sd over layer pairs "
                 f"{cross['cross_layer_jaccard_std']:.3f}); layer {result.layer}'s top-B churn between steps "
                 + ("n/a (one step has none to compare with)." if np.isnan(cross["layer_churn"])
                    else f"{cross['layer_churn']:.3f}."))
@@ -111,8 +112,7 @@ def make_spectrum_handler(limits: Limits):
 
 def make_probe_handler(limits: Limits):
     def run_probe(model_name, prompt, names, chat, step, sample):
-        from ..probe import (aligned_quality, blindspot_at, check_fits, probe, protection_note, tied_rankings,
-                             top_decile)
+        from ..probe import aligned_quality, blindspot_at, check_fits, probe, protection_note, tied_rankings, top_decile
 
         try:
             with refusing("the probe"):
@@ -148,7 +148,8 @@ def make_probe_handler(limits: Limits):
         tied = [f"{name} ({share:.0%})" for name, share in tied_rankings(
             {name: result.utilities[name] for name in quality}, aligned).items()]
         note = (f"{len(result.candidates)} entries probed at step {step} ({result.candidates_per_second:.0f}/s); "
-                f"damage = mean KL over the next 8 tokens." + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
+                "damage = mean KL over the next 8 tokens."
+                + (f" No per-entry utility: {', '.join(missing)}." if missing else "")
                 + (f" Ranked over the {int(aligned.sum())} entries every policy judged ({int((~aligned).sum())} left"
                    " out: a protected tail, sinks or a window some policy never judges)."
                    if aligned is not None and not aligned.all() else "")

@@ -46,7 +46,8 @@ def spectrum_figure(spectrum) -> go.Figure:
         jaccard = key.replace("spearman", "jaccard")
         fig.add_bar(x=names, y=[row[key] for row in rows], name=label, marker_color=color,
                     customdata=[row[jaccard] for row in rows],
-                    hovertemplate="%{x}<br>Spearman %{y:.3f}<br>top-B Jaccard %{customdata:.3f}<extra>" + label + "</extra>")
+                    hovertemplate="%{x}<br>Spearman %{y:.3f}<br>top-B Jaccard %{customdata:.3f}"
+                                  "<extra>" + label + "</extra>")
     fig.update_layout(barmode="group", yaxis=dict(title="Spearman with attention", range=[-1, 1.05]), height=340,
                       title=dict(text=f"Scorers against last-query attention, steps 1–{spectrum.steps[-1]}",
                                  font=dict(size=12)),

@@ -9,6 +9,7 @@ from ..quote import excerpt, kind
 from .checks import policy_from_inputs, refused, release_memory, unexpected, validate
 from .config import Limits
 
+
 def make_generate_api(limits: Limits):
     def generate(prompt: str, policy: str = "inertia", compression: float = 0.9, max_new_tokens: int = 64,
                  chat: bool = True, model: str = "", params: str = "{}", budget: int = 0, temperature: float = 0.0,

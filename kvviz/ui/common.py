@@ -227,7 +227,8 @@ class Staleness:
             return gr.skip()
         changed = [field for field, then, now in zip(self.fields, state["inputs"], inputs) if then != self._key(now)]
         if not changed:
-            return {self.note: state["note"], **{output: gr.update(label=label) for output, label in self.labels.items()}}
+            return {self.note: state["note"],
+                    **{output: gr.update(label=label) for output, label in self.labels.items()}}
         mark = earlier_inputs(changed, f"{self.what} ran", "run it again")
         return {self.note: f"{mark} {state['note']}",
                 **{output: gr.update(label=f"{label} (earlier inputs)") for output, label in self.labels.items()}}
@@ -270,11 +271,13 @@ class RunButtons:
     def layout(label: str, prefix: str) -> tuple[gr.Button, gr.Button]:
         """The two buttons, side by side; :meth:`around` them once the tab's columns are closed."""
         with gr.Row():
-            return gr.Button(label, variant="primary", elem_id=f"{prefix}-run"), gr.Button("Stop", elem_id=f"{prefix}-stop")
+            return (gr.Button(label, variant="primary", elem_id=f"{prefix}-run"),
+                    gr.Button("Stop", elem_id=f"{prefix}-stop"))
 
     @classmethod
     def around(cls, run: gr.Button, stop: gr.Button) -> "RunButtons":
-        """The buttons with their hidden fields, made outside the settings column (hidden, a form there kept its gap)."""
+        """The buttons with their hidden fields, made outside the settings column (hidden, a form there kept its
+        gap)."""
         return cls(run, stop, gr.State(None), gr.Textbox("", visible=False), gr.Number(0, visible=False))
 
 

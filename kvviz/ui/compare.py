@@ -80,9 +80,9 @@ log = logging.getLogger(__name__)
 NOT_COMPARED = "*Not compared: "  # how the refusal note begins, where the comparison would have been
 PREVIOUS = "previous comparison"  # how a refusal marks what the last comparison left on the page
 FATES_LABEL = "Fate per policy"
-STABILITY_LABEL = ("Stability, a column per policy (InertiaKV App. I; means over steps, k = B): top-B churn of raw scores "
-                   "and of utility (the keep turnover wherever the cache holds B, for any policy), their Jaccard, "
-                   "raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
+STABILITY_LABEL = ("Stability, a column per policy (InertiaKV App. I; means over steps, k = B): top-B churn of raw "
+                   "scores and of utility (the keep turnover wherever the cache holds B, for any policy), their "
+                   "Jaccard, raw top-B evicted, and the rank stabilities: Spearman of consecutive recomputations' raw "
                    "scores, and of their utilities, over the entries both scored (the ranking inertia); n/a "
                    "where a policy records no such score or has not rescored (a checkpointed one that reached a "
                    "single checkpoint; churn and turnover: where it evicted at no step after its first); a "
@@ -362,12 +362,14 @@ class CompareChecks:
         if not isinstance(note, str):  # Stop cancelled the check: nothing was refused
             return gr.skip()
         if not state:
-            return {tab.divergence: note, **{text: gr.update(label=f"policy {i + 1}") for i, text in enumerate(tab.texts)}}
+            return {tab.divergence: note,
+                    **{text: gr.update(label=f"policy {i + 1}") for i, text in enumerate(tab.texts)}}
         labels = list(state)
         # its sizes and divergence lines too, which the refusal's note takes the place of
         note += (f"\n\n*Shown: the {PREVIOUS} ({', '.join(labels)}), not these inputs' results.*\n\n"
                  + divergence_markdown(labels, state))
-        texts = {text: gr.update(label=f"{label} · {PREVIOUS}") for text, label in zip(tab.texts, compared_labels(state))}
+        texts = {text: gr.update(label=f"{label} · {PREVIOUS}")
+                 for text, label in zip(tab.texts, compared_labels(state))}
         tables = {table: gr.update(label=f"{PREVIOUS.capitalize()}: {label}")
                   for table, label in ((tab.fates, FATES_LABEL), (tab.diagnostics, STABILITY_LABEL))}
         return {tab.divergence: note, **texts, **tables}

@@ -140,7 +140,8 @@ def compare_diagnostics(views: dict[str, RunView] | None):
         columns.setdefault("diagnostic", list(values))
         columns[name] = list(values.values())
     # a column per policy (at most four), a row per diagnostic: the eight diagnostics as columns scrolled sideways
-    return gr.update(value=pd.DataFrame(columns), visible=True, column_widths=column_widths(36, others=len(columns) - 1))
+    return gr.update(value=pd.DataFrame(columns), visible=True,
+                     column_widths=column_widths(36, others=len(columns) - 1))
 
 
 def followed_prompt_tokens(views: dict[str, RunView], query: str) -> tuple[list[int], str]:

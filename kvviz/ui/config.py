@@ -73,8 +73,8 @@ class Limits:
         if self.backend not in ("auto", "engine", "static"):
             raise ValueError(f"the backend (KVVIZ_BACKEND) must be auto, engine or static, got {self.backend!r}")
         if self.dtype not in ("", *DTYPES):
-            raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} (or empty for the device's default), "
-                             f"got {self.dtype!r}")
+            raise ValueError(f"the dtype (KVVIZ_DTYPE, kvviz serve --dtype) must be one of {', '.join(DTYPES)} "
+                             f"(or empty for the device's default), got {self.dtype!r}")
 
     def trace_bounds(self) -> TraceBounds:
         """What an opened trace may hold: no longer a prompt, nor more steps, than a run here could make (its

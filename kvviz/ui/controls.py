@@ -13,6 +13,7 @@ from .checks import MAX_TEMPERATURE, PARAM_NAMES, PARAMETERS, _models, policy_fr
 from .config import Limits
 from .widgets import TypedSlider
 
+
 def sampling_label(temperature, top_p) -> str:
     """The Sampling accordion's title: greedy at temperature 0, else the temperature and top-p."""
     try:

@@ -18,15 +18,48 @@ from plotly.subplots import make_subplots
 
 from ..diagnostics import ranks as ascending_ranks
 from ..trace import StepEvent
-from .history import TokenHistory
-from .plots import (EMPTY, EMPTY_COLOR, EVICTED_COLOR, FOLLOWED_COLOR, GONE, HALO, HALO_COLOR, KEPT_COLOR,
-                    MAX_COLUMNS, MAX_ROWS, NEVER, RANK_SCALE, STEP_MARKER, UNSCORED, _apart, _binned_share,
-                    _cell_note, _empty_figure, _evicted_range, _hang_title, _heatmap, _heatmap_title, _marker,
-                    _position_range, _time_mode, step_dtick, step_range, titled, visible_whitespace)
+
 # Importable from here as before: the tabs and the tests import them from this module
 from .analysis_figures import blindspot_figure, spectrum_figure, spectrum_layers_figure  # noqa: F401
-from .plots import (FOLLOW_COLORS, HEAD_CHARS, LEGEND_LINE, MAX_FOLLOWED, NOTE_CHARS,  # noqa: F401
-                    STEP_MARKER_COLOR, TITLE_12_CHARS)
+from .history import TokenHistory
+from .plots import (  # noqa: F401
+    EMPTY,
+    EMPTY_COLOR,
+    EVICTED_COLOR,
+    FOLLOW_COLORS,
+    FOLLOWED_COLOR,
+    GONE,
+    HALO,
+    HALO_COLOR,
+    HEAD_CHARS,
+    KEPT_COLOR,
+    LEGEND_LINE,
+    MAX_COLUMNS,
+    MAX_FOLLOWED,
+    MAX_ROWS,
+    NEVER,
+    NOTE_CHARS,
+    RANK_SCALE,
+    STEP_MARKER,
+    STEP_MARKER_COLOR,
+    TITLE_12_CHARS,
+    UNSCORED,
+    _apart,
+    _binned_share,
+    _cell_note,
+    _empty_figure,
+    _evicted_range,
+    _hang_title,
+    _heatmap,
+    _heatmap_title,
+    _marker,
+    _position_range,
+    _time_mode,
+    step_dtick,
+    step_range,
+    titled,
+    visible_whitespace,
+)
 
 
 class RunView(TokenHistory):
@@ -398,8 +431,8 @@ class RunView(TokenHistory):
         most = self.budget + self.interval - 1
         why = ("the prompt alone was over" if event.step == 1 and self.prompt_len > most
                else "the cache would have passed")
-        return (f" A checkpoint off its every-{self.interval} schedule: {why} B + {self.interval - 1} = {most} entries, "
-                "the most it holds between checkpoints.")
+        return (f" A checkpoint off its every-{self.interval} schedule: {why} B + {self.interval - 1} = {most} "
+                "entries, the most it holds between checkpoints.")
 
     # -- tokens ----------------------------------------------------------------------------------------
     def token(self, position: int) -> str:

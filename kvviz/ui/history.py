@@ -8,8 +8,18 @@ import plotly.graph_objects as go
 
 from ..diagnostics import boundary_crossings, descending_rank, find_positions, token_history
 from ..trace import StepEvent
-from .plots import (FOLLOW_COLORS, LEGEND_LINE, MAX_FOLLOWED, NEVER, _empty_figure, _hang_title, _marker_x,
-                    step_dtick, step_range, titled)
+from .plots import (
+    FOLLOW_COLORS,
+    LEGEND_LINE,
+    MAX_FOLLOWED,
+    NEVER,
+    _empty_figure,
+    _hang_title,
+    _marker_x,
+    step_dtick,
+    step_range,
+    titled,
+)
 
 
 class TokenHistory:
@@ -225,7 +235,8 @@ class TokenHistory:
         fig.update_yaxes(autorange="reversed", type="category")
         fig.update_xaxes(range=step_range(self.steps))  # the whole run, so that a line's length reads against it
         top = _hang_title(fig, *titled(f"Token history: {note}", "this policy keeps no per-entry score (it decides "
-                                       "by position): each line is a token's time in the cache, × where it was evicted"))
+                                       "by position): each line is a token's time in the cache, × where it was "
+                                       "evicted"))
         fig.update_layout(xaxis_title="decode step", xaxis_dtick=step_dtick(self.steps), showlegend=False,
                           height=90 + top + 22 * len(positions), margin=dict(l=120, r=20, t=top, b=50))
         return fig

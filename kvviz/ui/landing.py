@@ -72,8 +72,8 @@ class Landing:
         """One line per policy on what it kept of the needle and what it answered, then how to read the
         heatmaps."""
         tokens, copies = len(self.needle_positions), len(self.copies())
-        lines = [f"**One passkey question, {len(self.traces)} policies, each left {1 - self.compression:.0%} of the prompt's "
-                 f"cache** ({self.model}; with the full cache it answers `{self.full_answer}`). The passkey "
+        lines = [f"**One passkey question, {len(self.traces)} policies, each left {1 - self.compression:.0%} of the "
+                 f"prompt's cache** ({self.model}; with the full cache it answers `{self.full_answer}`). The passkey "
                  f"{self.needle} is written {copies} times, {tokens} tokens in all:"]
         for label in self.traces:
             kept = self.kept_at_end(label)
@@ -103,7 +103,7 @@ def layout(landing: Landing) -> None:
     gr.Markdown(landing.summary(), elem_id="landing-summary")
     panels = compare_panels(landing.views, followed=landing.needle_positions)
     with gr.Row():
-        for (label, trace), panel in zip(landing.traces.items(), panels):
+        for label, panel in zip(landing.traces, panels):
             with gr.Column(min_width=300):
                 gr.Textbox(landing.answer(label), label=f"{landing.display(label)} answered", interactive=False,
                            elem_classes=["landing-answer"])

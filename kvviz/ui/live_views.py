@@ -16,6 +16,7 @@ from ..trace import Trace, checkpoint_note, time_split
 from .common import diagnostic_rows, fitted_column_widths
 from .figures import RunView
 
+
 def stats_markdown(view: RunView, elapsed: float | None) -> str:
     events = view.events
     last = events[-1]
@@ -44,7 +45,8 @@ def stats_markdown(view: RunView, elapsed: float | None) -> str:
     # Allocated, not live: a checkpointed policy holds room for every entry it may take before its next eviction.
     return (f"**tokens** {last.step + 1} / {tokens} · **prompt** {view.prompt_len} tokens · **budget** "
             f"{view.budget} · **cache** {last.cache_size} entries{over}, {last.cache_bytes / 2**20:.2f} MiB "
-            f"allocated · **evicted** {evicted} in all, {last.evicted.size} at step {last.step} · {prefill}**decode** {speed}"
+            f"allocated · **evicted** {evicted} in all, {last.evicted.size} at step {last.step} · "
+            f"{prefill}**decode** {speed}"
             f" · **time** forward {share(forward)} / scoring {share(score)} / eviction {share(evict)}"
             + (f" · {elapsed:.1f} s" if elapsed is not None else ""))
 
@@ -182,7 +184,8 @@ def decision_views(view: RunView, step) -> tuple:
     for name in frame.select_dtypes("number").columns.drop("position"):
         digits = 4 if name == score else 3
         # A sink's +inf would reach the browser as an empty cell (JSON has no infinity): say it.
-        frame[name] = frame[name].map(lambda value: "+inf" if value == np.inf else float(f"{value:.{digits}g}"))
+        frame[name] = frame[name].map(
+            lambda value, digits=digits: "+inf" if value == np.inf else float(f"{value:.{digits}g}"))
     frame = frame.rename(columns={"position": "#"})
     return caption, gr.update(value=frame, visible=True, column_widths=fitted_column_widths(frame))
 def finished_outputs(tab, view: RunView, trace: Trace, text: str, stats: str, path: Path | None) -> dict:

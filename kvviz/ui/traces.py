@@ -146,7 +146,8 @@ class TraceReuse:
                        "and the rerun is set to that")
             temperature = MAX_TEMPERATURE
         tab, settings = self.tab, self.tab.settings
-        return {tab.model: trace.model, tab.prompt: prompt, settings.chat: bool(chat), tab.controls.policy: trace.policy,
+        return {tab.model: trace.model, tab.prompt: prompt, settings.chat: bool(chat),
+                tab.controls.policy: trace.policy,
                 settings.mode: "compression" if by_ratio else "budget",
                 settings.compression: gr.update(value=trace.compression, visible=True) if by_ratio
                 else gr.update(visible=False),

@@ -16,8 +16,7 @@ from ...stats import paired_table
 from ...store import FULL_CACHE_FLOOR, QUALITY_METRICS, Store, held_over_note, setting_names, suite_notes
 from .colours import Colours
 from .layout import _caption, _legend_room, _versus
-from .lines import (DEFAULT_POLICIES, _depth_figure, _hits_figure, _line_figure, _paired_figure, _refresh_figure,
-                    curated)
+from .lines import DEFAULT_POLICIES, _depth_figure, _hits_figure, _line_figure, _paired_figure, _refresh_figure, curated
 from .pairing import PAIRINGS, inertia_figure, matched_memory, paired
 from .panels import _cache_figure, _comparison_figure, _grid_figure, _ranking_figure, _speed_figure
 
@@ -316,7 +315,8 @@ def absent_note(store: Store, quality: pd.DataFrame, policies: list[str] | None)
     the papers report, under the measured source): the figure otherwise showed the full cache alone."""
     names = set(quality.policy) if len(quality) else set()
 
-    def drawn(policy: str) -> bool:  # as itself or a setting of it ("avokv interval=16"; "thinkv (impl.)" is not "thinkv")
+    # as itself or a setting of it ("avokv interval=16"; "thinkv (impl.)" is not "thinkv")
+    def drawn(policy: str) -> bool:
         return any(name == policy or name.startswith(policy + " ")
                    and all("=" in word for word in name[len(policy):].split()) for name in names)
 

@@ -9,9 +9,23 @@ import plotly.graph_objects as go
 
 from ...store import NOT_RANKED, RANKED_FLOOR
 from .colours import PALETTE, Colours
-from .layout import (GLYPHS, _axis_key, _axis_titles, _caption, _cut_label, _dodge, _empty, _facets,
-                     _hover_counts, _nudge_step, _on_cut_axes, _readable_range, _shared_extents, _versus,
-                     _with_budgets)
+from .layout import (
+    GLYPHS,
+    _axis_key,
+    _axis_titles,
+    _caption,
+    _cut_label,
+    _dodge,
+    _empty,
+    _facets,
+    _hover_counts,
+    _nudge_step,
+    _on_cut_axes,
+    _readable_range,
+    _shared_extents,
+    _versus,
+    _with_budgets,
+)
 
 
 def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, ylabel: str,

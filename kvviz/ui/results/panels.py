@@ -14,8 +14,20 @@ from plotly.subplots import make_subplots
 from ...policies import REGISTRY
 from ...store import ranking_caveats
 from .colours import Colours
-from .layout import (GLYPHS, MARGIN, MODEBAR_STRIP, NOTE_HEIGHT, PANEL_TITLE_HEIGHT, SYMBOLS, TITLE_PAD, _caption,
-                     _cut_label, _empty, _title, _with_budgets)
+from .layout import (
+    GLYPHS,
+    MARGIN,
+    MODEBAR_STRIP,
+    NOTE_HEIGHT,
+    PANEL_TITLE_HEIGHT,
+    SYMBOLS,
+    TITLE_PAD,
+    _caption,
+    _cut_label,
+    _empty,
+    _title,
+    _with_budgets,
+)
 
 
 def _comparison_figure(frame: pd.DataFrame, suite: str, colours: Colours, notes: list[str] = ()) -> go.Figure:

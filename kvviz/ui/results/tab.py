@@ -115,7 +115,8 @@ def build_results_tab(app: gr.Blocks, store: Store | None = None, warm: bool = F
     if store.problems:
         gr.Markdown("**Some results could not be read:**\n" + "\n".join(f"- {p}" for p in store.problems))
     if not store.shards:
-        gr.Markdown("No sweep results are stored yet (`results_db/` is empty). Run `kvviz bench run CONFIG` to add some.")
+        gr.Markdown("No sweep results are stored yet (`results_db/` is empty). "
+                    "Run `kvviz bench run CONFIG` to add some.")
         return
     filters, outputs = _filters(store), []
     measured = store.options("policy", source="measured", metrics=QUALITY_METRICS)
