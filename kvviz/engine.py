@@ -21,6 +21,9 @@ from . import scoring, settings
 from .cache import SlotCache
 from .policies import Policy, make_policy, setting_label
 from .policies.base import BudgetTooSmall
+
+# KVzip's reconstruction has its own module; its names stay importable from here, where callers found them
+from .reconstruction import RECONSTRUCTION_CHUNK, REPEAT_ALL, REPEAT_FROM, reconstruct, repeat_passes  # noqa: F401
 from .settings import MAX_NEW_TOKENS, Settings, compressed, largest_compression, resolve_budget  # noqa: F401
 from .trace import StepEvent, Trace, model_dtype
 
@@ -415,36 +418,6 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
                         t_forward, cache.score_seconds, t_evict, cache.nbytes(), cache.components)
 
 
-RECONSTRUCTION_CHUNK = 2048  # prompt tokens repeated per pass (KVzip's chunk size)
-REPEAT_ALL = "\n\nRepeat the previous context exactly."
-REPEAT_FROM = "\n\nRepeat the part of the previous context exactly, starting with"
-
-
-class _ReconstructionSink:
-    """Score sink for one reconstruction pass: hands the policy every repeat query's view."""
-
-    def __init__(self, cache: EvictingCache, count: int, chunk: tuple[int, int]):
-        self.cache, self.prefill_window, self.chunk = cache, count, chunk
-
-    def wants_layer(self, layer: int) -> bool:
-        return self.cache.policy.wants_layer(layer)
-
-    def on_layer(self, view) -> None:  # never called: a reconstruction pass has several queries
-        pass
-
-    def on_prefill_layer(self, view) -> None:
-        self.cache.policy.observe_reconstruction(view, self.cache.live_positions(), self.chunk)
-
-
-def repeat_passes(tokenizer, prompt_ids: list[int]) -> Iterator[tuple[int, int, list[int]]]:
-    """KVzip's reconstruction passes: for each chunk ``[start, end)`` of the prompt, the ids fed after it --
-    an instruction to repeat it, the previous chunk's last 8 tokens ("starting with"), the chunk itself."""
-    for start in range(0, len(prompt_ids), RECONSTRUCTION_CHUNK):
-        end = min(start + RECONSTRUCTION_CHUNK, len(prompt_ids))
-        instruction = tokenizer(REPEAT_ALL if start == 0 else REPEAT_FROM, add_special_tokens=False)["input_ids"]
-        yield start, end, instruction + prompt_ids[max(0, start - 8):start] + prompt_ids[start:end]
-
-
 def check_policy(model, tokenizer, prompt_ids: list[int], policy: Policy) -> None:
     """What ``policy`` needs of this model and prompt, before any forward pass: its own model check (Expected
     Attention's RoPE), and for KVzip a repeat pass within the positions whose rotation stays fixed."""
@@ -458,24 +431,6 @@ def check_policy(model, tokenizer, prompt_ids: list[int], policy: Policy) -> Non
                      else f"the model's context of {limit}")
             raise ValueError(f"KVzip's repeat pass after this {len(prompt_ids)}-token prompt runs to position "
                              f"{reach - 1}, beyond {where}; shorten the prompt or choose another policy")
-
-
-def reconstruct(model, tokenizer, cache: EvictingCache, prompt_ids: list[int]) -> float:
-    """KVzip's context reconstruction, after the prefill: for each chunk of the prompt, feed an instruction
-    to repeat it plus the chunk itself (teacher-forced), let the policy see those queries' views, then drop
-    the repeated tokens so that the cache is the prefill's again.  Returns the seconds it took."""
-    start_time = time.perf_counter()
-    prompt_len, device, capacity = len(prompt_ids), model.device, cache.layers[0].capacity
-    for start, end, ids in repeat_passes(tokenizer, prompt_ids):
-        with scoring.scoring(_ReconstructionSink(cache, len(ids), (start, end))):
-            model(input_ids=torch.tensor([ids], device=device),
-                  position_ids=torch.arange(prompt_len, prompt_len + len(ids), device=device)[None],
-                  logits_to_keep=1, **{cache_kwarg(model): cache})
-        cache.evict(torch.nonzero(cache.live_positions() >= prompt_len).flatten())
-        cache.seen = prompt_len
-    cache.resize(capacity)  # the repeat tokens grew the slots; hand that memory back
-    settle(device)
-    return time.perf_counter() - start_time
 
 
 def decode_many(model, tokenizer, prompt_ids: list[int], policies: dict[str, Policy], *,

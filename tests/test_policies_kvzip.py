@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvviz
-from kvviz import engine
+from kvviz import engine, reconstruction
 from kvviz.policies.kvzip import KVzip
 
 
@@ -44,7 +44,7 @@ def _reference_scores(family, tokenizer, prompt, chunk, sinks):
 
 @pytest.mark.parametrize("family, chunk", [("llama", 2048), ("qwen2", 2048), ("llama", 32)])
 def test_keep_set_and_utility_equal_the_repeat_tokens_attention(family, chunk, tiny_prompt, monkeypatch):
-    monkeypatch.setattr(engine, "RECONSTRUCTION_CHUNK", chunk)
+    monkeypatch.setattr(reconstruction, "RECONSTRUCTION_CHUNK", chunk)
     model, tokenizer = kvviz.models.tiny_model(family)
     budget, sinks = 30, 4
     reference = _reference_scores(family, tokenizer, tiny_prompt, chunk, sinks)
@@ -58,7 +58,7 @@ def test_keep_set_and_utility_equal_the_repeat_tokens_attention(family, chunk, t
 
 
 def test_reconstruction_leaves_the_prefill_cache_and_the_output_unchanged(tiny, tiny_prompt, monkeypatch):
-    monkeypatch.setattr(engine, "RECONSTRUCTION_CHUNK", 40)  # several passes
+    monkeypatch.setattr(reconstruction, "RECONSTRUCTION_CHUNK", 40)  # several passes
     model, tokenizer = tiny
     length = len(tiny_prompt)
     cache = engine.EvictingCache(model, KVzip(), budget=length, capacity=length + 1)

@@ -3,7 +3,7 @@
 Kim et al. 2025, the reconstruction-based baseline of InertiaKV's Table 4 (higher RULER quality than
 InertiaKV there, at several times the prefill cost).  After the prefill the engine feeds "Repeat the
 previous context exactly." plus the prompt itself, teacher-forced, over the prefilled cache
-(:func:`kvviz.engine.reconstruct`), in chunks of 2,048 tokens; a later chunk's instruction asks to repeat
+(:func:`kvviz.reconstruction.reconstruct`), in chunks of 2,048 tokens; a later chunk's instruction asks to repeat
 "starting with" the previous chunk's last 8 tokens.  Each prompt entry scores the largest attention any
 repeat query of its chunk pays it, over the query heads of its KV head; the softmax runs over the sinks,
 the chunk and the repeat tokens (causal among those), as in the original.  The repeat tokens are then
