@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from servers import free_port, serve
 
 from kvviz.ui.config import Limits
-from servers import free_port, serve
 
 CHROMIUM = shutil.which("chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -51,8 +51,8 @@ def page(app_url):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"])
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
         page = browser.new_page(viewport={"width": 1400, "height": 1800})
         page.goto(app_url)
         page.get_by_role("tab", name="Live").click()  # the app opens on Start here
@@ -105,10 +105,12 @@ def test_run_watch_scrub(page):
     set_inputs(page, 48)
     page.locator("#live-run").click()
     page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot .heatmaplayer')]"
-                           ".some(layer => !layer.closest('#start-here'))", timeout=60_000)  # the run's, not the landing's
+                           ".some(layer => !layer.closest('#start-here'))",  # the run's, not the landing's
+                           timeout=60_000)
     first = generated_text(page)
     page.wait_for_function(
-        "() => !document.querySelector('button.stop-btn, .progress-text') && document.querySelector('input[type=range]')",
+        "() => !document.querySelector('button.stop-btn, .progress-text')"
+        " && document.querySelector('input[type=range]')",
         timeout=120_000)
     page.get_by_text("Scrub to step").wait_for(timeout=120_000)
     final = generated_text(page)
@@ -286,8 +288,11 @@ def test_a_click_refused_by_a_full_queue_leaves_run_working(page, app_url, monke
         before = set(tickets._tickets)
         page.locator("#live-run").click()
         deadline = time.time() + 20
-        while not (set(tickets._tickets) - before and all(tickets._tickets[id].done for id in set(tickets._tickets) - before)) \
-                and time.time() < deadline:
+        def new_runs_done() -> bool:
+            new = set(tickets._tickets) - before
+            return bool(new) and all(tickets._tickets[id].done for id in new)
+
+        while not new_runs_done() and time.time() < deadline:
             time.sleep(0.1)
         clicked = [tickets._tickets[id] for id in set(tickets._tickets) - before]
         assert clicked and all(ticket.done and not ticket.claimed for ticket in clicked)  # refused, retired
@@ -497,7 +502,8 @@ def test_a_parameter_typed_past_its_end_is_named_and_set_to_the_end(page):
     box.wait_for()
     box.fill("999")
     box.press("Tab")  # leaving the box releases the slider
-    note = page.get_by_test_id("toast-text").filter(has_text="inertia-lazy's refresh goes from 0 to 64: 999 was set to 64")
+    note = page.get_by_test_id("toast-text").filter(
+        has_text="inertia-lazy's refresh goes from 0 to 64: 999 was set to 64")
     note.first.wait_for(timeout=30_000)
     assert box.input_value() == "64"
     assert page.locator(".wrap .error").count() == 0
@@ -652,13 +658,15 @@ def test_compare_right_after_stop_compares_once_the_stopped_comparison_has_shown
         time.sleep(0.05)  # Stop has reached the server
     before.update(tickets._tickets)
     page.evaluate("document.querySelector('#compare-run').click()")  # a DOM click: no waiting for the page
-    page.get_by_text("stopped after", exact=False).wait_for(timeout=120_000)  # a loaded machine: slower  # the stopped one, shown
+    # the stopped one, shown (a loaded machine: slower)
+    page.get_by_text("stopped after", exact=False).wait_for(timeout=120_000)
     page.get_by_text("stopped after", exact=False).wait_for(state="hidden", timeout=60_000)  # the next one's
     # The comparison ran to its end with the inputs of its click: InertiaKV's panel holds its 9 tokens (the
     # Compare tab's default compression is 0.75), and its zip is offered.  Waited for: on a loaded machine the
     # page can sit between the two comparisons' updates (the last one's zip still in the page, hidden).
-    import kvviz
     from playwright.sync_api import expect
+
+    import kvviz
 
     model, tokenizer = kvviz.load_model(TINY)
     run = kvviz.run(model, tokenizer, PROMPT, "inertia", chat=False, compression=0.75, max_new_tokens=9)
