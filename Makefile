@@ -29,9 +29,10 @@ browser:
 		|| echo "could not install chromium: the browser tests will be skipped"
 
 # One pytest worker per core (at most 4); the files that share a server or a browser run whole on one worker
-# (tests/conftest.py).  Then the tests of the transformers interfaces on the oldest release.
+# (tests/conftest.py).  Then the linter, then the tests of the transformers interfaces on the oldest release.
 test: $(STAMP) browser
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
+	$(VENV)/bin/ruff check kvviz app.py tests benchmarks assets
 	$(MAKE) test-oldest
 
 # The engine against the oldest transformers in the supported range (the GPU machines run 5.17), layered
