@@ -16,19 +16,8 @@ from .common import _read_prompt
 def cmd_probe(args) -> int:
     from .. import engine, probe
     from ..models import load_model
-    from ..policies import REGISTRY, build_setting
 
-    if args.step < 1:
-        raise ValueError(f"--step must be >= 1, got {args.step}")
-    for option, value in (("--future", args.future), ("--batch", args.batch)):
-        if value < 1:
-            raise ValueError(f"{option} must be >= 1, got {value}")
-    if args.sample is not None and args.sample < 1:
-        raise ValueError(f"--sample must be >= 1 (leave it out to probe every entry), got {args.sample}")
-    names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
-    if not names:  # otherwise the whole probe runs and prints an empty ranking
-        raise ValueError("--policies names no policy; give registry names, e.g. --policies inertia,tova, or 'all'")
-    policies = dict(build_setting(name) for name in names)  # a name, or a setting such as 'avokv delay=32'
+    names, policies = _probe_policies(args)
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
@@ -51,6 +40,38 @@ def cmd_probe(args) -> int:
     protected = probe.protection_note(policies, len(prompt_ids), args.step)
     if protected:
         print(protected)
+    _print_probe_ranking(result, quality, aligned)
+    skipped = sorted(set(names) - set(quality))
+    if skipped:
+        print(f"(no per-entry utility to rank: {', '.join(skipped)})")
+    if spot:
+        _print_blindspot(spot, spot_note)
+    elif args.blindspot:
+        print(f"\nblindspot: {spot_note}")
+    return 0
+
+
+def _probe_policies(args) -> tuple[list[str], dict]:
+    """The options checked and the policies to rank built, before the model loads."""
+    from ..policies import REGISTRY, build_setting
+
+    if args.step < 1:
+        raise ValueError(f"--step must be >= 1, got {args.step}")
+    for option, value in (("--future", args.future), ("--batch", args.batch)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    if args.sample is not None and args.sample < 1:
+        raise ValueError(f"--sample must be >= 1 (leave it out to probe every entry), got {args.sample}")
+    names = list(REGISTRY) if args.policies == "all" else [n.strip() for n in args.policies.split(",") if n.strip()]
+    if not names:  # otherwise the whole probe runs and prints an empty ranking
+        raise ValueError("--policies names no policy; give registry names, e.g. --policies inertia,tova, or 'all'")
+    return names, dict(build_setting(name) for name in names)  # a name, or a setting such as 'avokv delay=32'
+
+
+def _print_probe_ranking(result, quality: dict, aligned) -> None:
+    """Each policy's ranking of the probed damage (AUROC, p, AP, ...), best first, and what the columns mean."""
+    from .. import probe
+
     if aligned is not None and not aligned.all():
         print(f"ranked over the {int(aligned.sum())} entries every policy judged "
               f"({int((~aligned).sum())} left out: a protected tail, sinks or a window some policy never judges)")
@@ -70,14 +91,6 @@ def cmd_probe(args) -> int:
         if tied:
             print("(mostly one tied score: " + ", ".join(f"{name} ({share:.0%})" for name, share in tied.items())
                   + " of the ranked entries share it, so that AUROC comes largely from ties' half credit)")
-    skipped = sorted(set(names) - set(quality))
-    if skipped:
-        print(f"(no per-entry utility to rank: {', '.join(skipped)})")
-    if spot:
-        _print_blindspot(spot, spot_note)
-    elif args.blindspot:
-        print(f"\nblindspot: {spot_note}")
-    return 0
 
 
 def cmd_scorers(args) -> int:

@@ -62,8 +62,7 @@ def cmd_generate(args) -> int:
     from ..models import load_model
     from ..notes import checkpoint_note
     from ..policies import make_policy
-    from ..policies.base import BudgetTooSmall
-    from ..trace import Trace, model_dtype, time_split
+    from ..trace import Trace, model_dtype
 
     asked = _validate_generate(args)
     prompt = _read_prompt(args)
@@ -76,14 +75,44 @@ def cmd_generate(args) -> int:
     prompt_ids = engine.encode_prompt(tokenizer, prompt, chat=args.chat)
     engine.check_prompt(model, prompt_ids, args.max_new_tokens)
     budget = _generate_budget(args, len(prompt_ids), compression)
-    if compression is not None:  # a policy's refusal of the budget, told as the --compression to give
-        try:
-            policy.reset(len(prompt_ids), budget, model.config.num_hidden_layers)
-        except BudgetTooSmall as error:
-            raise ValueError(engine.at_compression(error, compression, len(prompt_ids), option="--compression",
-                                                   given=_compression_given(args, compression))) from None
+    if compression is not None:
+        _check_policy_budget(args, model, policy, len(prompt_ids), budget, compression)
     if args.static:
         return _generate_static(args, model, tokenizer, prompt_ids, policy, budget)
+
+    events, elapsed = _decode_streaming(args, asked, model, tokenizer, prompt_ids, policy, budget)
+    trace = Trace.from_run(asked, prompt_ids, budget, args.policy, policy.params(), events, model=args.model,
+                           dtype=model_dtype(model), prompt=prompt, chat=args.chat)
+    summary = _generate_summary(args, trace, events, budget, elapsed)
+    note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
+    if args.json:
+        _print_generate_json(args, tokenizer, trace, policy, summary, note)
+    else:
+        _print_generate_footer(args, events, budget, summary, note)
+    if args.trace:  # checked before the run; still after the output, so that a failing save keeps the result
+        try:
+            trace.save(args.trace)
+        except OSError as error:
+            raise ValueError(f"the run finished but --trace {args.trace!r} could not be written "
+                             f"({error.strerror or error}): choose a writable path") from None
+    return 0
+
+
+def _check_policy_budget(args, model, policy, prompt_len: int, budget: int, compression: float) -> None:
+    """A policy's refusal of the budget, told as the --compression to give."""
+    from .. import engine
+    from ..policies.base import BudgetTooSmall
+
+    try:
+        policy.reset(prompt_len, budget, model.config.num_hidden_layers)
+    except BudgetTooSmall as error:
+        raise ValueError(engine.at_compression(error, compression, prompt_len, option="--compression",
+                                               given=_compression_given(args, compression))) from None
+
+
+def _decode_streaming(args, asked: Settings, model, tokenizer, prompt_ids, policy, budget) -> tuple[list, float]:
+    """Run the engine's decode, printing each token's text as it comes (unless --json); the events and seconds."""
+    from .. import engine
 
     events = []
     sampler = engine.Sampler(asked.temperature, asked.top_p, asked.seed)
@@ -93,51 +122,52 @@ def cmd_generate(args) -> int:
         events.append(event)
         if not args.json:
             print(event.text, end="", flush=True)
-    elapsed = time.perf_counter() - start
-    trace = Trace.from_run(asked, prompt_ids, budget, args.policy, policy.params(), events, model=args.model,
-                           dtype=model_dtype(model), prompt=prompt, chat=args.chat)
+    return events, time.perf_counter() - start
+
+
+def _generate_summary(args, trace, events, budget: int, elapsed: float) -> dict:
+    """The run's sizes and rates, as both the JSON and the text footer report them."""
+    from ..trace import time_split
+
     decode_seconds = sum(time_split(events).values())
-    note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
-    summary = {
-        "prompt_len": len(prompt_ids),
+    return {
+        "prompt_len": len(trace.prompt_ids),
         "budget": budget if args.policy != "full" else None,  # the full cache holds no budget (as the text says)
         "final_cache_size": events[-1].cache_size,
         "new_tokens": len(trace.token_ids),
         "tok_per_s": len(trace.token_ids) / elapsed,
         "decode_tok_per_s": len(trace.decode_steps) / decode_seconds if decode_seconds else None,
     }
-    if args.json:
-        out = {
-            "text": tokenizer.decode(trace.token_ids, skip_special_tokens=True),
-            "token_ids": trace.token_ids,
-            "policy": args.policy,
-            "params": policy.params(),
-            "model": args.model,
-            **summary,
-            "note": note or None,
-            "steps": [e.to_json() for e in trace.decode_steps],
-        }
-        print(json.dumps(out))
-    else:
-        # The full cache evicts nothing: a budget given with it (one command line for every policy) is not held.
-        held = f"budget {budget}" if args.policy != "full" else "no eviction (full cache)"
-        if args.policy != "full" and not any(event.evicted.size for event in events):
-            held += " (never reached: nothing evicted)"  # a budget past the run, as a read-lag study sets
-        # Two rates that differ by the prefill (2.2x on a 2k prompt): each says which it is, as `kvviz trace` does
-        decode = summary["decode_tok_per_s"]
-        print(f"\n\n-- prompt {summary['prompt_len']} tokens, {held}, final cache "
-              f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s "
-              f"{WITH_PREFILL}" + (f" (decode {decode:.1f} tok/s {WITHOUT_PREFILL})" if decode else ""),
-              file=sys.stderr)
-        if note:
-            print(f"-- {note}", file=sys.stderr)
-    if args.trace:  # checked before the run; still after the output, so that a failing save keeps the result
-        try:
-            trace.save(args.trace)
-        except OSError as error:
-            raise ValueError(f"the run finished but --trace {args.trace!r} could not be written "
-                             f"({error.strerror or error}): choose a writable path") from None
-    return 0
+
+
+def _print_generate_json(args, tokenizer, trace, policy, summary: dict, note: str) -> None:
+    out = {
+        "text": tokenizer.decode(trace.token_ids, skip_special_tokens=True),
+        "token_ids": trace.token_ids,
+        "policy": args.policy,
+        "params": policy.params(),
+        "model": args.model,
+        **summary,
+        "note": note or None,
+        "steps": [e.to_json() for e in trace.decode_steps],
+    }
+    print(json.dumps(out))
+
+
+def _print_generate_footer(args, events, budget: int, summary: dict, note: str) -> None:
+    """The line after the streamed text: the prompt, what the budget held, the rates."""
+    # The full cache evicts nothing: a budget given with it (one command line for every policy) is not held.
+    held = f"budget {budget}" if args.policy != "full" else "no eviction (full cache)"
+    if args.policy != "full" and not any(event.evicted.size for event in events):
+        held += " (never reached: nothing evicted)"  # a budget past the run, as a read-lag study sets
+    # Two rates that differ by the prefill (2.2x on a 2k prompt): each says which it is, as `kvviz trace` does
+    decode = summary["decode_tok_per_s"]
+    print(f"\n\n-- prompt {summary['prompt_len']} tokens, {held}, final cache "
+          f"{summary['final_cache_size']}, {summary['new_tokens']} new tokens at {summary['tok_per_s']:.1f} tok/s "
+          f"{WITH_PREFILL}" + (f" (decode {decode:.1f} tok/s {WITHOUT_PREFILL})" if decode else ""),
+          file=sys.stderr)
+    if note:
+        print(f"-- {note}", file=sys.stderr)
 
 
 def _generate_budget(args, prompt_len: int, compression: float | None) -> int:

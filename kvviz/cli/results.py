@@ -81,60 +81,21 @@ def _print_paper(store, args, policies) -> int:
 
 def _print_quality(store, args, policies) -> int:
     """The default tables: per source, model and task, each policy's mean score by compression or budget."""
-    import pandas as pd
-
-    from ..store import setting_names
-
     sweeps = args.sweep_list
-    frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings,
-                                         sweeps=sweeps)
-    others = store.other_settings(args.task, args.model, policies, args.source, sweeps)
-    others_here = store.other_settings(args.task, args.model, policies, args.source, sweeps, per_table=True)
-    if frame.empty and len(others):  # e.g. AvoKV-E run only at interval=16
-        raise ValueError("these filters match only rows with non-default parameters (" + _settings_listed(others)
-                         + "): add --settings to list them")
-    if frame.empty and len(store.damage_ranking(args.task, args.model, policies, args.source, True, sweeps)):
-        raise ValueError("these filters match only damage-ranking rows (AUROC, AP, ...: how a policy ranks the "
-                         "damage of removing one entry): add --ranking to print them")
-    if frame.empty:  # each value is stored (checked above), but not in combination
-        raise ValueError("no rows for these filters together; drop one, or see `kvviz results --help`")
+    frame, others = _quality_frame(store, args, policies)
     if args.csv:
         frame.to_csv(sys.stdout, index=False)
         return 0
+    others_here = store.other_settings(args.task, args.model, policies, args.source, sweeps, per_table=True)
     measured = store.speed_vs_quality(args.task, args.model, policies, settings=args.settings, sweeps=sweeps)
-    # Compression and budget cells come from different sweeps, run at other times under other loads: a mean
-    # over both would compare nothing, so each kind gets its own speed column where a table holds both
-    kinds = measured.assign(kind=measured.absolute_budget.isna().map({True: "ρ", False: "B"}))
-    speed = kinds.groupby(["model", "task", "policy", "kind"]).decode_tok_s.mean()
+    speed = _speed_by_kind(measured)
     for (source, model, task), part in frame.groupby(["source", "model", "task"]):
-        draws = int(part.draws.max())
-        digits = _score_digits(part.score)
-        full = part[part.policy == "full"]
-        part = part[part.policy != "full"]
-        cells = part.assign(cell=[f"{s:.{digits}f} ({n})" for s, n in zip(part.score, part.samples)])
-        table = _by_cut(cells, "cell")
-        if source == "measured":
-            present = [kind for kind in ("ρ", "B") if (part.absolute_budget.isna() if kind == "ρ"
-                                                         else part.absolute_budget.notna()).any()]
-            for kind in present:  # decode tok/s, the mean over the row's cells of that kind
-                table["tok/s" if len(present) == 1 else f"tok/s ({kind} cells)"] = [
-                    f"{speed.get((model, task, p, kind), float('nan')):.2f}" for p in table.index]
-        # The count in brackets is samples for a sweep, but how many printed figures a paper cell averages (one
-        # number can be printed in several tables): said once per table, not guessed.
-        counted = "mean score (samples)" if source == "measured" else "mean printed score (figures)"
-        print(f"\n{task} · {model} · {source} · {counted}"
-              + (f" · full cache {full.score.iloc[0]:.{digits}f} ({full.samples.iloc[0]})" if len(full) else "")
-              + (f" · each sample the mean of up to {draws} sampled draws" if draws > 1 else ""))
-        with pd.option_context("display.width", 200):
-            print(table.to_string())
+        _print_quality_table(source, model, task, part, speed)
         if source == "measured":
             _print_cache_over_budget(measured[(measured.model == model) & (measured.task == task)])
-        # Without --settings each table is every policy at its defaults: say, under it, what it hides.
-        hidden = others_here[(others_here.model == model) & (others_here.task == task)
-                             & (others_here.source == source)] if not args.settings else others_here.iloc[0:0]
-        if len(hidden):
-            print(f"{len(hidden)} other setting{'s' * (len(hidden) > 1)} hidden "
-                  f"({', '.join(setting_names(hidden.policy, hidden.setting))}): use --settings")
+        if not args.settings:
+            _print_hidden_settings(others_here[(others_here.model == model) & (others_here.task == task)
+                                               & (others_here.source == source)])
     if args.source != "paper":  # papers print no per-run max-length hits
         _print_max_length_hits(store.max_length_hits(args.task, args.model, policies, settings=args.settings,
                                                      sweeps=sweeps))
@@ -144,6 +105,67 @@ def _print_quality(store, args, policies) -> int:
               f"rows): {_settings_listed(others)}; --settings lists each setting as its own row, --vs POLICY "
               "--settings pairs them, and the app's Results tab plots the α and refresh sweeps")
     return 0
+
+
+def _quality_frame(store, args, policies):
+    """The quality rows these filters match, and the non-default settings they leave out; an empty result
+    refused with what the filters do match."""
+    sweeps = args.sweep_list
+    frame = store.quality_vs_compression(args.task, args.model, policies, args.source, settings=args.settings,
+                                         sweeps=sweeps)
+    others = store.other_settings(args.task, args.model, policies, args.source, sweeps)
+    if frame.empty and len(others):  # e.g. AvoKV-E run only at interval=16
+        raise ValueError("these filters match only rows with non-default parameters (" + _settings_listed(others)
+                         + "): add --settings to list them")
+    if frame.empty and len(store.damage_ranking(args.task, args.model, policies, args.source, True, sweeps)):
+        raise ValueError("these filters match only damage-ranking rows (AUROC, AP, ...: how a policy ranks the "
+                         "damage of removing one entry): add --ranking to print them")
+    if frame.empty:  # each value is stored (checked above), but not in combination
+        raise ValueError("no rows for these filters together; drop one, or see `kvviz results --help`")
+    return frame, others
+
+
+def _speed_by_kind(measured):
+    """Mean decode tok/s per model, task, policy and kind of cut (ρ or B)."""
+    # Compression and budget cells come from different sweeps, run at other times under other loads: a mean
+    # over both would compare nothing, so each kind gets its own speed column where a table holds both
+    kinds = measured.assign(kind=measured.absolute_budget.isna().map({True: "ρ", False: "B"}))
+    return kinds.groupby(["model", "task", "policy", "kind"]).decode_tok_s.mean()
+
+
+def _print_quality_table(source: str, model: str, task: str, part, speed) -> None:
+    """One table: each policy's mean score (and count) per cut, the full cache and draws in its title."""
+    import pandas as pd
+
+    draws = int(part.draws.max())
+    digits = _score_digits(part.score)
+    full = part[part.policy == "full"]
+    part = part[part.policy != "full"]
+    cells = part.assign(cell=[f"{s:.{digits}f} ({n})" for s, n in zip(part.score, part.samples)])
+    table = _by_cut(cells, "cell")
+    if source == "measured":
+        present = [kind for kind in ("ρ", "B") if (part.absolute_budget.isna() if kind == "ρ"
+                                                     else part.absolute_budget.notna()).any()]
+        for kind in present:  # decode tok/s, the mean over the row's cells of that kind
+            table["tok/s" if len(present) == 1 else f"tok/s ({kind} cells)"] = [
+                f"{speed.get((model, task, p, kind), float('nan')):.2f}" for p in table.index]
+    # The count in brackets is samples for a sweep, but how many printed figures a paper cell averages (one
+    # number can be printed in several tables): said once per table, not guessed.
+    counted = "mean score (samples)" if source == "measured" else "mean printed score (figures)"
+    print(f"\n{task} · {model} · {source} · {counted}"
+          + (f" · full cache {full.score.iloc[0]:.{digits}f} ({full.samples.iloc[0]})" if len(full) else "")
+          + (f" · each sample the mean of up to {draws} sampled draws" if draws > 1 else ""))
+    with pd.option_context("display.width", 200):
+        print(table.to_string())
+
+
+def _print_hidden_settings(hidden) -> None:
+    """Without --settings each table is every policy at its defaults: say, under it, what it hides."""
+    from ..store import setting_names
+
+    if len(hidden):
+        print(f"{len(hidden)} other setting{'s' * (len(hidden) > 1)} hidden "
+              f"({', '.join(setting_names(hidden.policy, hidden.setting))}): use --settings")
 
 
 RANKING_COLUMNS = {"auroc": "AUROC", "ap": "AP", "topk_recall": "top-k rec", "false_safe_rate": "false-safe",

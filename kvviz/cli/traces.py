@@ -12,51 +12,70 @@ from .common import WITHOUT_PREFILL
 def cmd_trace(args) -> int:
     """A saved run (``kvviz generate --trace``, the app's download): what it was, its diagnostics, and what
     happened to the tokens ``--follow`` names."""
-    from .. import diagnostics
-    from ..notes import budget_note, checkpoint_note, run_note
-    from ..trace import Trace, time_split
+    from ..trace import Trace
 
+    _check_trace_options(args)
+    trace = Trace.load(args.file)
+    if args.read_lag:
+        return _print_read_lags(trace)
+    if not args.follow:
+        _print_trace_summary(trace)
+        return 0
+    return _print_followed(trace, args)
+
+
+def _check_trace_options(args) -> None:
+    """Options another view would silently drop: refused before the file is read."""
     if args.follow is not None and not args.follow.strip():  # e.g. an unset shell variable: not the summary
         raise ValueError("--follow is empty; give text to find in the tokens (e.g. 7342519) or positions (#12, "
                          "#40-45), or leave --follow out for the run's summary")
-    # Options another view would silently drop: refused before the file is read.
     if args.read_lag and (args.follow or args.csv):
         given = " and ".join(flag for flag, on in (("--follow", args.follow), ("--csv", args.csv)) if on)
         raise ValueError(f"--read-lag prints its own table over every generated entry, which {given} would not "
                          f"change: drop {given}, or run it without --read-lag")
     if args.csv and not args.follow:
         raise ValueError("--csv prints the followed tokens' steps; add --follow TEXT_OR_POSITIONS")
-    trace = Trace.load(args.file)
+
+
+def _print_trace_summary(trace) -> None:
+    """What the run was (policy, prompt, budget, rates) and its diagnostics."""
+    from .. import diagnostics
+    from ..notes import budget_note, checkpoint_note, run_note
+    from ..trace import time_split
+
     steps = trace.decode_steps
-    if args.read_lag:
-        return _print_read_lags(trace)
-    if not args.follow:
-        params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
-        print(f"{trace.policy}" + (f" ({params})" if params else "") + f"{run_note(trace)}: "
-              f"prompt {trace.prompt_len} tokens, {budget_note(trace)}, {len(steps)} decode steps, "
-              f"{sum(e.evicted.size for e in trace.events)} evictions"
-              + (f", stopped (of {trace.max_new_tokens} new tokens asked for)" if trace.stopped else ""))
-        if trace.prompt:  # recorded since traces keep the text they ran from
-            shown = trace.prompt if len(trace.prompt) <= 72 else trace.prompt[:69] + "..."
-            print(f"prompt ({'through the chat template' if trace.chat else 'as is'}): {shown!r}")
-        note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
-        if note:
-            print(note)
-        seconds = time_split(trace.events)
-        total = sum(seconds.values())
-        if total:
-            print(f"decode {len(steps) / total:.1f} tok/s {WITHOUT_PREFILL}: " + ", ".join(
-                f"{part} {value / total:.0%}" for part, value in seconds.items()))
-        values = diagnostics.summary(trace)
-        for name, value in values.items():
-            print(f"{name.replace('_', ' '):<24}{'n/a' if np.isnan(value) else f'{value:.4f}'}")
-        if any(np.isnan(value) for value in values.values()):
-            print(f"({diagnostics.NOT_AVAILABLE})")
-        decided = [e.step for e in trace.events if e.components]
-        if decided:
-            print(f"terms recorded at {len(decided)} decision(s), steps {', '.join(map(str, decided[:8]))}"
-                  + (" ..." if len(decided) > 8 else ""))
-        return 0
+    params = ", ".join(f"{key}={value}" for key, value in trace.params.items())
+    print(f"{trace.policy}" + (f" ({params})" if params else "") + f"{run_note(trace)}: "
+          f"prompt {trace.prompt_len} tokens, {budget_note(trace)}, {len(steps)} decode steps, "
+          f"{sum(e.evicted.size for e in trace.events)} evictions"
+          + (f", stopped (of {trace.max_new_tokens} new tokens asked for)" if trace.stopped else ""))
+    if trace.prompt:  # recorded since traces keep the text they ran from
+        shown = trace.prompt if len(trace.prompt) <= 72 else trace.prompt[:69] + "..."
+        print(f"prompt ({'through the chat template' if trace.chat else 'as is'}): {shown!r}")
+    note = checkpoint_note(trace)  # why a checkpointed policy's cache ended over budget, if it did
+    if note:
+        print(note)
+    seconds = time_split(trace.events)
+    total = sum(seconds.values())
+    if total:
+        print(f"decode {len(steps) / total:.1f} tok/s {WITHOUT_PREFILL}: " + ", ".join(
+            f"{part} {value / total:.0%}" for part, value in seconds.items()))
+    values = diagnostics.summary(trace)
+    for name, value in values.items():
+        print(f"{name.replace('_', ' '):<24}{'n/a' if np.isnan(value) else f'{value:.4f}'}")
+    if any(np.isnan(value) for value in values.values()):
+        print(f"({diagnostics.NOT_AVAILABLE})")
+    decided = [e.step for e in trace.events if e.components]
+    if decided:
+        print(f"terms recorded at {len(decided)} decision(s), steps {', '.join(map(str, decided[:8]))}"
+              + (" ..." if len(decided) > 8 else ""))
+
+
+def _print_followed(trace, args) -> int:
+    """What happened to the tokens --follow names: per step as CSV, or one line of fate and ranks each."""
+    from .. import diagnostics
+    from ..notes import budget_note
+
     tokens = _trace_tokens(trace, args.model)
     positions, note = diagnostics.find_positions(tokens, args.follow)
     history = diagnostics.token_history(trace.events, positions)
