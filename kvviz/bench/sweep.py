@@ -299,4 +299,9 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
     return written
 
 
-from .sweep_ray import run_ray  # noqa: E402,F401 -- it runs this module's samples, so it is imported last
+def run_ray(config: dict, out_dir, **kwargs) -> int:
+    """:func:`kvviz.bench.sweep_ray.run_ray`, imported when called: that module imports this one (and a Ray
+    worker imports it first, so a module-level import here would be circular there)."""
+    from .sweep_ray import run_ray as run_on_ray
+
+    return run_on_ray(config, out_dir, **kwargs)
