@@ -109,9 +109,9 @@ def test_settings_are_frozen_checked_when_made_and_record_their_sampling():
 
 
 def test_a_trace_records_the_settings_it_ran_under():
-    from kvviz.trace import StepEvent, Trace
-
     import numpy as np
+
+    from kvviz.trace import StepEvent, Trace
 
     asked = Settings(compression=0.5, temperature=0.7, top_p=0.9, seed=5, max_new_tokens=4)
     event = StepEvent(0, -1, 7, "x", np.arange(2), np.array([], dtype=np.int64))
