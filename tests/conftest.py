@@ -23,6 +23,14 @@ TEXT = ("The quick brown fox jumps over the lazy dog. The passkey is 71432. Reme
 SHARED_PER_FILE = {"test_app.py", "test_browser.py", "test_landing.py", "test_load_test.py", "test_sweep_ray.py"}
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, so a fixture can see that the test it served failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SHARED_PER_FILE:

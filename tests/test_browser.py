@@ -44,7 +44,7 @@ def app_url():
 
 
 @pytest.fixture(scope="module")
-def page(app_url):
+def shared_page(app_url):
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -53,12 +53,34 @@ def page(app_url):
             executable_path=CHROMIUM, headless=True,
             args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1800})
-        page.goto(app_url)
-        page.get_by_role("tab", name="Live").click()  # the app opens on Start here
-        page.get_by_label("Prompt").first.wait_for()
-        yield page
+        holder = _PageHolder(browser, app_url)
+        yield holder
         browser.close()
+
+
+class _PageHolder:
+    """The module's one page, replaced by a freshly loaded one after a test failed on it: a page left hung or
+    mid-run by one failure (seen on a loaded CI machine) would otherwise fail every test after it."""
+
+    def __init__(self, browser, url):
+        self.browser, self.url, self.page = browser, url, None
+        self.open()
+
+    def open(self):
+        if self.page is not None:
+            self.page.close()
+        self.page = self.browser.new_page(viewport={"width": 1400, "height": 1800})
+        self.page.goto(self.url)
+        self.page.get_by_role("tab", name="Live").click()  # the app opens on Start here
+        self.page.get_by_label("Prompt").first.wait_for()
+
+
+@pytest.fixture
+def page(shared_page, request):
+    yield shared_page.page
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        shared_page.open()
 
 
 def generated_text(page) -> str:
@@ -340,11 +362,14 @@ def test_results_tab_shows_figures_and_filters(page):
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.data && p.data.length > 0 && "
         "String((p.layout.title || {}).text || '').startsWith('Quality vs compression'))", timeout=60_000)
-    # measured vs paper: two panels (paper and measured), each with lines relative to its full cache
+    # measured vs paper (a closed section, opened here): two panels (paper and measured), each with lines
+    # relative to its full cache
+    page.get_by_text("Measured vs paper", exact=True).first.click()
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => String((p.layout.title || {}).text || '')"
         ".startsWith('Measured vs paper') && new Set(p.data.map(t => t.xaxis)).size === 2)", timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "results-measured.png"), full_page=True)
+    page.get_by_text("Measured vs paper", exact=True).first.click()  # closed again: the tab as it loads
     page.get_by_label("paper", exact=True).check()  # the source filter re-queries the store
     page.wait_for_function(
         "() => { const p = [...document.querySelectorAll('.js-plotly-plot')].find(p => String((p.layout.title || {})"

@@ -90,7 +90,10 @@ def test_candidates_generated_ranks_only_what_the_model_generated(tmp_path, tiny
     whole = probe.probe(model, tokenizer, prompt_ids, 6, policies=policies, future=3)
     generated = probe.probe(model, tokenizer, prompt_ids, 6, policies=policies, future=3, generated_only=True)
     assert generated.candidates.tolist() == list(range(len(prompt_ids), len(prompt_ids) + 5))
-    assert generated.damage == pytest.approx(whole.damage[len(prompt_ids):], rel=1e-4, abs=1e-7)
+    # a damage near zero is a float32 KL of two near-equal distributions: a few float32 epsilons of noise
+    # between a batched and a single probe (CI saw one eps), so the absolute slack is four of them
+    eps = float(np.finfo(np.float32).eps)
+    assert generated.damage == pytest.approx(whole.damage[len(prompt_ids):], rel=1e-4, abs=4 * eps)
     gen = {row["metric"]: row for row in rows(tmp_path / "gen") if row["policy"] == "tova"}
     assert gen["auroc"]["meta"]["prompt_ranked"] == gen["auroc"]["meta"]["prompt_high_damage"] == 0
     assert gen["auroc"]["meta"]["candidates"] == 5
