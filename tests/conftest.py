@@ -18,9 +18,9 @@ TEXT = ("The quick brown fox jumps over the lazy dog. The passkey is 71432. Reme
         "Grass is green, the sky is blue. What is the passkey? ")
 
 
-# Files whose tests share one server, browser or cluster (a module fixture): one xdist worker runs each whole,
-# so that it starts once.  Every other test goes wherever a worker is free.
-SHARED_PER_FILE = {"test_app.py", "test_browser.py", "test_landing.py", "test_load_test.py", "test_sweep_ray.py"}
+# Module fixtures that start something slow (a server, a browser, a Ray cluster): the tests that use one run on
+# one xdist worker, so that it starts once.  Every other test goes wherever a worker is free.
+SHARED_FIXTURES = {"client", "app_url", "shared_page", "load_test", "local_cluster"}
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -33,7 +33,7 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SHARED_PER_FILE:
+        if SHARED_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 

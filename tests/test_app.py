@@ -2581,9 +2581,9 @@ def test_the_streamed_text_is_sent_no_more_often_than_its_interval(tiny, monkeyp
     """Between the clearing update and the finished run, the Live tab sends the text only when TEXT_EVERY_S
     has passed (figures held back to the end by figures_per_second=0): at 0 once per token (the prefill's and
     the 24 decode steps'), at infinity never, and the finished run still shows all of it, figures included."""
-    from kvviz.ui import checks, common, live
+    from kvviz.ui import checks, live, pacing
 
-    monkeypatch.setattr(common, "TEXT_EVERY_S", text_every_s)
+    monkeypatch.setattr(pacing, "TEXT_EVERY_S", text_every_s)
     checks._models[TINY] = tiny
     limits = Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=25, figures_per_second=0)
     defaults = [checks.PARAMETERS[p]["default"] for p in checks.PARAM_NAMES]

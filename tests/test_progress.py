@@ -11,6 +11,7 @@ import torch
 
 import kvviz
 from kvviz.progress import Cancelled, ForwardProgress, Heartbeat, decoder_layers, with_heartbeats
+from kvviz.ui import pacing
 from kvviz.ui.pacing import FramePacer, Pacers
 
 
@@ -115,17 +116,40 @@ def test_pacer_waits_for_the_browser_and_for_its_rate():
     assert not pacer.due(now=0.05)  # faster than 10 a second
     assert pacer.due(now=0.1)  # no page has acknowledged anything yet: the plain rate
     pacer.send(now=0.1)
-    pacer.acknowledge()  # a page: frame 1 drawn, frame 2 not yet
+    pacer.acknowledge(now=0.2)  # a page: frame 1 drawn, frame 2 not yet
     assert not pacer.due(now=0.5)
-    pacer.acknowledge()
+    pacer.acknowledge(now=0.5)
     assert pacer.due(now=0.5)
     pacer.send(now=0.5)
     assert not pacer.due(now=3.4) and pacer.due(now=3.5)  # no acknowledgement: patience then sends anyway
     pacer.send(now=3.5)
     assert pacer.backlog() == 2
     for _ in range(5):
-        pacer.acknowledge()
+        pacer.acknowledge(now=4.0)
     assert pacer.backlog() == 0  # never below zero: acknowledgements beyond what was sent are ignored
+
+
+def test_a_slow_page_stretches_the_patience_and_slows_the_text():
+    """A page that took 5 s to draw a frame is not sent the next after 3 s but after 15 (three of its draws);
+    while a frame is undrawn the text goes out every BEHIND_TEXT_EVERY_S, not 30 times a second; an API
+    client (nothing ever acknowledged) keeps both plain rates."""
+    pacer = FramePacer(max_per_second=2, patience=3.0)
+    pacer.send(now=0.0)
+    pacer.acknowledge(now=5.0)  # drawn 5 s after it went out
+    assert pacer.waits() == 15.0
+    pacer.send(now=5.0)
+    assert not pacer.due(now=19.9) and pacer.due(now=20.0)
+    assert not pacer.text_due(last_text=19.9, now=20.0)  # behind: text every 0.5 s
+    assert pacer.text_due(last_text=19.5, now=20.0)
+    pacer.acknowledge(now=20.0)
+    assert pacer.text_due(last_text=19.95, now=20.0)  # caught up: 30 a second again
+    slowest = FramePacer(max_per_second=2, patience=3.0)
+    slowest.send(now=0.0)
+    slowest.acknowledge(now=100.0)
+    assert slowest.waits() == pacing.MAX_PATIENCE_S  # never a page left without frames for longer
+    api = FramePacer(max_per_second=2, patience=3.0)
+    api.send(now=0.0)
+    assert api.text_due(last_text=0.0, now=0.04) and api.due(now=0.5)
 
 
 def test_zero_rate_sends_nothing_until_the_end():
@@ -234,7 +258,7 @@ def test_the_live_run_sends_a_new_heatmap_only_once_the_page_drew_the_last(tiny,
             def sent(now=None):
                 number = send(now)
                 if number == 1:
-                    pacer.acknowledge()
+                    pacer.acknowledge(now)  # drawn at once
                 return number
 
             pacer.send = sent

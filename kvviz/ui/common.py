@@ -26,9 +26,6 @@ from .tickets import button_ticket, request_stop, retire
 
 log = logging.getLogger(__name__)
 
-# The text at most 30 times a second: every token at CPU speeds, several a time on a GPU or a tiny model,
-# whose hundreds of updates a second (each re-rendering the growing text) otherwise saturate the page.
-TEXT_EVERY_S = 1 / 30
 # Where the Live tab's traces and the Compare tab's zips are written, one folder a run, the newest kept.
 DOWNLOADS = Path(tempfile.mkdtemp(prefix="kvviz-downloads-"))
 KEEP_DOWNLOADS = 32

@@ -19,7 +19,6 @@ import gradio as gr
 
 from .. import engine
 from ..tasks.examples import EXAMPLES
-from . import common
 from .analyses import AnalysesPanel
 from .checks import (
     _models,
@@ -439,8 +438,8 @@ def make_compare_handler(limits: Limits, tab: CompareTab, pacers: Pacers | None 
 
 def streamed(tab: CompareTab, run: Progress, events, ticket, note: str, pacer: FramePacer):
     """The comparison's updates as it decodes, until it ends or ``ticket`` is stopped (where every policy still
-    decoding has made the same steps): the shared prefill's progress until the first token, the texts at most
-    every TEXT_EVERY_S, the panels when ``pacer`` says the page drew the last ones (at most a quarter of the
+    decoding has made the same steps): the shared prefill's progress until the first token, the texts when
+    ``pacer.text_due``, the panels when ``pacer`` says the page drew the last ones (at most a quarter of the
     Live tab's figure rate: four panels a refresh)."""
     names = list(run.views)
     last_text = 0.0
@@ -456,7 +455,7 @@ def streamed(tab: CompareTab, run: Progress, events, ticket, note: str, pacer: F
             break
         now = time.perf_counter()
         refresh = pacer.due(now)
-        if not refresh and now - last_text < common.TEXT_EVERY_S:
+        if not refresh and not pacer.text_due(last_text, now):
             continue  # each policy's event would otherwise be an update of its own
         if refresh:
             pacer.send(now)

@@ -16,7 +16,6 @@ import gradio as gr
 from ..policies import REGISTRY, setting_label
 from ..tasks.examples import EXAMPLES
 from ..trace import sampling_note
-from . import common
 from .checks import PARAM_NAMES, policy_from_inputs, refused, release_memory, unexpected, used_parameters, validate
 from .common import (
     PREFILL,
@@ -316,7 +315,7 @@ def make_live_handler(limits: Limits, tab: LiveTab, pacers: Pacers | None = None
 
 def streamed(tab: LiveTab, run: Progress, events, ticket, ran: str, pacer: FramePacer):
     """The run's updates as it decodes, until it ends or ``ticket`` is stopped: the prefill's progress until
-    the first token, the text at most every TEXT_EVERY_S, the retention heatmap when ``pacer`` says the page
+    the first token, the text when ``pacer.text_due``, the retention heatmap when ``pacer`` says the page
     has drawn the last one, the other views a fifth and a tenth as often (each redraw costs the browser more
     than the server, and a fast model otherwise saturates the page)."""
     (label, view), = run.views.items()
@@ -343,7 +342,7 @@ def streamed(tab: LiveTab, run: Progress, events, ticket, ran: str, pacer: Frame
             if now - last_fate >= 10 * figure_every:
                 last_fate, update[tab.fate] = now, view.fate_html()
             yield update
-        elif now - last_text >= common.TEXT_EVERY_S:
+        elif pacer.text_due(last_text, now):
             last_text = now
             yield {tab.text: run.texts[label]}
 
