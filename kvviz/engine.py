@@ -359,35 +359,11 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
     sampler = sampler or Sampler()
     device, prompt_len = model.device, len(prompt_ids)
     eos, cache_arg = set() if ignore_eos else eos_ids(model, tokenizer), cache_kwarg(model)
-    bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression), max_new_tokens)
-    total = prompt_len + max_new_tokens
-    capacity = total if bound is None else min(total, max(prompt_len, bound) + 1)
     check_policy(model, tokenizer, prompt_ids, policy)
-    if cache is None:
-        cache = EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
-    elif cache.policy is not policy or cache._budget_args != {"budget": budget, "compression": compression}:
-        # the cache's own would run silently in place of what this call names
-        raise ValueError(f"the cache given was made for {type(cache.policy).__name__} at {cache._budget_args}, "
-                         f"this call names {type(policy).__name__} at budget={budget}, compression={compression}: "
-                         "pass the cache's policy and budget, or no cache")
+    cache = run_cache(model, policy, prompt_len, max_new_tokens, budget, compression, cache)
     prefill_scores = cache.start_prefill(prompt_len, max_new_tokens)
 
-    start = time.perf_counter()
-    use_shared = shared is not None and (not prefill_scores or shared.window >= min(policy.prefill_window, prompt_len))
-    if use_shared:
-        if shared.prompt_ids != list(prompt_ids):
-            raise ValueError("the shared prefill was made for another prompt")
-        cache.copy_from(shared.cache)
-        if prefill_scores:
-            shared.replay(cache, policy.prefill_window)
-        last_logits = shared.logits
-    else:
-        with scoring.scoring(cache if prefill_scores else None):  # only policies with a prefill_window look
-            last_logits = model(input_ids=torch.tensor([prompt_ids], device=device),
-                                position_ids=torch.arange(prompt_len, device=device)[None],
-                                logits_to_keep=1, **{cache_arg: cache}).logits[0, -1]
-    settle(device)
-    t_forward = 0.0 if use_shared else time.perf_counter() - start - cache.score_seconds
+    last_logits, t_forward = prefill_into(model, prompt_ids, cache, prefill_scores, shared)
     if policy.reconstructs:
         cache.score_seconds += reconstruct(model, tokenizer, cache, prompt_ids)
     evicted, raw, t_evict = cache.finish_step() if prefill_scores else (np.empty(0, np.int64), None, 0.0)
@@ -416,6 +392,45 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
         kept, utility = cache.kept_and_utility()
         yield StepEvent(step, consumed, token, pieces.add(token, flush=last), kept, evicted, utility, raw, scores,
                         t_forward, cache.score_seconds, t_evict, cache.nbytes(), cache.components)
+
+
+def prefill_into(model, prompt_ids: list[int], cache: EvictingCache, prefill_scores: bool,
+                 shared: Prefill | None = None) -> tuple[torch.Tensor, float]:
+    """The prompt's forward into ``cache`` (or a copy of ``shared``'s, where it recorded what the policy's
+    prefill scoring needs): the last position's logits, shape (vocab,), and the forward's seconds (0 for a
+    copy), scoring time excluded."""
+    policy, device, prompt_len = cache.policy, model.device, len(prompt_ids)
+    start = time.perf_counter()
+    if shared is not None and (not prefill_scores or shared.window >= min(policy.prefill_window, prompt_len)):
+        if shared.prompt_ids != list(prompt_ids):
+            raise ValueError("the shared prefill was made for another prompt")
+        cache.copy_from(shared.cache)
+        if prefill_scores:
+            shared.replay(cache, policy.prefill_window)
+        return shared.logits, 0.0
+    with scoring.scoring(cache if prefill_scores else None):  # only policies with a prefill_window look
+        last_logits = model(input_ids=torch.tensor([prompt_ids], device=device),
+                            position_ids=torch.arange(prompt_len, device=device)[None],
+                            logits_to_keep=1, **{cache_kwarg(model): cache}).logits[0, -1]
+    settle(device)
+    return last_logits, time.perf_counter() - start - cache.score_seconds
+
+
+def run_cache(model, policy: Policy, prompt_len: int, max_new_tokens: int, budget: int | None,
+              compression: float | None, cache: EvictingCache | None = None) -> EvictingCache:
+    """The :class:`EvictingCache` a run of ``policy`` decodes into: ``cache`` if given (checked to be made for
+    this policy and budget), else a new one sized to what the policy can hold at most."""
+    if cache is not None:
+        if cache.policy is not policy or cache._budget_args != {"budget": budget, "compression": compression}:
+            # the cache's own would run silently in place of what this call names
+            raise ValueError(f"the cache given was made for {type(cache.policy).__name__} at {cache._budget_args}, "
+                             f"this call names {type(policy).__name__} at budget={budget}, "
+                             f"compression={compression}: pass the cache's policy and budget, or no cache")
+        return cache
+    bound = policy.cache_bound(resolve_budget(prompt_len, budget=budget, compression=compression), max_new_tokens)
+    total = prompt_len + max_new_tokens
+    capacity = total if bound is None else min(total, max(prompt_len, bound) + 1)
+    return EvictingCache(model, policy, budget=budget, compression=compression, capacity=capacity)
 
 
 def check_policy(model, tokenizer, prompt_ids: list[int], policy: Policy) -> None:

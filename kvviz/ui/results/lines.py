@@ -61,19 +61,14 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             policy = values.get("policy")
             label = " · ".join([str(policy)] * ("policy" in values) + [
                 _cut_label(values.get("compression"), values.get("absolute_budget"))] * bool(cuts))
-            colour = colours(policy) if colours and line_cols == ["policy"] else None
-            # each other setting of a policy: a shade of its colour, and a marker of its own
-            marker = dict(symbol=colours.symbol(policy)) if colour else None
-            colour = colour or palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)])
+            colour, marker = _line_style(colours if line_cols == ["policy"] else None, policy, label, palette)
             paper = part["source"].iloc[0] == "paper"
             dash = "dash" if paper else "solid"
             xs, ys = part[x] + offsets[part.index], part[y]
             stderr = part["stderr"] if "stderr" in part and not paper else pd.Series(np.nan, index=part.index)
             where = [_cut_label(c, b) for c, b in zip(part.compression, part.absolute_budget)] if reference \
                 else [f"{xlabel} = {position:g}" for position in xs]
-            hover = [f"{label}<br>{at}<br>{ylabel} {value:.3f}" + ("" if pd.isna(error) else f" ± {error:.3f}")
-                     + (f"<br>{count}" if count else "") for at, value, error, count in
-                     zip(where, ys, stderr, _hover_counts(part))]
+            hover = _point_hovers(part, label, where, ys, stderr, ylabel)
             mode = "lines+markers" if len(part) >= join_fewer_than else "markers"
             if reference and policy == "full" and len(part) == 1 and panel[x].notna().any():
                 # The full cache does not depend on the compression: a reference across the x axis the panel
@@ -93,6 +88,21 @@ def _line_figure(frame: pd.DataFrame, x: str, y: str, title: str, xlabel: str, y
             _readable_range(fig, panel[y], row, col)
     _axis_titles(fig, panels, xlabel)
     return _caption(fig, read)
+
+
+def _line_style(colours: Colours | None, policy, label: str, palette: dict) -> tuple[str, dict | None]:
+    """A line's colour and marker: a policy's own colour and symbol where ``colours`` names policies; otherwise
+    the next colour of ``palette`` (kept per label, so a line has one colour across panels) and no marker."""
+    if colours is not None and policy is not None:
+        return colours(policy), dict(symbol=colours.symbol(policy))
+    return palette.setdefault(label, PALETTE[len(palette) % len(PALETTE)]), None
+
+
+def _point_hovers(part: pd.DataFrame, label: str, where: list[str], ys, stderr, ylabel: str) -> list[str]:
+    """Each point's hover: its line, where it lies, its value ± standard error and what it averages."""
+    return [f"{label}<br>{at}<br>{ylabel} {value:.3f}" + ("" if pd.isna(error) else f" ± {error:.3f}")
+            + (f"<br>{count}" if count else "") for at, value, error, count in
+            zip(where, ys, stderr, _hover_counts(part))]
 
 
 def _hits_figure(frame: pd.DataFrame, colours: Colours, settings: bool = False, empty: str | None = None) -> go.Figure:
@@ -180,6 +190,20 @@ def _paired_trace(part: pd.DataFrame, policy: str, reference: str, colours: Colo
 SWEEP_SYMBOLS = ("diamond", "triangle-up", "square", "cross", "x", "star")
 
 
+def _score_free_lines(add, rows: pd.DataFrame, label: str, colour: str, span: list, place: dict) -> None:
+    """Score-Free's rows (r = 0) as horizontal lines across ``span``: its score, and its speed on the right axis."""
+    for free in rows.itertuples():
+        add(f"{label} score-free score", x=span, y=[free.score] * 2, mode="lines",
+            line=dict(dash="dashdot", color=colour, width=1), secondary_y=False,
+            hovertemplate=f"score-free · {label}<br>score {free.score:.3f}<extra></extra>", **place)
+        if not pd.isna(free.decode_tok_s):
+            run = getattr(free, "sweeps", None)
+            add(f"{label} score-free tok/s", x=span, y=[free.decode_tok_s] * 2, mode="lines",
+                line=dict(dash="longdashdot", color=colour, width=1), secondary_y=True,
+                hovertemplate=f"score-free · {label}<br>{free.decode_tok_s:.2f} tok/s"
+                              + (f"<br>run: {run}" if isinstance(run, str) else "") + "<extra></extra>", **place)
+
+
 def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
     """Score (left axis) and decode speed (right axis, dotted) against the refresh interval r >= 1, a panel per
     source / model / task and a colour per compression (or absolute budget).
@@ -233,17 +257,7 @@ def _refresh_figure(frame: pd.DataFrame) -> go.Figure:
                         marker=dict(symbol=symbols.get(run, "diamond")), secondary_y=True,
                         hovertemplate="r = %{x}<br>%{y:.2f} tok/s" + (f"<br>run: {run}" if run else "")
                                       + "<extra></extra>", **place)
-            for free in part[part.refresh == 0].itertuples():
-                add(f"{label} score-free score", x=span, y=[free.score] * 2, mode="lines",
-                    line=dict(dash="dashdot", color=colour, width=1), secondary_y=False,
-                    hovertemplate=f"score-free · {label}<br>score {free.score:.3f}<extra></extra>", **place)
-                if not pd.isna(free.decode_tok_s):
-                    run = getattr(free, "sweeps", None)
-                    add(f"{label} score-free tok/s", x=span, y=[free.decode_tok_s] * 2, mode="lines",
-                        line=dict(dash="longdashdot", color=colour, width=1), secondary_y=True,
-                        hovertemplate=f"score-free · {label}<br>{free.decode_tok_s:.2f} tok/s"
-                                      + (f"<br>run: {run}" if isinstance(run, str) else "") + "<extra></extra>",
-                        **place)
+            _score_free_lines(add, part[part.refresh == 0], label, colour, span, place)
     _axis_titles(fig, panels, "refresh interval r (steps)")  # longer, two bottom titles ran together at 900 px
     return _caption(fig, "Solid lines are the score, dotted ones the decode speed, against the steps between "
                          "scorings: a flat score beside a rising speed means refreshing less often costs nothing.")
