@@ -1776,7 +1776,10 @@ def test_dockerfile_and_space_front_matter_agree_with_the_app():
     assert cmd[-1] == "app.py" and (ROOT / "app.py").exists()
     assert "launch()" in (ROOT / "app.py").read_text()
     assert re.search(r"useradd .*-u 1000", dockerfile)
-    assert "download.pytorch.org/whl/cpu" in dockerfile  # CPU torch only
+    # CPU torch unless the build names another index; the device follows the same build
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert '--index-url "$TORCH_INDEX"' in dockerfile
+    assert "ARG KVVIZ_DEVICE=cpu" in dockerfile and "KVVIZ_DEVICE=$KVVIZ_DEVICE" in dockerfile
     assert "kvviz.load_model()" in dockerfile  # the default model is baked in at build time
 
 
