@@ -1,11 +1,12 @@
-"""How busy a fast stream keeps the browser, by how often the Live tab sends its text and redraws its figures.
+"""How busy a fast stream keeps the browser, by how the Live tab paces its text and figures.
 
 Serves the app on the tiny random model (hundreds of tokens a second on a CPU, as a real model on a GPU),
 opens it in Debian's headless Chromium (Playwright), starts a 3000-token run and, while it streams, times
 a round trip into the page's main thread (``page.evaluate``) every 0.2 s: a busy page answers late, and a
-click made then waits as long.  Every setting runs in one process, one after the other, each on a fresh
-app and page; one JSON line per setting, with its median and 95th percentile over the first setting's (the
-app before the text was throttled).
+click made then waits as long.  Then it clicks Stop and times until the stopped run's scrubber shows.
+Every setting runs in one process, one after the other, each on a fresh app and page; one JSON line per
+setting, with its median and 95th percentile over the first setting's (the app before any pacing: text
+every token, figures at a fixed 10 a second).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/page_responsiveness.py [--seconds 10] [--out FILE]
 """
@@ -13,6 +14,7 @@ app before the text was throttled).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shutil
@@ -21,7 +23,7 @@ import statistics
 import time
 from datetime import datetime, timezone
 
-from kvviz.ui import app, common
+from kvviz.ui import app, pacing
 from kvviz.ui.config import Limits
 
 TINY = "tiny-random-llama"
@@ -30,6 +32,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The passkey is 71432. Rem
 
 def measure(page, url: str, seconds: float) -> dict:
     page.goto(url)
+    page.get_by_role("tab", name="Live").click()  # the app opens on Start here
     page.get_by_label("Prompt").first.fill(PROMPT)
     max_new = page.get_by_label("Max new tokens", exact=False).locator("xpath=..").locator("input[type=number]")
     max_new.first.fill("3000")
@@ -46,12 +49,30 @@ def measure(page, url: str, seconds: float) -> dict:
         waits.append(time.perf_counter() - sent)
         time.sleep(0.2)
     shown = len(page.get_by_label("Generated text").input_value())
+    clicked = time.perf_counter()
     page.evaluate("document.querySelector('#live-stop').click()")
     page.get_by_text("Scrub to step").wait_for(timeout=120_000)
+    stop_s = time.perf_counter() - clicked
     waits.sort()
     return {"round_trips": len(waits), "median_ms": round(1000 * statistics.median(waits), 1),
             "p95_ms": round(1000 * waits[int(0.95 * (len(waits) - 1))], 1), "max_ms": round(1000 * waits[-1], 1),
-            "characters_shown": shown}
+            "characters_shown": shown, "stop_to_scrubber_s": round(stop_s, 2)}
+
+
+@contextlib.contextmanager
+def pacing_as(text_every_s: float, paced: bool):
+    """The app's pacing for one setting: the text's interval, and whether figures and text wait for the page
+    (``paced=False``: a frame whenever the rate allows, the text at its interval even while a frame is
+    undrawn, as before the page acknowledged frames)."""
+    saved = pacing.TEXT_EVERY_S, pacing.BEHIND_TEXT_EVERY_S, pacing.FramePacer.waits
+    pacing.TEXT_EVERY_S = text_every_s
+    if not paced:
+        pacing.BEHIND_TEXT_EVERY_S = text_every_s
+        pacing.FramePacer.waits = lambda self: 0.0
+    try:
+        yield
+    finally:
+        pacing.TEXT_EVERY_S, pacing.BEHIND_TEXT_EVERY_S, pacing.FramePacer.waits = saved
 
 
 def serve(figures_per_second: float):
@@ -79,19 +100,24 @@ def main() -> None:
 
     rows = [{"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": TINY,
                       "machine": platform.node(), "seconds_each": args.seconds}}]
-    text_every = common.TEXT_EVERY_S
-    # The app as it was (text per token, figures 10/s) first, then the text at most 30/s at each figure rate.
-    settings = [("text every token, 10 figures/s", 0.0, 10.0), *((f"text at most 30/s, {rate:g} figures/s",
-                                                                 text_every, rate) for rate in (10.0, 4.0, 2.0, 0.0))]
+    text_every = pacing.TEXT_EVERY_S
+    # The app before any pacing first, then the text at most 30/s unpaced, then paced as the app ships (at the
+    # default rate cap and the browser tests' 2/s), then figures only at the end.
+    settings = [("unpaced: text every token, 10 figures/s", 0.0, 10.0, False),
+                ("unpaced: text at most 30/s, 10 figures/s", text_every, 10.0, False),
+                ("paced by the page (the app): up to 10 figures/s", text_every, 10.0, True),
+                ("paced by the page: up to 2 figures/s", text_every, 2.0, True),
+                ("figures only at the end", text_every, 0.0, True)]
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, headless=True,
                                              args=["--no-sandbox", "--disable-gpu"])
-        for label, common.TEXT_EVERY_S, rate in settings:  # TEXT_EVERY_S: read by the running handler at each step
+        for label, text_every_s, rate, paced in settings:  # read by the running handler at each step
             demo, url = serve(rate)
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
             try:
-                rows.append({"what": label, "text_every_s": round(common.TEXT_EVERY_S, 4), "figures_per_second": rate,
-                             **measure(page, url, args.seconds)})
+                with pacing_as(text_every_s, paced):
+                    rows.append({"what": label, "text_every_s": round(text_every_s, 4), "figures_per_second": rate,
+                                 "paced": paced, **measure(page, url, args.seconds)})
             finally:
                 page.close()
                 demo.close()
