@@ -1,10 +1,11 @@
 """Regenerate the README's screenshots of the app on the default model (CPU, a few minutes).
 
-    .venv/bin/python assets/screenshots.py          # writes assets/live.png, compare.png, results.png
+    .venv/bin/python assets/screenshots.py   # writes assets/start.png, live.png, compare.png, results.png
 
 It starts the app on a free loopback port and drives Debian's chromium through Playwright, as the browser
-test does: a Live run of the passkey example under InertiaKV, a comparison of the default four-key-needle
-example with the asked-for key's digits followed, and the Results tab's paired differences.
+test does: the first view (the shipped comparison, no run), a Live run of the passkey example under
+InertiaKV, a comparison of the default four-key-needle example with the asked-for key's digits followed,
+and the Results tab's paired differences.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def main() -> int:
                                                  args=["--no-sandbox", "--disable-gpu"])
             page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
             page.goto(f"http://127.0.0.1:{port}/")
+            # the first view: the shipped comparison, its answers, the needle's columns marked
+            page.locator("#start-here .js-plotly-plot").first.wait_for(timeout=WAIT_MS)
+            time.sleep(3)
+            page.screenshot(path=HERE / "start.png")
+
+            page.get_by_role("tab", name="Live").click()
             page.locator("#live-run").click()
             page.get_by_text("Scrub to step").wait_for(timeout=WAIT_MS)
             time.sleep(3)  # the last figures settle
@@ -72,12 +79,15 @@ def main() -> int:
             page.get_by_text("Paired differences", exact=True).click()
             page.get_by_text("Paired difference to", exact=False).first.wait_for(timeout=WAIT_MS)
             time.sleep(3)
-            page.get_by_text("Paired difference to", exact=False).first.scroll_into_view_if_needed()
+            # the figure from its title down, not its title at the window's bottom edge
+            page.get_by_text("Paired difference to", exact=False).first.evaluate(
+                "e => { e.scrollIntoView({block: 'start'}); window.scrollBy(0, -60); }")
+            time.sleep(1)
             page.screenshot(path=HERE / "results.png")
             browser.close()
     finally:
         app.close()
-    for name in ("live", "compare", "results"):
+    for name in ("start", "live", "compare", "results"):
         print(HERE / f"{name}.png")
     return 0
 
