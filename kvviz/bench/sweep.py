@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm  # already a dependency of transformers
 
+from .. import backend as backends
 from ..models import DEFAULT_MODEL
 from ..trace import model_dtype
 
@@ -182,6 +183,12 @@ def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model,
     from .. import engine
     from ..policies import make_policy
 
+    if config.get("backend") == "static":  # refused before anything decodes, not at the policy's first cell
+        for name, params in sorted({(cell.policy, cell.params) for cell in todo}):
+            try:
+                backends.choose(model, make_policy(name, **dict(params)), "static")
+            except ValueError as error:
+                raise ValueError(f"sweep config {source}: {error}") from None
     refused: dict[tuple, list] = {}
     longest = 0  # the longest prompt of these cells' samples
     for (label, sample_index), group in itertools.groupby(todo, key=lambda c: (c.task, c.sample)):
@@ -267,8 +274,13 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
         # policies' distributions agree they sample the same tokens, so a paired difference is the policies'.
         sampler = engine.Sampler(temperature, top_p, seed=_sample_seed(seed, f"{label}/draw{cell.draw}", sample_index))
         t0 = time.perf_counter()
-        events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
-                                    shared=shared, sampler=sampler))
+        ran_on = backends.choose(model, policy, config.get("backend", "auto"))
+        if ran_on == "static":  # the same seed stream, drawn on the device
+            events = list(backends.stream(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
+                                          temperature=temperature, top_p=top_p, seed=sampler.seed, shared=shared))
+        else:
+            events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
+                                        shared=shared, sampler=sampler))
         elapsed = time.perf_counter() - t0
         steps = events[1:]
         decode_seconds = sum(time_split(events).values())
@@ -291,7 +303,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
             "score": METRICS[sample.metric](prediction, sample.answers), "prediction": prediction,
             "answers": sample.answers, "meta": sample.meta, "prefill_ms": 1e3 * shared.seconds,
             "decode_tok_s": len(steps) / decode_seconds if decode_seconds else None,
-            "seconds": elapsed, **meta,
+            "seconds": elapsed, "backend": ran_on, **meta,
         })
         written += 1
         bar.set_postfix_str(f"{label}#{sample_index}{f'/{cell.draw}' if cell.draw else ''} {cell.policy} {cell.cut}")

@@ -84,6 +84,15 @@ def _dtype(value) -> str | None:
     return None
 
 
+def _backend(value) -> str | None:
+    from ..backend import BACKENDS
+
+    if value not in BACKENDS:
+        return (f"must be one of {', '.join(BACKENDS)}, got {value!r} (auto: the static backend on a GPU for the "
+                "policies it runs, the engine otherwise)")
+    return None
+
+
 def _boolean(value) -> str | None:
     return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
 
@@ -141,6 +150,7 @@ SWEEP: dict[str, Key] = {
     "model": Key(partial(_non_empty_string, "model")),
     "device": Key(partial(_non_empty_string, "device")),
     "dtype": Key(_dtype),
+    "backend": Key(_backend),
     "chat": Key(_boolean),
     "max_new_tokens": Key(partial(_setting, settings.max_new_tokens, "max_new_tokens", whole=True)),
     "seed": Key(partial(_setting, settings.seed, "seed", whole=True)),
