@@ -48,6 +48,28 @@ def test_generate_json_contract(tmp_path):
     assert (kvviz.Trace.load(trace_file).prompt, kvviz.Trace.load(trace_file).chat) == (TEXT, False)
 
 
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]],
+                         ids=["greedy", "sampled"])
+def test_generate_on_the_static_backend_prints_what_the_engine_prints(capsys, sampling):
+    """--backend static decodes on the slot backend (auto takes it on a GPU): the same tokens and keep sets
+    at every step as --backend engine on the same device, sampled with a seed too; a policy it cannot run is
+    refused by name, and auto runs that one on the engine."""
+    from kvviz.cli import main
+
+    common = ["generate", *TINY, "--prompt", TEXT, "--no-chat", "--compression", "0.5", "--max-new-tokens", "16",
+              "--json", *sampling]
+    out = {}
+    for backend in ("engine", "static"):
+        assert main([*common, "--policy", "tova", "--backend", backend]) == 0
+        out[backend] = json.loads(capsys.readouterr().out)
+    assert out["static"]["token_ids"] == out["engine"]["token_ids"]
+    assert [s["kept"] for s in out["static"]["steps"]] == [s["kept"] for s in out["engine"]["steps"]]
+    snapkv = [*common, "--policy", "snapkv", "--compression", "0.3"]  # a budget over its 32-token window
+    assert main([*snapkv, "--backend", "static"]) == 2
+    assert "backend='static' cannot run SnapKV" in capsys.readouterr().err
+    assert main(snapkv) == 0  # auto: the engine
+
+
 def test_no_chat_tokenises_the_prompt_as_is(capsys):
     from kvviz.cli import main
 

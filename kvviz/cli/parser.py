@@ -65,6 +65,9 @@ def _add_generate(sub) -> None:
     gen.add_argument("--seed", type=int, help="sampling seed, with --temperature (default 0)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--trace", help="save the per-step trace to this parquet file")
+    gen.add_argument("--backend", choices=("auto", "engine", "static"), default="auto",
+                     help="the decoder: auto (default) takes the static slot backend on a GPU for the policies it "
+                          "runs and the engine otherwise; static refuses a policy it cannot run")
     gen.add_argument("--static", action="store_true",
                      help="InertiaKV on the static decode path (greedy; a CUDA graph per step on a GPU)")
     gen.add_argument("--compile", action="store_true", help="with --static: fuse each layer with torch.compile")
