@@ -171,6 +171,20 @@ def _run_shard(config: dict, out_dir: Path, rows: RowFile, index: int, shards: i
     return written
 
 
+def _generate(ran_on: str, model, tokenizer, prompt_ids: list[int], policy, budget: int | None, max_new: int,
+              shared, sampler) -> list:
+    """One cell's step events, on the static backend or the engine (``ran_on``), from the sample's shared
+    prefill; the static backend draws the same seed stream on the device."""
+    from .. import engine
+
+    if ran_on == "static":
+        return list(backends.stream(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
+                                    temperature=sampler.temperature, top_p=sampler.top_p, seed=sampler.seed,
+                                    shared=shared))
+    return list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
+                              shared=shared, sampler=sampler))
+
+
 def check_cells(config: dict, source: str, tasks: dict, todo: list[Cell], model, tokenizer, seed: int,
                 max_new: int) -> list[str]:
     """Before anything decodes: every sample's real prompt fits the model, and every cell's policy accepts
@@ -275,12 +289,7 @@ def _run_sample(config: dict, task: dict, label: str, sample_index: int, group: 
         sampler = engine.Sampler(temperature, top_p, seed=_sample_seed(seed, f"{label}/draw{cell.draw}", sample_index))
         t0 = time.perf_counter()
         ran_on = backends.choose(model, policy, config.get("backend", "auto"))
-        if ran_on == "static":  # the same seed stream, drawn on the device
-            events = list(backends.stream(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
-                                          temperature=temperature, top_p=top_p, seed=sampler.seed, shared=shared))
-        else:
-            events = list(engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=max_new,
-                                        shared=shared, sampler=sampler))
+        events = _generate(ran_on, model, tokenizer, prompt_ids, policy, budget, max_new, shared, sampler)
         elapsed = time.perf_counter() - t0
         steps = events[1:]
         decode_seconds = sum(time_split(events).values())
