@@ -67,7 +67,7 @@ bench-speed: $(STAMP)
 # one-thread processes, one per core (benchmarks/sweep_threads.py: 1.76x one two-thread process on 2 cores).
 SWEEPS ?= sweep-2k sweep-2k-inertia needle-grid reasoning-budget reasoning-budget-interval16 reasoning-budget-sampled \
 	sweep-2k-expected-attention needle-grid-expected-attention sweep-2k-kvzip reasoning-budget-lazyeviction \
-	reasoning-budget-sampled-lazyeviction prose-2k-headline prose-pilot prose-2k-inertia
+	reasoning-budget-sampled-lazyeviction prose-2k-headline prose-pilot prose-2k-inertia prose-pilot-4k
 # Sweeps whose rows are committed while they run (some of their cells): `make sweeps` finishes them.
 UNDER_WAY ?=
 SHARDS ?= 2
