@@ -113,18 +113,12 @@ def _check_policy_budget(args, model, policy, prompt_len: int, budget: int, comp
 def _decode_streaming(args, asked: Settings, model, tokenizer, prompt_ids, policy, budget) -> tuple[list, float]:
     """Decode on the --backend's decoder, printing each token's text as it comes (unless --json); the events and
     seconds."""
-    from .. import backend as backends
     from .. import engine
 
     events = []
     start = time.perf_counter()
-    if backends.choose(model, policy, args.backend) == "static":
-        stream = backends.stream(model, tokenizer, prompt_ids, policy, budget=budget,
-                                 max_new_tokens=args.max_new_tokens, temperature=asked.temperature,
-                                 top_p=asked.top_p, seed=asked.seed)
-    else:
-        stream = engine.decode(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=args.max_new_tokens,
-                               sampler=engine.Sampler(asked.temperature, asked.top_p, asked.seed))
+    stream = engine.stream(model, tokenizer, prompt_ids, policy, budget=budget, max_new_tokens=args.max_new_tokens,
+                           temperature=asked.temperature, top_p=asked.top_p, seed=asked.seed, backend=args.backend)
     for event in stream:
         events.append(event)
         if not args.json:
