@@ -101,15 +101,17 @@ _DONE = object()
 
 
 def with_heartbeats(events: Iterator, every: float = 0.5, on_close: Callable[[], None] | None = None,
-                    join_seconds: float = 10.0, on_start: Callable[[], None] | None = None) -> Iterator:
+                    join_seconds: float = 10.0, on_start: Callable[[], None] | None = None,
+                    ahead: int = 1) -> Iterator:
     """``events``' items, with a :class:`Heartbeat` each ``every`` s that passes without one.
 
     The iterator runs in a daemon thread, which first calls ``on_start`` (e.g. :meth:`ForwardProgress.follow`);
     its exception is raised here.  Closing this generator (a UI's Stop)
     calls ``on_close`` (e.g. :meth:`ForwardProgress.cancel`) and waits up to ``join_seconds`` for the thread
-    to end after its current item.
+    to end after its current item.  The worker runs at most ``ahead`` items ahead of the consumer: a UI that
+    draws slower than the model decodes then takes several at once instead of holding the decode to its pace.
     """
-    items: queue.Queue = queue.Queue(maxsize=1)  # one ahead: the worker waits for the consumer
+    items: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
 
     def work() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import closing
 from types import SimpleNamespace
 
 import pytest
@@ -87,6 +88,50 @@ def test_an_error_in_the_run_is_raised_to_the_consumer():
     assert next(stream) == 1
     with pytest.raises(RuntimeError, match="the run failed"):
         list(stream)
+
+
+def test_the_run_goes_at_most_ahead_items_ahead_of_a_consumer_that_waits():
+    """A page slower than the model takes several events at once instead of holding the decode to its pace:
+    while the consumer holds its first item, the worker makes ``ahead`` more (queued) and one more (waiting to
+    be queued), then waits; none is lost or reordered."""
+    for ahead in (1, 4):
+        produced = []
+
+        def counted(produced=produced):
+            for index in range(12):
+                produced.append(index)
+                yield index
+
+        stream = with_heartbeats(counted(), every=5.0, ahead=ahead)
+        assert next(stream) == 0
+        deadline = time.monotonic() + 10
+        while len(produced) < ahead + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # room to overrun, were it not held
+        assert len(produced) == 1 + ahead + 1
+        assert list(stream) == list(range(1, 12))
+
+
+def test_the_live_and_compare_tabs_let_the_run_go_ahead_of_the_page(tiny):
+    """The tabs' event stream: with the page busy on its first event, the run makes RUN_AHEAD more (a 48-token
+    comparison of the tiny model went at the pace of the page's updates, 18 s on a 2-core machine)."""
+    from kvviz.ui.waiting import RUN_AHEAD, events_with_progress
+
+    model, _ = tiny
+    produced = []
+
+    def counted():
+        for index in range(RUN_AHEAD + 10):
+            produced.append(index)
+            yield index
+
+    with closing(events_with_progress(counted(), model, prompt_len=3)) as stream:
+        assert next(stream) == 0
+        deadline = time.monotonic() + 10
+        while len(produced) < RUN_AHEAD + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(produced) == RUN_AHEAD + 2 and RUN_AHEAD >= 4 * 16  # sixteen steps of four policies
+        assert list(stream) == list(range(1, RUN_AHEAD + 10))
 
 
 def test_closing_stops_the_worker_and_calls_on_close():
