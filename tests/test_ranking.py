@@ -444,8 +444,8 @@ def test_a_policy_only_ranked_is_no_quality_reference_and_is_marked_so(tmp_path,
 
     from kvviz.ui.results import build_results_tab
 
-    with gr.Blocks() as app:
-        build_results_tab(app, store)
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        build_results_tab(results_tab, store)
     boxes = {block.label: block for block in app.blocks.values() if isinstance(block, gr.Dropdown)}
     assert ("inertia (damage ranking only)", "inertia") in boxes["Policies (none = all)"].choices
     assert ("attention only (paper only)", "attention only") in boxes["Policies (none = all)"].choices

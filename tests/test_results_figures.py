@@ -222,8 +222,8 @@ def test_the_settings_box_has_a_row_of_its_own(tmp_path):
         return [found for child in layout.children
                 for found in (inputs(child) if isinstance(child, gr.blocks.BlockContext) else [child])]
 
-    with gr.Blocks() as app:
-        build_results_tab(app, sweep_store(tmp_path, ["tova"]))
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        build_results_tab(results_tab, sweep_store(tmp_path, ["tova"]))
     box = next(block for block in app.blocks.values()
                if isinstance(block, gr.Checkbox) and block.label.startswith(SETTINGS_BOX))
     assert inputs(row_of(box)) == [box]
@@ -381,8 +381,8 @@ def test_only_the_first_section_is_open_and_each_figure_has_its_note_under_it(tm
 
     from kvviz.ui.results import SECTIONS, build_results_tab
 
-    with gr.Blocks() as app:
-        build_results_tab(app, sweep_store(tmp_path, ["tova"]))
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        build_results_tab(results_tab, sweep_store(tmp_path, ["tova"]))
     accordions = [block for block in app.blocks.values() if isinstance(block, gr.Accordion)]
     assert [block.label for block in accordions] == list(SECTIONS)
     assert [block.open for block in accordions] == [True] + [False] * (len(SECTIONS) - 1)
@@ -393,7 +393,7 @@ def test_only_the_first_section_is_open_and_each_figure_has_its_note_under_it(tm
     results = next(fn for fn in app.fns.values() if fn.api_name == "results")
     defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
     last = list(results.fn(*defaults))[-1]
-    assert len(last) == 4 * len(SECTIONS)
+    assert len(last) == 4 * len(SECTIONS) + 1  # and the filters it shows
     assert last[1].startswith("**How to read it:** Each line is a policy's mean score")
 
 

@@ -1733,16 +1733,16 @@ def test_the_policy_filter_marks_names_only_a_paper_reports(tmp_path):
     from kvviz.ui.results import build_results_tab
 
     store = review_store(tmp_path)
-    with gr.Blocks() as app:
-        build_results_tab(app, store)
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        build_results_tab(results_tab, store)
     dropdowns = {block.label: block for block in app.blocks.values() if isinstance(block, gr.Dropdown)}
     choices = dropdowns["Policies (none = all)"].choices
     assert ("h2o", "h2o") in choices and ("tova", "tova") in choices
     write_rows(tmp_path / "paper2", [{"source": "paper", "sweep": "paper2", "paper": "P", "table": "T",
                                       "model": "L", "task": "LongBench", "policy": "thinkv", "compression": 0.9,
                                       "params": {}, "metric": "score", "score": 50.0}])
-    with gr.Blocks() as app:
-        build_results_tab(app, Store(tmp_path))
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        build_results_tab(results_tab, Store(tmp_path))
     dropdowns = {block.label: block for block in app.blocks.values() if isinstance(block, gr.Dropdown)}
     assert ("thinkv (paper only)", "thinkv") in dropdowns["Policies (none = all)"].choices
     assert dropdowns["Sweeps (none = all; a cell run by two sweeps counts in either)"].choices == [
@@ -1756,11 +1756,37 @@ def test_a_filter_changed_while_the_figures_are_drawn_is_queued_not_dropped(tmp_
 
     from kvviz.ui.results import build_results_tab
 
-    with gr.Blocks() as app:
-        build_results_tab(app, review_store(tmp_path))
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        build_results_tab(results_tab, review_store(tmp_path))
     results = [fn for fn in app.fns.values() if fn.api_name == "results"]
     assert len(results) == 1 and results[0].trigger_mode == "always_last"
-    assert {event for _, event in results[0].targets} == {"load", "change"}
+    assert {event for _, event in results[0].targets} == {"change"}
+    opened = [fn for fn in app.fns.values() if {event for _, event in fn.targets} == {"select"}]
+    assert len(opened) == 1 and opened[0].trigger_mode == "always_last"
+
+
+def test_the_figures_are_drawn_when_the_tab_opens_and_not_sent_again_when_it_reopens(tmp_path):
+    """Not at the page's load (megabytes a visitor who never opens the tab would get, and a page holding them
+    answered every click elsewhere slower): the tab's first opening draws them; opened again with the same
+    filters it sends nothing; with other filters (changed, then reopened) it sends those."""
+    import gradio as gr
+
+    from kvviz.ui.results import SECTIONS, build_results_tab
+
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        build_results_tab(results_tab, review_store(tmp_path))
+    assert not [fn for fn in app.fns.values() if "load" in {event for _, event in fn.targets}]
+    opened = next(fn for fn in app.fns.values() if {event for _, event in fn.targets} == {"select"})
+    filters = opened.inputs[1:]
+    defaults = [block.preprocess(block.get_config()["value"]) for block in filters]
+    first = list(opened.fn(None, *defaults))[-1]
+    assert len(first) == 4 * len(SECTIONS) + 1 and "Quality vs compression" in first[0].plot
+    shown = first[-1]
+    assert list(opened.fn(shown, *defaults)) == [(gr.skip(),) * (4 * len(SECTIONS) + 1)]
+    other = [*defaults]
+    other[3] = "paper"
+    again = list(opened.fn(shown, *other))[-1]
+    assert again[-1] != shown and again[-1][3] == "paper" and again[0].plot != first[0].plot
 
 
 def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defaults_first(tmp_path,
@@ -1782,8 +1808,8 @@ def test_each_filter_combination_is_drawn_once_and_the_served_tab_draws_the_defa
         return sections(store, *args)
 
     monkeypatch.setattr(tab, "sections", counted)
-    with gr.Blocks() as app:
-        tab.build_results_tab(app, review_store(tmp_path), warm=True)
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        tab.build_results_tab(results_tab, review_store(tmp_path), warm=True)
     for thread in threading.enumerate():
         if thread.name == "results-draw":
             thread.join(timeout=120)
@@ -1835,8 +1861,8 @@ def test_the_open_sections_are_sent_first_and_the_others_then_without_them(tmp_p
             yield index, section
 
     monkeypatch.setattr(tab, "sections", held)
-    with gr.Blocks() as app:
-        tab.build_results_tab(app, review_store(tmp_path))
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        tab.build_results_tab(results_tab, review_store(tmp_path))
     results = next(fn for fn in app.fns.values() if fn.api_name == "results")
     defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
     updates = results.fn(*defaults)
@@ -1880,14 +1906,14 @@ def test_a_failed_drawing_is_raised_to_the_request_and_drawn_again_next_time(tmp
         yield from sections(*args)
 
     monkeypatch.setattr(tab, "sections", failing_once)
-    with gr.Blocks() as app:
-        tab.build_results_tab(app, review_store(tmp_path))
+    with gr.Blocks() as app, gr.Tab("Results") as results_tab:
+        tab.build_results_tab(results_tab, review_store(tmp_path))
     results = next(fn for fn in app.fns.values() if fn.api_name == "results")
     defaults = [block.preprocess(block.get_config()["value"]) for block in results.inputs]
     with pytest.raises(gr.Error, match="drawing the results failed: RuntimeError: the store went away; change a "
                                        "filter or reload"):
         list(results.fn(*defaults))
-    assert len(list(results.fn(*defaults))[-1]) == 4 * len(tab.SECTIONS)
+    assert len(list(results.fn(*defaults))[-1]) == 4 * len(tab.SECTIONS) + 1  # and the filters shown
     assert len(calls) == 2
 
 

@@ -42,8 +42,8 @@ def build_app(limits: Limits | None = None, store: Store | None = None, warm: bo
         live.wire(app, live_tab, limits)
         compare_tab = compare.layout(limits)
         compare.wire(app, compare_tab, limits)
-        with gr.Tab("Results"):
-            build_results_tab(app, store, warm=warm)
+        with gr.Tab("Results") as results_tab:
+            build_results_tab(results_tab, store, warm=warm)
         gr.api(make_generate_api(limits), api_name="generate", concurrency_limit=limits.runs_per_model,
                concurrency_id="model")
     return app
