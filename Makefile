@@ -28,10 +28,11 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "could not install chromium: the browser tests will be skipped"
 
-# One pytest worker per core (at most 4); the files that share a server or a browser run whole on one worker
-# (tests/conftest.py).  Then the linter, then the tests of the transformers interfaces on the oldest release.
+# One pytest worker per core (at most 4); the tests that share a server or a browser run on one worker
+# (tests/conftest.py).  Then the linter, then the tests of the transformers interfaces on the oldest release,
+# with the GPU script's runs, which only need to pass on the GPU machines' release.
 test: $(STAMP) browser
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup -m "not device_script"
 	$(VENV)/bin/ruff check kvviz app.py tests benchmarks assets
 	$(MAKE) test-oldest
 
@@ -45,7 +46,7 @@ $(OLDEST)/.done: $(STAMP)
 # Only the tests marked transformers_api: the generate equalities, the cache and attention interfaces on every
 # family, model loading.  The rest of the suite does not touch what changed between 5.17 and 5.24.
 test-oldest: $(OLDEST)/.done
-	HF_HUB_OFFLINE=1 PYTHONPATH=$(OLDEST) $(PY) -m pytest -q -n auto --maxprocesses 4 -m transformers_api
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(OLDEST) $(PY) -m pytest -q -n auto --maxprocesses 4 -m "transformers_api or device_script"
 
 # The same tests on the GPU machines' own stack, torch 2.11 (its CUDA build, which also runs on a CPU) and
 # transformers 5.17, so that an API that torch lacks fails here rather than in a 15-minute device lease.

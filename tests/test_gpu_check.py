@@ -29,7 +29,7 @@ def run_check(tmp_path: Path, *args: str) -> tuple[int, list[dict], list[dict]]:
     return done.returncode, checks, speed
 
 
-@pytest.mark.transformers_api
+@pytest.mark.device_script
 def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     code, checks, speed = run_check(tmp_path, "--budget-s", "300")
     assert code == 0
@@ -63,6 +63,7 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
                                                    if line.get("check") == "targets"].count("tiny") == 2
 
 
+@pytest.mark.device_script
 def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(tmp_path):
     code, checks, speed = run_check(tmp_path, "--budget-s", "1", "--checks-s", "0")
     assert code == 0
@@ -84,6 +85,7 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     assert not (tmp_path / "speed-more.jsonl").exists()
 
 
+@pytest.mark.device_script
 def test_a_speed_run_past_its_grace_is_killed_and_the_checks_still_run(tmp_path):
     """With no time and no grace the speed run (a child process) is killed at once: a line says so, the
     targets line has no figures, and the exactness checks run and pass as ever."""
