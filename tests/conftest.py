@@ -18,9 +18,10 @@ TEXT = ("The quick brown fox jumps over the lazy dog. The passkey is 71432. Reme
         "Grass is green, the sky is blue. What is the passkey? ")
 
 
-# Module fixtures that start something slow (a server, a browser, a Ray cluster): the tests that use one run on
-# one xdist worker, so that it starts once.  Every other test goes wherever a worker is free.
-SHARED_FIXTURES = {"client", "app_url", "shared_page", "load_test", "local_cluster"}
+# Module fixtures that start or build something slow (a server, a browser, a Ray cluster, the shipped store's
+# figures): the tests that use one run on one xdist worker, so that it is made once.  Every other test goes
+# wherever a worker is free.
+SHARED_FIXTURES = {"client", "app_url", "shared_page", "load_test", "local_cluster", "shipped_query"}
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -31,6 +32,8 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+# First: xdist's own hook reads the marker to group the tests, so it must be on them before that runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SHARED_FIXTURES & set(item.fixturenames):
@@ -51,3 +54,4 @@ def tiny_prompt(tiny):
 @pytest.fixture(scope="session")
 def default_model():
     return kvviz.load_model()
+

@@ -94,6 +94,24 @@ def colours(store) -> Colours:
     return Colours.of(store)
 
 
+SHIPPED_FIGURES: dict = {}  # kept by the worker process: xdist interleaves modules, which resets module fixtures
+
+
+@pytest.fixture
+def shipped_query(store, colours):
+    """:func:`query` of the shipped store with every policy drawn, each filter combination built once per
+    worker (12-15 s each on a 2-core machine; the tests only read the figures)."""
+
+    def drawn(task: str, source: str, settings: bool) -> list:
+        key = (task, source, settings)
+        if key not in SHIPPED_FIGURES:
+            SHIPPED_FIGURES[key] = query(store, "(all)", task, [], source, colours=colours, settings=settings,
+                                         every=True)
+        return SHIPPED_FIGURES[key]
+
+    return drawn
+
+
 def settings_of(store: Store, source: str | None = None) -> dict[str, str]:
     """Each other setting's name -> its policy, as the store lists them."""
     others = store.other_settings(source=source)
@@ -236,8 +254,8 @@ def figure_colours(figure) -> dict[str, set[str]]:
 @pytest.mark.parametrize("task, source, settings", [("(all)", "measured", True), ("(all)", "(all)", True),
                                                      ("single_needle", "measured", True), ("(all)", "measured", False),
                                                      ("(all)", "paper", True)])
-def test_figures_keep_each_names_colour_across_figures_and_filters(store, colours, task, source, settings):
-    out = query(store, "(all)", task, [], source, colours=colours, settings=settings, every=True)  # every policy
+def test_figures_keep_each_names_colour_across_figures_and_filters(shipped_query, colours, task, source, settings):
+    out = shipped_query(task, source, settings)  # every policy
     figures = dict(zip(["quality", "hits", "paired", "comparison", "alpha", "refresh", "inertia", "speed", "cache",
                         "depth", "grid"], out[0::3]))
     for name in ("quality", "hits", "paired", "comparison", "speed", "cache"):
@@ -259,12 +277,12 @@ def test_figures_keep_each_names_colour_across_figures_and_filters(store, colour
 
 
 @pytest.mark.parametrize("source", ["measured", "(all)"])
-def test_no_legend_of_every_setting_shown_scrolls(store, colours, source):
+def test_no_legend_of_every_setting_shown_scrolls(shipped_query, source):
     """With every setting shown, 17-27 legend entries scrolled in the 400-700 px max-length, speed and cache
     figures: Plotly bounds a legend beside the plot by the plot's height.  Each figure is at least as tall."""
     from kvviz.ui.results import LEGEND_ROW, legend_entries
 
-    out = query(store, "(all)", "(all)", [], source, colours=colours, settings=True, every=True)  # the longest
+    out = shipped_query("(all)", source, True)  # the longest
     for figure in out[0::3]:
         margin = figure.layout.margin
         plot = (figure.layout.height or 450) - (100 if margin.t is None else margin.t) - (80 if margin.b is None

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from kvviz.store import Store
 from kvviz.ui.results import (
@@ -252,7 +253,22 @@ def test_a_speed_panels_sweeps_wrap_under_what_it_holds():
     assert fig.layout.margin.t >= MARGIN["t"] + PANEL_TITLE_HEIGHT * len(lines)  # the title's line, then these
 
 
-def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(tmp_path):
+SHIPPED_FIGURES: dict = {}  # kept by the worker process: xdist interleaves modules, which resets module fixtures
+
+
+@pytest.fixture
+def shipped_query():
+    """The shipped store's figures under a source and the settings box, each built once per worker."""
+
+    def drawn(source: str, settings: bool) -> list:
+        if (source, settings) not in SHIPPED_FIGURES:
+            SHIPPED_FIGURES[source, settings] = query(Store(), ALL, ALL, [], source, settings=settings)
+        return SHIPPED_FIGURES[source, settings]
+
+    return drawn
+
+
+def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(shipped_query):
     """Lines of notes and parentheticals were cut at the right edge of a figure in a 1000-px window (the page's
     768-px column): every small line under a title holds at most NOTE_WIDTH characters, every title's first
     line TITLE_WIDTH, whatever the filters (the shipped store, each source, every setting shown)."""
@@ -262,7 +278,7 @@ def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(tmp_path):
 
     for source in (ALL, "measured", "paper"):
         for settings in (False, True):
-            for figure in query(Store(), ALL, ALL, [], source, settings=settings)[0::3]:
+            for figure in shipped_query(source, settings)[0::3]:
                 text = figure.layout.title.text or ""
                 first, *small = text.split("<br>")
                 assert len(re.sub("<[^>]+>", "", first)) <= TITLE_WIDTH, first
@@ -270,12 +286,12 @@ def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(tmp_path):
                     assert len(re.sub("<[^>]+>", "", line)) <= NOTE_WIDTH, line
 
 
-def test_every_figure_leaves_the_strip_the_modebar_shows_in_free():
+def test_every_figure_leaves_the_strip_the_modebar_shows_in_free(shipped_query):
     """Plotly's modebar appears at the top right of a hovered figure and covered the end of a long title: every
     titled figure hangs its title below a strip of MODEBAR_STRIP pixels, with that much more top margin."""
     from kvviz.ui.results import MODEBAR_STRIP
 
-    for figure in query(Store(), ALL, ALL, [], ALL, settings=True)[0::3]:
+    for figure in shipped_query(ALL, True)[0::3]:
         if figure.layout.title.text:
             title = figure.layout.title
             assert (title.yref, title.y, title.yanchor) == ("container", 1, "top"), title.text[:40]
@@ -338,14 +354,15 @@ def shown_policies(fig, table: pd.DataFrame) -> set[str]:
     return {policy_of(name) for name in names if not name.startswith(("full cache", "ρ=", "B="))}
 
 
-def test_every_figure_over_the_shipped_store_reads_in_one_look():
+def test_every_figure_over_the_shipped_store_reads_in_one_look(shipped_query):
     """A title carried up to ten lines of caveats and a legend up to 25 policies.  With the tab's default
     filters every figure over results_db/ has a title of at most two lines, draws at most eight policies, has a
     sentence on how to read it, and keeps its caveats in the note under it, none in its title."""
-    from kvviz.ui.results import SECTIONS, SHOWN_MOST, sections
+    from kvviz.ui.results import SECTIONS, SHOWN_MOST
 
-    drawn = dict(sections(Store(), ALL, ALL, [], "measured"))
-    assert sorted(drawn) == list(range(len(SECTIONS)))
+    out = shipped_query("measured", False)
+    drawn = {index: out[3 * index:3 * index + 3] for index in range(len(SECTIONS))}
+    assert len(out) == 3 * len(SECTIONS)
     for index, (fig, table, _) in drawn.items():
         title = fig.layout.title.text or ""
         assert title.count("<br>") + title.count("\n") <= 1, (SECTIONS[index], title)
