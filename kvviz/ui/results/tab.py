@@ -179,7 +179,7 @@ def _wire(tab: gr.Tab, store: Store, filters: list, outputs: list, warm: bool) -
     the tab again sends nothing the page already shows."""
     colours = Colours.of(store)
     # The store does not change while the app runs, so each filter combination is drawn once (3-8 s of this
-    # 2-core machine's time); every page load asks for the defaults, which are drawn as the app starts.
+    # 2-core machine's time); a page opening the tab asks for the defaults first, drawn as the app starts.
     drawings: OrderedDict[tuple, Drawing] = OrderedDict()  # the last FILTERS_CACHED combinations, newest last
     guard = threading.Lock()
 
@@ -219,7 +219,7 @@ def _wire(tab: gr.Tab, store: Store, filters: list, outputs: list, warm: bool) -
             return
         yield from handler(*values)
 
-    if warm:  # what a page load asks for first, drawn before anyone asks
+    if warm:  # what the tab's first opening asks for, drawn before anyone asks
         drawing_for(_key(*(widget.value for widget in filters)))
 
     shown = gr.State(None)  # the filters whose figures this page shows
