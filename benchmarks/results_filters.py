@@ -31,11 +31,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the JSON lines here")
     args = parser.parse_args()
-    with gr.Blocks() as app:
-        build_results_tab(app, Store())
+    with gr.Blocks() as app, gr.Tab("Results") as tab:
+        build_results_tab(tab, Store())
     function = next(fn for fn in app.fns.values() if fn.api_name == "results")
     defaults = [block.value for block in function.inputs]
-    changes = {"defaults (a page load)": {}, "source: all": {3: ALL}, "source: paper": {3: "paper"},
+    changes = {"defaults (the tab opened)": {}, "source: all": {3: ALL}, "source: paper": {3: "paper"},
                "task: single_needle": {1: "single_needle"}, "policies: inertia, tova": {2: ["inertia", "tova"]},
                "every setting": {6: True}}
     lines = [{"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
