@@ -139,27 +139,30 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
                         specs=[[{"secondary_y": bool(y2label)}] * columns] * rows)
     panels, first_axis = [], {}  # (source, secondary) -> the axis the others of that source match
     first_x = {}  # kind of x axis -> the x axis the other panels of that kind match
+    # Each panel's axes updated directly: fig.update_yaxes(row=, col=) scans every axis of the figure for each
+    # call, a quarter of a Results query's time on the shipped store.
     for index, (keys, part) in enumerate(groups):
         row, col = index // columns + 1, index % columns + 1
         panels.append((keys, part, row, col))
         source = part["source"].iloc[0] if "source" in part and not part.empty else None
-        for secondary in (False, True) if y2label else (False,):
-            axis = fig.get_subplot(row, col, secondary_y=secondary).yaxis.plotly_name.replace("axis", "")  # "y3"
+        axes = {secondary: fig.get_subplot(row, col, secondary_y=secondary)
+                for secondary in ((False, True) if y2label else (False,))}
+        for secondary, panel in axes.items():
             if source == "paper" and not secondary:
                 continue  # each printed table has its own scale (0-100, 0-1, %): each paper panel its own axis
             if (source, secondary) in first_axis:
-                _subplot(fig, row, col, secondary).yaxis.update(matches=first_axis[source, secondary])
+                panel.yaxis.update(matches=first_axis[source, secondary])
             else:
-                first_axis[source, secondary] = axis
+                first_axis[source, secondary] = panel.yaxis.plotly_name.replace("axis", "")  # "y3"
         if y2label:  # on every panel: between two panels, an untitled right axis read as the next one's left
-            _subplot(fig, row, col, True).yaxis.update(title_text=y2label)
-        _subplot(fig, row, col).yaxis.update(title_text=ylabel if col == 1 else None)
+            axes[True].yaxis.update(title_text=y2label)
+        axes[False].yaxis.update(title_text=ylabel if col == 1 else None)
         kind = part["axis"].iloc[0] if "axis" in part and not part.empty else None
-        x_axis = fig.get_subplot(row, col, secondary_y=False).xaxis.plotly_name.replace("axis", "")  # "x3"
+        x_axis = axes[False].xaxis.plotly_name.replace("axis", "")  # "x3"
         if first_x.setdefault((source, kind), x_axis) != x_axis:
             # one x range per source and kind: measured panels compare at a glance, and a paper's budgets
             # (AvoKV-E's up to 1024) do not squeeze a measured sweep's into a corner
-            _subplot(fig, row, col).xaxis.update(matches=first_x[source, kind])
+            axes[False].xaxis.update(matches=first_x[source, kind])
     _titled(fig, title, fixed, notes, extra=PANEL_TITLE_HEIGHT * title_lines)
     fig.update_layout(height=height + fig.layout.margin.t - MARGIN["t"], legend=dict(font=dict(size=10)))
     if y2label:  # the legend clear of the right-hand axis's ticks and title (by default it lay over the title)
@@ -168,12 +171,6 @@ def _facets(frame: pd.DataFrame, title: str, ylabel: str, y2label: str | None = 
     if frame.empty:
         _empty(fig)
     return fig, panels
-
-
-def _subplot(fig: go.Figure, row: int, col: int, secondary: bool = False):
-    """The axes of one panel, to update directly: ``fig.update_yaxes(row=, col=)`` scans every axis of the
-    figure for each call, a quarter of a Results query's time on the shipped store."""
-    return fig.get_subplot(row, col, secondary_y=secondary)
 
 
 def _panel_title(labels: list[str]) -> str:
@@ -190,14 +187,14 @@ def _axis_titles(fig: go.Figure, panels: list, xlabel: str) -> None:
     kinds = [part["axis"].iloc[0] if "axis" in part and not part.empty else None for _, part, _, _ in panels]
     if len(set(kinds)) > 1:
         for (_, _, row, col), kind in zip(panels, kinds):
-            _subplot(fig, row, col).xaxis.update(title_text=CUT_AXES[kind])
+            fig.get_subplot(row, col).xaxis.update(title_text=CUT_AXES[kind])
         return
     xlabel = CUT_AXES.get(kinds[0], xlabel) if kinds else xlabel
     lowest = {}
     for _, _, row, col in panels:
         lowest[col] = max(row, lowest.get(col, 0))
     for col, row in lowest.items():
-        _subplot(fig, row, col).xaxis.update(title_text=xlabel)
+        fig.get_subplot(row, col).xaxis.update(title_text=xlabel)
 
 
 def _hover_counts(part: pd.DataFrame) -> list[str]:
@@ -277,7 +274,7 @@ def _readable_range(fig: go.Figure, values: pd.Series, row: int, col: int) -> No
     if pd.isna(low) or high - low >= least or least == 0:
         return
     middle = (low + high) / 2
-    _subplot(fig, row, col).yaxis.update(range=[middle - 0.6 * least, middle + 0.6 * least])
+    fig.get_subplot(row, col).yaxis.update(range=[middle - 0.6 * least, middle + 0.6 * least])
 
 
 
