@@ -55,3 +55,22 @@ def tiny_prompt(tiny):
 def default_model():
     return kvviz.load_model()
 
+
+
+SHIPPED_FIGURES: dict = {}  # kept by the worker process: xdist interleaves modules, which resets module fixtures
+
+
+@pytest.fixture
+def shipped_query():
+    """:func:`kvviz.ui.results.query` of the shipped store, all models, under ``source`` and the other filters
+    given, each combination built once per worker (10-15 s each on a 2-core machine; tests only read it)."""
+    from kvviz.store import Store
+    from kvviz.ui.results import query
+
+    def drawn(source: str, task: str = "(all)", settings: bool = False, every: bool = False) -> tuple:
+        key = (source, task, settings, every)
+        if key not in SHIPPED_FIGURES:
+            SHIPPED_FIGURES[key] = query(Store(), "(all)", task, [], source, settings=settings, every=every)
+        return SHIPPED_FIGURES[key]
+
+    return drawn

@@ -16,7 +16,7 @@ import pytest
 
 from kvviz.policies import make_policy, setting_label
 from kvviz.store import QUALITY_METRICS, RANKING_METRICS, ROOT, Store, policy_added_parameters, setting_names
-from kvviz.ui.results import Colours, query
+from kvviz.ui.results import Colours
 
 
 def lab(colour: str) -> tuple[float, float, float]:
@@ -92,24 +92,6 @@ def store() -> Store:
 @pytest.fixture(scope="module")
 def colours(store) -> Colours:
     return Colours.of(store)
-
-
-SHIPPED_FIGURES: dict = {}  # kept by the worker process: xdist interleaves modules, which resets module fixtures
-
-
-@pytest.fixture
-def shipped_query(store, colours):
-    """:func:`query` of the shipped store with every policy drawn, each filter combination built once per
-    worker (12-15 s each on a 2-core machine; the tests only read the figures)."""
-
-    def drawn(task: str, source: str, settings: bool) -> list:
-        key = (task, source, settings)
-        if key not in SHIPPED_FIGURES:
-            SHIPPED_FIGURES[key] = query(store, "(all)", task, [], source, colours=colours, settings=settings,
-                                         every=True)
-        return SHIPPED_FIGURES[key]
-
-    return drawn
 
 
 def settings_of(store: Store, source: str | None = None) -> dict[str, str]:
@@ -255,7 +237,7 @@ def figure_colours(figure) -> dict[str, set[str]]:
                                                      ("single_needle", "measured", True), ("(all)", "measured", False),
                                                      ("(all)", "paper", True)])
 def test_figures_keep_each_names_colour_across_figures_and_filters(shipped_query, colours, task, source, settings):
-    out = shipped_query(task, source, settings)  # every policy
+    out = shipped_query(source, task, settings, every=True)  # every policy
     figures = dict(zip(["quality", "hits", "paired", "comparison", "alpha", "refresh", "inertia", "speed", "cache",
                         "depth", "grid"], out[0::3]))
     for name in ("quality", "hits", "paired", "comparison", "speed", "cache"):
@@ -282,7 +264,7 @@ def test_no_legend_of_every_setting_shown_scrolls(shipped_query, source):
     figures: Plotly bounds a legend beside the plot by the plot's height.  Each figure is at least as tall."""
     from kvviz.ui.results import LEGEND_ROW, legend_entries
 
-    out = shipped_query("(all)", source, True)  # the longest
+    out = shipped_query(source, settings=True, every=True)  # the longest
     for figure in out[0::3]:
         margin = figure.layout.margin
         plot = (figure.layout.height or 450) - (100 if margin.t is None else margin.t) - (80 if margin.b is None

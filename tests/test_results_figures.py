@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 from kvviz.store import Store
 from kvviz.ui.results import (
@@ -253,21 +252,6 @@ def test_a_speed_panels_sweeps_wrap_under_what_it_holds():
     assert fig.layout.margin.t >= MARGIN["t"] + PANEL_TITLE_HEIGHT * len(lines)  # the title's line, then these
 
 
-SHIPPED_FIGURES: dict = {}  # kept by the worker process: xdist interleaves modules, which resets module fixtures
-
-
-@pytest.fixture
-def shipped_query():
-    """The shipped store's figures under a source and the settings box, each built once per worker."""
-
-    def drawn(source: str, settings: bool) -> list:
-        if (source, settings) not in SHIPPED_FIGURES:
-            SHIPPED_FIGURES[source, settings] = query(Store(), ALL, ALL, [], source, settings=settings)
-        return SHIPPED_FIGURES[source, settings]
-
-    return drawn
-
-
 def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(shipped_query):
     """Lines of notes and parentheticals were cut at the right edge of a figure in a 1000-px window (the page's
     768-px column): every small line under a title holds at most NOTE_WIDTH characters, every title's first
@@ -278,7 +262,7 @@ def test_every_title_and_note_line_fits_a_figure_in_a_1000_px_window(shipped_que
 
     for source in (ALL, "measured", "paper"):
         for settings in (False, True):
-            for figure in shipped_query(source, settings)[0::3]:
+            for figure in shipped_query(source, settings=settings)[0::3]:
                 text = figure.layout.title.text or ""
                 first, *small = text.split("<br>")
                 assert len(re.sub("<[^>]+>", "", first)) <= TITLE_WIDTH, first
@@ -291,7 +275,7 @@ def test_every_figure_leaves_the_strip_the_modebar_shows_in_free(shipped_query):
     titled figure hangs its title below a strip of MODEBAR_STRIP pixels, with that much more top margin."""
     from kvviz.ui.results import MODEBAR_STRIP
 
-    for figure in shipped_query(ALL, True)[0::3]:
+    for figure in shipped_query(ALL, settings=True)[0::3]:
         if figure.layout.title.text:
             title = figure.layout.title
             assert (title.yref, title.y, title.yanchor) == ("container", 1, "top"), title.text[:40]
@@ -360,7 +344,7 @@ def test_every_figure_over_the_shipped_store_reads_in_one_look(shipped_query):
     sentence on how to read it, and keeps its caveats in the note under it, none in its title."""
     from kvviz.ui.results import SECTIONS, SHOWN_MOST
 
-    out = shipped_query("measured", False)
+    out = shipped_query("measured")
     drawn = {index: out[3 * index:3 * index + 3] for index in range(len(SECTIONS))}
     assert len(out) == 3 * len(SECTIONS)
     for index, (fig, table, _) in drawn.items():
