@@ -19,6 +19,7 @@ bootstrap resamples within each task (a stratified bootstrap), so a task with mo
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -83,11 +84,19 @@ def paired_delta(strata: Sequence[np.ndarray], confidence: float = 0.95, resampl
     strata = [np.asarray(s, dtype=float) for s in strata if len(s)]
     if not strata:
         raise ValueError("no paired samples to compare")
+    return _paired_delta(tuple(s.tobytes() for s in strata), confidence, resamples, seed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _paired_delta(strata_bytes: tuple[bytes, ...], confidence: float, resamples: int, seed: int) -> PairedDelta:
+    """:func:`paired_delta` of the strata given as float64 bytes: kept, because the Results tab's filters ask
+    again for the same cells' differences, and the bootstrap is seeded, so the answer is the same."""
+    strata = [np.frombuffer(stratum, dtype=float) for stratum in strata_bytes]
     pooled = np.concatenate(strata)
     wins, losses = int((pooled > TIE).sum()), int((pooled < -TIE).sum())
     ties = len(pooled) - wins - losses
     delta = float(_mean_of_means(*strata))
-    p_sign = float(stats.binomtest(wins, wins + losses).pvalue) if wins + losses else 1.0
+    p_sign = _sign_test(wins, wins + losses) if wins + losses else 1.0
     if any(len(s) < 2 for s in strata):  # a one-sample stratum cannot be resampled
         low = high = float("nan")
     elif np.ptp(pooled) <= TIE:  # nothing to resample: every difference is the same
@@ -103,9 +112,37 @@ def paired_delta(strata: Sequence[np.ndarray], confidence: float = 0.95, resampl
                        detectable_difference(len(pooled), wins + losses, float(np.abs(pooled).sum())))
 
 
+@functools.lru_cache(maxsize=None)
+def _sign_test(wins: int, discordant: int) -> float:
+    """The two-sided exact sign test's p-value (kept: a Results query asks for the same few counts hundreds of
+    times, and each answer costs scipy a millisecond)."""
+    return float(stats.binomtest(wins, discordant).pvalue)
+
+
 def _rejections(discordant: int, alpha: float) -> np.ndarray:
     """The win counts (of ``discordant`` non-tied pairs) at which the two-sided exact sign test rejects."""
-    return np.array([w for w in range(discordant + 1) if stats.binomtest(w, discordant).pvalue < alpha], dtype=int)
+    return np.array([w for w in range(discordant + 1) if _sign_test(w, discordant) < alpha], dtype=int)
+
+
+@functools.lru_cache(maxsize=None)
+def _least_win_rate(discordant: int, alpha: float, power: float) -> float:
+    """The least probability q that a discordant pair is a win at which the exact sign test rejects with
+    probability ``power``; NaN where no q gets there.  It depends on the counts alone, so it is kept."""
+    reject = _rejections(discordant, alpha)
+    if not len(reject):
+        return float("nan")
+    upper = reject[reject > discordant / 2]  # the one-sided half: more wins than losses
+
+    def reached(q: float) -> float:
+        return float(stats.binom.pmf(upper, discordant, q).sum())
+
+    if reached(1.0) < power:
+        return float("nan")
+    low, high = 0.5, 1.0
+    for _ in range(50):  # bisection on q: the power grows with it
+        middle = (low + high) / 2
+        low, high = (middle, high) if reached(middle) < power else (low, middle)
+    return high
 
 
 def detectable_difference(pairs: int, discordant: int, magnitude: float | None = None, alpha: float = ALPHA,
@@ -125,21 +162,7 @@ def detectable_difference(pairs: int, discordant: int, magnitude: float | None =
     if pairs < 1 or discordant < 1:
         return float("nan")
     magnitude = float(discordant) if magnitude is None else magnitude
-    reject = _rejections(discordant, alpha)
-    if not len(reject):
-        return float("nan")
-    upper = reject[reject > discordant / 2]  # the one-sided half: more wins than losses
-
-    def reached(q: float) -> float:
-        return float(stats.binom.pmf(upper, discordant, q).sum())
-
-    if reached(1.0) < power:
-        return float("nan")
-    low, high = 0.5, 1.0
-    for _ in range(50):  # bisection on q: the power grows with it
-        middle = (low + high) / 2
-        low, high = (middle, high) if reached(middle) < power else (low, middle)
-    return (2 * high - 1) * magnitude / pairs
+    return (2 * _least_win_rate(discordant, alpha, power) - 1) * magnitude / pairs
 
 
 def paired_table(pairs: pd.DataFrame, confidence: float = 0.95, resamples: int = 9999) -> pd.DataFrame:
