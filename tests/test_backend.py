@@ -121,6 +121,41 @@ def test_backend_equals_the_engine_over_hundreds_of_steps_at_a_tiny_budget(model
     assert len(static) == 256 and first_difference(reference, static) is None
 
 
+# Prefill-time policies: cut at the prefill by the engine's own scoring passes, then decoded on static slots.
+PREFILL_TIME = {"snapkv": "snapkv window=8", "kvzip": "kvzip", "expected-attention": "expected-attention"}
+
+
+@pytest.mark.parametrize("setting", list(PREFILL_TIME.values()), ids=list(PREFILL_TIME))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefill_time_policy_cuts_the_prompt_then_decodes_on_the_slots_as_the_engine(models, family, setting):
+    """Budget 20 of 56: step 0 frees 36 prompt entries (the engine's own selection), and no step after it
+    evicts; every new token stays, so the cache holds B + k after step k, as the engine's does."""
+    model, tokenizer, prompt = models[family]
+    for sampling, steps in ((None, 16), (SAMPLED, 10)):
+        reference, static = both(model, tokenizer, prompt, setting, 20, steps, sampling)
+        assert len(static) == steps and first_difference(reference, static) is None, (sampling, first_difference(
+            reference, static))
+        assert [len(e.evicted) for e in static] == [36] + [0] * (steps - 1)
+        assert [len(e.kept) for e in static] == [20 + step for step in range(steps)]
+
+
+@pytest.mark.parametrize("setting", list(PREFILL_TIME.values()), ids=list(PREFILL_TIME))
+def test_a_prefill_time_policy_with_a_budget_above_the_prompt_evicts_nothing_as_the_engine(models, setting):
+    model, tokenizer, prompt = models["qwen2"]
+    reference, static = both(model, tokenizer, prompt, setting, 66, 12)
+    assert first_difference(reference, static) is None and not any(len(e.evicted) for e in static)
+
+
+def test_a_prefill_time_policy_runs_on_the_static_backend_under_auto_on_a_gpu_and_on_request(models):
+    model, tokenizer, prompt = models["mistral"]
+    assert backend.choose(model, kvviz.make_policy("snapkv"), device="cuda") == "static"
+    assert backend.choose(model, kvviz.make_policy("snapkv")) == "engine"  # a CPU: the engine
+    engine_run = kvviz.run(model, tokenizer, prompt, "kvzip", budget=16, max_new_tokens=8, backend="engine")
+    static_run = kvviz.run(model, tokenizer, prompt, "kvzip", budget=16, max_new_tokens=8, backend="static")
+    assert static_run.text == engine_run.text
+    assert first_difference(engine_run.trace.events, static_run.trace.events) is None
+
+
 def test_events_every_k_steps_keep_every_steps_positions_and_every_kth_utility(models):
     model, tokenizer, prompt = models["llama"]
     reference, static = both(model, tokenizer, prompt, "h2o", 20, 15, events_every=4)
@@ -157,6 +192,14 @@ def test_the_comparison_detects_random_drawn_over_the_static_slots_not_the_engin
     monkeypatch.setattr(scorers.Uniform, "evict", lambda self, positions, count: torch.randperm(
         positions.numel(), generator=self.generator)[:count])  # the engine's draw, read as a static slot
     assert first_difference(*both(model, tokenizer, prompt, "random", 20, 20)) is not None
+
+
+def test_the_comparison_detects_kvzip_cut_without_its_reconstruction_pass(models, monkeypatch):
+    from kvviz.backend import static
+
+    model, tokenizer, prompt = models["llama"]
+    monkeypatch.setattr(static, "reconstruct", lambda model, tokenizer, cache, prompt_ids: 0.0)
+    assert first_difference(*both(model, tokenizer, prompt, "kvzip", 20, 8)) is not None
 
 
 def test_the_comparison_detects_ties_broken_toward_the_newer_entry(monkeypatch):
@@ -200,9 +243,8 @@ def test_auto_stays_on_the_engine_on_a_cpu_and_static_refuses_by_name(models):
     assert backend.choose(model, kvviz.make_policy("tova"), device="cuda") == "static"
     assert backend.choose(model, kvviz.make_policy("avokv"), device="cuda") == "engine"
     for name, why in (("avokv", "AvoKV-E is checkpointed"), ("rkv", "R-KV is checkpointed"),
-                      ("lazyeviction", "LazyEviction is checkpointed"), ("snapkv", "SnapKV is prefill-time"),
-                      ("kvzip", "KVzip is prefill-time"), ("expected-attention", "Expected Attention"),
-                      ("expected-attention-decode", "Expected Attention")):
+                      ("lazyeviction", "LazyEviction is checkpointed"),
+                      ("expected-attention-decode", "Expected Attention with decode=true scores every step")):
         assert not backend.supports(model, kvviz.make_policy(name))
         with pytest.raises(ValueError, match=f"backend='static' cannot run .*{why}"):
             backend.choose(model, kvviz.make_policy(name), "static")
@@ -234,8 +276,8 @@ def test_run_with_the_static_backend_gives_the_engines_trace(models):
     static_run = kvviz.run(model, tokenizer, prompt, "knorm", budget=16, max_new_tokens=10, backend="static")
     assert static_run.text == engine_run.text and static_run.trace.meta() == engine_run.trace.meta()
     assert first_difference(engine_run.trace.events, static_run.trace.events) is None
-    with pytest.raises(ValueError, match="SnapKV is prefill-time"):
-        kvviz.run(model, tokenizer, prompt, "snapkv", budget=16, backend="static")
+    with pytest.raises(ValueError, match="R-KV is checkpointed"):
+        kvviz.run(model, tokenizer, prompt, "rkv", budget=16, backend="static")
 
 
 def test_compiled_steady_step_is_one_graph_for_every_policy(models):

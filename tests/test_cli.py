@@ -65,9 +65,15 @@ def test_generate_on_the_static_backend_prints_what_the_engine_prints(capsys, sa
     assert out["static"]["token_ids"] == out["engine"]["token_ids"]
     assert [s["kept"] for s in out["static"]["steps"]] == [s["kept"] for s in out["engine"]["steps"]]
     snapkv = [*common, "--policy", "snapkv", "--compression", "0.3"]  # a budget over its 32-token window
-    assert main([*snapkv, "--backend", "static"]) == 2
-    assert "backend='static' cannot run SnapKV" in capsys.readouterr().err
-    assert main(snapkv) == 0  # auto: the engine
+    for backend in ("engine", "static"):  # prefill-time: cut by the engine's pass, decoded on the slots
+        assert main([*snapkv, "--backend", backend]) == 0
+        out[backend] = json.loads(capsys.readouterr().out)
+    assert out["static"]["token_ids"] == out["engine"]["token_ids"]
+    assert [s["kept"] for s in out["static"]["steps"]] == [s["kept"] for s in out["engine"]["steps"]]
+    rkv = [*common, "--policy", "rkv"]
+    assert main([*rkv, "--backend", "static"]) == 2
+    assert "backend='static' cannot run RKV" in capsys.readouterr().err
+    assert main(rkv) == 0  # auto: the engine
 
 
 def test_no_chat_tokenises_the_prompt_as_is(capsys):

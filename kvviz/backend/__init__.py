@@ -22,15 +22,26 @@ NOT_STATIC = {
     "AvoKVE": "AvoKV-E is checkpointed: it evicts every `interval` tokens from a window of recent queries",
     "RKV": "R-KV is checkpointed: it evicts every `interval` tokens from a window of recent queries",
     "LazyEviction": "LazyEviction is checkpointed: it tracks read times and evicts every `interval` tokens",
-    "SnapKV": "SnapKV is prefill-time: it scores the prompt's last queries at the prefill",
-    "KVzip": "KVzip is prefill-time: it scores a reconstruction pass after the prefill",
-    "ExpectedAttention": "Expected Attention scores from statistics of the prompt's (and, decoding, every) query",
 }
+EXPECTED_ATTENTION_DECODE = ("Expected Attention with decode=true scores every step from statistics of every query "
+                             "so far")
+
+
+def prefill_time(policy) -> bool:
+    """Whether ``policy`` evicts at the prefill only (SnapKV, KVzip, Expected Attention without ``decode``):
+    the static backend runs its prefill and selection as the engine does, then decodes without evicting."""
+    from ..policies.expected_attention import ExpectedAttention
+    from ..policies.kvzip import KVzip
+    from ..policies.snapkv import SnapKV
+
+    kind = type(policy)
+    return kind in (SnapKV, KVzip) or (kind is ExpectedAttention and not policy.decode)
 
 
 def refusal(model, policy) -> str | None:
     """Why the static backend cannot run ``policy`` on ``model``, as a sentence; None when it can."""
     from ..fast import SUPPORTED
+    from ..policies.expected_attention import ExpectedAttention
     from .scorers import SCORER_OF
 
     model_type = getattr(model.config, "model_type", None)
@@ -39,9 +50,12 @@ def refusal(model, policy) -> str | None:
     name = type(policy).__name__
     if name in NOT_STATIC:
         return f"{NOT_STATIC[name]}, which the static step does not compute yet"
-    if type(policy) not in SCORER_OF:
+    if type(policy) is ExpectedAttention and policy.decode:
+        return f"{EXPECTED_ATTENTION_DECODE}, which the static step does not compute yet"
+    if type(policy) not in SCORER_OF and not prefill_time(policy):
         return (f"{name} is not a policy it knows (a subclass of one may change its rule); it runs InertiaKV (every "
-                "setting), TOVA, H2O, StreamingLLM, KeyDiff, K-norm, recency, random and the full cache")
+                "setting), TOVA, H2O, StreamingLLM, KeyDiff, K-norm, recency, random, the full cache, and SnapKV, "
+                "KVzip and Expected Attention at the prefill")
     return None
 
 
@@ -75,4 +89,4 @@ def stream(model, tokenizer, prompt_ids: list[int], policy, **kwargs) -> Iterato
     yield from StaticBackend(model, policy).stream(tokenizer, prompt_ids, **kwargs)
 
 
-__all__ = ["BACKENDS", "choose", "refusal", "stream", "supports"]
+__all__ = ["BACKENDS", "choose", "prefill_time", "refusal", "stream", "supports"]

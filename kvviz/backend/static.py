@@ -1,4 +1,6 @@
-"""The static slot backend: any every-step policy over B + 1 preallocated slots, decided on the device.
+"""The static slot backend: any every-step policy over B + 1 preallocated slots, decided on the device; and the
+prefill-time ones (SnapKV, KVzip, Expected Attention at the prefill), cut by the engine's own prefill pass and
+then decoded on slots that take every new token.
 
 One decode step consumes a token over ``slots`` slots, one of which (``free``) has just taken the new token's
 key and value; each layer's float32 attention probabilities (:func:`kvviz.fast.layer_forward`) serve both
@@ -32,6 +34,7 @@ import torch
 from .. import engine, fast
 from ..policies.base import BudgetTooSmall
 from ..policies.full import FullCache
+from ..reconstruction import reconstruct
 from ..trace import StepEvent
 from .sampling import DeviceSampler
 from .scorers import SlotView, make_scorer
@@ -96,11 +99,12 @@ class StaticBackend:
     """
 
     def __init__(self, model, policy, *, compile: bool = False, fuse: bool = True, value_block: int | None = None):
-        from . import refusal
+        from . import prefill_time, refusal
 
         why = refusal(model, policy)
         if why:
             raise ValueError(f"the static backend cannot run this: {why}")
+        self.prefill_time = prefill_time(policy)
         if value_block is not None and value_block < 0:
             raise ValueError(f"value_block must be 0 (one value product) or a positive slot count, got {value_block}")
         self.model, self.policy, self.compiled, self.fuse = model, policy, compile, fuse
@@ -131,8 +135,9 @@ class StaticBackend:
             raise ValueError(f"events_every must be at least 1 (read the device every k steps), got {events_every}")
         sampler = DeviceSampler(temperature, top_p, seed, self.model.device)
         eos = set() if ignore_eos else engine.eos_ids(self.model, tokenizer)
-        records = self._decode(prompt_ids, self._budget(prompt_ids, budget, compression, max_new_tokens),
-                               max_new_tokens, sampler, graph=graph, shared=shared, snapshot_every=events_every)
+        resolved = self._budget(tokenizer, prompt_ids, budget, compression, max_new_tokens)
+        records = self._decode(tokenizer, prompt_ids, resolved, max_new_tokens, sampler, graph=graph, shared=shared,
+                               snapshot_every=events_every)
         pieces = engine.TextPieces(tokenizer)
         kept, previous = np.arange(len(prompt_ids), dtype=np.int64), -1
         pending: list[StepRecord] = []
@@ -164,9 +169,10 @@ class StaticBackend:
         ``on_ready`` once the steady slots have replaced the prompt-sized cache."""
         clock = fast.StepClock(self.model.device)
         tokens, setup, first_token_time = [], [], 0.0
-        for record in self._decode(prompt_ids, self._budget(prompt_ids, budget, None, max_new_tokens),
-                                   max_new_tokens, DeviceSampler(device=self.model.device), graph=graph,
-                                   shared=shared, snapshot_every=0, on_ready=on_ready):
+        resolved = self._budget(tokenizer, prompt_ids, budget, None, max_new_tokens)
+        for record in self._decode(tokenizer, prompt_ids, resolved, max_new_tokens,
+                                   DeviceSampler(device=self.model.device), graph=graph, shared=shared,
+                                   snapshot_every=0, on_ready=on_ready):
             tokens.append(record.token)
             if record.step == 0:
                 if timer is not None:
@@ -183,10 +189,10 @@ class StaticBackend:
                               step_seconds[1:], setup[1:])
 
     # -- the loop --------------------------------------------------------------------------------------
-    def _budget(self, prompt_ids, budget, compression, max_new_tokens) -> Budget:
+    def _budget(self, tokenizer, prompt_ids, budget, compression, max_new_tokens) -> Budget:
         """The budget as the engine resolves it, the policy reset for this prompt (its refusals, the engine's)."""
         prompt_len = len(prompt_ids)
-        engine.check_policy(self.model, None, prompt_ids, self.policy)
+        engine.check_policy(self.model, tokenizer, prompt_ids, self.policy)
         value = engine.resolve_budget(prompt_len, budget=budget, compression=compression)
         try:
             self.policy.reset(prompt_len, value, len(self.layers))
@@ -194,14 +200,17 @@ class StaticBackend:
             if compression is None:
                 raise
             raise ValueError(engine.at_compression(error, compression, prompt_len)) from None
-        full = type(self.policy) is FullCache
-        return Budget(value, prompt_len + max_new_tokens if full else value)
+        if type(self.policy) is FullCache:
+            return Budget(value, prompt_len + max_new_tokens)
+        if self.prefill_time:  # cut once at the prefill, then every new token is kept, as the engine keeps it
+            return Budget(value, min(prompt_len, value) + max_new_tokens)
+        return Budget(value, value)
 
     @torch.inference_mode()
-    def _decode(self, prompt_ids: list[int], budget: Budget, max_new_tokens: int, sampler: DeviceSampler, *,
-                graph: bool | None, shared, snapshot_every: int, on_ready=None) -> Iterator[StepRecord]:
+    def _decode(self, tokenizer, prompt_ids: list[int], budget: Budget, max_new_tokens: int, sampler: DeviceSampler,
+                *, graph: bool | None, shared, snapshot_every: int, on_ready=None) -> Iterator[StepRecord]:
         """Prefill, then one :class:`StepRecord` per step; a snapshot every ``snapshot_every`` steps (0: none)."""
-        run = yield from self._start(prompt_ids, budget, sampler, shared)
+        run = yield from self._start(tokenizer, prompt_ids, budget, sampler, shared, max_new_tokens)
         step = functools.partial(self._step, run)
         # A sampled step draws from a generator and Random from the host's: those steps run eagerly.
         capture = self.model.device.type == "cuda" and sampler.greedy and run.scorer.capturable and graph is not False
@@ -235,30 +244,61 @@ class StaticBackend:
                 snapshot += self._after(run, slots if count <= 1 else run.live, victims)
             yield StepRecord(k, run.token.reshape(1).clone(), evicted, scoring, snapshot, setup, run.cache.nbytes())
 
-    def _start(self, prompt_ids: list[int], budget: Budget, sampler: DeviceSampler, shared) -> Iterator[StepRecord]:
+    def _start(self, tokenizer, prompt_ids: list[int], budget: Budget, sampler: DeviceSampler, shared,
+               max_new_tokens: int) -> Iterator[StepRecord]:
         """Prefill (or copy ``shared``) and yield step 0's record; returns the run's state for step 1, whose slots
-        hold every prompt entry (the prompt's slots, or the steady B + 1 if the prompt fits them)."""
+        hold every entry the prefill kept (the prompt's slots, or the steady B + 1 if the prompt fits them)."""
         model, policy, device = self.model, self.policy, self.model.device
         prompt_len = len(prompt_ids)
         projections = self.projections()
         if shared is not None and shared.prompt_ids != list(prompt_ids):
             raise ValueError("the shared prefill was made for another prompt")
-        prefill = shared if shared is not None else engine.prefill(model, prompt_ids)
-        token = sampler(prefill.logits)
-        utility = policy.utility(torch.arange(prompt_len))  # the engine's step 0: the policy as reset
-        prompt_positions, none = torch.arange(prompt_len), torch.empty(0, dtype=torch.long)
-        yield StepRecord(0, token, none, False, [prompt_positions, None, prompt_positions, none, utility],
-                         cache_bytes=prefill.cache.nbytes())
-        capacity = max(prompt_len + 1, budget.steady)
-        cache = self._slots(capacity, [(layer.keys, layer.values) for layer in prefill.cache.layers], prompt_len)
-        del prefill  # a prefill of our own: only the slots hold it now
+        if self.prefill_time:
+            prefill, token, record = self._prefill_and_cut(tokenizer, prompt_ids, budget, sampler, shared,
+                                                           max_new_tokens)
+            kept = prefill.live_positions().to(device)  # slot order, as the engine's cache holds them
+            layers = prefill.layers
+        else:
+            prefill = shared if shared is not None else engine.prefill(model, prompt_ids)
+            token = sampler(prefill.logits)
+            utility = policy.utility(torch.arange(prompt_len))  # the engine's step 0: the policy as reset
+            prompt_positions, none = torch.arange(prompt_len), torch.empty(0, dtype=torch.long)
+            record = StepRecord(0, token, none, False, [prompt_positions, None, prompt_positions, none, utility],
+                                cache_bytes=prefill.cache.nbytes())
+            kept = torch.arange(prompt_len, device=device)
+            layers = prefill.cache.layers
+        yield record
+        capacity = max(kept.numel() + 1, budget.steady)
+        cache = self._slots(capacity, [(layer.keys, layer.values) for layer in layers], kept.numel())
+        del prefill, layers  # a prefill of our own: only the slots hold it now
         positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        positions[:prompt_len] = torch.arange(prompt_len, device=device)
-        return _Run(cache, positions, free=torch.tensor([prompt_len], device=device),
+        positions[: kept.numel()] = kept
+        # A prefill-time policy decodes as the full cache does: its budget leaves room for every new token.
+        scorer = make_scorer(FullCache() if self.prefill_time else policy, device, capacity)
+        return _Run(cache, positions, free=torch.tensor([kept.numel()], device=device),
                     token=token.reshape(1, 1).clone(), position=torch.tensor([[prompt_len]], device=device),
-                    evicted=torch.zeros(1, dtype=torch.long, device=device), live=prompt_len,
-                    scorer=make_scorer(policy, device, capacity), sampler=sampler, projections=projections,
+                    evicted=torch.zeros(1, dtype=torch.long, device=device), live=kept.numel(),
+                    scorer=scorer, sampler=sampler, projections=projections,
                     eligible=[index for index in range(len(self.layers)) if policy.wants_layer(index)])
+
+    def _prefill_and_cut(self, tokenizer, prompt_ids: list[int], budget: Budget, sampler: DeviceSampler, shared,
+                         max_new_tokens: int) -> tuple[engine.EvictingCache, torch.Tensor, StepRecord]:
+        """A prefill-time policy's step 0 through the engine's own prefill, scoring passes and selection (they run
+        once a run, so the engine's hooks cost nothing per token): the cache it left, the first token, the
+        step's record."""
+        prompt_len = len(prompt_ids)
+        cache = engine.run_cache(self.model, self.policy, prompt_len, max_new_tokens, budget.value, None)
+        cache.start_prefill(prompt_len, max_new_tokens)
+        logits, _ = engine.prefill_into(self.model, prompt_ids, cache, True, shared)
+        if self.policy.reconstructs:
+            reconstruct(self.model, tokenizer, cache, prompt_ids)
+        evicted, raw, _ = cache.finish_step()
+        kept, utility = cache.kept_and_utility()
+        token = sampler(logits)
+        snapshot = [torch.arange(prompt_len), None if raw is None else torch.from_numpy(raw), torch.from_numpy(kept),
+                    torch.empty(0, dtype=torch.long), None if utility is None else torch.from_numpy(utility)]
+        return cache, token, StepRecord(0, token, torch.from_numpy(evicted), True, snapshot,
+                                        cache_bytes=cache.nbytes())
 
     def _step(self, run: "_Run", scoring: bool, slots: int, count: int, layer_fn) -> torch.Tensor:
         """One token over ``slots`` slots, freeing ``count``; in place only (a CUDA graph replays it)."""
@@ -355,7 +395,11 @@ class StaticBackend:
         token, step = int(record.token), record.step
         evicted = np.sort(record.evicted.cpu().numpy())
         if step:
-            kept = np.setdiff1d(np.append(kept, prompt_len + step - 1), evicted)  # sorted
+            if self.prefill_time:  # the engine announces each step to the policy, which may track positions
+                with torch.inference_mode():  # its state was made in the prefill's inference mode
+                    self.policy.begin_step(step, torch.from_numpy(kept), prompt_len + step - 1)
+            kept = np.append(kept, prompt_len + step - 1)
+        kept = np.setdiff1d(kept, evicted)  # sorted
         utility = raw = None
         if record.snapshot is not None:
             present, raw_by_slot, after, freed, utility_by_slot = (None if t is None else t.cpu()
@@ -367,6 +411,10 @@ class StaticBackend:
                 raise AssertionError(f"step {step}: the host's kept positions are not the device's")
             if utility_by_slot is not None:
                 utility = utility_by_slot[live][order].float().numpy()
+            elif self.prefill_time:  # its utility is the prefill's, kept by the policy on the host
+                with torch.inference_mode():
+                    kept_utility = self.policy.utility(torch.from_numpy(kept))
+                utility = None if kept_utility is None else kept_utility.float().numpy()
             if raw_by_slot is not None:
                 raw = raw_by_slot[torch.argsort(present)].float().numpy()
         last = token in eos or step == max_new_tokens - 1
