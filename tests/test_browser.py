@@ -356,6 +356,11 @@ def test_stop_takes_a_queued_run_out_of_the_queue(page, app_url):
     wait_for_a_run_to_its_end(page, 12)
 
 
+# A filter change re-queries the whole shipped store: ~10 s on an idle 2-core machine, close to a minute on one
+# loaded several times over (CI's), where a 30-s wait failed.
+QUERY_WAIT = 180_000
+
+
 def test_results_tab_shows_figures_and_filters(page, app_url):
     # A page of its own: the figures it loads would slow every later test's clicks on the shared page.
     page = page.context.browser.new_page(viewport={"width": 1400, "height": 1800})
@@ -368,16 +373,16 @@ def test_results_tab_shows_figures_and_filters(page, app_url):
 
 def _results_tab_shows_figures_and_filters(page):
     page.get_by_role("tab", name="Results").click()
-    page.get_by_text("Quality vs compression").first.wait_for(timeout=30_000)
+    page.get_by_text("Quality vs compression").first.wait_for(timeout=QUERY_WAIT)
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.data && p.data.length > 0 && "
-        "String((p.layout.title || {}).text || '').startsWith('Quality vs compression'))", timeout=60_000)
+        "String((p.layout.title || {}).text || '').startsWith('Quality vs compression'))", timeout=QUERY_WAIT)
     # measured vs paper (a closed section, opened here): two panels (paper and measured), each with lines
     # relative to its full cache
     page.get_by_text("Measured vs paper", exact=True).first.click()
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => String((p.layout.title || {}).text || '')"
-        ".startsWith('Measured vs paper') && new Set(p.data.map(t => t.xaxis)).size === 2)", timeout=30_000)
+        ".startsWith('Measured vs paper') && new Set(p.data.map(t => t.xaxis)).size === 2)", timeout=QUERY_WAIT)
     page.screenshot(path=str(ARTIFACTS / "results-measured.png"), full_page=True)
     page.get_by_text("Measured vs paper", exact=True).first.click()  # closed again: the tab as it loads
     page.get_by_label("paper", exact=True).check()  # the source filter re-queries the store
@@ -386,12 +391,12 @@ def _results_tab_shows_figures_and_filters(page):
         ".text || '').startsWith('Quality vs compression')); return p && p.data.length > 0 && "
         "String(p.layout.title.text).split('<br>')[0].endsWith(' · paper') && "
         "p.data.every(t => t.line.dash !== 'solid'); }",
-        timeout=30_000)  # one source left: named once in the title, every line a paper's (dashed)
+        timeout=QUERY_WAIT)  # one source left: named once in the title, every line a paper's (dashed)
     # a closed section gets the new filters' figure too (sent after the open ones), not its pending note
     page.get_by_text("Paired differences", exact=True).first.click()
     page.wait_for_function(
         "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => (p.layout.annotations || [])"
-        ".some(a => String(a.text).startsWith('papers print no per-sample scores')))", timeout=30_000)
+        ".some(a => String(a.text).startsWith('papers print no per-sample scores')))", timeout=QUERY_WAIT)
     page.get_by_text("Paired differences", exact=True).first.click()
     page.screenshot(path=str(ARTIFACTS / "results-tab.png"), full_page=True)
     assert titles_under_chips(page) == []
