@@ -1,4 +1,5 @@
-"""R-KV's attention pooling: the official code's (the default) against kvviz's earlier head means."""
+"""R-KV's attention pooling and redundancy: the official code's (the defaults) against kvviz's earlier head means
+and mean cosine."""
 
 from __future__ import annotations
 
@@ -110,6 +111,76 @@ def test_a_buffered_query_older_than_every_candidate_adds_nothing():
     torch.testing.assert_close(features["importance"], alone["importance"])
 
 
+# ------------------------------------------------------------------------------------------- redundancy
+
+def redundancy_step(redundancy: str, keys: torch.Tensor):
+    """One checkpoint with lam = 0 (redundancy alone), window 1, B = 2 over ``keys`` at positions 0..3: one of
+    the three candidates stays.  Returns (redundancy of positions 0..2, the kept positions)."""
+    policy = make_policy("rkv", interval=1, window=1, kernel=1, observe_window=1, lam=0.0, redundancy=redundancy)
+    positions = torch.arange(4)
+    policy.reset(3, 2, 1)
+    policy.begin_step(1, torch.arange(3), 3)
+    policy.observe(LayerView(0, torch.ones(1, 2), keys, torch.ones_like(keys), 1.0), positions)
+    drop = policy.select_evictions(1, positions, 2)
+    return policy.components(positions)["redundancy"][:3].numpy(), set(range(4)) - set(positions[drop].tolist())
+
+
+def test_official_redundancy_spares_the_newest_of_three_equal_keys_by_hand():
+    """Keys e0, e0, e0 at positions 0-2 (the candidates) and e1 at 3 (the window), one KV head.  Cosines: 1
+    among the first three, 0 elsewhere, 0 on the diagonal.  Each row zeroes its newest similar key: row 0 and
+    row 1 position 2, row 2 position 1 (row 3 has none and zeroes position 0, already 0).  Column means over
+    the four rows: (2/4, 1/4, 0, 0); softmax (.3342, .2603, .2027, .2027): position 2, the newest copy, is the
+    least redundant and stays.  The mean cosine among the candidates is 1 for each: a three-way tie."""
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])[None]
+    means = np.array([0.5, 0.25, 0.0, 0.0])
+    expected = np.exp(means) / np.exp(means).sum()
+    assert expected[:3] == pytest.approx([0.3342, 0.2603, 0.2027], abs=1e-4)
+    redundancy, kept = redundancy_step("official", keys)
+    assert redundancy == pytest.approx(expected[:3], rel=1e-5)
+    assert kept == {2, 3}
+    redundancy, _ = redundancy_step("mean-cosine", keys)
+    assert redundancy == pytest.approx([1 / 3] * 3, rel=1e-5)
+    assert make_policy("rkv").redundancy == "official"  # the default
+
+
+def official_redundancy_recipe(keys: np.ndarray, window: int) -> np.ndarray:
+    """R-KV's ``cal_similarity`` then ``[:, :-window]``, written out row by row for keys in position order:
+    per KV head, cosines with a zero diagonal; each row's newest key past 0.5 zeroed (index 0 if none);
+    column means, softmax over every key, the candidates' entries; then kvviz's mean over KV heads."""
+    num_kv, n, _ = keys.shape
+    rows = []
+    for head in keys:
+        unit = head / (np.linalg.norm(head, axis=-1, keepdims=True) + 1e-8)
+        cosine = unit @ unit.T
+        np.fill_diagonal(cosine, 0.0)
+        for i in range(n):
+            similar = [j for j in range(n) if cosine[i, j] > 0.5]
+            cosine[i, max(similar, default=0)] = 0.0
+        rows.append(softmax(cosine.mean(0))[: n - window])
+    return np.mean(rows, axis=0)
+
+
+def test_official_redundancy_equals_the_official_recipe_with_slots_out_of_position_order():
+    """Two KV heads, ten keys drawn near three directions (so that many pairs pass 0.5), the window of three the
+    newest, stored in shuffled slots: the policy's redundancy, read back in position order, is the recipe's."""
+    generator = torch.Generator().manual_seed(4)
+    directions = torch.randn(2, 3, 6, generator=generator)
+    ordered = directions[:, torch.arange(10) % 3] + 0.6 * torch.randn(2, 10, 6, generator=generator)
+    slots = torch.randperm(10, generator=generator)  # slot s holds position slots[s]
+    keys = torch.empty_like(ordered)
+    keys[:, torch.arange(10)] = ordered[:, slots]
+    policy = make_policy("rkv", interval=1, window=3, kernel=1, observe_window=1)
+    candidates = torch.nonzero(slots < 7).flatten()  # the slots of positions 0..6
+    policy.candidates = candidates
+    features = policy.layer_features(LayerView(0, torch.ones(2, 6), keys, torch.ones_like(keys), 0.5), slots,
+                                     torch.ones(1, 2, 6), torch.tensor([10]))
+    by_position = np.empty(7)
+    by_position[slots[candidates].numpy()] = features["redundancy"].numpy()
+    expected = official_redundancy_recipe(ordered.double().numpy(), 3)
+    assert by_position == pytest.approx(expected, rel=1e-5)
+    assert (np.abs(ordered.double().numpy() @ ordered.double().numpy().transpose(0, 2, 1)) > 0).all()
+
+
 # Today's R-KV (before the pooling parameter), recorded from commit 1749f42: the features of a seeded layer...
 HEAD_MEAN_FEATURES = {
     "importance": [0.091999, 0.128713, 0.128713, 0.137069, 0.137069, 0.137069, 0.099201, 0.076097, 0.074941,
@@ -129,7 +200,8 @@ def test_head_mean_pooling_reproduces_the_earlier_features():
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 12, 4, generator=generator)
     queries = torch.randn(3, 4, 4, generator=generator)
-    policy = make_policy("rkv", interval=1, window=2, kernel=3, observe_window=3, pooling="head-mean")
+    policy = make_policy("rkv", interval=1, window=2, kernel=3, observe_window=3, pooling="head-mean",
+                         redundancy="mean-cosine")
     policy.candidates = torch.arange(10)
     features = policy.layer_features(LayerView(0, queries[-1], keys, torch.ones_like(keys), 0.5), torch.arange(12),
                                      queries, torch.tensor([9, 10, 11]))
@@ -140,8 +212,8 @@ def test_head_mean_pooling_reproduces_the_earlier_features():
 def test_head_mean_pooling_reproduces_an_earlier_run(tiny, tiny_prompt):
     model, tokenizer = tiny
     settings = dict(interval=4, window=4, kernel=3, observe_window=4)
-    old = kvviz.run(model, tokenizer, tiny_prompt, make_policy("rkv", pooling="head-mean", **settings), budget=40,
-                    max_new_tokens=24)
+    old = kvviz.run(model, tokenizer, tiny_prompt, make_policy("rkv", pooling="head-mean", redundancy="mean-cosine",
+                                                               **settings), budget=40, max_new_tokens=24)
     evictions = [sorted(event.evicted.tolist()) for event in old.trace.events if event.evicted.size]
     assert old.token_ids == HEAD_MEAN_TOKENS
     assert (len(evictions[0]), sum(evictions[0])) == HEAD_MEAN_FIRST_EVICTION
@@ -176,6 +248,8 @@ def test_the_store_reads_rows_from_before_the_pooling_parameter_as_head_mean(tmp
                                                           "kernel": 7}),
               rkv_row(sample=3, params={}, policy_params=make_policy("rkv").params()),
               rkv_row(sample=4, params={"pooling": "head-mean"}),
+              rkv_row(sample=5, params={}, policy_params={name: value for name, value in
+                                                          make_policy("rkv").params().items() if name != "redundancy"}),
               {"source": "paper", "paper": "p", "table": "1", "model": "m", "task": "t", "policy": "rkv", "params": {},
                "metric": "accuracy", "score": 50.0}]
     (folder / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in stored))
@@ -183,8 +257,9 @@ def test_the_store_reads_rows_from_before_the_pooling_parameter_as_head_mean(tmp
     assert store.problems == []
     settings = dict(store.con.execute(
         "SELECT coalesce(sample, -1), setting FROM results WHERE policy = 'rkv' ORDER BY 1").fetchall())
-    assert settings == {-1: "{}", 0: '{"pooling": "head-mean"}', 1: '{"interval": 16, "pooling": "head-mean"}',
-                        2: '{"pooling": "head-mean"}', 3: "{}", 4: '{"pooling": "head-mean"}'}
+    old = '"pooling": "head-mean", "redundancy": "mean-cosine"'
+    assert settings == {-1: "{}", 0: f"{{{old}}}", 1: f'{{"interval": 16, {old}}}', 2: f"{{{old}}}", 3: "{}",
+                        4: f"{{{old}}}", 5: '{"redundancy": "mean-cosine"}'}
 
 
 def test_resuming_a_folder_of_rows_from_before_the_pooling_parameter_is_refused(tmp_path):
@@ -196,18 +271,23 @@ def test_resuming_a_folder_of_rows_from_before_the_pooling_parameter_is_refused(
     tasks = {"budget": [64], "tasks": [{"name": "arithmetic_reasoning", "samples": 1}]}  # cells still to run
     config = {"policies": ["full", "rkv"], **tasks}
     with pytest.raises(ValueError, match=r"holds rows of rkv run with other parameters than the code gives it now "
-                                         r"\(pooling = 'head-mean' then, 'official' now: a default changed since, "
-                                         r"at commit 1749f42\)"):
+                                         r"\(pooling = 'head-mean' then, 'official' now, redundancy = 'mean-cosine' "
+                                         r"then, 'official' now: a default changed since, at commit 1749f42\)"):
         sweep.check_params_as_run(config, tmp_path)
-    assert sweep.check_params_as_run({"policies": [{"name": "rkv", "params": {"pooling": "head-mean"}}], **tasks},
-                                     tmp_path) is None
+    old = {"pooling": "head-mean", "redundancy": "mean-cosine"}
+    assert sweep.check_params_as_run({"policies": [{"name": "rkv", "params": old}], **tasks}, tmp_path) is None
     # a row that records every parameter but the pooling ran the head means too
     recorded = {"interval": 128, "observe_window": 8, "prompt_queries": False, "lam": 0.1, "window": 8, "kernel": 7}
     (tmp_path / "rows.jsonl").write_text(json.dumps(rkv_row(params={}, policy_params=recorded)) + "\n")
     with pytest.raises(ValueError, match=r"pooling = 'head-mean' then, 'official' now"):
         sweep.check_params_as_run(config, tmp_path)
+    # rows of official pooling from before the redundancy parameter (2026-12-07/08) ran the mean cosine
     (tmp_path / "rows.jsonl").write_text(json.dumps(rkv_row(params={}, policy_params={**recorded, "pooling":
                                                                                        "official"})) + "\n")
+    with pytest.raises(ValueError, match=r"\(redundancy = 'mean-cosine' then, 'official' now"):
+        sweep.check_params_as_run(config, tmp_path)
+    (tmp_path / "rows.jsonl").write_text(json.dumps(rkv_row(params={}, policy_params={
+        **recorded, "pooling": "official", "redundancy": "official"})) + "\n")
     assert sweep.check_params_as_run(config, tmp_path) is None
 
 

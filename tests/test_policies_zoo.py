@@ -254,8 +254,9 @@ def test_rkv_keep_rule_on_a_hand_made_cache():
     # (the softmax runs over the five candidates alone; 1/7 over all seven keys with pooling="head-mean").
     # Mean cosine to the other candidates: 0 -> (1 + 0 + 0 - 1)/4 = 0, 1 -> 0, 2 -> .25, 3 -> .25, 4 -> -.5;
     # softmax -> redundancy highest for 2, 3, then 0, 1, lowest for 4.  score = .1/5 - .9 * redundancy.
-    # Keep B - |P| = 2: 4, then one of the tied 0/1 (the older, 0, is evicted first).
-    policy = make_policy("rkv", interval=1, window=2, kernel=1, observe_window=2)
+    # Keep B - |P| = 2: 4, then one of the tied 0/1 (the older, 0, is evicted first).  (The mean cosine among
+    # the candidates; R-KV's own redundancy, the default, is checked by hand in tests/test_policies_rkv.py.)
+    policy = make_policy("rkv", interval=1, window=2, kernel=1, observe_window=2, redundancy="mean-cosine")
     policy.reset(6, 4, 1)
     policy.begin_step(1, torch.arange(6), 6)
     positions = torch.arange(7)

@@ -130,8 +130,9 @@ def test_policies_at_their_defaults_are_clearly_distinct(store, colours):
 def test_other_settings_are_shades_of_their_policys_colour_with_a_marker_each(store, colours):
     settings = settings_of(store)
     policies = store.options("policy")
-    # the shipped R-KV rows ran before its pooling parameter, with the head means
-    assert {"inertia alpha=0.9", "avokv interval=16", "rkv interval=16 pooling=head-mean"} <= set(settings)
+    # the shipped R-KV rows ran before its pooling and redundancy parameters, with kvviz's earlier R-KV
+    old_rkv = "rkv interval=16 pooling=head-mean redundancy=mean-cosine"
+    assert {"inertia alpha=0.9", "avokv interval=16", old_rkv} <= set(settings)
     by_policy = defaultdict(list)
     for name, policy in settings.items():
         colour, own = colours(name), colours(policy)
@@ -145,7 +146,7 @@ def test_other_settings_are_shades_of_their_policys_colour_with_a_marker_each(st
         symbols = [colours.symbol(name) for name in names]
         assert "circle" not in symbols and len(set(symbols)) == min(len(names), 16), (policy, symbols)
     # and across policies: the shipped reasoning sweep's one setting of each, in near shades, had one marker
-    assert colours.symbol("avokv interval=16") != colours.symbol("rkv interval=16 pooling=head-mean")
+    assert colours.symbol("avokv interval=16") != colours.symbol(old_rkv)
     if len(settings) <= 16:
         assert len({colours.symbol(name) for name in settings}) == len(settings)
     # Any two names in one figure stay apart beyond a just-noticeable difference (about 1-2), in colour alone

@@ -646,15 +646,16 @@ def test_a_table_that_hides_other_settings_says_so_under_it(tmp_path, capsys):
     tables = out.split("\nother · m · measured")[1], out.split("\nr · m · measured")[1]
     assert "hidden" not in tables[0].split("\n\n")[0]
     assert tables[1].split("\n\n")[0].splitlines()[-1] == \
-        "2 other settings hidden (avokv interval=16, rkv interval=16 pooling=head-mean): use --settings"
+        "2 other settings hidden (avokv interval=16, rkv interval=16 pooling=head-mean redundancy=mean-cosine): " \
+        "use --settings"
     assert main(["results", "--root", str(tmp_path), "--settings"]) == 0
     assert "hidden" not in capsys.readouterr().out
     quality = SECTIONS.index("Quality vs compression") * 3
     title = said(query(Store(tmp_path), "(all)", "r", [], "measured")[quality])
-    # (rows without R-KV's pooling ran the head means, kvviz's R-KV before the parameter)
+    # (rows without R-KV's pooling and redundancy ran the head means and mean cosine: kvviz's R-KV before them)
     plain = " ".join(part.strip() for part in re.split(r"</?sup>|<br>", title) if part.strip())
-    assert f"2 other settings hidden (avokv interval=16, rkv interval=16 pooling=head-mean): tick '{SETTINGS_BOX}'" \
-        in plain
+    assert ("2 other settings hidden (avokv interval=16, rkv interval=16 pooling=head-mean redundancy=mean-cosine): "
+            f"tick '{SETTINGS_BOX}'") in plain
     assert "hidden" not in said(query(Store(tmp_path), "(all)", "r", [], "measured", settings=True)[quality])
 
 
@@ -1584,9 +1585,9 @@ def test_results_command_names_cells_that_held_over_their_budget(tmp_path, capsy
                                  "budget": 35, "policy": policy, "max_cache": held, "max_decode_cache": decoding}
                                 for policy, held, decoding in (("snapkv", 59, 59), ("tova", 70, 35))]
                # an older row: a max_cache of 80 over a 70-token prompt was held while decoding (R-KV at its
-               # default pooling, spelled out: a row without it ran the head means, another setting)
+               # default pooling and redundancy, spelled out: a row without them ran kvviz's earlier R-KV)
                + [{**row, "sample": 0, "task": "u", "compression": 0.5, "absolute_budget": None, "budget": 35,
-                   "policy": "rkv", "params": {"pooling": "official"}, "max_cache": 80}])
+                   "policy": "rkv", "params": {"pooling": "official", "redundancy": "official"}, "max_cache": 80}])
     assert main(["results", "--root", str(tmp_path), "--task", "u"]) == 0
     assert "held over 1.1x the budget (mean largest cache while decoding, entries): rkv ρ=0.5: 80 of B=35; " \
         "snapkv ρ=0.5: 59 of B=35" + HELD_OVER_WHY + "\n" in capsys.readouterr().out

@@ -14,14 +14,21 @@ At a checkpoint (every ``interval``-th generated token, if the cache is over B) 
   - ``"head-mean"``, what kvviz did before (and the rows written before the parameter ran): a softmax per
     query head over every cached key, the mean over queries and query heads, then the max-pooling;
 
-* redundancy: mean cosine of its key to the other candidates' keys, softmax over the candidates, mean over
-  KV heads;
+* redundancy: how much of its key the other keys repeat.  How is ``redundancy``:
+
+  - ``"official"`` (the default), as R-KV's code computes it: per KV head, the cosine of every pair of cached
+    keys (the recent window's too), zero on the diagonal; for each key, its similarity to the newest other key
+    whose cosine passes 0.5 is zeroed, so the newest of a group of similar keys counts as less redundant;
+    then each key's mean similarity over all keys, a softmax over all keys, read at the candidates;
+  - ``"mean-cosine"``, what kvviz did before: the mean cosine to the other candidates, a softmax over the
+    candidates;
+
+  both then the mean over KV heads;
 
 and ``score = lam * importance - (1 - lam) * redundancy``.  The top ``B - window`` candidates stay.
 Scores are averaged over layers and heads (the original selects per KV head; with ``"official"`` pooling the
-score is the mean over KV heads and layers of the per-head scores the original ranks by).  The redundancy
-term is the plain mean cosine to the other candidates: the official code also thresholds similarities (0.5)
-and keeps only the newest of a group of similar keys, which this simpler form leaves out.
+score is the mean over KV heads and layers of the per-head scores the original ranks by).  "Newest" is by
+position: the official code reads it from slot order, which its compaction leaves in score order.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from .base import param
 from .checkpointed import QueryWindowPolicy, window_attention
 
 POOLINGS = ("official", "head-mean")
+REDUNDANCIES = ("official", "mean-cosine")
+SIMILAR = 0.5  # R-KV's code: two keys whose cosine passes this are similar
 
 
 def pool_neighbours(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -100,6 +109,36 @@ def group_max_attention(queries: torch.Tensor, query_positions: torch.Tensor, ke
     return attention.sum(1) / seeing
 
 
+def official_redundancy(keys: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """R-KV's redundancy of the candidates, per KV head, as its code computes it (see the module docstring).
+
+    Parameters
+    ----------
+    keys : torch.Tensor
+        ``(num_kv_heads, n, head_dim)`` every cached key, in slot order.
+    positions : torch.Tensor
+        ``(n,)`` each slot's absolute position.
+    candidates : torch.Tensor
+        ``(c,)`` the slots scored.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(num_kv_heads, c)`` float32, each row a softmax over all ``n`` keys read at the candidates.
+    """
+    order = torch.argsort(positions.to(keys.device))
+    ordered = keys[:, order].float()
+    unit = ordered / (ordered.norm(dim=-1, keepdim=True) + 1e-8)
+    cosine = unit @ unit.transpose(1, 2)
+    cosine.diagonal(dim1=1, dim2=2).zero_()
+    index = torch.arange(cosine.shape[-1], device=keys.device)
+    newest = torch.where(cosine > SIMILAR, index, 0).amax(-1)  # 0 where none is similar, as in R-KV's code
+    cosine.scatter_(-1, newest[..., None], 0.0)
+    redundancy = torch.empty_like(cosine[:, 0])
+    redundancy[:, order] = cosine.mean(1).softmax(-1)
+    return redundancy[:, candidates.to(keys.device)]
+
+
 @dataclass
 class RKV(QueryWindowPolicy):
     """R-KV with lambda = 0.1, the setting AvoKV-E compares against."""
@@ -110,9 +149,12 @@ class RKV(QueryWindowPolicy):
     pooling: str = param("official", choices=POOLINGS, help="official: max over each KV head's query group of "
                          "the logits, softmax over the candidates; head-mean: softmax per query head over "
                          "every key, mean over heads (kvviz before 2026-12-07)")
+    redundancy: str = param("official", choices=REDUNDANCIES, help="official: R-KV's code (similar keys past 0.5, "
+                            "the newest of them spared; softmax over every key); mean-cosine: the mean cosine to "
+                            "the other candidates, softmax over them (kvviz before 2026-12-08)")
 
-    # Rows stored before ``pooling`` existed ran the head-mean pooling.
-    added_parameters: ClassVar[dict[str, Any]] = {"pooling": "head-mean"}
+    # Rows stored before ``pooling`` and ``redundancy`` existed ran the head means and the mean cosine.
+    added_parameters: ClassVar[dict[str, Any]] = {"pooling": "head-mean", "redundancy": "mean-cosine"}
 
     def __post_init__(self):
         super().__post_init__()
@@ -120,6 +162,8 @@ class RKV(QueryWindowPolicy):
             raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.redundancy not in REDUNDANCIES:
+            raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCIES)}, got {self.redundancy!r}")
 
     def protected(self, budget: int) -> int:
         return self.window
@@ -145,18 +189,23 @@ class RKV(QueryWindowPolicy):
         else:  # head-mean: a softmax per query head over every key, head and query means, then the pooling
             attention = window_attention(queries, query_positions, view, positions)[:, :, cand].mean((0, 1))
             importance = pool_neighbours(attention[None], positions[cand], self.kernel)[0]
-        unit = F.normalize(view.keys[:, cand].float(), dim=-1)
-        count = cand.numel()
-        mean_cosine = ((unit @ unit.transpose(1, 2)).sum(-1) - 1.0) / max(count - 1, 1)  # exclude self
-        redundancy = torch.softmax(mean_cosine, dim=-1).mean(0)
+        if self.redundancy == "official":
+            redundancy = official_redundancy(view.keys, positions, cand).mean(0)
+        else:  # mean-cosine: among the candidates alone
+            unit = F.normalize(view.keys[:, cand].float(), dim=-1)
+            count = cand.numel()
+            mean_cosine = ((unit @ unit.transpose(1, 2)).sum(-1) - 1.0) / max(count - 1, 1)  # exclude self
+            redundancy = torch.softmax(mean_cosine, dim=-1).mean(0)
         return {"importance": importance, "redundancy": redundancy}
 
     def terms_key(self) -> str:
         pooled = ("the group's largest logit per KV head, softmax over the candidates" if self.pooling == "official"
                   else "softmax per query head over every key, head means")
+        similar = ("mean key cosine to every key, the newest similar one (past 0.5) spared, softmax over them"
+                   if self.redundancy == "official" else "mean key cosine to the other candidates, softmax over them")
         return (f"score = {self.lam:g}·importance − {1 - self.lam:g}·redundancy; importance: attention from the last "
-                f"{self.observe_window} queries ({pooled}), max-pooled over {self.kernel} neighbours; redundancy: mean "
-                "key cosine to the other candidates, softmax over them; layer means; the lowest scores go first")
+                f"{self.observe_window} queries ({pooled}), max-pooled over {self.kernel} neighbours; redundancy: "
+                f"{similar}; layer means; the lowest scores go first")
 
     def risk(self, features, positions):
         """``lam * importance - (1 - lam) * redundancy``, ``(c,)``, from the layer-mean features (each ``(c,)``)."""
