@@ -70,7 +70,7 @@ SWEEPS ?= sweep-2k sweep-2k-inertia needle-grid reasoning-budget reasoning-budge
 	sweep-2k-expected-attention needle-grid-expected-attention sweep-2k-kvzip reasoning-budget-lazyeviction \
 	reasoning-budget-sampled-lazyeviction prose-2k-headline prose-pilot prose-2k-inertia prose-pilot-4k
 # Sweeps whose rows are committed while they run (some of their cells): `make sweeps` finishes them.
-UNDER_WAY ?=
+UNDER_WAY ?= prose-2k-headline-rest
 SHARDS ?= 2
 # The damage-ranking sweeps (AvoKV-E's Table 3 measured), run by `kvviz bench ranking`
 RANKINGS ?= ranking-arithmetic ranking-arithmetic-generated
