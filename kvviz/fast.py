@@ -201,9 +201,11 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def layer_forward(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, free: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, fp32_logits: bool, fused: tuple | None = None,
-                  slots: int | None = None, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  slots: int | None = None, block: int = 0,
+                  query_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_layer` without a policy: the layer's output and its attention probabilities, for a scorer
-    (:mod:`kvviz.backend`) to read.  Arguments as in :func:`decode_layer`.
+    (:mod:`kvviz.backend`) to read.  Arguments as in :func:`decode_layer`; ``query_out``, ``(num_heads,
+    head_dim)``, if given, receives the post-RoPE query (what a policy that buffers queries reads).
 
     Returns
     -------
@@ -225,6 +227,8 @@ def layer_forward(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     if hasattr(attn, "q_norm"):  # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    if query_out is not None:
+        query_out.copy_(q[0, :, 0])
     keys.index_copy_(2, free, k)
     values.index_copy_(2, free, v)
     out, probs = attend(q.view(kv_heads, heads // kv_heads, head_dim), keys[0], values[0], attn.scaling,

@@ -2978,11 +2978,11 @@ def test_a_deployment_on_the_static_backend_streams_the_engines_events_and_refus
     generate = {backend: api.make_generate_api(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30,
                                                       backend=backend))
                 for backend in ("engine", "static")}
-    for policy in ("tova", "inertia-lazy", "snapkv"):
-        runs = {backend: list(api(PROMPT, policy, 0.5, 12, False, TINY, "{}")) for backend, api in generate.items()}
+    for policy, params in (("tova", "{}"), ("inertia-lazy", "{}"), ("snapkv", "{}"), ("rkv", '{"interval": 4}')):
+        runs = {backend: list(api(PROMPT, policy, 0.5, 12, False, TINY, params)) for backend, api in generate.items()}
         assert runs["static"] == runs["engine"] and len(runs["static"]) == 12
-    with pytest.raises(gr.Error, match=r"static backend \(KVVIZ_BACKEND=static\), which cannot run rkv: R-KV is "
-                                       "checkpointed"):
-        list(generate["static"](PROMPT, "rkv", 0.5, 12, False, TINY, "{}"))
+    with pytest.raises(gr.Error, match=r"static backend \(KVVIZ_BACKEND=static\), which cannot run "
+                                       "expected-attention-decode: Expected Attention with decode=true"):
+        list(generate["static"](PROMPT, "expected-attention-decode", 0.5, 12, False, TINY, "{}"))
     with pytest.raises(ValueError, match="the backend .KVVIZ_BACKEND. must be auto, engine or static"):
         Limits(backend="gpu")

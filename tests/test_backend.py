@@ -156,6 +156,59 @@ def test_a_prefill_time_policy_runs_on_the_static_backend_under_auto_on_a_gpu_an
     assert first_difference(engine_run.trace.events, static_run.trace.events) is None
 
 
+# Checkpointed policies: the policy object decides on the host, fed by the slots' views (interval 4: evictions
+# within the run; AvoKV-E's tail and sinks take 36 entries, so B = 40).
+CHECKPOINTED = {"avokv": "avokv interval=4", "avokv-decode-queries": "avokv interval=4 prompt_queries=false",
+                "rkv": "rkv interval=4", "rkv-prompt-queries": "rkv interval=4 prompt_queries=true",
+                "lazyeviction": "lazyeviction interval=4"}
+
+
+def same_components(reference: list, static: list) -> bool:
+    """The named terms of every step's decision (AvoKV-E's and R-KV's Why table), to float32 rounding."""
+    for ours, theirs in zip(reference, static):
+        if (ours.components is None) != (theirs.components is None):
+            return False
+        if ours.components is not None and (set(ours.components) != set(theirs.components) or not all(
+                np.allclose(ours.components[name], theirs.components[name], rtol=1e-4, atol=1e-6, equal_nan=True)
+                for name in ours.components)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("setting", list(CHECKPOINTED.values()), ids=list(CHECKPOINTED))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpointed_policy_decides_on_the_host_over_the_slots_as_on_the_engine(models, family, setting):
+    """Budget 40 of 56: the first checkpoint (step 1) frees 17, then every 4th step frees 3 (B + interval - 1
+    held at most); tokens, keep sets, utility, raw and the named terms of each decision are the engine's."""
+    model, tokenizer, prompt = models[family]
+    for sampling, steps in ((None, 20), (SAMPLED, 12)):
+        reference, static = both(model, tokenizer, prompt, setting, 40, steps, sampling)
+        assert len(static) == steps and first_difference(reference, static) is None, (sampling, first_difference(
+            reference, static))
+        assert same_components(reference, static) and any(e.components for e in static[1:])
+        assert [len(e.evicted) for e in static[:6]] == [0, 17, 0, 0, 3, 0]
+        assert max(len(e.kept) for e in static[1:]) <= 40 + 4 - 1
+
+
+@pytest.mark.transformers_api
+def test_a_checkpointed_policy_equals_the_engine_over_hundreds_of_steps(models):
+    model, tokenizer, prompt = models["qwen3"]
+    reference, static = both(model, tokenizer, prompt, "rkv interval=3 window=2 observe_window=2", 12, 200)
+    assert len(static) == 200 and first_difference(reference, static) is None
+    assert same_components(reference, static)
+
+
+def test_the_comparison_detects_a_checkpointed_policy_fed_no_view_of_one_layer(models, monkeypatch):
+    from kvviz.backend import static
+
+    model, tokenizer, prompt = models["llama"]
+    observe = static._PolicyOnHost.observe
+    monkeypatch.setattr(static._PolicyOnHost, "observe",
+                        lambda self, view, positions: None if view.layer == 1 else observe(self, view, positions))
+    reference, static_events = both(model, tokenizer, prompt, "avokv interval=4", 40, 12)
+    assert first_difference(reference, static_events) is not None or not same_components(reference, static_events)
+
+
 def test_events_every_k_steps_keep_every_steps_positions_and_every_kth_utility(models):
     model, tokenizer, prompt = models["llama"]
     reference, static = both(model, tokenizer, prompt, "h2o", 20, 15, events_every=4)
@@ -241,10 +294,9 @@ def test_auto_stays_on_the_engine_on_a_cpu_and_static_refuses_by_name(models):
     assert backend.choose(model, kvviz.make_policy("tova")) == "engine"
     assert backend.choose(model, kvviz.make_policy("tova"), "static") == "static"
     assert backend.choose(model, kvviz.make_policy("tova"), device="cuda") == "static"
-    assert backend.choose(model, kvviz.make_policy("avokv"), device="cuda") == "engine"
-    for name, why in (("avokv", "AvoKV-E is checkpointed"), ("rkv", "R-KV is checkpointed"),
-                      ("lazyeviction", "LazyEviction is checkpointed"),
-                      ("expected-attention-decode", "Expected Attention with decode=true scores every step")):
+    assert backend.choose(model, kvviz.make_policy("avokv"), device="cuda") == "static"
+    assert backend.choose(model, kvviz.make_policy("expected-attention-decode"), device="cuda") == "engine"
+    for name, why in (("expected-attention-decode", "Expected Attention with decode=true scores every step"),):
         assert not backend.supports(model, kvviz.make_policy(name))
         with pytest.raises(ValueError, match=f"backend='static' cannot run .*{why}"):
             backend.choose(model, kvviz.make_policy(name), "static")
@@ -276,8 +328,8 @@ def test_run_with_the_static_backend_gives_the_engines_trace(models):
     static_run = kvviz.run(model, tokenizer, prompt, "knorm", budget=16, max_new_tokens=10, backend="static")
     assert static_run.text == engine_run.text and static_run.trace.meta() == engine_run.trace.meta()
     assert first_difference(engine_run.trace.events, static_run.trace.events) is None
-    with pytest.raises(ValueError, match="R-KV is checkpointed"):
-        kvviz.run(model, tokenizer, prompt, "rkv", budget=16, backend="static")
+    with pytest.raises(ValueError, match="Expected Attention with decode=true"):
+        kvviz.run(model, tokenizer, prompt, "expected-attention-decode", budget=16, backend="static")
 
 
 def test_compiled_steady_step_is_one_graph_for_every_policy(models):

@@ -70,10 +70,10 @@ def test_generate_on_the_static_backend_prints_what_the_engine_prints(capsys, sa
         out[backend] = json.loads(capsys.readouterr().out)
     assert out["static"]["token_ids"] == out["engine"]["token_ids"]
     assert [s["kept"] for s in out["static"]["steps"]] == [s["kept"] for s in out["engine"]["steps"]]
-    rkv = [*common, "--policy", "rkv"]
-    assert main([*rkv, "--backend", "static"]) == 2
-    assert "backend='static' cannot run RKV" in capsys.readouterr().err
-    assert main(rkv) == 0  # auto: the engine
+    decoding = [*common, "--policy", "expected-attention-decode"]
+    assert main([*decoding, "--backend", "static"]) == 2
+    assert "backend='static' cannot run ExpectedAttention" in capsys.readouterr().err
+    assert main(decoding) == 0  # auto: the engine
 
 
 def test_no_chat_tokenises_the_prompt_as_is(capsys):

@@ -2044,15 +2044,17 @@ def test_results_csvs_write_counts_and_budgets_as_whole_numbers(tmp_path):
 
 BACKEND_SWEEP = {"name": "on-backend", "model": "tiny-random-llama", "max_new_tokens": 12, "compression": [0.5, 0.75],
                  "tasks": [{"name": "single_needle", "length": 300, "samples": 2}],
-                 "policies": ["full", "inertia", "tova", "h2o", "streaming", "knorm", "snapkv", "rkv"]}
+                 "policies": ["full", "inertia", "tova", "h2o", "streaming", "knorm", "snapkv",
+                              "expected-attention-decode"]}
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "sampled"])
 def test_a_sweep_on_the_static_backend_writes_the_engines_rows(tmp_path, tiny, sampling):
     """backend = "auto" takes the static backend for the policies it runs on a GPU, the engine on a CPU; forced
     onto it here, a sweep's rows (predictions, scores, caches held) equal the engine's cell for cell, sampled
-    ones too (the same seed stream; prefill-time SnapKV too), and each row says where it ran: R-KV, which the
-    backend refuses, on the engine under "auto", and "static" refuses the whole sweep naming it."""
+    ones too (the same seed stream; prefill-time SnapKV too), and each row says where it ran: Expected Attention
+    at every step, which the backend refuses, on the engine under "auto", and "static" refuses the whole sweep
+    naming it."""
     model, tokenizer = tiny
     ran = {}
     for backend, policies in (("auto", BACKEND_SWEEP["policies"]), ("static", BACKEND_SWEEP["policies"][:-1])):
@@ -2066,7 +2068,7 @@ def test_a_sweep_on_the_static_backend_writes_the_engines_rows(tmp_path, tiny, s
         reference = ran["auto"][cell]
         for field in ("prediction", "score", "new_tokens", "hit_max_tokens", "max_cache", "max_decode_cache"):
             assert row[field] == reference[field], (cell, field)
-    with pytest.raises(ValueError, match="backend='static' cannot run RKV"):
+    with pytest.raises(ValueError, match="backend='static' cannot run ExpectedAttention"):
         sweep.run({**BACKEND_SWEEP, "backend": "static"}, tmp_path / "refused", model=model, tokenizer=tokenizer,
                   progress=False)
     assert rows(tmp_path / "refused") == []  # refused before any cell ran

@@ -16,13 +16,8 @@ import torch
 
 BACKENDS = ("auto", "engine", "static")
 
-# Policies the static backend does not run, by class name, and why: each needs more than a per-slot state
-# updated from the step's own attention.
-NOT_STATIC = {
-    "AvoKVE": "AvoKV-E is checkpointed: it evicts every `interval` tokens from a window of recent queries",
-    "RKV": "R-KV is checkpointed: it evicts every `interval` tokens from a window of recent queries",
-    "LazyEviction": "LazyEviction is checkpointed: it tracks read times and evicts every `interval` tokens",
-}
+# Policies the static backend does not run, by class name, and why.
+NOT_STATIC: dict[str, str] = {}
 EXPECTED_ATTENTION_DECODE = ("Expected Attention with decode=true scores every step from statistics of every query "
                              "so far")
 
@@ -36,6 +31,17 @@ def prefill_time(policy) -> bool:
 
     kind = type(policy)
     return kind in (SnapKV, KVzip) or (kind is ExpectedAttention and not policy.decode)
+
+
+def checkpointed(policy) -> bool:
+    """Whether ``policy`` is a checkpointed one (AvoKV-E, R-KV, LazyEviction): the static backend feeds the
+    policy itself each step's views and asks it for evictions on the host, as the engine does (every step
+    then runs eagerly, never from a CUDA graph)."""
+    from ..policies.avokv import AvoKVE
+    from ..policies.lazyeviction import LazyEviction
+    from ..policies.rkv import RKV
+
+    return type(policy) in (AvoKVE, RKV, LazyEviction)
 
 
 def refusal(model, policy) -> str | None:
@@ -52,10 +58,10 @@ def refusal(model, policy) -> str | None:
         return f"{NOT_STATIC[name]}, which the static step does not compute yet"
     if type(policy) is ExpectedAttention and policy.decode:
         return f"{EXPECTED_ATTENTION_DECODE}, which the static step does not compute yet"
-    if type(policy) not in SCORER_OF and not prefill_time(policy):
+    if type(policy) not in SCORER_OF and not prefill_time(policy) and not checkpointed(policy):
         return (f"{name} is not a policy it knows (a subclass of one may change its rule); it runs InertiaKV (every "
-                "setting), TOVA, H2O, StreamingLLM, KeyDiff, K-norm, recency, random, the full cache, and SnapKV, "
-                "KVzip and Expected Attention at the prefill")
+                "setting), TOVA, H2O, StreamingLLM, KeyDiff, K-norm, recency, random, the full cache, SnapKV, "
+                "KVzip and Expected Attention at the prefill, and AvoKV-E, R-KV and LazyEviction")
     return None
 
 
@@ -89,4 +95,4 @@ def stream(model, tokenizer, prompt_ids: list[int], policy, **kwargs) -> Iterato
     yield from StaticBackend(model, policy).stream(tokenizer, prompt_ids, **kwargs)
 
 
-__all__ = ["BACKENDS", "choose", "prefill_time", "refusal", "stream", "supports"]
+__all__ = ["BACKENDS", "checkpointed", "choose", "prefill_time", "refusal", "stream", "supports"]

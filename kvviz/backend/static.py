@@ -1,6 +1,7 @@
-"""The static slot backend: any every-step policy over B + 1 preallocated slots, decided on the device; and the
+"""The static slot backend: any every-step policy over B + 1 preallocated slots, decided on the device; the
 prefill-time ones (SnapKV, KVzip, Expected Attention at the prefill), cut by the engine's own prefill pass and
-then decoded on slots that take every new token.
+then decoded on slots that take every new token; and the checkpointed ones (AvoKV-E, R-KV, LazyEviction),
+decoded on slots while the policy object decides on the host, step by step, as the engine asks it.
 
 One decode step consumes a token over ``slots`` slots, one of which (``free``) has just taken the new token's
 key and value; each layer's float32 attention probabilities (:func:`kvviz.fast.layer_forward`) serve both
@@ -35,6 +36,7 @@ from .. import engine, fast
 from ..policies.base import BudgetTooSmall
 from ..policies.full import FullCache
 from ..reconstruction import reconstruct
+from ..scoring import LayerView
 from ..trace import StepEvent
 from .sampling import DeviceSampler
 from .scorers import SlotView, make_scorer
@@ -53,6 +55,7 @@ class StepRecord:
     snapshot: list | None = None
     setup: bool = False  # not a step of the steady shape, or one that compiled or captured a graph
     cache_bytes: int = 0
+    components: dict | None = None  # a host-decided policy's named terms, by position (StepEvent.components)
 
 
 @dataclass
@@ -99,12 +102,13 @@ class StaticBackend:
     """
 
     def __init__(self, model, policy, *, compile: bool = False, fuse: bool = True, value_block: int | None = None):
-        from . import prefill_time, refusal
+        from . import checkpointed, prefill_time, refusal
 
         why = refusal(model, policy)
         if why:
             raise ValueError(f"the static backend cannot run this: {why}")
         self.prefill_time = prefill_time(policy)
+        self.host = checkpointed(policy)  # decided by the policy object on the host, every step
         if value_block is not None and value_block < 0:
             raise ValueError(f"value_block must be 0 (one value product) or a positive slot count, got {value_block}")
         self.model, self.policy, self.compiled, self.fuse = model, policy, compile, fuse
@@ -204,12 +208,18 @@ class StaticBackend:
             return Budget(value, prompt_len + max_new_tokens)
         if self.prefill_time:  # cut once at the prefill, then every new token is kept, as the engine keeps it
             return Budget(value, min(prompt_len, value) + max_new_tokens)
+        if self.host:  # the slots the engine's cache has: the most the policy holds (B + interval - 1)
+            bound = self.policy.cache_bound(value, max_new_tokens)
+            return Budget(value, min(prompt_len + max_new_tokens, max(prompt_len, bound) + 1) - 1)
         return Budget(value, value)
 
     @torch.inference_mode()
     def _decode(self, tokenizer, prompt_ids: list[int], budget: Budget, max_new_tokens: int, sampler: DeviceSampler,
                 *, graph: bool | None, shared, snapshot_every: int, on_ready=None) -> Iterator[StepRecord]:
         """Prefill, then one :class:`StepRecord` per step; a snapshot every ``snapshot_every`` steps (0: none)."""
+        if self.host:
+            return (yield from self._decode_host(tokenizer, prompt_ids, budget, max_new_tokens, sampler, shared=shared,
+                                                 snapshot_every=snapshot_every))
         run = yield from self._start(tokenizer, prompt_ids, budget, sampler, shared, max_new_tokens)
         step = functools.partial(self._step, run)
         # A sampled step draws from a generator and Random from the host's: those steps run eagerly.
@@ -244,6 +254,44 @@ class StaticBackend:
                 snapshot += self._after(run, slots if count <= 1 else run.live, victims)
             yield StepRecord(k, run.token.reshape(1).clone(), evicted, scoring, snapshot, setup, run.cache.nbytes())
 
+    def _decode_host(self, tokenizer, prompt_ids: list[int], budget: Budget, max_new_tokens: int,
+                     sampler: DeviceSampler, *, shared, snapshot_every: int) -> Iterator[StepRecord]:
+        """A checkpointed policy's run: each step the slots decode the token, the policy object gets the engine's
+        calls (begin_step, each eligible layer's view, raw_scores, select_evictions, components) on the host,
+        and the survivors are compacted as the engine's cache compacts them, so the slots keep its order."""
+        policy, device, prompt_len = self.policy, self.model.device, len(prompt_ids)
+        run = yield from self._start(tokenizer, prompt_ids, budget, sampler, shared, max_new_tokens)
+        run.scorer = _PolicyOnHost(policy)
+        for k in range(1, max_new_tokens):
+            slots = run.live + 1
+            scoring = policy.wants_scores(k)
+            policy.begin_step(k, run.positions[: run.live].cpu(), prompt_len + k - 1)
+            self._step(run, scoring, slots, 0, fast.layer_forward)
+            present = run.positions[:slots].cpu()
+            raw = policy.raw_scores(present)
+            drop = policy.select_evictions(k, present, budget.value).to(device)
+            components = policy.components(present)
+            order = torch.argsort(present)
+            components = None if not components else {
+                name: values[order].float().numpy().copy() for name, values in components.items()}
+            evicted = present[drop.cpu()]
+            if drop.numel():
+                order_kept = engine_compaction(drop, slots)
+                run.cache = self._slots(run.cache.capacity, [(keys[:, :, order_kept], values[:, :, order_kept])
+                                                             for keys, values in zip(*run.cache)], order_kept.numel())
+                kept_positions = torch.full_like(run.positions, -1)
+                kept_positions[: order_kept.numel()] = run.positions[order_kept]
+                run.positions = kept_positions
+            run.live = slots - drop.numel()
+            run.free.fill_(run.live)
+            snapshot = None
+            if snapshot_every and (k % snapshot_every == 0 or k == max_new_tokens - 1 or drop.numel() > 1):
+                after = run.positions[: run.live].cpu()
+                utility = policy.utility(after)
+                snapshot = [present, raw, after, torch.empty(0, dtype=torch.long), utility]
+            yield StepRecord(k, run.token.reshape(1).clone(), evicted, scoring, snapshot, False, run.cache.nbytes(),
+                             components)
+
     def _start(self, tokenizer, prompt_ids: list[int], budget: Budget, sampler: DeviceSampler, shared,
                max_new_tokens: int) -> Iterator[StepRecord]:
         """Prefill (or copy ``shared``) and yield step 0's record; returns the run's state for step 1, whose slots
@@ -253,7 +301,7 @@ class StaticBackend:
         projections = self.projections()
         if shared is not None and shared.prompt_ids != list(prompt_ids):
             raise ValueError("the shared prefill was made for another prompt")
-        if self.prefill_time:
+        if self.prefill_time or self.host:
             prefill, token, record = self._prefill_and_cut(tokenizer, prompt_ids, budget, sampler, shared,
                                                            max_new_tokens)
             kept = prefill.live_positions().to(device)  # slot order, as the engine's cache holds them
@@ -273,8 +321,9 @@ class StaticBackend:
         del prefill, layers  # a prefill of our own: only the slots hold it now
         positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
         positions[: kept.numel()] = kept
-        # A prefill-time policy decodes as the full cache does: its budget leaves room for every new token.
-        scorer = make_scorer(FullCache() if self.prefill_time else policy, device, capacity)
+        # A prefill-time policy decodes as the full cache does: its budget leaves room for every new token; a
+        # checkpointed one is fed by _decode_host, and its slots evict nothing by themselves.
+        scorer = make_scorer(FullCache() if self.prefill_time or self.host else policy, device, capacity)
         return _Run(cache, positions, free=torch.tensor([kept.numel()], device=device),
                     token=token.reshape(1, 1).clone(), position=torch.tensor([[prompt_len]], device=device),
                     evicted=torch.zeros(1, dtype=torch.long, device=device), live=kept.numel(),
@@ -288,17 +337,17 @@ class StaticBackend:
         step's record."""
         prompt_len = len(prompt_ids)
         cache = engine.run_cache(self.model, self.policy, prompt_len, max_new_tokens, budget.value, None)
-        cache.start_prefill(prompt_len, max_new_tokens)
-        logits, _ = engine.prefill_into(self.model, prompt_ids, cache, True, shared)
+        scores = cache.start_prefill(prompt_len, max_new_tokens)  # whether it reads the prompt's queries
+        logits, _ = engine.prefill_into(self.model, prompt_ids, cache, scores, shared)
         if self.policy.reconstructs:
             reconstruct(self.model, tokenizer, cache, prompt_ids)
-        evicted, raw, _ = cache.finish_step()
+        evicted, raw, _ = cache.finish_step() if scores else (np.empty(0, np.int64), None, 0.0)
         kept, utility = cache.kept_and_utility()
         token = sampler(logits)
         snapshot = [torch.arange(prompt_len), None if raw is None else torch.from_numpy(raw), torch.from_numpy(kept),
                     torch.empty(0, dtype=torch.long), None if utility is None else torch.from_numpy(utility)]
-        return cache, token, StepRecord(0, token, torch.from_numpy(evicted), True, snapshot,
-                                        cache_bytes=cache.nbytes())
+        return cache, token, StepRecord(0, token, torch.from_numpy(evicted), scores, snapshot,
+                                        cache_bytes=cache.nbytes(), components=cache.components if scores else None)
 
     def _step(self, run: "_Run", scoring: bool, slots: int, count: int, layer_fn) -> torch.Tensor:
         """One token over ``slots`` slots, freeing ``count``; in place only (a CUDA graph replays it)."""
@@ -311,10 +360,13 @@ class StaticBackend:
         cos, sin = model.model.rotary_emb(hidden, run.position)
         for index, (layer, fused, layer_keys, layer_values) in enumerate(zip(self.layers, run.projections,
                                                                             keys, values)):
+            observed = scoring and index in run.eligible
+            # a checkpointed policy buffers the query itself (a fresh tensor: it keeps what it is given)
+            query = hidden.new_empty(self.heads, layer_keys.shape[-1]) if observed and self.host else None
             hidden, probs = layer_fn(layer, hidden, cos, sin, run.free, layer_keys, layer_values, self.fp32_logits,
-                                     fused, slots, self.value_block)
-            if scoring and index in run.eligible:
-                scorer.observe(SlotView(index, None, layer_keys[0, :, :slots], layer_values[0, :, :slots],
+                                     fused, slots, self.value_block, query_out=query)
+            if observed:
+                scorer.observe(SlotView(index, query, layer_keys[0, :, :slots], layer_values[0, :, :slots],
                                         layer.self_attn.scaling, _attn=probs.reshape(self.heads, slots),
                                         groups=self.heads // self.kv_heads), live_positions)
         logits = model.lm_head(model.model.norm(hidden))[0, -1]
@@ -419,7 +471,7 @@ class StaticBackend:
                 raw = raw_by_slot[torch.argsort(present)].float().numpy()
         last = token in eos or step == max_new_tokens - 1
         return kept, StepEvent(step, previous, token, pieces.add(token, flush=last), kept, evicted, utility, raw,
-                               record.scored, seconds, 0.0, 0.0, record.cache_bytes)
+                               record.scored, seconds, 0.0, 0.0, record.cache_bytes, record.components)
 
 
 @dataclass
@@ -468,3 +520,34 @@ class _Run:
     sampler: DeviceSampler
     projections: list
     eligible: list[int]
+
+
+class _PolicyOnHost:
+    """The scorer of a checkpointed policy on the static slots: each view handed on to the policy object as the
+    engine hands it (the attention left for the view to compute from the query, as the engine's does), with
+    the slots' positions on the host.  It frees nothing itself: :meth:`StaticBackend._decode_host` asks the
+    policy."""
+
+    capturable = False
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def prepare(self, layers: int) -> None:
+        pass
+
+    def begin(self, scoring: bool, free: torch.Tensor, slots: int) -> None:
+        pass
+
+    def observe(self, view, positions: torch.Tensor) -> None:
+        self.policy.observe(LayerView(view.layer, view.query, view.keys, view.values, view.scaling),
+                            positions.cpu())
+
+    def evict(self, positions: torch.Tensor, count: int) -> torch.Tensor:
+        return positions.new_empty(0)
+
+    def raw(self, positions: torch.Tensor) -> None:
+        return None
+
+    def utility(self, positions: torch.Tensor) -> None:
+        return None
