@@ -98,6 +98,7 @@ def set_inputs(page, max_new_tokens: int) -> None:
 
 def start_a_long_run(page) -> None:
     """Run for 3000 tokens and wait until its text streams."""
+    wait_until_settled(page)  # a click while the last run's event is still in flight would be dropped
     set_inputs(page, 3000)
     page.locator("#live-run").click()
     # The last run's views stay up until this one passes its checks; its first update hides the scrubber.
@@ -110,6 +111,7 @@ def start_a_long_run(page) -> None:
 def wait_for_a_run_to_its_end(page, tokens: int) -> None:
     page.wait_for_function(f"() => document.body.innerText.includes('tokens {tokens} / {tokens}') && "
                            "!document.body.innerText.includes('stopped ·')", timeout=60_000)
+    wait_until_settled(page)  # and its event is over: the next click starts a run
 
 
 def wait_until_settled(page, timeout: float = 120) -> None:
