@@ -261,7 +261,6 @@ class StaticBackend:
         and the survivors are compacted as the engine's cache compacts them, so the slots keep its order."""
         policy, device, prompt_len = self.policy, self.model.device, len(prompt_ids)
         run = yield from self._start(tokenizer, prompt_ids, budget, sampler, shared, max_new_tokens)
-        run.scorer = _PolicyOnHost(policy)
         for k in range(1, max_new_tokens):
             slots = run.live + 1
             scoring = policy.wants_scores(k)
@@ -276,14 +275,10 @@ class StaticBackend:
                 name: values[order].float().numpy().copy() for name, values in components.items()}
             evicted = present[drop.cpu()]
             if drop.numel():
-                order_kept = engine_compaction(drop, slots)
-                run.cache = self._slots(run.cache.capacity, [(keys[:, :, order_kept], values[:, :, order_kept])
-                                                             for keys, values in zip(*run.cache)], order_kept.numel())
-                kept_positions = torch.full_like(run.positions, -1)
-                kept_positions[: order_kept.numel()] = run.positions[order_kept]
-                run.positions = kept_positions
-            run.live = slots - drop.numel()
-            run.free.fill_(run.live)
+                self._compact(run, drop, slots, run.cache.capacity)
+            else:
+                run.live = slots
+                run.free.fill_(slots)
             snapshot = None
             if snapshot_every and (k % snapshot_every == 0 or k == max_new_tokens - 1 or drop.numel() > 1):
                 after = run.positions[: run.live].cpu()
@@ -321,9 +316,9 @@ class StaticBackend:
         del prefill, layers  # a prefill of our own: only the slots hold it now
         positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
         positions[: kept.numel()] = kept
-        # A prefill-time policy decodes as the full cache does: its budget leaves room for every new token; a
-        # checkpointed one is fed by _decode_host, and its slots evict nothing by themselves.
-        scorer = make_scorer(FullCache() if self.prefill_time or self.host else policy, device, capacity)
+        # A prefill-time policy decodes as the full cache does: its budget leaves room for every new token.
+        scorer = _PolicyOnHost(policy) if self.host else make_scorer(FullCache() if self.prefill_time else policy,
+                                                                     device, capacity)
         return _Run(cache, positions, free=torch.tensor([kept.numel()], device=device),
                     token=token.reshape(1, 1).clone(), position=torch.tensor([[prompt_len]], device=device),
                     evicted=torch.zeros(1, dtype=torch.long, device=device), live=kept.numel(),
@@ -414,16 +409,21 @@ class StaticBackend:
             run.free.fill_(slots)
             return run.evicted.new_empty(0), victims
         evicted = before[victims]
-        order = engine_compaction(victims, slots)
-        run.cache = self._slots(budget.steady, [(keys[:, :, order], values[:, :, order])
-                                                for keys, values in zip(*run.cache)], order.numel())
-        compacted = torch.full((budget.steady,), -1, dtype=torch.long, device=self.model.device)
+        self._compact(run, victims, slots, budget.steady)
+        return evicted, victims.new_empty(0)
+
+    def _compact(self, run: "_Run", freed: torch.Tensor, slots: int, capacity: int) -> None:
+        """Free ``freed`` of ``slots`` slots, the survivors moved into a ``capacity``-slot cache as the engine's
+        cache moves them (:func:`engine_compaction`); the next token takes the first slot after them."""
+        order = engine_compaction(freed, slots)
+        moved = [(keys[:, :, order], values[:, :, order]) for keys, values in zip(*run.cache)]
+        run.cache = self._slots(capacity, moved, order.numel())
+        compacted = torch.full((capacity,), -1, dtype=torch.long, device=self.model.device)
         compacted[: order.numel()] = run.positions[order]
         run.positions = compacted
-        run.scorer.compact(order, budget.steady)
+        run.scorer.compact(order, capacity)
         run.live = order.numel()
         run.free = torch.tensor([run.live], device=self.model.device)
-        return evicted, victims.new_empty(0)
 
     def _layer_fn(self, steady: bool):
         """The compiled layer for the steady shape; eager while shapes still change (no recompiling per step)."""
@@ -545,6 +545,9 @@ class _PolicyOnHost:
 
     def evict(self, positions: torch.Tensor, count: int) -> torch.Tensor:
         return positions.new_empty(0)
+
+    def compact(self, index: torch.Tensor, capacity: int) -> None:
+        pass  # the policy keeps its state by position
 
     def raw(self, positions: torch.Tensor) -> None:
         return None
