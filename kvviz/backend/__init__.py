@@ -16,8 +16,7 @@ import torch
 
 BACKENDS = ("auto", "engine", "static")
 
-# Policies the static backend does not run, by class name, and why.
-NOT_STATIC: dict[str, str] = {}
+# The one policy the static backend does not run, and why.
 EXPECTED_ATTENTION_DECODE = ("Expected Attention with decode=true scores every step from statistics of every query "
                              "so far")
 
@@ -54,8 +53,6 @@ def refusal(model, policy) -> str | None:
     if model_type not in SUPPORTED:
         return (f"it reproduces {', '.join(SUPPORTED)} decoder layers, not {model_type!r}")
     name = type(policy).__name__
-    if name in NOT_STATIC:
-        return f"{NOT_STATIC[name]}, which the static step does not compute yet"
     if type(policy) is ExpectedAttention and policy.decode:
         return f"{EXPECTED_ATTENTION_DECODE}, which the static step does not compute yet"
     if type(policy) not in SCORER_OF and not prefill_time(policy) and not checkpointed(policy):
