@@ -21,9 +21,10 @@ stdout and to ``--out`` / ``<out>-checks.jsonl`` as it is made):
    may fuse the EMA's multiply-add into one rounding) and give way first when time is short.  Then the
    same tiny Llama in bfloat16 (the speed runs' dtype, where the static step takes float32 logits straight
    from the half-precision keys): agreement with the reference engine, reported, not required (two
-   attention kernels round differently in bfloat16).  Then each ``--backend-policies`` policy on the static
-   backend (CUDA graphs on a GPU) against the engine, tiny Llama in float32: ``backend == engine`` lines,
-   counted in ``all_equal``.
+   attention kernels round differently in bfloat16).  Then the static backend (CUDA graphs on a GPU)
+   against the engine, tiny Llama in float32: ``backend == engine`` lines, counted in ``all_equal``, for
+   a setting of every kind it runs (``BACKEND_EXACTNESS``: every-step, prefill-time, checkpointed, and
+   Expected Attention at every step), unless ``--backend-policies`` is empty.
 3. With the time left of ``--budget-s`` (counted from the script's start): the other contexts, then the
    ``--also`` config at the first context.
 
@@ -173,26 +174,34 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
     return ok, compiled_ok
 
 
-BACKEND_POLICIES = "inertia,tova,h2o,knorm,streaming"  # the static backend's rows and cases (kvviz.backend)
+BACKEND_POLICIES = "inertia,tova,h2o,knorm,streaming"  # the static backend's speed rows (kvviz.backend)
+# The exactness cases: a setting of every kind the backend runs -- every-step (graph-captured on a GPU),
+# prefill-time (cut by the engine's pass, then slots), decided on the host (checkpointed at interval 4, so
+# they evict within 30 steps, and Expected Attention at every step) -- with a budget each can hold.
+BACKEND_EXACTNESS = {"inertia": 20, "inertia-lazy": 20, "tova": 20, "h2o": 20, "knorm": 20, "streaming": 20,
+                     "keydiff": 20, "snapkv window=8": 20, "kvzip": 20, "expected-attention": 20,
+                     "expected-attention-decode": 20, "avokv interval=4": 40, "rkv interval=4": 20,
+                     "lazyeviction interval=4": 20}
 
 
-def backend_exactness(device: str, policies: list[str]) -> bool:
-    """The static backend (every-step policies over B + 1 slots, CUDA graphs on a GPU) against the engine on the
-    same device, tiny Llama in float32, greedy: same tokens and keep sets at every step, one line per policy."""
-    import kvviz
+def backend_exactness(device: str, settings: dict[str, int]) -> bool:
+    """The static backend (CUDA graphs on a GPU where a step allows) against the engine on the same device,
+    tiny Llama in float32, greedy: same tokens and keep sets at every step, one line per setting as typed."""
     from kvviz.backend.static import StaticBackend
     from kvviz.engine import decode
     from kvviz.models import tiny_model
+    from kvviz.policies import build_setting
 
     model, tokenizer = tiny_model("llama")
     model.to(device)
     prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     ok = True
-    for name in policies:
-        def check(case, name=name):
-            reference = list(decode(model, tokenizer, prompt, kvviz.make_policy(name), budget=20, max_new_tokens=30))
-            static = list(StaticBackend(model, kvviz.make_policy(name)).stream(tokenizer, prompt, budget=20,
-                                                                               max_new_tokens=30))
+    for name, budget in settings.items():
+        def check(case, name=name, budget=budget):
+            reference = list(decode(model, tokenizer, prompt, build_setting(name)[1], budget=budget,
+                                    max_new_tokens=30))
+            static = list(StaticBackend(model, build_setting(name)[1]).stream(tokenizer, prompt, budget=budget,
+                                                                              max_new_tokens=30))
             kept = [(a.kept.tolist(), b.kept.tolist()) for a, b in zip(reference, static)]
             first = next((step for step, (a, b) in enumerate(kept) if a != b), None)
             case.update(tokens=[e.new_token_id for e in static] == [e.new_token_id for e in reference],
@@ -299,8 +308,7 @@ def all_checks(device: str, compiles: bool, backend_policies: str, left) -> bool
         report({"check": "exactness", **_failure(error)})
         exact, compiled_exact = False, None
     try:
-        policies = [name.strip() for name in backend_policies.split(",") if name.strip()]
-        exact &= backend_exactness(device, policies) if policies else True
+        exact &= backend_exactness(device, BACKEND_EXACTNESS if backend_policies else {})
     except Exception as error:  # noqa: BLE001 -- e.g. the backend's import: reported, the rest goes on
         report({"check": "backend == engine", **_failure(error)})
         exact = False

@@ -2971,18 +2971,21 @@ def test_every_endpoint_argument_of_a_wrong_type_is_refused_by_name(client, capl
 
 def test_a_deployment_on_the_static_backend_streams_the_engines_events_and_refuses_what_it_cannot_run(tiny):
     """KVVIZ_BACKEND=static (what "auto" takes on a GPU) on this CPU: /generate's stream is the engine's,
-    step for step, and a policy the static step cannot run is refused before the run, naming why."""
+    step for step, and a model the static step cannot run is refused before the run, naming why."""
+    from kvviz.models import tiny_model
     from kvviz.ui import api, checks
 
-    checks._models[TINY] = tiny
-    generate = {backend: api.make_generate_api(Limits(models=(TINY,), max_prompt_tokens=400, max_new_tokens=30,
-                                                      backend=backend))
+    gemma = "tiny-random-gemma"
+    checks._models[TINY], checks._models[gemma] = tiny, tiny_model("gemma")
+    generate = {backend: api.make_generate_api(Limits(models=(TINY, gemma), max_prompt_tokens=400,
+                                                      max_new_tokens=30, backend=backend))
                 for backend in ("engine", "static")}
-    for policy, params in (("tova", "{}"), ("inertia-lazy", "{}"), ("snapkv", "{}"), ("rkv", '{"interval": 4}')):
+    for policy, params in (("tova", "{}"), ("inertia-lazy", "{}"), ("snapkv", "{}"), ("rkv", '{"interval": 4}'),
+                           ("expected-attention-decode", "{}")):
         runs = {backend: list(api(PROMPT, policy, 0.5, 12, False, TINY, params)) for backend, api in generate.items()}
         assert runs["static"] == runs["engine"] and len(runs["static"]) == 12
     with pytest.raises(gr.Error, match=r"static backend \(KVVIZ_BACKEND=static\), which cannot run "
-                                       "expected-attention-decode: Expected Attention with decode=true"):
-        list(generate["static"](PROMPT, "expected-attention-decode", 0.5, 12, False, TINY, "{}"))
+                                       "tova: it reproduces llama, mistral, qwen2, qwen3 decoder layers, not 'gemma'"):
+        list(generate["static"](PROMPT, "tova", 0.5, 12, False, gemma, "{}"))
     with pytest.raises(ValueError, match="the backend .KVVIZ_BACKEND. must be auto, engine or static"):
         Limits(backend="gpu")

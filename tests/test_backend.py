@@ -198,6 +198,31 @@ def test_a_checkpointed_policy_equals_the_engine_over_hundreds_of_steps(models):
     assert same_components(reference, static)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expected_attention_at_every_step_decides_on_the_host_over_the_slots_as_on_the_engine(models, family):
+    """Budget 40 of 56: the prefill cuts 16 entries, then every step frees exactly one, the entry future queries
+    are expected to attend to least; budget 66 above the prompt: 10 steps grow, then one a step."""
+    model, tokenizer, prompt = models[family]
+    for budget, sampling, steps in ((40, None, 20), (40, SAMPLED, 12), (66, None, 16)):
+        reference, static = both(model, tokenizer, prompt, "expected-attention-decode", budget, steps, sampling)
+        assert len(static) == steps and first_difference(reference, static) is None, (budget, sampling)
+        cut = max(0, len(prompt) - budget)
+        grows = max(0, budget - len(prompt))
+        assert [len(e.evicted) for e in static] == [cut] + [0] * grows + [1] * (steps - 1 - grows)
+        assert all(len(e.kept) == min(budget, len(prompt) + e.step) for e in static)
+
+
+def test_the_comparison_detects_expected_attention_fed_views_without_their_rope(models, monkeypatch):
+    """The views' RoPE frequencies rotate each query back to its pre-RoPE form; fed the wrong ones (the
+    positions' rotation off by half), the statistics and so the evictions differ."""
+    from kvviz.backend import static
+
+    model, tokenizer, prompt = models["llama"]
+    init = static._PolicyOnHost.__init__
+    monkeypatch.setattr(static._PolicyOnHost, "__init__", lambda self, policy, rope: init(self, policy, rope * 0.5))
+    assert first_difference(*both(model, tokenizer, prompt, "expected-attention-decode", 40, 16)) is not None
+
+
 def test_the_comparison_detects_a_checkpointed_policy_fed_no_view_of_one_layer(models, monkeypatch):
     from kvviz.backend import static
 
@@ -295,13 +320,14 @@ def test_auto_stays_on_the_engine_on_a_cpu_and_static_refuses_by_name(models):
     assert backend.choose(model, kvviz.make_policy("tova"), "static") == "static"
     assert backend.choose(model, kvviz.make_policy("tova"), device="cuda") == "static"
     assert backend.choose(model, kvviz.make_policy("avokv"), device="cuda") == "static"
-    assert backend.choose(model, kvviz.make_policy("expected-attention-decode"), device="cuda") == "engine"
-    for name, why in (("expected-attention-decode", "Expected Attention with decode=true scores every step"),):
-        assert not backend.supports(model, kvviz.make_policy(name))
-        with pytest.raises(ValueError, match=f"backend='static' cannot run .*{why}"):
-            backend.choose(model, kvviz.make_policy(name), "static")
-        with pytest.raises(ValueError, match=why):
-            StaticBackend(model, kvviz.make_policy(name))
+    assert backend.choose(model, kvviz.make_policy("expected-attention-decode"), device="cuda") == "static"
+    gemma, _ = tiny_model("gemma")
+    why = "it reproduces llama, mistral, qwen2, qwen3 decoder layers, not 'gemma'"
+    assert not backend.supports(gemma, kvviz.make_policy("tova"))
+    with pytest.raises(ValueError, match=f"backend='static' cannot run TOVA: {why}"):
+        backend.choose(gemma, kvviz.make_policy("tova"), "static")
+    with pytest.raises(ValueError, match=why):
+        StaticBackend(gemma, kvviz.make_policy("tova"))
     with pytest.raises(ValueError, match="backend must be one of auto, engine, static"):
         backend.choose(model, kvviz.make_policy("tova"), "gpu")
 
@@ -328,8 +354,9 @@ def test_run_with_the_static_backend_gives_the_engines_trace(models):
     static_run = kvviz.run(model, tokenizer, prompt, "knorm", budget=16, max_new_tokens=10, backend="static")
     assert static_run.text == engine_run.text and static_run.trace.meta() == engine_run.trace.meta()
     assert first_difference(engine_run.trace.events, static_run.trace.events) is None
-    with pytest.raises(ValueError, match="Expected Attention with decode=true"):
-        kvviz.run(model, tokenizer, prompt, "expected-attention-decode", budget=16, backend="static")
+    gemma, gemma_tokenizer = tiny_model("gemma")
+    with pytest.raises(ValueError, match="backend='static' cannot run KNorm: .*not 'gemma'"):
+        kvviz.run(gemma, gemma_tokenizer, prompt, "knorm", budget=16, backend="static")
 
 
 def test_compiled_steady_step_is_one_graph_for_every_policy(models):

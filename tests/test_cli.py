@@ -52,8 +52,8 @@ def test_generate_json_contract(tmp_path):
                          ids=["greedy", "sampled"])
 def test_generate_on_the_static_backend_prints_what_the_engine_prints(capsys, sampling):
     """--backend static decodes on the slot backend (auto takes it on a GPU): the same tokens and keep sets
-    at every step as --backend engine on the same device, sampled with a seed too; a policy it cannot run is
-    refused by name, and auto runs that one on the engine."""
+    at every step as --backend engine on the same device, sampled with a seed too; a model family it cannot run
+    is refused by name, and auto runs that one on the engine."""
     from kvviz.cli import main
 
     common = ["generate", *TINY, "--prompt", TEXT, "--no-chat", "--compression", "0.5", "--max-new-tokens", "16",
@@ -70,10 +70,10 @@ def test_generate_on_the_static_backend_prints_what_the_engine_prints(capsys, sa
         out[backend] = json.loads(capsys.readouterr().out)
     assert out["static"]["token_ids"] == out["engine"]["token_ids"]
     assert [s["kept"] for s in out["static"]["steps"]] == [s["kept"] for s in out["engine"]["steps"]]
-    decoding = [*common, "--policy", "expected-attention-decode"]
-    assert main([*decoding, "--backend", "static"]) == 2
-    assert "backend='static' cannot run ExpectedAttention" in capsys.readouterr().err
-    assert main(decoding) == 0  # auto: the engine
+    gemma = [arg if arg != "tiny-random-llama" else "tiny-random-gemma" for arg in common]  # a family it lacks
+    assert main([*gemma, "--policy", "tova", "--backend", "static"]) == 2
+    assert "backend='static' cannot run TOVA: it reproduces llama" in capsys.readouterr().err
+    assert main([*gemma, "--policy", "tova"]) == 0  # auto: the engine
 
 
 def test_no_chat_tokenises_the_prompt_as_is(capsys):

@@ -49,7 +49,10 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
         "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free", "static-no-scoring-unfused",
         "static-inertia-unfused"]
     backend = [line for line in checks if line.get("check") == "backend == engine"]
-    assert [line["policy"] for line in backend] == ["inertia", "tova", "h2o", "knorm", "streaming"]
+    assert [line["policy"] for line in backend] == [  # a setting of every kind the backend runs
+        "inertia", "inertia-lazy", "tova", "h2o", "knorm", "streaming", "keydiff", "snapkv window=8", "kvzip",
+        "expected-attention", "expected-attention-decode", "avokv interval=4", "rkv interval=4",
+        "lazyeviction interval=4"]
     assert all(line["tokens"] and line["kept"] for line in backend)
     summary = next(line for line in checks if line.get("check") == "backend policies")
     assert summary["inertia_vs_inertia"] == 1.0 and summary["knorm_tok_s"] > 0

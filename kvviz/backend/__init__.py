@@ -16,11 +16,6 @@ import torch
 
 BACKENDS = ("auto", "engine", "static")
 
-# The one policy the static backend does not run, and why.
-EXPECTED_ATTENTION_DECODE = ("Expected Attention with decode=true scores every step from statistics of every query "
-                             "so far")
-
-
 def prefill_time(policy) -> bool:
     """Whether ``policy`` evicts at the prefill only (SnapKV, KVzip, Expected Attention without ``decode``):
     the static backend runs its prefill and selection as the engine does, then decodes without evicting."""
@@ -43,22 +38,28 @@ def checkpointed(policy) -> bool:
     return type(policy) in (AvoKVE, RKV, LazyEviction)
 
 
+def decided_on_host(policy) -> bool:
+    """Whether the static backend hands ``policy`` object itself each step's views and asks it what to evict:
+    the checkpointed policies, and Expected Attention with ``decode`` (its float64 query statistics and
+    Gaussian expectation are the policy's own code, run on the host exactly as the engine runs them)."""
+    from ..policies.expected_attention import ExpectedAttention
+
+    return checkpointed(policy) or (type(policy) is ExpectedAttention and policy.decode)
+
+
 def refusal(model, policy) -> str | None:
     """Why the static backend cannot run ``policy`` on ``model``, as a sentence; None when it can."""
     from ..fast import SUPPORTED
-    from ..policies.expected_attention import ExpectedAttention
     from .scorers import SCORER_OF
 
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED:
         return (f"it reproduces {', '.join(SUPPORTED)} decoder layers, not {model_type!r}")
     name = type(policy).__name__
-    if type(policy) is ExpectedAttention and policy.decode:
-        return f"{EXPECTED_ATTENTION_DECODE}, which the static step does not compute yet"
-    if type(policy) not in SCORER_OF and not prefill_time(policy) and not checkpointed(policy):
+    if type(policy) not in SCORER_OF and not prefill_time(policy) and not decided_on_host(policy):
         return (f"{name} is not a policy it knows (a subclass of one may change its rule); it runs InertiaKV (every "
                 "setting), TOVA, H2O, StreamingLLM, KeyDiff, K-norm, recency, random, the full cache, SnapKV, "
-                "KVzip and Expected Attention at the prefill, and AvoKV-E, R-KV and LazyEviction")
+                "KVzip, Expected Attention, AvoKV-E, R-KV and LazyEviction")
     return None
 
 
@@ -92,4 +93,4 @@ def stream(model, tokenizer, prompt_ids: list[int], policy, **kwargs) -> Iterato
     yield from StaticBackend(model, policy).stream(tokenizer, prompt_ids, **kwargs)
 
 
-__all__ = ["BACKENDS", "checkpointed", "choose", "prefill_time", "refusal", "stream", "supports"]
+__all__ = ["BACKENDS", "checkpointed", "choose", "decided_on_host", "prefill_time", "refusal", "stream", "supports"]

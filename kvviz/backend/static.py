@@ -1,7 +1,8 @@
 """The static slot backend: any every-step policy over B + 1 preallocated slots, decided on the device; the
 prefill-time ones (SnapKV, KVzip, Expected Attention at the prefill), cut by the engine's own prefill pass and
-then decoded on slots that take every new token; and the checkpointed ones (AvoKV-E, R-KV, LazyEviction),
-decoded on slots while the policy object decides on the host, step by step, as the engine asks it.
+then decoded on slots that take every new token; and the checkpointed ones (AvoKV-E, R-KV, LazyEviction) and
+Expected Attention at every step, decoded on slots while the policy object decides on the host, step by step,
+as the engine asks it.
 
 One decode step consumes a token over ``slots`` slots, one of which (``free``) has just taken the new token's
 key and value; each layer's float32 attention probabilities (:func:`kvviz.fast.layer_forward`) serve both
@@ -36,7 +37,7 @@ from .. import engine, fast
 from ..policies.base import BudgetTooSmall
 from ..policies.full import FullCache
 from ..reconstruction import reconstruct
-from ..scoring import LayerView
+from ..scoring import LayerView, rope_frequencies
 from ..trace import StepEvent
 from .sampling import DeviceSampler
 from .scorers import SlotView, make_scorer
@@ -102,13 +103,13 @@ class StaticBackend:
     """
 
     def __init__(self, model, policy, *, compile: bool = False, fuse: bool = True, value_block: int | None = None):
-        from . import checkpointed, prefill_time, refusal
+        from . import decided_on_host, prefill_time, refusal
 
         why = refusal(model, policy)
         if why:
             raise ValueError(f"the static backend cannot run this: {why}")
         self.prefill_time = prefill_time(policy)
-        self.host = checkpointed(policy)  # decided by the policy object on the host, every step
+        self.host = decided_on_host(policy)  # decided by the policy object on the host, every step
         if value_block is not None and value_block < 0:
             raise ValueError(f"value_block must be 0 (one value product) or a positive slot count, got {value_block}")
         self.model, self.policy, self.compiled, self.fuse = model, policy, compile, fuse
@@ -256,9 +257,10 @@ class StaticBackend:
 
     def _decode_host(self, tokenizer, prompt_ids: list[int], budget: Budget, max_new_tokens: int,
                      sampler: DeviceSampler, *, shared, snapshot_every: int) -> Iterator[StepRecord]:
-        """A checkpointed policy's run: each step the slots decode the token, the policy object gets the engine's
-        calls (begin_step, each eligible layer's view, raw_scores, select_evictions, components) on the host,
-        and the survivors are compacted as the engine's cache compacts them, so the slots keep its order."""
+        """A host-decided policy's run (checkpointed, or Expected Attention at every step): each step the slots
+        decode the token, the policy object gets the engine's calls (begin_step, each eligible layer's view,
+        raw_scores, select_evictions, components) on the host, and the survivors are compacted as the engine's
+        cache compacts them, so the slots keep its order."""
         policy, device, prompt_len = self.policy, self.model.device, len(prompt_ids)
         run = yield from self._start(tokenizer, prompt_ids, budget, sampler, shared, max_new_tokens)
         for k in range(1, max_new_tokens):
@@ -317,8 +319,10 @@ class StaticBackend:
         positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
         positions[: kept.numel()] = kept
         # A prefill-time policy decodes as the full cache does: its budget leaves room for every new token.
-        scorer = _PolicyOnHost(policy) if self.host else make_scorer(FullCache() if self.prefill_time else policy,
-                                                                     device, capacity)
+        if self.host:
+            scorer = _PolicyOnHost(policy, rope_frequencies(model))
+        else:
+            scorer = make_scorer(FullCache() if self.prefill_time else policy, device, capacity)
         return _Run(cache, positions, free=torch.tensor([kept.numel()], device=device),
                     token=token.reshape(1, 1).clone(), position=torch.tensor([[prompt_len]], device=device),
                     evicted=torch.zeros(1, dtype=torch.long, device=device), live=kept.numel(),
@@ -356,7 +360,7 @@ class StaticBackend:
         for index, (layer, fused, layer_keys, layer_values) in enumerate(zip(self.layers, run.projections,
                                                                             keys, values)):
             observed = scoring and index in run.eligible
-            # a checkpointed policy buffers the query itself (a fresh tensor: it keeps what it is given)
+            # a host-decided policy buffers the query itself (a fresh tensor: it keeps what it is given)
             query = hidden.new_empty(self.heads, layer_keys.shape[-1]) if observed and self.host else None
             hidden, probs = layer_fn(layer, hidden, cos, sin, run.free, layer_keys, layer_values, self.fp32_logits,
                                      fused, slots, self.value_block, query_out=query)
@@ -523,15 +527,15 @@ class _Run:
 
 
 class _PolicyOnHost:
-    """The scorer of a checkpointed policy on the static slots: each view handed on to the policy object as the
+    """The scorer of a host-decided policy on the static slots: each view handed on to the policy object as the
     engine hands it (the attention left for the view to compute from the query, as the engine's does), with
     the slots' positions on the host.  It frees nothing itself: :meth:`StaticBackend._decode_host` asks the
     policy."""
 
     capturable = False
 
-    def __init__(self, policy):
-        self.policy = policy
+    def __init__(self, policy, rope: torch.Tensor | None):
+        self.policy, self.rope = policy, rope  # rope: as the engine's views carry it (Expected Attention reads it)
 
     def prepare(self, layers: int) -> None:
         pass
@@ -540,7 +544,7 @@ class _PolicyOnHost:
         pass
 
     def observe(self, view, positions: torch.Tensor) -> None:
-        self.policy.observe(LayerView(view.layer, view.query, view.keys, view.values, view.scaling),
+        self.policy.observe(LayerView(view.layer, view.query, view.keys, view.values, view.scaling, self.rope),
                             positions.cpu())
 
     def evict(self, positions: torch.Tensor, count: int) -> torch.Tensor:
