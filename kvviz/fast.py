@@ -114,7 +114,8 @@ def padded_slots(slots: int, block: int) -> int:
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-           fp32_logits: bool = False, slots: int | None = None, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           fp32_logits: bool = False, slots: int | None = None, block: int = 0,
+           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token against the slot cache; the probabilities serve the output and the scores alike.
 
     Parameters
@@ -134,6 +135,9 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
         whose partial outputs are summed in float32.  With 0, one product: ``groups`` rows times ``head_dim``
         columns of output, each summed over every slot, which cuBLAS spreads over few tiles (on an H200,
         60 us per layer at 6554 slots); blocks give it ``padded / block`` times as many independent sums.
+    bias : torch.Tensor or None
+        ``(slots,)`` float32 added to the scaled logits: ``-inf`` for slots not written yet (a cache whose
+        live length changes inside one captured shape, :mod:`kvviz.backend.full`).
 
     Returns
     -------
@@ -153,7 +157,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
         logits = torch.bmm(query, live_keys.transpose(1, 2), out_dtype=torch.float32)
     else:
         logits = torch.bmm(query.float(), live_keys.float().transpose(1, 2))
-    probs = torch.softmax(logits * scaling, dim=-1)
+    probs = torch.softmax(logits * scaling if bias is None else logits * scaling + bias, dim=-1)
     weights, values_in = (probs.to(values.dtype), values) if fp32_logits else (probs, values.float())
     if slots < padded:
         weights = F.pad(weights, (0, padded - slots))  # padding weighs nothing
@@ -201,11 +205,12 @@ def decode_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def layer_forward(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, free: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, fp32_logits: bool, fused: tuple | None = None,
-                  slots: int | None = None, block: int = 0,
-                  query_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  slots: int | None = None, block: int = 0, query_out: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_layer` without a policy: the layer's output and its attention probabilities, for a scorer
     (:mod:`kvviz.backend`) to read.  Arguments as in :func:`decode_layer`; ``query_out``, ``(num_heads,
-    head_dim)``, if given, receives the post-RoPE query (what a policy that buffers queries reads).
+    head_dim)``, if given, receives the post-RoPE query (what a policy that buffers queries reads); ``bias`` as
+    in :func:`attend`.
 
     Returns
     -------
@@ -232,7 +237,7 @@ def layer_forward(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     keys.index_copy_(2, free, k)
     values.index_copy_(2, free, v)
     out, probs = attend(q.view(kv_heads, heads // kv_heads, head_dim), keys[0], values[0], attn.scaling,
-                        fp32_logits, slots, block)
+                        fp32_logits, slots, block, bias)
     hidden = hidden + attn.o_proj(out.reshape(1, 1, heads * head_dim))
     x = layer.post_attention_layernorm(hidden)
     if fused is None:

@@ -372,3 +372,40 @@ def test_compiled_steady_step_is_one_graph_for_every_policy(models):
         reference, static = both(model, tokenizer, prompt, setting, 20, 12, compile=True)
         assert first_difference(reference, static) is None
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+# -- the full cache as a static step: the speed baseline ---------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_full_cache_static_step_gives_generates_tokens(models, family):
+    """Prompt + new-token slots, the unwritten ones masked: greedy tokens equal plain model.generate's, with one
+    value product or in blocks of 4 slots over a padded cache, from its own prefill or a shared one."""
+    from kvviz.backend.full import StaticFullCache
+    from kvviz.engine import prefill
+
+    model, tokenizer, prompt = models[family]
+    steps = 40
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                              min_new_tokens=steps)[0, len(prompt):].tolist()
+    for options in ({}, {"value_block": 4}):
+        run = StaticFullCache(model, **options).generate(prompt, steps)
+        assert run.token_ids == expected, options
+        assert len(run.step_seconds) == len(run.setup_steps) == steps - 1
+    shared = prefill(model, prompt)
+    assert StaticFullCache(model).generate(prompt, steps, shared=shared).token_ids == expected
+    assert StaticFullCache(model).generate(prompt, 1).token_ids == expected[:1]
+
+
+def test_the_full_cache_comparison_detects_the_unwritten_slots_left_unmasked(models, monkeypatch):
+    """Without the bias the zero keys of the slots not yet written take a share of every softmax: the tokens
+    part from generate's (on Qwen3 with drawn QK-norm weights, whose attention is sharp enough for a diluted
+    softmax to change the argmax within 30 steps; on the flatter tiny models it takes ~70)."""
+    from kvviz import fast
+    from kvviz.backend.full import StaticFullCache
+
+    model, tokenizer, prompt = models["qwen3"]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                              min_new_tokens=30)[0, len(prompt):].tolist()
+    forward = fast.layer_forward
+    monkeypatch.setattr(fast, "layer_forward", lambda *args, bias=None, **kwargs: forward(*args, **kwargs))
+    assert StaticFullCache(model).generate(prompt, 30).token_ids != expected

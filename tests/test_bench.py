@@ -28,9 +28,9 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     rows = [rows[0], *rows[2:-1]]
     names = [row["what"] for row in rows[1:]]
     # The baseline, then the static path (a GPU run's targets), then the engine: the order rows are measured in.
-    assert names == ["generate", "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free",
-                     "static-no-scoring-unfused", "static-inertia-unfused", "static-no-scoring-uncompiled",
-                     "static-inertia-uncompiled", "static-inertia-lazy-uncompiled",
+    assert names == ["generate", "static-full-cache", "static-no-scoring", "static-inertia", "static-inertia-lazy",
+                     "static-score-free", "static-no-scoring-unfused", "static-inertia-unfused",
+                     "static-no-scoring-uncompiled", "static-inertia-uncompiled", "static-inertia-lazy-uncompiled",
                      "full", "inertia", "inertia-lazy", "score-free"]
     assert all(row["decode_tok_s"] > 0 for row in rows[1:])
     # Each rate against the generate row's, rounded to 3 places (from unrounded rates: half a unit of slack).
@@ -38,8 +38,11 @@ def test_speed_bench_prints_every_configuration(tmp_path, capsys):
     assert all(abs(row["vs_generate"] - row["decode_tok_s"] / generate["decode_tok_s"]) <= 5e-4 + 1e-6
                for row in rows[1:])
     # 90% of a 128-token prompt: floor(12.8) = 12 entries, measured at the end of the engine and static runs.
-    assert all(row["final_cache"] == row["budget"] == 12 for row in rows[1:] if row["what"] not in ("generate", "full"))
-    static = {row["what"]: row for row in rows[1:] if row["what"].startswith("static-")}
+    assert all(row["final_cache"] == row["budget"] == 12 for row in rows[1:]
+               if row["what"] not in ("generate", "full", "static-full-cache"))
+    # the full cache as a static step holds every token, as generate does, and no compile setting applies
+    assert rows[2]["budget"] == 128 + 6 and rows[2]["final_cache"] == 128 + 5 and "compiled" not in rows[2]
+    static = {row["what"]: row for row in rows[1:] if row["what"].startswith("static-") and row is not rows[2]}
     assert all(row["compiled"] == (not name.endswith("-uncompiled")) for name, row in static.items())
     # Compiling is setup, kept out of the steady-state rate; the uncompiled CPU step has none.
     assert static["static-no-scoring"]["setup_s"] > 0
@@ -112,7 +115,8 @@ def test_speed_bench_reports_what_the_static_path_kept_not_its_budget(tmp_path, 
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "128", "--new-tokens", "4", "--repeats", "1",
                  "--compile", "off", "--out", str(out)]) == 0
     rows = {row["what"]: row for row in map(json.loads, out.read_text().splitlines()[1:])}
-    assert {name: row["final_cache"] for name, row in rows.items() if name.startswith("static-")} == {
+    assert {name: row["final_cache"] for name, row in rows.items()
+            if name.startswith("static-") and name != "static-full-cache"} == {
         "static-no-scoring": 13, "static-inertia": 13, "static-inertia-lazy": 13, "static-score-free": 13,
         "static-no-scoring-unfused": 13, "static-inertia-unfused": 13}
     assert rows["inertia"]["final_cache"] == 12  # the engine path is untouched
@@ -168,7 +172,7 @@ def test_speed_bench_reports_a_failed_configuration_and_measures_the_rest(tmp_pa
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert [row["what"] for row in rows].count("prefill") == 2
     rows = [row for row in rows if row["what"] not in ("prefill", "context done")]
-    assert len(rows) == 2 * 11  # generate, 6 static rows (2 unfused), 4 engine policies
+    assert len(rows) == 2 * 12  # generate, the full cache's static step, 6 static rows (2 unfused), 4 engine policies
     failed = [row for row in rows if "error" in row]
     assert [row["what"] for row in failed] == ["static-inertia-lazy"] * 2
     assert failed[0]["error"] == "RuntimeError: capture failed" and "decode_tok_s" not in failed[0]
@@ -252,9 +256,9 @@ def test_speed_bench_keeps_every_finished_row_when_killed_and_survives_a_failed_
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
                  "--compile", "off", "--out", str(out)]) == 130
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
-    assert [row["what"] for row in rows] == ["prefill", "generate", "static-no-scoring", "static-inertia",
-                                             "static-inertia-lazy", "static-score-free", "static-no-scoring-unfused",
-                                             "static-inertia-unfused"]
+    assert [row["what"] for row in rows] == ["prefill", "generate", "static-full-cache", "static-no-scoring",
+                                             "static-inertia", "static-inertia-lazy", "static-score-free",
+                                             "static-no-scoring-unfused", "static-inertia-unfused"]
     assert all(row["decode_tok_s"] > 0 for row in rows[1:])
 
     monkeypatch.undo()
@@ -271,7 +275,7 @@ def test_speed_bench_keeps_every_finished_row_when_killed_and_survives_a_failed_
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert rows[0] == {"what": "prefill", "prompt_len": 96, "error": "RuntimeError: CUDA out of memory"}
     assert rows[1]["what"] == "context done" and rows[2] == {**rows[2], "what": "prefill", "prompt_len": 128}
-    assert sum(row.get("prompt_len") == 128 and row.get("decode_tok_s", 0) > 0 for row in rows) == 11
+    assert sum(row.get("prompt_len") == 128 and row.get("decode_tok_s", 0) > 0 for row in rows) == 12
 
 
 def test_speed_bench_stops_at_its_time_limit(tmp_path):
@@ -282,14 +286,14 @@ def test_speed_bench_stops_at_its_time_limit(tmp_path):
     assert {row["prompt_len"] for row in rows if row["what"] != "skipped"} == {96}  # the first context always starts
     assert [row for row in rows if row["what"] == "skipped"] == [
         {"what": "skipped", "prompt_len": 128, "why": "would not end within --time-limit 1e-09 s"}]
-    # Within it, past the limit, only the rows issue 6's targets need run (generate, the static step without
-    # scoring, with full and with Lazy refresh); the others are rows that say so.
+    # Within it, past the limit, only the rows issues 6's and 42's targets need run (generate, the full cache as
+    # a static step, the static step without scoring, with full and with Lazy refresh); the others say so.
     first = [row for row in rows if row["prompt_len"] == 96 and row["what"] not in ("prefill", "context done")]
-    assert [row["what"] for row in first[:4]] == ["generate", "static-no-scoring", "static-inertia",
-                                                  "static-inertia-lazy"]
-    assert all(row["decode_tok_s"] > 0 for row in first[:4])
-    assert len(first) == 11 and all(row["skipped"] == "not started within --time-limit 1e-09 s"
-                                    and "decode_tok_s" not in row for row in first[4:])
+    assert [row["what"] for row in first[:5]] == ["generate", "static-full-cache", "static-no-scoring",
+                                                  "static-inertia", "static-inertia-lazy"]
+    assert all(row["decode_tok_s"] > 0 for row in first[:5])
+    assert len(first) == 12 and all(row["skipped"] == "not started within --time-limit 1e-09 s"
+                                    and "decode_tok_s" not in row for row in first[5:])
     # --no-static: generate alone
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
                  "--no-static", "--time-limit", "1e-9", "--out", str(out)]) == 0
@@ -312,8 +316,8 @@ def test_a_row_that_fell_back_from_cudnn_keeps_its_note_and_the_others_their_row
     assert main(["bench", "speed", "--config", "tiny", "--contexts", "96", "--new-tokens", "4", "--repeats", "1",
                  "--compile", "off", "--policies", "inertia", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()[2:-1]]
-    assert [row["what"] for row in rows] == ["generate", "static-no-scoring", "static-inertia", "static-inertia-lazy",
-                                             "static-score-free", "static-no-scoring-unfused",
+    assert [row["what"] for row in rows] == ["generate", "static-full-cache", "static-no-scoring", "static-inertia",
+                                             "static-inertia-lazy", "static-score-free", "static-no-scoring-unfused",
                                              "static-inertia-unfused", "inertia"]
     assert all(row["sdpa_fallback"] == "cuDNN attention disabled after: RuntimeError: cuDNN error"
                and row["decode_tok_s"] > 0 for row in rows)
@@ -339,7 +343,8 @@ def test_once_the_compiled_step_fails_its_uncompiled_rows_stand_in_for_the_targe
     for name in ("static-inertia", "static-inertia-lazy"):
         assert rows[name]["error"] == "not run: the compiled static step failed in static-no-scoring (see its row)"
     assert [name for name, row in rows.items() if row.get("decode_tok_s", 0) > 0] == [
-        "generate", "static-no-scoring-uncompiled", "static-inertia-uncompiled", "static-inertia-lazy-uncompiled"]
+        "generate", "static-full-cache", "static-no-scoring-uncompiled", "static-inertia-uncompiled",
+        "static-inertia-lazy-uncompiled"]
     assert "scoring_eviction_share" in rows["static-inertia-uncompiled"]
     assert all("skipped" in rows[name] for name in ("static-score-free", "full", "inertia", "inertia-lazy",
                                                     "score-free"))

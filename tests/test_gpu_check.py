@@ -45,9 +45,13 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     assert done["all_equal"] is True and done["compiled_equal"] is True
     target = checks[1]
     assert target["prompt_len"] == 256 and target["inertia_tok_s"] > 0 and "lazy_gain" in target
+    # issue 42's: InertiaKV, on the static path and on the backend, against the full cache as a static step
+    assert target["full_cache_graph_tok_s"] > 0 and target["backend_inertia_tok_s"] > 0
+    assert {"inertia_vs_full_cache_graph", "backend_inertia_vs_full_cache_graph",
+            "backend_inertia_at_least_200"} <= set(target)
     assert [row["what"] for row in speed if row.get("what", "").startswith("static-")] == [
-        "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free", "static-no-scoring-unfused",
-        "static-inertia-unfused"]
+        "static-full-cache", "static-no-scoring", "static-inertia", "static-inertia-lazy", "static-score-free",
+        "static-no-scoring-unfused", "static-inertia-unfused"]
     backend = [line for line in checks if line.get("check") == "backend == engine"]
     assert [line["policy"] for line in backend] == [  # a setting of every kind the backend runs
         "inertia", "inertia-lazy", "tova", "h2o", "knorm", "streaming", "keydiff", "snapkv window=8", "kvzip",
@@ -73,9 +77,9 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     rows = [row for row in speed if row.get("prompt_len") == 256 and row["what"] not in ("prefill", "context done")]
     # the rows issue 6's targets need run whatever the time; the rest are skipped
     assert [row["what"] for row in rows if row.get("decode_tok_s", 0) > 0] == [
-        "generate", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
+        "generate", "static-full-cache", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
     # 5 backend rows (--backend-policies' default) among the skipped ones
-    assert all("skipped" in row for row in rows[4:]) and len(rows) == 16
+    assert all("skipped" in row for row in rows[5:]) and len(rows) == 17
     target = next(line for line in checks if line.get("check") == "targets")
     assert "lazy_gain" in target and "scoring_eviction_share" in target and target["engine_kept_overlap"] == 1.0
     names = [line.get("check") for line in checks]

@@ -14,6 +14,9 @@ would make the shared prefill record more than ``engine.SHARED_QUERIES_BYTES`` o
 ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill (model weights included);
 for the static path ``decode_peak_memory_gb`` is the same once its B + 1 slots have replaced the
 prompt-sized cache of step 1 (which alone sets ``peak_memory_gb`` at long contexts).
+``static-full-cache`` is the full cache as a static step (:mod:`kvviz.backend.full`: prompt + new-token
+slots, the static kernels, one CUDA graph on a GPU), the baseline a static eviction step's speed is judged
+against with nothing but the cache size changed.
 Rows come out as their configurations finish -- ``generate``, the static path, then the engine policies --
 so that a run stopped by a time limit or killed keeps what it measured, the GPU targets first (with
 ``--repeats`` above 1, as each configuration finishes its last repeat).
@@ -47,6 +50,7 @@ from .speed_runs import (  # noqa: F401
     time_engine,
     time_generate,
     time_static,
+    time_static_full,
 )
 
 # torch is imported inside the functions that use it: `kvviz --help` reads add_arguments and should
@@ -172,9 +176,11 @@ def build_from_config(name: str, device: str, dtype: str | None = None):
     return model
 
 
-# Issue 6's targets need these rows (the ratio's baseline, the step without scoring, full and Lazy refresh):
-# they run even past --time-limit, which only skips the configurations after them.
-TARGET_ROWS = ("generate", "static-no-scoring", "static-inertia", "static-inertia-lazy")
+# Issue 6's targets need these rows (the ratio's baseline, the step without scoring, full and Lazy refresh),
+# issue 42's the full cache as a static, graph-captured step: they run even past --time-limit, which only
+# skips the configurations after them.
+FULL_GRAPH = "static-full-cache"
+TARGET_ROWS = ("generate", FULL_GRAPH, "static-no-scoring", "static-inertia", "static-inertia-lazy")
 
 
 def measure(model, tokenizer, prompt_ids, args, deadline: float | None = None) -> Iterator[dict]:
@@ -279,6 +285,9 @@ class _Context:
         model, tokenizer, prompt_ids, args = self.model, self.tokenizer, self.prompt_ids, self.args
         budget, device, shared, measured = self.budget, args.device, self.shared, self.measured
         runs = {"generate": lambda: measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
+        if args.static:
+            runs[FULL_GRAPH] = lambda: measured(FULL_GRAPH, time_static_full, model, prompt_ids, args.new_tokens,
+                                                device, shared=shared)
         for name, options in self.statics.items():
             runs[name] = lambda name=name, options=options: measured(
                 name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options,
@@ -352,8 +361,8 @@ class _Context:
         """A configuration's row: its best repeat, rounded, with its agreement and its ratios."""
         prompt_len, new_tokens = len(self.prompt_ids), self.args.new_tokens
         row = {"what": name, "prompt_len": prompt_len, "budget": self.budget if name not in
-               ("generate", "full") else prompt_len + new_tokens, "new_tokens": new_tokens}
-        if name.startswith("static-") or name in self.backend_rows:
+               ("generate", "full", FULL_GRAPH) else prompt_len + new_tokens, "new_tokens": new_tokens}
+        if name in self.statics or name in self.backend_rows:
             row["compiled"] = self.compile and not name.endswith("-uncompiled")
         if name in self.errors:
             return {**row, "error": self.errors[name]}

@@ -79,6 +79,22 @@ def time_generate(model, prompt_ids: list[int], new_tokens: int, device) -> dict
     return {"prefill_s": first_token - start, "decode_s": decode, "decode_tok_s": (new_tokens - 1) / decode}
 
 
+def time_static_full(model, prompt_ids: list[int], new_tokens: int, device, shared=None) -> dict:
+    """The full cache as a static step (:mod:`kvviz.backend.full`): prompt + new-token slots, the static
+    backend's kernels, one CUDA graph on a GPU -- the fair baseline for a static eviction step's speed."""
+    from ..backend.full import StaticFullCache
+
+    static = StaticFullCache(model)
+    _sync(device)
+    start = time.perf_counter()
+    run = static.generate(prompt_ids, new_tokens, timer=lambda: _sync(device), shared=shared)
+    _sync(device)
+    decode_s = time.perf_counter() - run.first_token_time
+    return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": run.setup_seconds(),
+            "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s,
+            "final_cache": len(prompt_ids) + len(run.token_ids) - 1}  # the last token's key is never made
+
+
 def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
                 device, shared=None) -> dict:
     from ..engine import decode
