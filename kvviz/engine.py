@@ -23,7 +23,7 @@ from .policies import Policy, make_policy, setting_label
 from .policies.base import BudgetTooSmall
 
 # KVzip's reconstruction has its own module; its names stay importable from here, where callers found them
-from .reconstruction import RECONSTRUCTION_CHUNK, REPEAT_ALL, REPEAT_FROM, reconstruct, repeat_passes  # noqa: F401
+from .reconstruction import REPEAT_ALL, REPEAT_FROM, reconstruct_once, repeat_passes  # noqa: F401
 from .settings import MAX_NEW_TOKENS, Settings, compressed, largest_compression, resolve_budget  # noqa: F401
 from .trace import StepEvent, Trace, model_dtype
 
@@ -273,6 +273,7 @@ class Prefill:
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     scaling: dict[int, float] = field(default_factory=dict)
     rope: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    reconstructions: dict = field(default_factory=dict)  # KVzip's scores per setting (reconstruct_once)
 
     def replay(self, sink, window: int) -> None:
         """Hand ``sink`` the prefill views it would have seen with an observation ``window`` (≤ ``self.window``)."""
@@ -365,7 +366,7 @@ def decode(model, tokenizer, prompt_ids: list[int], policy: Policy, *, budget: i
 
     last_logits, t_forward = prefill_into(model, prompt_ids, cache, prefill_scores, shared)
     if policy.reconstructs:
-        cache.score_seconds += reconstruct(model, tokenizer, cache, prompt_ids)
+        cache.score_seconds += reconstruct_once(model, tokenizer, cache, prompt_ids, shared)
     evicted, raw, t_evict = cache.finish_step() if prefill_scores else (np.empty(0, np.int64), None, 0.0)
     token = sampler(last_logits)
     pieces = TextPieces(tokenizer)

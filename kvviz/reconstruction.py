@@ -13,7 +13,7 @@ import torch
 from . import scoring
 
 if TYPE_CHECKING:
-    from .engine import EvictingCache
+    from .engine import EvictingCache, Prefill
 
 RECONSTRUCTION_CHUNK = 2048  # prompt tokens repeated per pass (KVzip's chunk size)
 REPEAT_ALL = "\n\nRepeat the previous context exactly."
@@ -63,3 +63,20 @@ def reconstruct(model, tokenizer, cache: EvictingCache, prompt_ids: list[int]) -
     cache.resize(capacity)  # the repeat tokens grew the slots; hand that memory back
     settle(device)
     return time.perf_counter() - start_time
+
+
+def reconstruct_once(model, tokenizer, cache: EvictingCache, prompt_ids: list[int], shared: Prefill | None) -> float:
+    """:func:`reconstruct`, run once per prompt and policy setting where a shared prefill keeps what it
+    scored: the pass reads the prompt and the setting, never the budget, so the cells of one sample at
+    several budgets (a sweep's, a comparison's) restore its scores instead of repeating it.  Returns the
+    seconds spent here (0 for a restored run)."""
+    policy = cache.policy
+    if shared is None or shared.prompt_ids != list(prompt_ids):
+        return reconstruct(model, tokenizer, cache, prompt_ids)
+    key = (type(policy).__name__, tuple(sorted(policy.params().items())))
+    if key in shared.reconstructions:
+        policy.restore_reconstruction(shared.reconstructions[key])
+        return 0.0
+    seconds = reconstruct(model, tokenizer, cache, prompt_ids)
+    shared.reconstructions[key] = policy.reconstruction_state()
+    return seconds

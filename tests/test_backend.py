@@ -276,7 +276,7 @@ def test_the_comparison_detects_kvzip_cut_without_its_reconstruction_pass(models
     from kvviz.backend import static
 
     model, tokenizer, prompt = models["llama"]
-    monkeypatch.setattr(static, "reconstruct", lambda model, tokenizer, cache, prompt_ids: 0.0)
+    monkeypatch.setattr(static, "reconstruct_once", lambda model, tokenizer, cache, prompt_ids, shared: 0.0)
     assert first_difference(*both(model, tokenizer, prompt, "kvzip", 20, 8)) is not None
 
 

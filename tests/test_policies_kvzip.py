@@ -4,6 +4,7 @@ softmax runs over; and the engine's reconstruction pass leaves the prefill's cac
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,34 @@ def test_model_generate_integration_refuses_it(tiny):
     with pytest.raises(ValueError, match="reconstruction pass .* use kvviz.run or kvviz.stream"):
         with kvviz.attach(model, "kvzip", compression=0.5):
             pass
+
+
+def test_cells_of_one_prompt_at_several_budgets_run_the_reconstruction_once(tiny, tiny_prompt, monkeypatch):
+    """The pass reads the prompt and the setting, not the budget: from one shared prefill, a second budget (and
+    the static backend's cut) restore its scores, and every run's events equal those of a run on its own;
+    another setting (sinks) runs its own pass."""
+    from kvviz.backend.static import StaticBackend
+
+    model, tokenizer = tiny
+    calls = []
+    real = reconstruction.reconstruct
+    monkeypatch.setattr(reconstruction, "reconstruct", lambda *args: calls.append(1) or real(*args))
+
+    def events(budget: int, shared=None, sinks: int = 4) -> list:
+        return list(engine.decode(model, tokenizer, tiny_prompt, KVzip(sinks=sinks), budget=budget,
+                                  max_new_tokens=6, shared=shared))
+
+    alone = {budget: events(budget) for budget in (20, 30)}
+    assert len(calls) == 2
+    shared = engine.prefill(model, tiny_prompt, window=1)
+    together = {budget: events(budget, shared) for budget in (20, 30)}
+    assert len(calls) == 3  # the first shared run's pass alone
+    for budget in (20, 30):
+        assert [e.new_token_id for e in together[budget]] == [e.new_token_id for e in alone[budget]]
+        assert all(np.array_equal(a.kept, b.kept) and np.array_equal(a.utility, b.utility)
+                   for a, b in zip(together[budget], alone[budget]))
+    static = list(StaticBackend(model, KVzip()).stream(tokenizer, tiny_prompt, budget=25, max_new_tokens=6,
+                                                      shared=shared))
+    assert len(calls) == 3 and [e.new_token_id for e in static] == [e.new_token_id for e in events(25)]
+    events(20, shared, sinks=2)
+    assert len(calls) == 5  # sinks=2 is another setting: its own pass (and events(25) ran one on its own)

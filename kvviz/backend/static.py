@@ -36,7 +36,7 @@ import torch
 from .. import engine, fast
 from ..policies.base import BudgetTooSmall
 from ..policies.full import FullCache
-from ..reconstruction import reconstruct
+from ..reconstruction import reconstruct_once
 from ..scoring import LayerView, rope_frequencies
 from ..trace import StepEvent
 from .sampling import DeviceSampler
@@ -339,7 +339,7 @@ class StaticBackend:
         scores = cache.start_prefill(prompt_len, max_new_tokens)  # whether it reads the prompt's queries
         logits, _ = engine.prefill_into(self.model, prompt_ids, cache, scores, shared)
         if self.policy.reconstructs:
-            reconstruct(self.model, tokenizer, cache, prompt_ids)
+            reconstruct_once(self.model, tokenizer, cache, prompt_ids, shared)
         evicted, raw, _ = cache.finish_step() if scores else (np.empty(0, np.int64), None, 0.0)
         kept, utility = cache.kept_and_utility()
         token = sampler(logits)

@@ -94,6 +94,13 @@ class KVzip(Policy):
         self.total[start:end] += reconstruction_scores(view, positions, chunk, self.sinks)
         self.layers_seen[start:end] += 1
 
+    def reconstruction_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the reconstruction pass scored, for a run of this setting on the same prompt at another budget."""
+        return self.total.clone(), self.layers_seen.clone()
+
+    def restore_reconstruction(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.total, self.layers_seen = (tensor.clone() for tensor in state)
+
     def select_evictions(self, step: int, positions: torch.Tensor, budget: int) -> torch.Tensor:
         count = positions.numel() - budget
         if step != 0 or count <= 0:
