@@ -21,9 +21,7 @@ from . import scoring, settings
 from .cache import SlotCache
 from .policies import Policy, make_policy, setting_label
 from .policies.base import BudgetTooSmall
-
-# KVzip's reconstruction has its own module; its names stay importable from here, where callers found them
-from .reconstruction import REPEAT_ALL, REPEAT_FROM, reconstruct_once, repeat_passes  # noqa: F401
+from .reconstruction import REPEAT_ALL, REPEAT_FROM, reconstruct_once, repeat_passes  # noqa: F401 (found here)
 from .settings import MAX_NEW_TOKENS, Settings, compressed, largest_compression, resolve_budget  # noqa: F401
 from .trace import StepEvent, Trace, model_dtype
 
@@ -516,13 +514,13 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool = True) -> list[int]:
 def stream(model, tokenizer, prompt: str | list[int], policy: str | Policy = "inertia", *, chat: bool = True,
            compression: float | None = None, budget: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, backend: str = "auto",
-           **params) -> Iterator[StepEvent]:
+           reads_per_second: float | None = None, **params) -> Iterator[StepEvent]:
     """Iterate over the step events of one generation (prompt as text or token ids).
 
-    ``backend``: ``"engine"`` (this module's decode), ``"static"`` (:mod:`kvviz.backend`'s static slot path,
-    refused with the reason where it cannot run the policy or model) or ``"auto"`` (static on a CUDA device
-    where it can, the engine otherwise): :func:`kvviz.backend.choose`.
-    """
+    ``backend``: ``"engine"`` (this module's decode), ``"static"`` (:mod:`kvviz.backend`'s slot path; refused,
+    saying why, where it cannot run the policy or model) or ``"auto"`` (:func:`kvviz.backend.choose`).
+    ``reads_per_second``: on the static backend, how often at most the host waits for the device (None: every
+    step)."""
     from . import backend as backends
 
     prompt_ids = prompt if isinstance(prompt, list) else encode_prompt(tokenizer, prompt, chat=chat)
@@ -530,7 +528,8 @@ def stream(model, tokenizer, prompt: str | list[int], policy: str | Policy = "in
     policy = make_policy(policy, **params) if isinstance(policy, str) else policy
     if backends.choose(model, policy, backend) == "static":
         yield from backends.stream(model, tokenizer, prompt_ids, policy, budget=budget, compression=compression,
-                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                   reads_per_second=reads_per_second)
         return
     with scoring.installed(model):  # run() streams too: once it ends the model has its own attention back
         yield from decode(model, tokenizer, prompt_ids, policy, budget=budget, compression=compression,

@@ -248,6 +248,29 @@ def test_events_every_k_steps_keep_every_steps_positions_and_every_kth_utility(m
         next(StaticBackend(model, kvviz.make_policy("h2o")).stream(tokenizer, prompt, budget=20, events_every=0))
 
 
+def test_reading_the_device_at_a_frame_rate_keeps_every_steps_event(models, monkeypatch):
+    """reads_per_second: the host waits for the device in blocks sized to the rate (here at most one read every
+    2 s, against a few ms a step), yet every step's event is the engine's, utility and raw included, so a
+    saved trace is the same file; the first token is still read at once."""
+    from kvviz.backend import static
+
+    model, tokenizer, prompt = models["llama"]
+    reads = []
+    settle = static.engine.settle
+    monkeypatch.setattr(static.engine, "settle", lambda device: reads.append(1) or settle(device))
+    reference = list(decode(model, tokenizer, prompt, build_setting("h2o")[1], budget=20, max_new_tokens=60))
+    stream = StaticBackend(model, build_setting("h2o")[1]).stream(tokenizer, prompt, budget=20, max_new_tokens=60,
+                                                                   reads_per_second=0.5)
+    first = next(stream)  # the prefill's token, read at once
+    at_first = len(reads)
+    blocked = [first, *stream]
+    assert first.step == 0 and first_difference(reference, blocked) is None
+    assert all(e.utility is not None for e in blocked)
+    assert len(reads) - at_first < 59 / 2  # blocks, not a read per step
+    with pytest.raises(ValueError, match="reads_per_second must be above 0"):
+        next(StaticBackend(model, build_setting("h2o")[1]).stream(tokenizer, prompt, budget=20, reads_per_second=0))
+
+
 # -- the comparison can fail -----------------------------------------------------------------------------
 
 def test_the_comparison_detects_a_layer_whose_ema_is_skipped(models, monkeypatch):

@@ -42,6 +42,8 @@ from ..trace import StepEvent
 from .sampling import DeviceSampler
 from .scorers import SlotView, make_scorer
 
+LONGEST_BLOCK = 256  # steps decoded between two host reads at most (what the host holds of the device's records)
+
 
 @dataclass
 class StepRecord:
@@ -128,16 +130,22 @@ class StaticBackend:
     def stream(self, tokenizer, prompt_ids: list[int], *, budget: int | None = None, compression: float | None = None,
                max_new_tokens: int = engine.MAX_NEW_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, events_every: int = 1, ignore_eos: bool = False, graph: bool | None = None,
-               shared: engine.Prefill | None = None) -> Iterator[StepEvent]:
+               shared: engine.Prefill | None = None, reads_per_second: float | None = None) -> Iterator[StepEvent]:
         """The engine's step events for one generation (:func:`kvviz.engine.decode`'s arguments).
 
-        ``events_every=k`` reads the device every k steps: each step's event is still yielded, with its
+        ``events_every=k`` snapshots the device every k steps: each step's event is still yielded, with its
         kept and evicted positions, but utility and raw only on every k-th (None between), and the steps of
-        a block come out together.  On a GPU the steady step is replayed from CUDA graphs when decoding is
-        greedy and the policy draws nothing on the host (not Random); ``graph=False`` runs it eagerly.
+        a block come out together.  ``reads_per_second``: the host waits for the device at most about this
+        often (a UI's frame rate), taking the steps decoded since in one block, every step's event complete;
+        the block's length follows the measured step time (at most :data:`LONGEST_BLOCK`).  None: at every
+        snapshot.  On a GPU the steady step is replayed from CUDA graphs when decoding is greedy and the
+        policy draws nothing on the host (not Random); ``graph=False`` runs it eagerly.
         """
         if events_every < 1:
             raise ValueError(f"events_every must be at least 1 (read the device every k steps), got {events_every}")
+        if reads_per_second is not None and not reads_per_second > 0:
+            raise ValueError(f"reads_per_second must be above 0 (or None: read at every snapshot), got "
+                             f"{reads_per_second}")
         sampler = DeviceSampler(temperature, top_p, seed, self.model.device)
         eos = set() if ignore_eos else engine.eos_ids(self.model, tokenizer)
         resolved = self._budget(tokenizer, prompt_ids, budget, compression, max_new_tokens)
@@ -146,15 +154,18 @@ class StaticBackend:
         pieces = engine.TextPieces(tokenizer)
         kept, previous = np.arange(len(prompt_ids), dtype=np.int64), -1
         pending: list[StepRecord] = []
-        last_mark = time.perf_counter()
+        last_mark, block = time.perf_counter(), 1
         try:
             for record in records:
                 pending.append(record)
-                if record.snapshot is None:
+                last = record.step == max_new_tokens - 1
+                if record.snapshot is None or (len(pending) < block and not last):
                     continue
                 engine.settle(self.model.device)  # what the block cost, and the tensors are ready to read
                 now = time.perf_counter()
                 seconds, last_mark = (now - last_mark) / len(pending), now
+                if reads_per_second is not None:  # as many steps as the device decodes between two frames
+                    block = max(1, min(LONGEST_BLOCK, int(1 / (reads_per_second * max(seconds, 1e-9)))))
                 for done in pending:
                     kept, event = self._event(done, kept, previous, len(prompt_ids), pieces, eos, max_new_tokens,
                                               seconds)
