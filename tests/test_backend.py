@@ -397,6 +397,33 @@ def test_compiled_steady_step_is_one_graph_for_every_policy(models):
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+@pytest.mark.parametrize("setting", ["snapkv window=8", "full"])
+def test_a_run_that_never_evicts_decodes_in_one_step_shape(models, setting, monkeypatch):
+    """The full cache, and a prefill-time policy after its cut, fill slots that all exist from step 1: every
+    step attends over the same slots (the unwritten masked), so one compiled graph (on a GPU one captured
+    step) serves the whole run, which still gives the engine's events."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from kvviz import fast
+
+    model, tokenizer, prompt = models["qwen2"]
+    shapes = []
+    forward = fast.layer_forward
+    monkeypatch.setattr(fast, "layer_forward", lambda layer, hidden, cos, sin, free, keys, *args, **kwargs: (
+        shapes.append((keys.shape, args[3], kwargs["bias"] is not None)) or forward(layer, hidden, cos, sin, free,
+                                                                                    keys, *args, **kwargs)))
+    reference, static = both(model, tokenizer, prompt, setting, 20, 12)
+    assert first_difference(reference, static) is None
+    assert len(set(shapes)) == 1 and shapes[0][1:] == (None, True)  # all slots, masked
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    reference, static = both(model, tokenizer, prompt, setting, 20, 12, compile=True)
+    assert first_difference(reference, static) is None
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 # -- the full cache as a static step: the speed baseline ---------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -112,6 +112,9 @@ class StaticBackend:
             raise ValueError(f"the static backend cannot run this: {why}")
         self.prefill_time = prefill_time(policy)
         self.host = decided_on_host(policy)  # decided by the policy object on the host, every step
+        # never evicts while decoding (the full cache; a prefill-time policy after its cut): attends over all
+        # its preallocated slots with a mask, one step shape for the whole run, captured once on a GPU
+        self.grows = self.prefill_time or type(policy) is FullCache
         if value_block is not None and value_block < 0:
             raise ValueError(f"value_block must be 0 (one value product) or a positive slot count, got {value_block}")
         self.model, self.policy, self.compiled, self.fuse = model, policy, compile, fuse
@@ -244,17 +247,18 @@ class StaticBackend:
             count = max(0, slots - budget.limit)
             scoring = self.policy.wants_scores(k)
             run.scorer.prepare(len(run.eligible) if scoring else 0)
-            steady = count == 1 and slots == budget.steady == run.cache.capacity
+            steady = run.bias is not None or (count == 1 and slots == budget.steady == run.cache.capacity)
+            attended = None if run.bias is not None else slots  # masked: every slot, the same shape each step
             setup = self._setup_step(runs, scoring, steady, capture)
             if steady and capture:
                 if scoring in graphs:
                     graphs[scoring].replay()
                 else:  # runs this step once, eagerly, and records it
-                    graphs[scoring] = fast.capture_step(
-                        lambda scoring=scoring, slots=slots: step(scoring, slots, 1, self._layer_fn(True)))
-                victims = run.free.clone()
+                    graphs[scoring] = fast.capture_step(lambda scoring=scoring, attended=attended, count=count: step(
+                        scoring, attended, count, self._layer_fn(True)))
+                victims = run.free.clone() if count else run.free.new_empty(0)
             else:
-                victims = step(scoring, slots, count, self._layer_fn(steady))
+                victims = step(scoring, attended, count, self._layer_fn(steady))
             wanted = snapshot_every and (k % snapshot_every == 0 or k == max_new_tokens - 1 or count > 1)
             before = run.positions[:slots].clone() if count > 1 else None  # the positions present, new token's too
             snapshot = self._present(run, slots, before) if wanted else None
@@ -334,11 +338,15 @@ class StaticBackend:
             scorer = _PolicyOnHost(policy, rope_frequencies(model))
         else:
             scorer = make_scorer(FullCache() if self.prefill_time else policy, device, capacity)
+        bias = None
+        if self.grows:  # every slot it will fill exists already: one shape for the whole run, unwritten masked
+            bias = torch.full((cache.keys[0].shape[2],), float("-inf"), device=device)
+            bias[: kept.numel()] = 0.0
         return _Run(cache, positions, free=torch.tensor([kept.numel()], device=device),
                     token=token.reshape(1, 1).clone(), position=torch.tensor([[prompt_len]], device=device),
                     evicted=torch.zeros(1, dtype=torch.long, device=device), live=kept.numel(),
                     scorer=scorer, sampler=sampler, projections=projections,
-                    eligible=[index for index in range(len(self.layers)) if policy.wants_layer(index)])
+                    eligible=[index for index in range(len(self.layers)) if policy.wants_layer(index)], bias=bias)
 
     def _prefill_and_cut(self, tokenizer, prompt_ids: list[int], budget: Budget, sampler: DeviceSampler, shared,
                          max_new_tokens: int) -> tuple[engine.EvictingCache, torch.Tensor, StepRecord]:
@@ -359,10 +367,13 @@ class StaticBackend:
         return cache, token, StepRecord(0, token, torch.from_numpy(evicted), scores, snapshot,
                                         cache_bytes=cache.nbytes(), components=cache.components if scores else None)
 
-    def _step(self, run: "_Run", scoring: bool, slots: int, count: int, layer_fn) -> torch.Tensor:
-        """One token over ``slots`` slots, freeing ``count``; in place only (a CUDA graph replays it)."""
+    def _step(self, run: "_Run", scoring: bool, slots: int | None, count: int, layer_fn) -> torch.Tensor:
+        """One token over ``slots`` slots (None: all, the unwritten masked), freeing ``count``; in place only (a
+        CUDA graph replays it)."""
         model, scorer = self.model, run.scorer
         keys, values = run.cache
+        if run.bias is not None:
+            run.bias.index_fill_(0, run.free, 0.0)  # the new token's slot joins the attention
         scorer.begin(scoring, run.free, slots)
         run.positions.index_copy_(0, run.free, run.position[0])
         live_positions = run.positions[:slots]
@@ -374,7 +385,7 @@ class StaticBackend:
             # a host-decided policy buffers the query itself (a fresh tensor: it keeps what it is given)
             query = hidden.new_empty(self.heads, layer_keys.shape[-1]) if observed and self.host else None
             hidden, probs = layer_fn(layer, hidden, cos, sin, run.free, layer_keys, layer_values, self.fp32_logits,
-                                     fused, slots, self.value_block, query_out=query)
+                                     fused, slots, self.value_block, query_out=query, bias=run.bias)
             if observed:
                 scorer.observe(SlotView(index, query, layer_keys[0, :, :slots], layer_values[0, :, :slots],
                                         layer.self_attn.scaling, _attn=probs.reshape(self.heads, slots),
@@ -535,6 +546,7 @@ class _Run:
     sampler: DeviceSampler
     projections: list
     eligible: list[int]
+    bias: torch.Tensor | None = None  # a run that never evicts: -inf on the slots not written yet
 
 
 class _PolicyOnHost:
