@@ -174,7 +174,7 @@ def exactness(device: str, compiles: bool = True, left=lambda: float("inf")) -> 
     return ok, compiled_ok
 
 
-BACKEND_POLICIES = "inertia,tova,h2o,knorm,streaming"  # the static backend's speed rows (kvviz.backend)
+BACKEND_POLICIES = "inertia,tova,h2o,knorm,streaming,rkv,avokv"  # the static backend's speed rows (kvviz.backend)
 # The exactness cases: a setting of every kind the backend runs -- every-step (graph-captured on a GPU),
 # prefill-time (cut by the engine's pass, then slots), decided on the host (checkpointed at interval 4, so
 # they evict within 30 steps, and Expected Attention at every step) -- with a budget each can hold.

@@ -60,10 +60,13 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     assert all(line["tokens"] and line["kept"] for line in backend)
     summary = next(line for line in checks if line.get("check") == "backend policies")
     assert summary["inertia_vs_inertia"] == 1.0 and summary["knorm_tok_s"] > 0
-    assert [row["what"] for row in speed if row.get("what", "").startswith("backend-")] == [
-        "backend-inertia", "backend-tova", "backend-h2o", "backend-knorm", "backend-streaming"]
-    assert all(row["engine_tokens_equal"] and row["engine_kept_overlap"] == 1.0 for row in speed
-               if row.get("what", "").startswith("backend-"))
+    backend_rows = {row["what"]: row for row in speed if row.get("what", "").startswith("backend-")}
+    assert list(backend_rows) == ["backend-inertia", "backend-tova", "backend-h2o", "backend-knorm",
+                                  "backend-streaming", "backend-rkv", "backend-avokv"]
+    # AvoKV-E protects 36 entries, more than this tiny context's B = 25: a row saying so (64k gives 6,553)
+    assert backend_rows.pop("backend-avokv")["error"].startswith("BudgetTooSmall: budget 25 must exceed the 36")
+    assert all(row["engine_tokens_equal"] and row["engine_kept_overlap"] == 1.0 for row in backend_rows.values())
+    assert summary["rkv_tok_s"] > 0
     more = [json.loads(line) for line in (tmp_path / "speed-more.jsonl").read_text().splitlines()]
     assert [row["prompt_len"] for row in more if row.get("what") == "context done"] == [128]
     assert (tmp_path / "speed-tiny.jsonl").exists() and [line.get("config") for line in checks
@@ -78,8 +81,8 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     # the rows issue 6's targets need run whatever the time; the rest are skipped
     assert [row["what"] for row in rows if row.get("decode_tok_s", 0) > 0] == [
         "generate", "static-full-cache", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
-    # 5 backend rows (--backend-policies' default) among the skipped ones
-    assert all("skipped" in row for row in rows[5:]) and len(rows) == 17
+    # 7 backend rows (--backend-policies' default) among the skipped ones
+    assert all("skipped" in row for row in rows[5:]) and len(rows) == 19
     target = next(line for line in checks if line.get("check") == "targets")
     assert "lazy_gain" in target and "scoring_eviction_share" in target and target["engine_kept_overlap"] == 1.0
     names = [line.get("check") for line in checks]

@@ -113,8 +113,13 @@ def error_text(error: BaseException) -> str:
     """A failed configuration's row text, its traceback on stderr (the row alone would not say where).
 
     An error inside a CUDA-graph capture surfaces as the capture's own failure ("operation failed due to
-    a previous error during capture"); the error that caused it is the context, so it goes in too."""
-    traceback.print_exc(file=sys.stderr)
+    a previous error during capture"); the error that caused it is the context, so it goes in too.  A
+    policy's refusal of the budget (BudgetTooSmall: AvoKV-E's 36 protected entries at a tiny context) says
+    all there is in its row: no traceback."""
+    from ..policies.base import BudgetTooSmall
+
+    if not isinstance(error, BudgetTooSmall):
+        traceback.print_exc(file=sys.stderr)
     text = f"{type(error).__name__}: {str(error)[:500]}"
     cause = error.__cause__ or error.__context__
     if cause is not None:
