@@ -218,6 +218,10 @@ def backend_summary(rows: list[dict], context: int) -> dict:
     by_name = {row["what"]: row for row in rows if row.get("prompt_len") == context and "decode_tok_s" in row}
     inertia = by_name.get("backend-inertia")
     summary: dict = {"check": "backend policies", "prompt_len": context}
+    events = by_name.pop("backend-inertia-events", None)
+    if inertia and events:  # issue 42: events for the UI cost at most 20% (setup counted on both sides)
+        summary["events_vs_bare"] = round(events["decode_tok_s"] / inertia["with_setup_tok_s"], 3)
+        summary["events_at_least_0.8_of_bare"] = summary["events_vs_bare"] >= 0.8
     for name, row in by_name.items():
         if name.startswith("backend-"):
             summary[f"{name.removeprefix('backend-')}_tok_s"] = row["decode_tok_s"]

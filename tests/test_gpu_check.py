@@ -62,11 +62,15 @@ def test_gpu_check_runs_without_the_packages_the_device_lacks(tmp_path):
     assert summary["inertia_vs_inertia"] == 1.0 and summary["knorm_tok_s"] > 0
     backend_rows = {row["what"]: row for row in speed if row.get("what", "").startswith("backend-")}
     assert list(backend_rows) == ["backend-inertia", "backend-tova", "backend-h2o", "backend-knorm",
-                                  "backend-streaming", "backend-rkv", "backend-avokv"]
+                                  "backend-streaming", "backend-rkv", "backend-avokv", "backend-inertia-events"]
+    # InertiaKV's events read at the app's frame rate, against its bare run with setup counted alike
+    events = backend_rows.pop("backend-inertia-events")
+    assert events["decode_tok_s"] > 0 and events["final_cache"] == 25 and events["reads_per_second"] == 10.0
     # AvoKV-E protects 36 entries, more than this tiny context's B = 25: a row saying so (64k gives 6,553)
     assert backend_rows.pop("backend-avokv")["error"].startswith("BudgetTooSmall: budget 25 must exceed the 36")
     assert all(row["engine_tokens_equal"] and row["engine_kept_overlap"] == 1.0 for row in backend_rows.values())
-    assert summary["rkv_tok_s"] > 0
+    assert summary["rkv_tok_s"] > 0 and summary["events_vs_bare"] > 0 and "events_at_least_0.8_of_bare" in summary
+    assert "inertia-events_tok_s" not in summary
     more = [json.loads(line) for line in (tmp_path / "speed-more.jsonl").read_text().splitlines()]
     assert [row["prompt_len"] for row in more if row.get("what") == "context done"] == [128]
     assert (tmp_path / "speed-tiny.jsonl").exists() and [line.get("config") for line in checks
@@ -81,8 +85,8 @@ def test_gpu_check_out_of_time_keeps_the_first_rows_and_still_checks_exactness(t
     # the rows issue 6's targets need run whatever the time; the rest are skipped
     assert [row["what"] for row in rows if row.get("decode_tok_s", 0) > 0] == [
         "generate", "static-full-cache", "static-no-scoring", "static-inertia", "static-inertia-lazy"]
-    # 7 backend rows (--backend-policies' default) among the skipped ones
-    assert all("skipped" in row for row in rows[5:]) and len(rows) == 19
+    # 7 backend rows (--backend-policies' default) and InertiaKV's events row among the skipped ones
+    assert all("skipped" in row for row in rows[5:]) and len(rows) == 20
     target = next(line for line in checks if line.get("check") == "targets")
     assert "lazy_gain" in target and "scoring_eviction_share" in target and target["engine_kept_overlap"] == 1.0
     names = [line.get("check") for line in checks]

@@ -47,6 +47,7 @@ from .speed_runs import (  # noqa: F401
     static_baseline,
     static_configurations,
     time_backend,
+    time_backend_events,
     time_engine,
     time_generate,
     time_static,
@@ -185,6 +186,7 @@ def build_from_config(name: str, device: str, dtype: str | None = None):
 # issue 42's the full cache as a static, graph-captured step: they run even past --time-limit, which only
 # skips the configurations after them.
 FULL_GRAPH = "static-full-cache"
+EVENTS_ROW = "backend-inertia-events"  # the backend's InertiaKV with its events read at the app's frame rate
 TARGET_ROWS = ("generate", FULL_GRAPH, "static-no-scoring", "static-inertia", "static-inertia-lazy")
 
 
@@ -301,6 +303,9 @@ class _Context:
             runs[row_name] = lambda row_name=row_name, name=name: measured(
                 row_name, time_backend, model, tokenizer, prompt_ids, name, args.new_tokens, budget, device,
                 self.compile, shared=shared)
+        if "backend-inertia" in self.backend_rows:  # what streaming every step's event to a UI costs
+            runs[EVENTS_ROW] = lambda: measured(EVENTS_ROW, time_backend_events, model, tokenizer, prompt_ids,
+                                                "inertia", args.new_tokens, budget, device, shared=shared)
         for name in policies:
             runs[name] = lambda name=name: measured(name, time_engine, model, tokenizer, prompt_ids, name,
                                                     args.new_tokens, budget, device, shared=shared)

@@ -218,6 +218,29 @@ def time_backend(model, tokenizer, prompt_ids: list[int], policy_name: str, new_
             "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s}
 
 
+EVENT_READS_PER_SECOND = 10.0  # the app's default figures_per_second (KVVIZ_FIGURES_PER_SECOND)
+
+
+def time_backend_events(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
+                        device, shared=None) -> dict:
+    """The backend's step events taken as the Live tab takes them: every step's event, the device read in
+    blocks at the app's default frame rate (:meth:`~kvviz.backend.static.StaticBackend.stream`).  Its rate
+    counts setup (capture) as the bare row's ``with_setup_tok_s`` does, to be read against that."""
+    from ..backend.static import StaticBackend
+    from ..policies import make_policy
+
+    static = StaticBackend(model, make_policy(policy_name))
+    _sync(device)
+    start, first, events = time.perf_counter(), None, []
+    for event in static.stream(tokenizer, prompt_ids, budget=budget, max_new_tokens=new_tokens, ignore_eos=True,
+                               shared=shared, reads_per_second=EVENT_READS_PER_SECOND):
+        first = first or time.perf_counter()
+        events.append(event)
+    decode_s = time.perf_counter() - first
+    return {"first_token_s": first - start, "decode_s": decode_s, "decode_tok_s": (len(events) - 1) / decode_s,
+            "final_cache": int(events[-1].cache_size), "reads_per_second": EVENT_READS_PER_SECOND}
+
+
 def backend_agreement(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,
                       shared=None) -> dict:
     """The backend's events against the engine's for up to ``AGREEMENT_TOKENS`` tokens (untimed), as
