@@ -137,7 +137,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
         60 us per layer at 6554 slots); blocks give it ``padded / block`` times as many independent sums.
     bias : torch.Tensor or None
         ``(slots,)`` float32 added to the scaled logits: ``-inf`` for slots not written yet (a cache whose
-        live length changes inside one captured shape, :mod:`kvviz.backend.full`).
+        live length changes inside one captured shape: the static backend's full cache and prefill-time runs).
 
     Returns
     -------

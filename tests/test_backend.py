@@ -424,26 +424,29 @@ def test_a_run_that_never_evicts_decodes_in_one_step_shape(models, setting, monk
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
-# -- the full cache as a static step: the speed baseline ---------------------------------------------------
+# -- the full cache as a static step: the speed baseline (bench speed's static-full-cache row) -------------
+
+def full_cache_tokens(model, tokenizer, prompt, steps: int, **options) -> list[int]:
+    """Greedy tokens of the full cache on the static backend, as bench speed times it."""
+    static = StaticBackend(model, kvviz.make_policy("full"), **{k: v for k, v in options.items() if k != "shared"})
+    run = static.generate(tokenizer, prompt, len(prompt) + steps, steps, shared=options.get("shared"))
+    assert len(run.step_seconds) == len(run.setup_steps)
+    return run.token_ids
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_full_cache_static_step_gives_generates_tokens(models, family):
     """Prompt + new-token slots, the unwritten ones masked: greedy tokens equal plain model.generate's, with one
     value product or in blocks of 4 slots over a padded cache, from its own prefill or a shared one."""
-    from kvviz.backend.full import StaticFullCache
     from kvviz.engine import prefill
 
     model, tokenizer, prompt = models[family]
     steps = 40
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
                               min_new_tokens=steps)[0, len(prompt):].tolist()
-    for options in ({}, {"value_block": 4}):
-        run = StaticFullCache(model, **options).generate(prompt, steps)
-        assert run.token_ids == expected, options
-        assert len(run.step_seconds) == len(run.setup_steps) == steps - 1
-    shared = prefill(model, prompt)
-    assert StaticFullCache(model).generate(prompt, steps, shared=shared).token_ids == expected
-    assert StaticFullCache(model).generate(prompt, 1).token_ids == expected[:1]
+    for options in ({}, {"value_block": 4}, {"shared": prefill(model, prompt)}):
+        assert full_cache_tokens(model, tokenizer, prompt, steps, **options) == expected, options
+    assert full_cache_tokens(model, tokenizer, prompt, 1) == expected[:1]
 
 
 def test_the_full_cache_comparison_detects_the_unwritten_slots_left_unmasked(models, monkeypatch):
@@ -451,11 +454,11 @@ def test_the_full_cache_comparison_detects_the_unwritten_slots_left_unmasked(mod
     part from generate's (on Qwen3 with drawn QK-norm weights, whose attention is sharp enough for a diluted
     softmax to change the argmax within 30 steps; on the flatter tiny models it takes ~70)."""
     from kvviz import fast
-    from kvviz.backend.full import StaticFullCache
 
     model, tokenizer, prompt = models["qwen3"]
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
                               min_new_tokens=30)[0, len(prompt):].tolist()
+    assert full_cache_tokens(model, tokenizer, prompt, 30) == expected
     forward = fast.layer_forward
     monkeypatch.setattr(fast, "layer_forward", lambda *args, bias=None, **kwargs: forward(*args, **kwargs))
-    assert StaticFullCache(model).generate(prompt, 30).token_ids != expected
+    assert full_cache_tokens(model, tokenizer, prompt, 30) != expected

@@ -14,9 +14,9 @@ would make the shared prefill record more than ``engine.SHARED_QUERIES_BYTES`` o
 ``peak_memory_gb`` (CUDA) its peak beyond the resident shared prefill (model weights included);
 for the static path ``decode_peak_memory_gb`` is the same once its B + 1 slots have replaced the
 prompt-sized cache of step 1 (which alone sets ``peak_memory_gb`` at long contexts).
-``static-full-cache`` is the full cache as a static step (:mod:`kvviz.backend.full`: prompt + new-token
-slots, the static kernels, one CUDA graph on a GPU), the baseline a static eviction step's speed is judged
-against with nothing but the cache size changed.
+``static-full-cache`` is the full cache on the static backend (prompt + new-token slots, the unwritten ones
+masked, one CUDA graph on a GPU), the baseline a static eviction step's speed is judged against with nothing
+but the cache size changed.
 Rows come out as their configurations finish -- ``generate``, the static path, then the engine policies --
 so that a run stopped by a time limit or killed keeps what it measured, the GPU targets first (with
 ``--repeats`` above 1, as each configuration finishes its last repeat).
@@ -293,8 +293,8 @@ class _Context:
         budget, device, shared, measured = self.budget, args.device, self.shared, self.measured
         runs = {"generate": lambda: measured("generate", time_generate, model, prompt_ids, args.new_tokens, device)}
         if args.static:
-            runs[FULL_GRAPH] = lambda: measured(FULL_GRAPH, time_static_full, model, prompt_ids, args.new_tokens,
-                                                device, shared=shared)
+            runs[FULL_GRAPH] = lambda: measured(FULL_GRAPH, time_static_full, model, tokenizer, prompt_ids,
+                                                args.new_tokens, device, shared=shared)
         for name, options in self.statics.items():
             runs[name] = lambda name=name, options=options: measured(
                 name, time_static, model, tokenizer, prompt_ids, args.new_tokens, budget, device, options,

@@ -79,15 +79,18 @@ def time_generate(model, prompt_ids: list[int], new_tokens: int, device) -> dict
     return {"prefill_s": first_token - start, "decode_s": decode, "decode_tok_s": (new_tokens - 1) / decode}
 
 
-def time_static_full(model, prompt_ids: list[int], new_tokens: int, device, shared=None) -> dict:
-    """The full cache as a static step (:mod:`kvviz.backend.full`): prompt + new-token slots, the static
-    backend's kernels, one CUDA graph on a GPU -- the fair baseline for a static eviction step's speed."""
-    from ..backend.full import StaticFullCache
+def time_static_full(model, tokenizer, prompt_ids: list[int], new_tokens: int, device, shared=None) -> dict:
+    """The full cache on the static backend (:mod:`kvviz.backend`): every prompt + new-token slot allocated at
+    once, the unwritten ones masked, one step shape (one CUDA graph on a GPU) -- the eviction rows' own step
+    with the whole cache, the fair baseline for their speed."""
+    from ..backend.static import StaticBackend
+    from ..policies.full import FullCache
 
-    static = StaticFullCache(model)
+    static = StaticBackend(model, FullCache())
     _sync(device)
     start = time.perf_counter()
-    run = static.generate(prompt_ids, new_tokens, timer=lambda: _sync(device), shared=shared)
+    run = static.generate(tokenizer, prompt_ids, len(prompt_ids) + new_tokens, new_tokens,
+                          timer=lambda: _sync(device), shared=shared)
     _sync(device)
     decode_s = time.perf_counter() - run.first_token_time
     return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": run.setup_seconds(),
