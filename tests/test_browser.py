@@ -502,6 +502,7 @@ def test_a_refused_comparison_keeps_its_message_on_screen(page):
     # refused before that had its marks overwritten by it)
     page.get_by_text("Fate per policy", exact=True).wait_for(timeout=60_000)
     assert page.get_by_test_id("toast-text").count() == 0
+    wait_until_settled(page)  # its last event is over too: a refusal clicked before it was overwritten by it
     # Refused now, the comparison that ran stays, marked as the previous one (not these inputs' results).
     page.get_by_label("Prompt").nth(1).fill(PROMPT * 40)
     page.get_by_role("button", name="Compare", exact=True).click()
