@@ -80,22 +80,12 @@ def time_generate(model, prompt_ids: list[int], new_tokens: int, device) -> dict
 
 
 def time_static_full(model, tokenizer, prompt_ids: list[int], new_tokens: int, device, shared=None) -> dict:
-    """The full cache on the static backend (:mod:`kvviz.backend`): every prompt + new-token slot allocated at
-    once, the unwritten ones masked, one step shape (one CUDA graph on a GPU) -- the eviction rows' own step
-    with the whole cache, the fair baseline for their speed."""
-    from ..backend.static import StaticBackend
-    from ..policies.full import FullCache
-
-    static = StaticBackend(model, FullCache())
-    _sync(device)
-    start = time.perf_counter()
-    run = static.generate(tokenizer, prompt_ids, len(prompt_ids) + new_tokens, new_tokens,
-                          timer=lambda: _sync(device), shared=shared)
-    _sync(device)
-    decode_s = time.perf_counter() - run.first_token_time
-    return {"first_token_s": run.first_token_time - start, "decode_s": decode_s, "setup_s": run.setup_seconds(),
-            "decode_tok_s": run.steady_tok_s(), "with_setup_tok_s": (new_tokens - 1) / decode_s,
-            "final_cache": len(prompt_ids) + len(run.token_ids) - 1}  # the last token's key is never made
+    """The full cache on the static backend (:func:`time_backend` with a budget it never reaches): every prompt +
+    new-token slot allocated at once, the unwritten ones masked, one step shape (one CUDA graph on a GPU) --
+    the eviction rows' own step with the whole cache, the fair baseline for their speed."""
+    result = time_backend(model, tokenizer, prompt_ids, "full", new_tokens, len(prompt_ids) + new_tokens, device,
+                          False, shared=shared)
+    return {**result, "final_cache": len(prompt_ids) + new_tokens - 1}  # the last token's key is never made
 
 
 def time_engine(model, tokenizer, prompt_ids: list[int], policy_name: str, new_tokens: int, budget: int,

@@ -44,7 +44,7 @@ def make_generate_api(limits: Limits):
             raise unexpected("starting the run", error) from None
         text = ""
         try:
-            for event in request.events(policy_obj, limits.backend, reads_per_second=limits.figures_per_second or 1.0):
+            for event in request.events(policy_obj, limits):
                 text += event.text
                 yield {"step": event.step, "text": text, "token_id": event.new_token_id, "budget": request.budget,
                        "prompt_len": len(request.prompt_ids), "kept": event.kept.tolist(),

@@ -218,13 +218,13 @@ class Request:
         """A fresh sampler: every run (every policy of a comparison) draws the same random stream."""
         return engine.Sampler(**self.sampling)
 
-    def events(self, policy: Policy, backend: str = "auto", reads_per_second: float | None = None):
-        """One run's step events, decoded by ``backend`` (:func:`kvviz.backend.choose`: on a GPU the static
-        slot path where it runs the policy, else the hook engine); ``reads_per_second``: the static path
-        waits for the device in blocks at about this rate (the page's), not at every step."""
+    def events(self, policy: Policy, limits):
+        """One run's step events, decoded by the deployment's backend (``limits.backend``,
+        :func:`kvviz.backend.choose`: on a GPU the static slot path where it runs the policy, else the hook
+        engine), which waits for the device in blocks at about the page's frame rate, not at every step."""
         return engine.stream(self.model, self.tokenizer, self.prompt_ids, policy, budget=self.budget,
-                             max_new_tokens=self.max_new_tokens, backend=backend,
-                             reads_per_second=reads_per_second, **self.sampling)
+                             max_new_tokens=self.max_new_tokens, backend=limits.backend,
+                             reads_per_second=limits.figures_per_second or 1.0, **self.sampling)
 
 
 MAX_TEMPERATURE = 2.0  # the app's: its slider's end (the library takes any)

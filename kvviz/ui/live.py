@@ -298,9 +298,8 @@ def make_live_handler(limits: Limits, tab: LiveTab, pacers: Pacers | None = None
                tab.detail: None}
         try:
             # closed on Stop or an error, so that a prefill under way stops at its next layer
-            # the device read in blocks at the page's frame rate: a GPU decodes on between them
-            decoded = request.events(policy, limits.backend, reads_per_second=limits.figures_per_second or 1.0)
-            with closing(events_with_progress(decoded, request.model, len(request.prompt_ids))) as events:
+            with closing(events_with_progress(request.events(policy, limits), request.model,
+                                              len(request.prompt_ids))) as events:
                 yield from streamed(tab, run, events, ticket, ran, pacer)
             yield live_result(tab, run, stopped=ticket.is_set(), ran=ran)
         except Exception as error:  # the run failed: say so, keep serving
